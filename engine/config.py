@@ -1,0 +1,33 @@
+"""Engine settings: one plain struct, merged once by server/config.py from flags, env and run.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: Device = "cpu"
+    dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU (the faster there, bench/forward.py)
+    model_parallel_size: int = 1
+    max_batch_size: int = 32  # sequences per step (MAX_BATCH_SIZE)
+    max_seq_len: int | None = None  # None: the family's default, capped by the checkpoint (MAX_SEQ_LEN)
+    max_num_batched_tokens: int = 512  # token budget of one step; prefills are chunked to fit
+    block_size_tokens: int = 16  # KV cache block size
+    kv_cache_bytes: int | None = None  # None: derived from the memory budget below
+    kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free memory after weights
+    cpu_kv_cache_bytes: int = 2 << 30  # CPU: KV cache size when kv_cache_bytes is None
+    max_waiting_requests: int = 1024  # beyond this generate() raises QueueFull
+    enable_prefix_caching: bool = True
+    quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
+    debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
+    seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
+
+    def resolved_dtype(self) -> DType:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"

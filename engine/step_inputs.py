@@ -1,0 +1,35 @@
+"""The flat tensors one forward step needs: the only thing rank 0 broadcasts to its followers.
+
+Layout: the batch is one flat run of `num_tokens` new tokens from `num_seqs` sequences, sequence
+i owning rows query_start_loc[i]:query_start_loc[i+1]. Prefill chunks and single decode tokens
+mix freely. Every new token's K/V is written to its slot in the paged cache before attention
+reads the sequence's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset for each new K/V
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each sequence after this step
+    logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch whose logits are wanted
+
+    def to(self, device: torch.device) -> "StepInputs":
+        return StepInputs(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])

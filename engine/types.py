@@ -1,0 +1,209 @@
+"""The engine's vocabulary: what crosses the compat <-> engine seam.
+
+This module imports neither torch nor numpy: compat/ and server/ import it, and they must
+stay free of torch. Everything here is plain data; behaviour lives in the modules that own it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Literal, Protocol
+
+if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of engine internals
+    from engine.chat_format import ChatFormat
+    from engine.tokenizer import Tokenizer
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# --------------------------------------------------------------------------- sampling
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one sequence. Validated at the edge (compat); the engine re-checks
+    only what would corrupt a batch (see `validate`)."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # [0, 1]
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
+    repetition_penalty: float = 1.0  # > 0, CTRL/HF semantics, over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) pairs
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    max_tokens: int | None = None  # None: until the context ends
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    stop: tuple[str, ...] = ()  # stop strings; text is never emitted past one
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the family's
+    ignore_eos: bool = False  # keep generating past the family's stop tokens
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob + top k
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError for parameters that the sampler cannot apply."""
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        for token_id, _ in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+# --------------------------------------------------------------------------- requests and outputs
+@dataclass(slots=True)
+class EngineRequest:
+    """One sequence to generate. compat fans an OpenAI `n > 1` out into n of these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first; FCFS among equals
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [k] (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request: a delta, not the whole text."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] when asked for
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set with finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# --------------------------------------------------------------------------- chat (engine-side shapes)
+@dataclass(slots=True)
+class ToolCall:
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text, as OpenAI carries it
+
+
+@dataclass(slots=True)
+class ToolDefinition:
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=dict)  # JSON schema
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: Literal["system", "user", "assistant", "tool"]  # OpenAI "developer" arrives as "system"
+    content: str = ""  # text parts are joined by compat; other part types are refused there
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # for role == "tool"
+    name: str | None = None
+
+
+# --------------------------------------------------------------------------- errors
+class EngineError(Exception):
+    """Base of every error the engine raises towards its callers."""
+
+
+class InvalidRequest(EngineError):
+    """The request cannot be served as given (the server answers 400)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceeded(InvalidRequest):
+    def __init__(self, message: str, *, param: str | None = "messages") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class QueueFull(EngineError):
+    """Too many requests are waiting (the server answers 429 with Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(EngineError):
+    """The engine or one of its model-parallel workers stopped (the server answers 503)."""
+
+
+class CheckpointError(EngineError):
+    """A checkpoint that cannot be loaded; the message names the file, key and shapes."""
+
+
+# --------------------------------------------------------------------------- stats
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for /metrics. Counters are cumulative; histograms are raw observations the
+    server drains (`observations_*` lists are swapped out each time stats are taken)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up
+    prefix_cache_hits_total: int = 0  # prompt tokens found
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: dict[str, int] = field(default_factory=dict)  # by finish reason
+    observations_ttft_s: list[float] = field(default_factory=list)
+    observations_tpot_s: list[float] = field(default_factory=list)
+    observations_e2e_s: list[float] = field(default_factory=list)
+    observations_step_s: list[float] = field(default_factory=list)
+    observations_batch_size: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- the engine as the server sees it
+class EngineClient(Protocol):
+    """One loaded model. The server holds these through the registry and never imports torch."""
+
+    model_id: str
+    max_seq_len: int
+    tokenizer: "Tokenizer"
+    chat_format: "ChatFormat"
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue the request and yield its deltas; the last one has finish_reason set.
+        Raises QueueFull / InvalidRequest before yielding anything. Closing the iterator early
+        aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
