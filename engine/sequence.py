@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -45,3 +46,46 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What the scheduler hands the runner for one step.
+
+    For sequence i the runner computes tokens token_ids[c : c + n] with c = seqs[i].num_computed_tokens
+    and n = num_new_tokens[i] (the scheduler advances num_computed_tokens only after the step).
+    It samples a next token for sequence i iff c + n == seqs[i].num_tokens, i.e. the chunk reaches
+    the last known token; a partial prefill chunk samples nothing."""
+
+    seqs: list[Sequence]  # [num_seqs] running decodes first, then prefill chunks
+    num_new_tokens: list[int]  # [num_seqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the runner hands back: plain lists, never tensors."""
+
+    seq_ids: list[int]  # [num_sampled] sequences that got a token this step, in batch order
+    sampled_token_ids: list[int]  # [num_sampled]
+    logprobs: list[TokenLogprob | None]  # [num_sampled], None where not asked for
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why this sequence alone failed
+
+
+class ModelRunner(Protocol):
+    """Turns a ScheduledBatch into sampled tokens. The real one drives the model; tests use fakes."""
+
+    num_blocks: int  # KV cache blocks available to the block pool
+    block_size: int  # tokens per block
+    vocab_size: int
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput: ...
+
+    def shutdown(self) -> None: ...

@@ -16,6 +16,10 @@ if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# Which tokenizer and chat format a checkpoint speaks. Llama descriptors name one of the llama*
+# families; "hf" is a checkpoint that carries its own tokenizer.json and Jinja chat template.
+Family = Literal["llama2", "llama3", "llama3_1", "llama3_2", "llama3_3", "llama4", "hf"]
+
 
 # --------------------------------------------------------------------------- sampling
 @dataclass(frozen=True, slots=True)
