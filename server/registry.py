@@ -1,0 +1,685 @@
+"""The model registry: which models the server knows, which are loaded, and who is using them.
+
+Lifecycle of one model id: registered -> loading -> ready (or failed). A registered model loads
+on its first lease; concurrent first leases share one load task. Every request holds a lease on
+one loaded engine (a `_Slot`) for as long as it runs, so that:
+
+- hot switch (re-registering an id with another checkpoint) loads the new engine, then points
+  new leases at it; the old one serves the leases it has and shuts down when the last one ends;
+- unregister and eviction never cut a running request: a retired slot shuts down when drained.
+
+Memory: with a budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it
+starts and gives it back only once its engine has shut down. A load that does not fit waits for
+retired engines to drain, then may replace the old engine of the same id in place, then (if
+`evict_idle_lru`) evicts idle models, least recently used first; otherwise it fails with
+507 `memory_budget_exceeded` (a capacity problem of this server, not a malformed request), and
+the model is `failed` with that reason. A lease retries such a load; other failures wait for a
+new registration (POST /v1/models again).
+
+Status codes a caller sees: 404 `model_not_found` (unknown id); 503 `model_loading` with
+Retry-After (a lease waited `load_wait_timeout_s` for a load); 503 `model_load_failed` (a lease
+on a failed model); a registration that loads answers its load's own error: 400
+`invalid_checkpoint` / the engine's InvalidRequest code, 507 `memory_budget_exceeded`, 500
+`model_load_failed` for anything unexpected. Loads run in the factory (the real one on a thread);
+the event loop only awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Literal
+
+import msgspec
+from aiohttp import web
+
+from engine.types import CheckpointError, EngineClient, InvalidRequest
+from server.errors import ApiError
+from server.model_spec import EngineFactory, ModelSpec
+from server.paths import check_checkpoint_dir, find_checkpoint_dir
+
+log = logging.getLogger(__name__)
+
+ModelStatus = Literal["registered", "loading", "ready", "failed"]
+DescriptorResolver = Callable[[str], Any]
+
+_DEFAULT_RETRY_AFTER_S = 5
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What the registry says about one model id (the routes render it in OpenAI's shape)."""
+
+    id: str
+    created: int  # unix seconds of the first registration of this id
+    owned_by: str = "llamaserve"
+    status: ModelStatus
+    llama_model: str | None
+    max_seq_len: int | None  # the engine's once loaded, else what was asked for
+    checkpoint_dir: str
+    metadata: dict[str, Any]
+    error: str | None = None  # why, when status == "failed"
+    load_time_s: float | None = None  # of the engine serving now
+    memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleStats:
+    """Cumulative counters and gauges for /metrics."""
+
+    loads_total: int
+    load_failures_total: int
+    load_seconds_total: float
+    unloads_total: int
+    evictions_total: int
+    loaded_models: int
+    loading_models: int
+    memory_reserved_bytes: int
+    memory_budget_bytes: int | None
+
+
+class _BudgetExceeded(Exception):
+    """A load that cannot fit in the memory budget now."""
+
+
+class _Reservation:
+    """Bytes of the budget held by one engine, from before its load until after its shutdown."""
+
+    def __init__(self, registry: ModelRegistry, num_bytes: int) -> None:
+        self._registry = registry
+        self.num_bytes = num_bytes
+        self.draining = False  # its engine is retired: the bytes come back without anyone acting
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._registry._on_release(self)
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One loaded engine and the leases on it."""
+
+    owner: _Entry
+    engine: EngineClient
+    spec: ModelSpec
+    reservation: _Reservation
+    load_time_s: float
+    leases: int = 0
+    retired: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # set once shut down
+
+
+@dataclass(eq=False, slots=True)
+class _Load:
+    spec: ModelSpec
+    task: asyncio.Task
+    started_s: float
+
+
+@dataclass(eq=False, slots=True)
+class _Failure:
+    error: ApiError  # what the registering caller was told
+    retry_on_lease: bool  # a transient cause (memory budget): the next lease tries again
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    model_id: str
+    spec: ModelSpec  # the latest registered spec; the active slot may still run an older one
+    created: int
+    metadata: dict[str, Any]
+    active: _Slot | None = None
+    load: _Load | None = None
+    failure: _Failure | None = None
+    required: bool = False  # loaded at start by the server's own config: /ready waits for it
+    removed: bool = False
+    last_used: int = 0  # a tick of the registry's use counter, for LRU order
+    last_load_time_s: float | None = None
+    retiring: set[_Slot] = field(default_factory=set)
+    cleanups: set[asyncio.Task] = field(default_factory=set)  # shutdowns of loads given up on
+
+    @property
+    def status(self) -> ModelStatus:
+        if self.active is not None:
+            return "ready"
+        if self.load is not None:
+            return "loading"
+        return "failed" if self.failure is not None else "registered"
+
+
+class ModelRegistry:
+    """Model ids -> engines, with lazy loads, hot switch, unload and a memory budget."""
+
+    def __init__(
+        self,
+        factory: EngineFactory,
+        *,
+        checkpoint_roots: list[Path],
+        memory_budget_bytes: int | None = None,
+        evict_idle_lru: bool = False,
+        load_wait_timeout_s: float = 60.0,
+        descriptor_resolver: DescriptorResolver | None = None,  # None: engine.descriptors.resolve_descriptor
+    ) -> None:
+        self._factory = factory
+        self.checkpoint_roots = list(checkpoint_roots)
+        self._budget_bytes = memory_budget_bytes
+        self._evict_idle_lru = evict_idle_lru
+        self._load_wait_timeout_s = load_wait_timeout_s
+        self._descriptor_resolver = descriptor_resolver
+        self._entries: dict[str, _Entry] = {}
+        self._reservations: set[_Reservation] = set()
+        self._memory_freed = asyncio.Event()
+        self._shutdowns: set[asyncio.Task] = set()
+        self._closed = False
+        self._loads_total = 0
+        self._load_failures_total = 0
+        self._load_seconds_total = 0.0
+        self._unloads_total = 0
+        self._evictions_total = 0
+        self._use_ticks = itertools.count(1)
+
+    # ------------------------------------------------------------------ registration
+    def locate_checkpoint(
+        self,
+        model_id: str,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        llama_model: str | None = None,
+        trusted: bool = False,
+    ) -> Path:
+        """The checkpoint dir for a model: the given one (checked), else found in the roots."""
+        if llama_model is not None:
+            self._resolve_descriptor(llama_model)  # an unknown one is a 400 with close matches, first
+        if checkpoint_dir is not None:
+            return check_checkpoint_dir(checkpoint_dir, self.checkpoint_roots, trusted=trusted)
+        names = [model_id, llama_model or ""]
+        names += [self._descriptor_name(n) or "" for n in (llama_model, model_id) if n]
+        return find_checkpoint_dir(names, self.checkpoint_roots, trusted=trusted, model_id=model_id)
+
+    async def register(self, spec: ModelSpec, *, load: bool) -> ModelInfo:
+        """Add or update a model; with `load`, return once it is ready (or raise its load error)."""
+        entry = self._register_entry(spec, load=load)
+        if load and _needs_load(entry):
+            task = self._ensure_loading(entry)
+            await asyncio.wait({task})  # never cancels the load: a client that leaves does not undo it
+            if entry.removed:
+                raise _not_found(spec.model_id)
+            if not task.cancelled() and task.exception() is not None and entry.load is None:
+                raise _error_of(task.exception(), spec.model_id)
+        return self.get(spec.model_id)
+
+    def register_background(self, spec: ModelSpec) -> asyncio.Task | None:
+        """Register now (so /ready waits for it) and load in a task: for models loaded at start.
+        None when it is loaded already. Raises ApiError for a bad spec, like `register`."""
+        entry = self._register_entry(spec, load=True)
+        return self._ensure_loading(entry) if _needs_load(entry) else None
+
+    def _register_entry(self, spec: ModelSpec, *, load: bool) -> _Entry:
+        if self._closed:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        spec = self._validated(spec)
+        entry = self._entries.get(spec.model_id)
+        if entry is None:
+            entry = _Entry(spec.model_id, spec, int(time.time()), dict(spec.metadata))
+            self._entries[spec.model_id] = entry
+            log.info("model %s registered (checkpoint %s)", spec.model_id, spec.checkpoint_dir)
+        elif not _same_model(spec, entry.spec):
+            self._switch_spec(entry, spec, load=load)
+        else:
+            entry.metadata = dict(spec.metadata)
+            if load and entry.failure is not None:
+                entry.failure = None  # registering again is how a failed model is retried
+        entry.required = entry.required or (spec.trusted and load and _needs_load(entry))
+        return entry
+
+    def _validated(self, spec: ModelSpec) -> ModelSpec:
+        """Checked paths and descriptor: every spec, whoever built it, passes here."""
+        if not spec.model_id or len(spec.model_id) > 256 or "\x00" in spec.model_id:
+            raise ApiError(400, "model_id must be a non-empty name of at most 256 characters", param="model_id")
+        if spec.llama_model is not None:
+            self._resolve_descriptor(spec.llama_model)
+        checkpoint_dir = check_checkpoint_dir(spec.checkpoint_dir, self.checkpoint_roots, trusted=spec.trusted)
+        return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir)
+
+    def _resolve_descriptor(self, name: str) -> Any:
+        resolver = self._descriptor_resolver
+        if resolver is None:
+            from engine.descriptors import resolve_descriptor  # torch-free; imported only when used
+
+            resolver = resolve_descriptor
+        try:
+            return resolver(name)
+        except InvalidRequest as exc:  # its message lists the close matches
+            raise ApiError(400, str(exc), param="metadata.llama_model", code="unknown_llama_model") from exc
+
+    def _descriptor_name(self, name: str) -> str | None:
+        """The descriptor's folder name for `name`, or None when it is not a descriptor."""
+        try:
+            descriptor = self._resolve_descriptor(name)
+        except ApiError:
+            return None
+        found = getattr(descriptor, "name", None) or getattr(descriptor, "descriptor", None)
+        return found if isinstance(found, str) else None
+
+    def _switch_spec(self, entry: _Entry, spec: ModelSpec, *, load: bool) -> None:
+        """Point the id at another checkpoint. Without `load` the old engine retires now; with it, the
+        old engine keeps serving until the new one is ready (see `_load_task`)."""
+        log.info("model %s re-registered: %s -> %s", entry.model_id, entry.spec.checkpoint_dir, spec.checkpoint_dir)
+        entry.spec = spec
+        entry.metadata = dict(spec.metadata)
+        entry.failure = None
+        if entry.load is not None:
+            self._abandon_load(entry)
+        if not load and entry.active is not None:
+            self._retire(entry, entry.active)
+
+    # ------------------------------------------------------------------ loading
+    def _ensure_loading(self, entry: _Entry) -> asyncio.Task:
+        if entry.load is None:
+            spec = entry.spec
+            task = asyncio.create_task(self._load_task(entry, spec), name=f"load {entry.model_id}")
+            task.add_done_callback(_consume_exception)
+            entry.load = _Load(spec, task, time.monotonic())
+        return entry.load.task
+
+    def _abandon_load(self, entry: _Entry) -> None:
+        """Stop caring about a load in flight (superseded or unregistered); its engine, if one
+        arrives, is shut down and its memory returned by `_load_task`'s cancellation path."""
+        assert entry.load is not None
+        entry.load.task.cancel()
+        entry.cleanups.add(entry.load.task)
+        entry.load.task.add_done_callback(entry.cleanups.discard)
+        entry.load = None
+
+    async def _load_task(self, entry: _Entry, spec: ModelSpec) -> None:
+        started_s = time.monotonic()
+        reservation: _Reservation | None = None
+        try:
+            # Inline: the estimate reads metadata (params.json), not weights; on the loop, loads are
+            # admitted in the order they were asked for.
+            need_bytes = self._factory.estimate_memory_bytes(spec)
+            reservation = await self._admit(entry, need_bytes)
+            engine = await self._factory_load(spec, reservation)
+        except asyncio.CancelledError:
+            if reservation is not None and not reservation.draining:
+                reservation.release()  # cancelled before the factory started; else the factory path owns it
+            raise
+        except Exception as exc:
+            if reservation is not None:
+                reservation.release()
+            if _is_current_load(entry):
+                self._on_load_failed(entry, spec, exc)
+            raise
+        if not _is_current_load(entry):  # superseded at the last moment: nobody may lease it
+            await self._shutdown_engine(engine)
+            reservation.release()
+            return
+        load_time_s = time.monotonic() - started_s
+        slot = _Slot(entry, engine, spec, reservation, load_time_s)
+        entry.load = None
+        self._loads_total += 1
+        self._load_seconds_total += load_time_s
+        entry.last_load_time_s = load_time_s
+        entry.last_used = self._next_tick()
+        old, entry.active = entry.active, slot
+        entry.failure = None
+        entry.required = False
+        if old is not None:
+            self._retire(entry, old)
+        log.info(
+            "model %s ready in %.2f s (%s, %d bytes reserved)",
+            entry.model_id,
+            load_time_s,
+            spec.checkpoint_dir,
+            reservation.num_bytes,
+        )
+
+    async def _factory_load(self, spec: ModelSpec, reservation: _Reservation) -> EngineClient:
+        """The factory's load, shielded: if we stop waiting, whatever it builds is shut down later."""
+        future = asyncio.ensure_future(self._factory.load(spec))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            reservation.draining = True  # no longer ours to use; back once the orphan is gone
+            await self._discard_when_loaded(future, reservation)
+            raise
+
+    async def _discard_when_loaded(self, future: asyncio.Future, reservation: _Reservation) -> None:
+        try:
+            engine = await future
+        except Exception:  # noqa: BLE001 - an abandoned load failing is of no interest to anyone
+            reservation.release()
+            return
+        await self._shutdown_engine(engine)
+        reservation.release()
+
+    def _on_load_failed(self, entry: _Entry, spec: ModelSpec, exc: Exception) -> None:
+        self._load_failures_total += 1
+        error = _error_of(exc, spec.model_id)
+        if isinstance(exc, (CheckpointError, InvalidRequest, _BudgetExceeded)):
+            log.warning("model %s failed to load from %s: %s", spec.model_id, spec.checkpoint_dir, exc)
+        else:
+            log.error("model %s failed to load from %s", spec.model_id, spec.checkpoint_dir, exc_info=exc)
+        entry.load = None
+        if entry.active is not None:
+            # A hot switch that failed: the old engine keeps serving under its own spec.
+            entry.spec = entry.active.spec
+            entry.metadata = dict(entry.active.spec.metadata)
+            return
+        entry.failure = _Failure(error, retry_on_lease=isinstance(exc, _BudgetExceeded))
+
+    # ------------------------------------------------------------------ memory budget
+    async def _admit(self, entry: _Entry, need_bytes: int) -> _Reservation:
+        """Reserve `need_bytes`, waiting for draining engines and evicting as configured."""
+        budget = self._budget_bytes
+        if budget is not None and need_bytes > budget:
+            raise _BudgetExceeded(
+                f"model {entry.model_id!r} needs {_gib(need_bytes)} but the whole memory budget is {_gib(budget)}"
+            )
+        while budget is not None and need_bytes > budget - self._reserved_bytes():
+            self._make_room(entry, need_bytes, budget)
+            freed = self._memory_freed
+            await freed.wait()
+        reservation = _Reservation(self, need_bytes)
+        self._reservations.add(reservation)
+        return reservation
+
+    def _make_room(self, entry: _Entry, need_bytes: int, budget: int) -> None:
+        """Retire what must go for `need_bytes` to fit once draining engines are gone, or raise."""
+        covered = budget - self._reserved_bytes() + sum(r.num_bytes for r in self._reservations if r.draining)
+        if need_bytes <= covered:
+            return  # draining engines will free enough: just wait
+        victims: list[tuple[_Entry, _Slot]] = []
+        own = entry.active
+        if own is not None and not _same_model(own.spec, entry.spec):
+            victims.append((entry, own))  # a hot switch that fits only in place
+            covered += own.reservation.num_bytes
+        if need_bytes > covered and self._evict_idle_lru:
+            for other in sorted(self._idle_entries(exclude=entry), key=lambda e: e.last_used):
+                if need_bytes <= covered:
+                    break
+                assert other.active is not None
+                victims.append((other, other.active))
+                covered += other.active.reservation.num_bytes
+        if need_bytes > covered:
+            raise _BudgetExceeded(self._budget_message(entry.model_id, need_bytes, budget))
+        for owner, slot in victims:
+            if owner is not entry:
+                self._evictions_total += 1
+                log.info("evicting idle model %s to make room for %s", owner.model_id, entry.model_id)
+            owner.active = None
+            self._retire(owner, slot)
+
+    def _idle_entries(self, *, exclude: _Entry) -> list[_Entry]:
+        return [
+            e
+            for e in self._entries.values()
+            if e is not exclude and e.active is not None and e.active.leases == 0 and e.load is None
+        ]
+
+    def _budget_message(self, model_id: str, need_bytes: int, budget: int) -> str:
+        free = max(0, budget - self._reserved_bytes())
+        holders = ", ".join(
+            f"{e.model_id} ({_gib(e.active.reservation.num_bytes)})" for e in self._entries.values() if e.active
+        )
+        hint = "unload one with DELETE /v1/models/{id}"
+        if not self._evict_idle_lru:
+            hint += " or enable eviction of idle models"
+        return (
+            f"model {model_id!r} needs {_gib(need_bytes)} but only {_gib(free)} of the {_gib(budget)} memory budget "
+            f"is free (loaded: {holders or 'none'}); {hint}"
+        )
+
+    def _reserved_bytes(self) -> int:
+        return sum(r.num_bytes for r in self._reservations)
+
+    def _on_release(self, reservation: _Reservation) -> None:
+        self._reservations.discard(reservation)
+        freed, self._memory_freed = self._memory_freed, asyncio.Event()
+        freed.set()
+
+    # ------------------------------------------------------------------ leases
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str) -> AsyncIterator[EngineClient]:
+        """The engine for `model_id`, loading it if needed; hold it for the whole request."""
+        slot = await self._acquire(model_id)
+        try:
+            yield slot.engine
+        finally:
+            self._release(model_id, slot)
+
+    async def _acquire(self, model_id: str) -> _Slot:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._load_wait_timeout_s
+        while True:
+            entry = self._entries.get(model_id)
+            if entry is None or self._closed:
+                raise _not_found(model_id)
+            if entry.active is not None:
+                entry.active.leases += 1
+                entry.last_used = self._next_tick()
+                return entry.active
+            if entry.load is None:
+                if entry.failure is not None and not entry.failure.retry_on_lease:
+                    raise _lease_failure(entry)
+                entry.failure = None
+                log.info("model %s loads on first use", model_id)
+                self._ensure_loading(entry)
+            assert entry.load is not None
+            task = entry.load.task
+            remaining_s = deadline - loop.time()
+            if remaining_s > 0:
+                await asyncio.wait({task}, timeout=remaining_s)
+            if not task.done():
+                raise self._still_loading(entry)
+            if entry.load is None and entry.active is None and entry.failure is not None:
+                raise _lease_failure(entry)  # the load this lease waited for failed
+            # Ready, or superseded by a newer registration: look again.
+
+    def _still_loading(self, entry: _Entry) -> ApiError:
+        assert entry.load is not None
+        elapsed_s = time.monotonic() - entry.load.started_s
+        expected_s = entry.last_load_time_s
+        retry_after_s = _DEFAULT_RETRY_AFTER_S if expected_s is None else max(1, math.ceil(expected_s - elapsed_s))
+        return ApiError(
+            503,
+            f"model {entry.model_id!r} is loading ({elapsed_s:.0f} s so far); retry later",
+            code="model_loading",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+    def _release(self, model_id: str, slot: _Slot) -> None:
+        slot.leases -= 1
+        entry = self._entries.get(model_id)
+        if entry is not None and entry.active is slot:
+            entry.last_used = self._next_tick()
+        if slot.retired and slot.leases == 0:
+            self._start_shutdown(slot)
+
+    def _retire(self, entry: _Entry, slot: _Slot) -> None:
+        """No new leases for `slot`; it shuts down once the ones it has end."""
+        if entry.active is slot:
+            entry.active = None
+        slot.retired = True
+        slot.reservation.draining = True
+        entry.retiring.add(slot)
+        if slot.leases == 0:
+            self._start_shutdown(slot)
+
+    def _start_shutdown(self, slot: _Slot) -> None:
+        task = asyncio.ensure_future(self._shutdown_slot(slot))
+        self._shutdowns.add(task)
+        task.add_done_callback(self._shutdowns.discard)
+
+    async def _shutdown_slot(self, slot: _Slot) -> None:
+        await self._shutdown_engine(slot.engine)
+        slot.reservation.release()
+        self._unloads_total += 1
+        slot.owner.retiring.discard(slot)
+        slot.closed.set()
+        log.info("model %s unloaded (%s)", slot.spec.model_id, slot.spec.checkpoint_dir)
+
+    async def _shutdown_engine(self, engine: EngineClient) -> None:
+        try:
+            await engine.shutdown()
+        except Exception:  # noqa: BLE001 - one engine failing to stop must not stop the others
+            log.exception("shutting down the engine of %s failed", getattr(engine, "model_id", "?"))
+
+    def _next_tick(self) -> int:
+        return next(self._use_ticks)
+
+    # ------------------------------------------------------------------ unregister, queries, close
+    async def unregister(self, model_id: str) -> None:
+        """Forget `model_id`: new leases get 404; returns once its engines are shut down."""
+        entry = self._entries.pop(model_id, None)
+        if entry is None:
+            raise _not_found(model_id)
+        entry.removed = True
+        if entry.load is not None:
+            self._abandon_load(entry)
+        if entry.active is not None:
+            self._retire(entry, entry.active)
+        log.info("model %s unregistered; waiting for %d engine(s) to drain", model_id, len(entry.retiring))
+        await _wait_drained(entry)
+
+    def get(self, model_id: str) -> ModelInfo:
+        entry = self._entries.get(model_id)
+        if entry is None:
+            raise _not_found(model_id)
+        return _info(entry)
+
+    def list(self) -> list[ModelInfo]:
+        return [_info(entry) for entry in self._entries.values()]
+
+    def engines(self) -> list[tuple[str, EngineClient]]:
+        return [(e.model_id, e.active.engine) for e in self._entries.values() if e.active is not None]
+
+    def ready(self) -> bool:
+        """True once every model the server's own config loads at start has been loaded."""
+        return not any(e.required for e in self._entries.values())
+
+    def lifecycle_stats(self) -> LifecycleStats:
+        return LifecycleStats(
+            loads_total=self._loads_total,
+            load_failures_total=self._load_failures_total,
+            load_seconds_total=self._load_seconds_total,
+            unloads_total=self._unloads_total,
+            evictions_total=self._evictions_total,
+            loaded_models=sum(1 for e in self._entries.values() if e.active is not None),
+            loading_models=sum(1 for e in self._entries.values() if e.load is not None),
+            memory_reserved_bytes=self._reserved_bytes(),
+            memory_budget_bytes=self._budget_bytes,
+        )
+
+    async def close(self) -> None:
+        """Unload everything now, leases or not: the server is stopping (it drained requests first)."""
+        self._closed = True
+        entries = list(self._entries.values())
+        self._entries.clear()
+        for entry in entries:
+            entry.removed = True
+            if entry.load is not None:
+                self._abandon_load(entry)
+            if entry.active is not None:
+                self._retire(entry, entry.active)
+            for slot in list(entry.retiring):
+                if not slot.closed.is_set() and slot.leases > 0:
+                    slot.leases = 0
+                    self._start_shutdown(slot)
+        await asyncio.gather(*(_wait_drained(entry) for entry in entries))
+        await asyncio.gather(*list(self._shutdowns), return_exceptions=True)
+
+
+REGISTRY_KEY: web.AppKey[ModelRegistry] = web.AppKey("model_registry", ModelRegistry)
+
+
+# ---------------------------------------------------------------------- helpers
+async def _wait_drained(entry: _Entry) -> None:
+    waits = [slot.closed.wait() for slot in list(entry.retiring)]
+    waits += [asyncio.wait({task}) for task in list(entry.cleanups)]
+    if waits:
+        await asyncio.gather(*waits)
+
+
+def _consume_exception(task: asyncio.Task) -> None:
+    """Load errors reach callers through the entry; keep asyncio from logging them again."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _info(entry: _Entry) -> ModelInfo:
+    slot = entry.active
+    spec = slot.spec if slot is not None else entry.spec
+    reserved = None
+    if slot is not None:
+        reserved = slot.reservation.num_bytes
+    return ModelInfo(
+        id=entry.model_id,
+        created=entry.created,
+        status=entry.status,
+        llama_model=spec.llama_model,
+        max_seq_len=slot.engine.max_seq_len if slot is not None else spec.max_seq_len,
+        checkpoint_dir=str(spec.checkpoint_dir),
+        metadata=dict(entry.metadata),
+        error=entry.failure.error.message if entry.failure is not None and slot is None else None,
+        load_time_s=round(slot.load_time_s, 3) if slot is not None else None,
+        memory_bytes=reserved,
+    )
+
+
+def _not_found(model_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {model_id!r} does not exist",
+        param="model",
+        code="model_not_found",
+        error_type="invalid_request_error",
+    )
+
+
+def _error_of(exc: BaseException, model_id: str) -> ApiError:
+    """The error a registering caller sees for a failed load."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, _BudgetExceeded):
+        return ApiError(507, str(exc), code="memory_budget_exceeded")
+    if isinstance(exc, CheckpointError):
+        return ApiError(400, f"cannot load model {model_id!r}: {exc}", param="checkpoint_dir", code="invalid_checkpoint")
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, f"cannot load model {model_id!r}: {exc}", param=exc.param, code=exc.code or "invalid_model")
+    return ApiError(500, f"loading model {model_id!r} failed: {type(exc).__name__}: {exc}", code="model_load_failed")
+
+
+def _lease_failure(entry: _Entry) -> ApiError:
+    assert entry.failure is not None
+    failure = entry.failure
+    hint = "the next request tries again" if failure.retry_on_lease else "register it again to retry"
+    return ApiError(503, f"model {entry.model_id!r} failed to load: {failure.error.message}; {hint}", code="model_load_failed")
+
+
+def _is_current_load(entry: _Entry) -> bool:
+    return not entry.removed and entry.load is not None and entry.load.task is asyncio.current_task()
+
+
+def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Same weights and settings; who named them (config or API) does not matter."""
+    return dataclasses.replace(a, trusted=False) == dataclasses.replace(b, trusted=False)
+
+
+def _needs_load(entry: _Entry) -> bool:
+    """Nothing serves the registered spec yet (unloaded, or a hot switch pending)."""
+    return entry.active is None or not _same_model(entry.active.spec, entry.spec)
+
+
+def _gib(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.2f} GiB ({num_bytes} bytes)"
+    return f"{num_bytes} bytes"
