@@ -30,6 +30,12 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on admission
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    # Prefix-cache bookkeeping (engine/kv_blocks.py): chained hashes of the full blocks of
+    # token_ids, valid across preemption since they depend only on the tokens, and how many leading
+    # blocks of block_table are registered in the cache already.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
