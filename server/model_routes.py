@@ -1,0 +1,187 @@
+"""/v1/models: list, get, register (POST) and unregister (DELETE), over the ModelRegistry.
+
+Model objects are OpenAI's (`id`, `object: "model"`, `created`, `owned_by`) plus ours (`status`,
+`llama_model`, `max_seq_len`, `checkpoint_dir`, `metadata`, `load_time_s`, `memory_bytes`, and
+`error` when failed) plus the names Llama Stack's client reads (`identifier`, `provider_id`,
+`provider_resource_id`, `type`, `model_type`), so both SDKs parse them.
+
+POST accepts our body and the one `llama-stack-client models register` sends:
+  {"model_id" | "model", "checkpoint_dir"?, "llama_model"?, "provider_model_id"?, "provider_id"?,
+   "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?,
+   "skip_initialize"? | "skip_load"?, "metadata"?: {the same settings, plus anything else}}
+A setting may sit at the top level or in `metadata`; both with different values is a 400.
+Without skip_initialize the call returns once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from server.errors import ApiError
+from server.model_spec import ModelSpec
+from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
+
+_T = TypeVar("_T")
+
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+ParallelSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+SeqLen = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+
+
+class QuantizationConfig(msgspec.Struct, kw_only=True):
+    """Llama Stack's meta-reference form: {"type": "fp8_mixed"}."""
+
+    type: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+Quantization = Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | QuantizationConfig
+
+
+class _Settings(msgspec.Struct, kw_only=True):
+    """The settings that may appear at the top level or inside `metadata`."""
+
+    llama_model: ModelName | None = None
+    checkpoint_dir: PathText | None = None
+    skip_initialize: bool | None = None
+    skip_load: bool | None = None  # the spelling later Llama Stack code used
+    model_parallel_size: ParallelSize | None = None
+    max_seq_len: SeqLen | None = None
+    quantization: Quantization | None = None
+
+
+class RegisterModelRequest(_Settings, kw_only=True, forbid_unknown_fields=True):
+    model_id: ModelName | None = None
+    model: ModelName | None = None  # OpenAI's name for the same thing
+    metadata: dict[str, Any] = {}
+    provider_model_id: ModelName | None = None  # Llama Stack: the base descriptor when it differs
+    provider_id: str | None = None  # Llama Stack: accepted, there is one provider here
+    model_type: str | None = None  # Llama Stack: only "llm" is served
+
+
+class MetadataSettings(_Settings, kw_only=True):
+    """`metadata` read for the settings it carries; other keys are kept as they are."""
+
+
+_REQUEST_DECODER = msgspec.json.Decoder(RegisterModelRequest)
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def add_model_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/models", register_model)
+    # Ids may contain '/' (meta-llama/Llama-3.2-3B-Instruct), so the id takes the rest of the path.
+    app.router.add_get(r"/v1/models/{model_id:.+}", get_model)
+    app.router.add_delete(r"/v1/models/{model_id:.+}", delete_model)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    infos = request.app[REGISTRY_KEY].list()
+    return _json({"object": "list", "data": [model_object(info) for info in infos]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    info = request.app[REGISTRY_KEY].get(request.match_info["model_id"])
+    return _json(model_object(info))
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    await request.app[REGISTRY_KEY].unregister(model_id)
+    return _json({"id": model_id, "object": "model", "deleted": True})
+
+
+async def register_model(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    body = _decode(_REQUEST_DECODER.decode, await request.read(), prefix="")
+    spec, load = _spec_from_request(body, registry)
+    info = await registry.register(spec, load=load)
+    return _json(model_object(info))
+
+
+def model_object(info: ModelInfo) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": info.id,
+        "object": "model",
+        "created": info.created,
+        "owned_by": info.owned_by,
+        "status": info.status,
+        "llama_model": info.llama_model,
+        "max_seq_len": info.max_seq_len,
+        "checkpoint_dir": info.checkpoint_dir,
+        "metadata": info.metadata,
+        "load_time_s": info.load_time_s,
+        "memory_bytes": info.memory_bytes,
+        "identifier": info.id,
+        "provider_id": info.owned_by,
+        "provider_resource_id": info.llama_model or info.id,
+        "type": "model",
+        "model_type": "llm",
+    }
+    if info.error is not None:
+        body["error"] = info.error
+    return body
+
+
+def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> tuple[ModelSpec, bool]:
+    meta = _decode(lambda m: msgspec.convert(m, MetadataSettings), body.metadata, prefix="metadata")
+    if body.model_type is not None and body.model_type != "llm":
+        raise ApiError(400, f"model_type {body.model_type!r} is not served here; only 'llm'", param="model_type")
+    model_id = _one("model_id", body.model_id, "model", body.model)
+    if model_id is None:
+        raise ApiError(400, "model_id is required", param="model_id")
+    provider_model = body.provider_model_id if body.provider_model_id != model_id else None
+    llama_model = _one("llama_model", body.llama_model, "metadata.llama_model", meta.llama_model)
+    llama_model = _one("llama_model", llama_model, "provider_model_id", provider_model)
+    checkpoint_dir = _one("checkpoint_dir", body.checkpoint_dir, "metadata.checkpoint_dir", meta.checkpoint_dir)
+    quantization = _one(
+        "quantization", _quantization(body.quantization), "metadata.quantization", _quantization(meta.quantization)
+    )
+    skip = any(flag for flag in (body.skip_initialize, body.skip_load, meta.skip_initialize, meta.skip_load))
+    path = registry.locate_checkpoint(model_id, checkpoint_dir=checkpoint_dir, llama_model=llama_model)
+    spec = ModelSpec(
+        model_id=model_id,
+        checkpoint_dir=path,
+        llama_model=llama_model,
+        metadata=dict(body.metadata),
+        model_parallel_size=_one(
+            "model_parallel_size", body.model_parallel_size, "metadata.model_parallel_size", meta.model_parallel_size
+        ),
+        max_seq_len=_one("max_seq_len", body.max_seq_len, "metadata.max_seq_len", meta.max_seq_len),
+        quantization=quantization,
+        trusted=False,
+    )
+    return spec, not skip
+
+
+def _quantization(value: str | QuantizationConfig | None) -> str | None:
+    return value.type if isinstance(value, QuantizationConfig) else value
+
+
+def _one(name: str, value: _T | None, other_name: str, other: _T | None) -> _T | None:
+    """One setting given in two places: they must agree."""
+    if value is not None and other is not None and value != other:
+        raise ApiError(400, f"{other_name} ({other!r}) contradicts {name} ({value!r})", param=other_name)
+    return value if value is not None else other
+
+
+def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
+    """Decode with msgspec; a ValidationError becomes a 400 whose param is the field's path."""
+    try:
+        return decode(data)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH_RE.search(message)
+        path = match.group("path").lstrip(".") if match else ""
+        param = ".".join(p for p in (prefix, path) if p) or None
+        raise ApiError(400, message, param=param, code="invalid_request") from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
