@@ -1,0 +1,215 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+One rule covers prefill, chunked prefill, prefix-cache hits and resume after preemption: every
+scheduled sequence gets min(num_tokens - num_computed_tokens, budget left) tokens. Running decodes
+go first so a long prompt never stalls them, then running prefill chunks, then admissions. Queues
+are ordered by (priority, arrival, seq_id): FCFS among equals, lower priority values first; the
+sequence at the back of the running queue is the one preempted when blocks run out.
+Plain Python over ints: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_blocks import BlockPool
+from engine.sequence import ScheduledBatch, Sequence, SequenceStatus, StepOutput
+from engine.types import FinishReason, QueueFull, TokenLogprob
+
+
+@dataclass(slots=True)
+class SeqEvent:
+    """What one step did to one sequence: a new token and/or how it finished."""
+
+    seq: Sequence
+    new_token_id: int | None  # None for a finish without a token (error)
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.priority, seq.arrival_time_s, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, *, max_seq_len: int, stop_token_ids: frozenset[int]
+    ) -> None:
+        self.pool = pool
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_batch_size = config.max_batch_size
+        self.max_waiting_requests = config.max_waiting_requests
+        self.max_seq_len = max_seq_len
+        self.stop_token_ids = stop_token_ids  # the family's EOS/EOT/EOM ids
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []  # sorted by _order; the last one is preempted first
+        self._by_request: dict[str, Sequence] = {}
+        self.num_preempted_total = 0
+
+    # ------------------------------------------------------------------ queues
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_request.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+        if seq.request_id in self._by_request:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+        self._by_request[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request in any phase and free its blocks; None if it is not here (finished)."""
+        seq = self._by_request.get(request_id)
+        if seq is not None:
+            self.finish(seq)
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        else:
+            return
+        self.pool.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self._by_request[seq.request_id]
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(seqs=[], num_new_tokens=[])
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        preempted_before = self.num_preempted_total
+        for decodes in (True, False):  # decodes first: prefill chunks take what budget is left
+            for seq in list(self.running):
+                if len(batch.seqs) >= self.max_batch_size or budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decodes:
+                    continue
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled):
+                    continue
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                scheduled.add(seq.seq_id)
+                budget -= num_new
+        if self.num_preempted_total == preempted_before:  # admitting while preempting would only thrash
+            self._admit(batch, budget)
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Allocate blocks for seq, preempting from the back of the running queue until they fit.
+        False when seq itself had to go."""
+        while not self.pool.allocate(seq, num_tokens):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None:  # cannot happen while max_seq_len <= pool capacity; keep it safe anyway
+                victim = seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_computed_tokens = 0  # recomputed on resume (a prefix-cache hit may skip part of it)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preempted_total += 1
+        bisect.insort(self.waiting, seq, key=_order)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            if len(batch.seqs) >= self.max_batch_size:
+                return
+            seq = self.waiting[0]
+            cached = self.pool.find_cached_prefix(seq)
+            num_cached = len(cached) * self.pool.block_size
+            # Admit only when the whole rest of the sequence fits now, so prefill chunks of a newly
+            # admitted request do not immediately preempt others; FCFS: the head waits, others too.
+            if not self.pool.can_allocate(seq, seq.num_tokens, cached):
+                return
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.pool.allocate(seq, num_cached + num_new, cached):
+                return
+            self.waiting.pop(0)
+            self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
+            if seq.status is SequenceStatus.WAITING:  # first admission: report cache use of the prompt
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_order)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    # ------------------------------------------------------------------ update
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[SeqEvent]:
+        """Advance the batch's sequences by what the runner computed; append sampled tokens;
+        finish sequences on errors, stop tokens, max_tokens and context end."""
+        sampled = {seq_id: i for i, seq_id in enumerate(output.seq_ids)}
+        events: list[SeqEvent] = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            expects_token = batch.samples(i)
+            error = output.errors.get(seq.seq_id)
+            if error is None and expects_token and seq.seq_id not in sampled:
+                error = "the model runner returned no token for this sequence"
+            if error is not None:
+                self.finish(seq)
+                events.append(SeqEvent(seq, None, finish_reason="error", error=error))
+                continue
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            self.pool.cache_computed_blocks(seq)
+            if not expects_token:
+                continue  # a partial prefill chunk
+            j = sampled[seq.seq_id]
+            token_id = output.sampled_token_ids[j]
+            seq.token_ids.append(token_id)
+            event = SeqEvent(seq, token_id, output.logprobs[j] if j < len(output.logprobs) else None)
+            self._check_stop(event)
+            if event.finish_reason is not None:
+                self.finish(seq)
+            events.append(event)
+        return events
+
+    def fail(self, batch: ScheduledBatch, error: str) -> list[SeqEvent]:
+        """The whole step failed: finish the batch's sequences with an error event each."""
+        events = []
+        for seq in batch.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.finish(seq)
+                events.append(SeqEvent(seq, None, finish_reason="error", error=error))
+        return events
+
+    def _check_stop(self, event: SeqEvent) -> None:
+        seq, token_id, params = event.seq, event.new_token_id, event.seq.params
+        if seq.num_output_tokens > params.min_tokens:  # stop tokens count only past min_tokens
+            is_family_stop = token_id in self.stop_token_ids and not params.ignore_eos
+            if is_family_stop or token_id in params.stop_token_ids:
+                event.finish_reason, event.stop_reason = "stop", token_id
+                return
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            event.finish_reason = "length"
+        elif seq.num_tokens >= self.max_seq_len:
+            event.finish_reason = "length"

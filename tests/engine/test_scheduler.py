@@ -1,0 +1,322 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv_blocks import BlockPool
+from engine.scheduler import Scheduler, SeqEvent
+from engine.sequence import Sequence, SequenceStatus
+from engine.types import QueueFull, SamplingParams
+from tests.engine.fakes import EOS, FakeRunner, FakeTokenizer, default_next_token
+
+BS = 4
+
+
+class Harness:
+    """A scheduler over a FakeRunner, stepped by hand."""
+
+    def __init__(self, num_blocks: int = 64, *, max_seq_len: int = 256, runner: FakeRunner | None = None, **config):
+        self.runner = runner or FakeRunner(num_blocks, BS)
+        self.pool = BlockPool(self.runner.num_blocks, BS, enable_prefix_caching=config.pop("prefix", True))
+        cfg = EngineConfig(**{"max_num_batched_tokens": 64, "max_batch_size": 8, **config})
+        self.sched = Scheduler(cfg, self.pool, max_seq_len=max_seq_len, stop_token_ids=FakeTokenizer.stop_token_ids)
+        self.next_id = 0
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, SeqEvent] = {}
+
+    def add(self, prompt: list[int], *, rid: str | None = None, priority: int = 0, **params) -> Sequence:
+        params.setdefault("max_tokens", 5)
+        rid = rid or f"r{self.next_id}"
+        seq = Sequence(self.next_id, rid, list(prompt), len(prompt), SamplingParams(**params),
+                       arrival_time_s=float(self.next_id), priority=priority)
+        self.next_id += 1
+        self.sched.add(seq)
+        self.outputs[rid] = []
+        return seq
+
+    def step(self) -> list[SeqEvent]:
+        return self.execute(self.sched.schedule())
+
+    def execute(self, batch) -> list[SeqEvent]:
+        if not batch.seqs:
+            return []
+        out = self.runner.execute(batch)
+        events = self.sched.update(batch, out)
+        for event in events:
+            if event.new_token_id is not None:
+                self.outputs[event.seq.request_id].append(event.new_token_id)
+            if event.finish_reason is not None:
+                self.finished[event.seq.request_id] = event
+        return events
+
+    def run(self, max_steps: int = 10_000) -> dict[str, list[int]]:
+        for _ in range(max_steps):
+            if not self.sched.has_work:
+                break
+            self.step()
+        assert not self.sched.has_work, "did not finish"
+        return self.outputs
+
+    def assert_clean(self) -> None:
+        assert self.runner.violations == []
+        assert self.sched.num_running == 0 and self.sched.num_waiting == 0
+        assert self.pool.num_free == self.pool.num_blocks
+
+
+def prompt(n: int, start: int = 3) -> list[int]:
+    return [3 + (start + i) % 60 for i in range(n)]
+
+
+def reference(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt_ids)
+    for _ in range(max_tokens):
+        tokens.append(default_next_token(tokens, FakeTokenizer.vocab_size))
+    return tokens[len(prompt_ids):]
+
+
+def test_single_request_matches_reference():
+    h = Harness()
+    h.add(prompt(7), max_tokens=6)
+    assert h.run()["r0"] == reference(prompt(7), 6)
+    assert h.finished["r0"].finish_reason == "length"
+    h.assert_clean()
+
+
+def test_chunked_prefill_never_stalls_decodes():
+    h = Harness(max_num_batched_tokens=8)
+    a = h.add(prompt(3), max_tokens=10)
+    h.step()  # a: prefill of 3, samples
+    b = h.add(prompt(30, 10), max_tokens=2)
+    batch = h.sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("r0", 1), ("r1", 7)]
+    h.execute(batch)
+    assert b.num_computed_tokens == 7 and b.num_output_tokens == 0  # a partial chunk samples nothing
+    for _ in range(3):
+        batch = h.sched.schedule()
+        assert batch.seqs[0] is a and batch.num_new_tokens[0] == 1  # the decode comes first every step
+        assert batch.num_tokens <= 8
+        h.execute(batch)
+    out = h.run()
+    assert out["r0"] == reference(prompt(3), 10)
+    assert out["r1"] == reference(prompt(30, 10), 2)
+    h.assert_clean()
+
+
+def test_budget_and_batch_size_caps():
+    h = Harness(max_num_batched_tokens=10, max_batch_size=2)
+    for i in range(3):
+        h.add(prompt(4, i), max_tokens=3)
+    batch = h.sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["r0", "r1"]
+    assert h.sched.num_running == 2 and h.sched.num_waiting == 1
+    h.execute(batch)
+    out = h.run()
+    for i in range(3):
+        assert out[f"r{i}"] == reference(prompt(4, i), 3)
+    h.assert_clean()
+
+
+def test_admission_waits_until_the_whole_prompt_fits():
+    h = Harness(num_blocks=6, max_seq_len=24)
+    h.add(prompt(14), max_tokens=2)  # 4 blocks
+    h.add(prompt(12, 5), max_tokens=2)  # 3 more blocks needed: only 2 left
+    batch = h.sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["r0"]
+    assert h.sched.num_waiting == 1
+    out = h.run()
+    assert out["r1"] == reference(prompt(12, 5), 2)
+    assert h.sched.num_preempted_total == 0
+    h.assert_clean()
+
+
+def run_many(num_blocks: int, specs: list[tuple[int, int, int]], **config) -> tuple[dict[str, list[int]], Harness]:
+    h = Harness(num_blocks=num_blocks, max_seq_len=num_blocks * BS, **config)
+    for length, start, max_tokens in specs:
+        h.add(prompt(length, start), max_tokens=max_tokens)
+    out = h.run()
+    h.assert_clean()
+    return out, h
+
+
+SPECS = [(5, 0, 12), (9, 3, 7), (3, 11, 15), (13, 20, 4), (6, 2, 10), (8, 40, 9)]
+
+
+def test_preemption_gives_the_same_tokens_as_an_unconstrained_run():
+    unconstrained, _ = run_many(200, SPECS)
+    tight, h = run_many(12, SPECS, max_num_batched_tokens=16)
+    assert h.sched.num_preempted_total > 0
+    assert tight == unconstrained
+    for (length, start, max_tokens), rid in zip(SPECS, unconstrained):
+        assert unconstrained[rid] == reference(prompt(length, start), max_tokens)
+
+
+def test_preemption_without_prefix_cache():
+    unconstrained, _ = run_many(200, SPECS, prefix=False)
+    tight, h = run_many(12, SPECS, prefix=False, max_num_batched_tokens=8)
+    assert h.sched.num_preempted_total > 0
+    assert tight == unconstrained
+
+
+def test_preempts_the_newest_running_sequence():
+    h = Harness(num_blocks=5, max_seq_len=20)
+    old = h.add(prompt(7), max_tokens=12)  # 2 blocks, grows to 5
+    new = h.add(prompt(7, 9), max_tokens=12)
+    h.step()
+    assert h.sched.num_running == 2
+    while new.num_preemptions == 0:
+        h.step()
+        assert old.num_preemptions == 0
+    assert new.status is SequenceStatus.PREEMPTED
+    assert h.sched.waiting == [new] and new.block_table == []
+    out = h.run()
+    assert out["r0"] == reference(prompt(7), 12) and out["r1"] == reference(prompt(7, 9), 12)
+    h.assert_clean()
+
+
+def test_prefix_cache_hit_skips_prefill_and_reports_cached_tokens():
+    h = Harness()
+    system = prompt(12, 30)
+    h.add(system + [5, 6], max_tokens=2)
+    h.run()
+    b = h.add(system + [7, 8, 9], max_tokens=2)
+    batch = h.sched.schedule()
+    assert batch.seqs == [b] and batch.num_new_tokens == [3]  # 12 cached tokens skipped
+    assert b.num_cached_tokens == 12 and b.num_computed_tokens == 12
+    h.execute(batch)
+    assert h.run()["r1"] == reference(system + [7, 8, 9], 2)
+    assert h.pool.prefix_hits_tokens == 12 and h.pool.prefix_queries_tokens == 14 + 15
+    h.assert_clean()
+
+
+def test_identical_prompt_still_computes_its_last_token():
+    h = Harness()
+    h.add(prompt(8), max_tokens=1)
+    h.run()
+    b = h.add(prompt(8), max_tokens=3)
+    batch = h.sched.schedule()
+    assert batch.num_new_tokens == [4] and b.num_cached_tokens == 4  # last block recomputed
+    h.execute(batch)
+    assert h.run()["r1"] == reference(prompt(8), 3)
+    h.assert_clean()
+
+
+def test_lru_eviction_makes_room_and_keeps_results_right():
+    h = Harness(num_blocks=8, max_seq_len=32)
+    for i in range(6):  # each leaves 2 cached blocks behind; the pool cannot keep them all
+        h.add(prompt(9, 7 * i), max_tokens=3)
+        h.run()
+        assert h.outputs[f"r{i}"] == reference(prompt(9, 7 * i), 3)
+    assert h.pool.num_evictions > 0
+    h.assert_clean()
+
+
+def test_abort_in_every_phase():
+    h = Harness(max_num_batched_tokens=8)
+    decoding = h.add(prompt(3), max_tokens=50)
+    prefilling = h.add(prompt(30, 5), max_tokens=50)
+    h.step()
+    h.step()
+    waiting = h.add(prompt(4, 9), max_tokens=5)
+    assert decoding.num_output_tokens >= 1
+    assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
+    for seq in (waiting, prefilling, decoding):
+        assert h.sched.abort(seq.request_id) is seq
+        assert seq.status is SequenceStatus.FINISHED and seq.block_table == []
+    done = h.add(prompt(3, 1), max_tokens=1)
+    h.run()
+    assert h.sched.abort(done.request_id) is None  # after finish: nothing to do
+    assert h.sched.abort("never-seen") is None
+    h.assert_clean()
+
+
+def test_abort_preempted_sequence():
+    h = Harness(num_blocks=5, max_seq_len=20)
+    h.add(prompt(7), max_tokens=12)
+    new = h.add(prompt(7, 9), max_tokens=12)
+    while new.num_preemptions == 0:
+        h.step()
+    assert h.sched.abort(new.request_id) is new
+    h.run()
+    h.assert_clean()
+
+
+def test_queue_full():
+    h = Harness(max_waiting_requests=2)
+    h.add(prompt(3))
+    h.add(prompt(3))
+    with pytest.raises(QueueFull):
+        h.add(prompt(3))
+    h.run()
+    h.add(prompt(3))  # room again once they ran
+    h.run()
+    h.assert_clean()
+
+
+def test_fcfs_and_priority_order():
+    h = Harness(max_batch_size=1)
+    for rid, priority in [("a", 0), ("b", 0), ("urgent", -1), ("later", 5)]:
+        h.add(prompt(3), rid=rid, priority=priority, max_tokens=1)
+    order = []
+    while h.sched.has_work:
+        order += [s.request_id for s in h.sched.schedule().seqs if s.num_computed_tokens == 0]
+        h.sched.running[0].token_ids.append(9)  # finish it by hand
+        h.sched.finish(h.sched.running[0])
+    assert order == ["urgent", "a", "b", "later"]
+    h.assert_clean()
+
+
+def test_low_priority_is_preempted_first():
+    h = Harness(num_blocks=5, max_seq_len=20)
+    low = h.add(prompt(7), max_tokens=12, priority=3)
+    high = h.add(prompt(7, 9), max_tokens=12, priority=0)
+    while low.num_preemptions == 0:
+        h.step()
+        assert high.num_preemptions == 0
+    h.run()
+    h.assert_clean()
+
+
+def test_per_request_error_fails_only_that_request():
+    runner = FakeRunner(64, BS, fail_seq=lambda s: "bad logit_bias" if s.request_id == "r1" else None)
+    h = Harness(runner=runner)
+    for i in range(3):
+        h.add(prompt(5, i), max_tokens=4)
+    out = h.run()
+    assert h.finished["r1"].finish_reason == "error" and h.finished["r1"].error == "bad logit_bias"
+    assert out["r0"] == reference(prompt(5, 0), 4) and out["r2"] == reference(prompt(5, 2), 4)
+    h.assert_clean()
+
+
+def test_batch_failure_frees_the_batch():
+    h = Harness()
+    h.add(prompt(5), max_tokens=4)
+    batch = h.sched.schedule()
+    events = h.sched.fail(batch, "boom")
+    assert [(e.finish_reason, e.error) for e in events] == [("error", "boom")]
+    h.assert_clean()
+
+
+def eos_after(n: int):
+    """A model that emits EOS once the context is n tokens long."""
+    def next_token(context: list[int], vocab: int) -> int:
+        return EOS if len(context) >= n else default_next_token(context, vocab)
+    return next_token
+
+
+def test_stop_conditions():
+    h = Harness(runner=FakeRunner(64, BS, next_token=eos_after(6)), max_seq_len=12)
+    h.add(prompt(4), rid="eos", max_tokens=10)
+    h.add(prompt(4), rid="ignore", max_tokens=4, ignore_eos=True)
+    h.add(prompt(4), rid="min", max_tokens=10, min_tokens=4)
+    h.add(prompt(4), rid="ctx", max_tokens=None, ignore_eos=True)
+    stop_id = reference(prompt(4), 1)[0]
+    h.add(prompt(4), rid="stopid", max_tokens=10, stop_token_ids=(stop_id,))
+    out = h.run()
+    assert out["eos"][-1] == EOS and len(out["eos"]) == 3
+    assert (h.finished["eos"].finish_reason, h.finished["eos"].stop_reason) == ("stop", EOS)
+    assert h.finished["ignore"].finish_reason == "length" and len(out["ignore"]) == 4
+    # the real sampler masks stop tokens below min_tokens; this fake does not, so the first EOS past it stops
+    assert h.finished["min"].finish_reason == "stop" and len(out["min"]) == 5
+    assert h.finished["ctx"].finish_reason == "length" and len(out["ctx"]) == 8  # 4 + 8 == max_seq_len
+    assert h.finished["stopid"].stop_reason == stop_id and out["stopid"] == [stop_id]
+    h.assert_clean()
