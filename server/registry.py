@@ -454,7 +454,7 @@ class ModelRegistry:
         try:
             yield slot.engine
         finally:
-            self._release(model_id, slot)
+            self._release(slot)
 
     async def _acquire(self, model_id: str) -> _Slot:
         loop = asyncio.get_running_loop()
@@ -488,6 +488,8 @@ class ModelRegistry:
         assert entry.load is not None
         elapsed_s = time.monotonic() - entry.load.started_s
         expected_s = entry.last_load_time_s
+        if expected_s is None and self._loads_total:
+            expected_s = self._load_seconds_total / self._loads_total  # a guess from other models
         retry_after_s = _DEFAULT_RETRY_AFTER_S if expected_s is None else max(1, math.ceil(expected_s - elapsed_s))
         return ApiError(
             503,
@@ -496,13 +498,21 @@ class ModelRegistry:
             headers={"Retry-After": str(retry_after_s)},
         )
 
-    def _release(self, model_id: str, slot: _Slot) -> None:
+    def _release(self, slot: _Slot) -> None:
         slot.leases -= 1
-        entry = self._entries.get(model_id)
-        if entry is not None and entry.active is slot:
-            entry.last_used = self._next_tick()
+        if slot.owner.active is slot:
+            slot.owner.last_used = self._next_tick()
         if slot.retired and slot.leases == 0:
             self._start_shutdown(slot)
+
+    def report_dead(self, model_id: str, engine: EngineClient, reason: str) -> None:
+        """An engine stopped working (EngineDead): retire it, so that the next lease reloads the model.
+        Requests still holding it end with their own errors; a stale report is ignored."""
+        entry = self._entries.get(model_id)
+        if entry is None or entry.active is None or entry.active.engine is not engine:
+            return
+        log.error("model %s: engine died (%s); it reloads on the next request", model_id, reason)
+        self._retire(entry, entry.active)
 
     def _retire(self, entry: _Entry, slot: _Slot) -> None:
         """No new leases for `slot`; it shuts down once the ones it has end."""

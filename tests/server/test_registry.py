@@ -537,3 +537,72 @@ async def test_unknown_llama_model_lists_close_matches(registry, root) -> None:
     with pytest.raises(ApiError) as caught:
         await registry.register(spec_for(root, "m", llama_model="Llama9"), load=False)
     assert caught.value.status == 400 and caught.value.code == "unknown_llama_model"
+
+
+async def test_dead_engine_is_reloaded_on_the_next_lease(registry, root, factory) -> None:
+    await registry.register(spec_for(root, "m"), load=True)
+    async with registry.lease("m") as dead:
+        registry.report_dead("m", dead, "worker 1 exited")
+        registry.report_dead("m", dead, "reported twice")  # stale: ignored
+        assert registry.get("m").status == "registered"
+    await within(dead.closed.wait())
+    async with registry.lease("m") as fresh:
+        assert fresh is not dead
+    assert factory.events == ["load m", "shutdown m", "load m"]
+
+
+async def test_real_descriptor_table_resolves_and_suggests(root, factory) -> None:
+    registry = ModelRegistry(factory, checkpoint_roots=[root])  # engine.descriptors, no fake
+    base = checkpoint(root, "Llama3.2-3B-Instruct")
+    assert registry.locate_checkpoint("x", llama_model="meta-llama/Llama-3.2-3B-Instruct") == base.resolve()
+    error = api_error(lambda: registry.locate_checkpoint("x", llama_model="Llama3.2-3B-Instrct"))
+    assert error.code == "unknown_llama_model" and "Llama3.2-3B-Instruct" in error.message
+
+
+@pytest.mark.parametrize("budget_bytes", [200, 150])  # two engines fit side by side / only in place
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_hot_switches_under_a_stream_of_requests_drop_nothing(root, seed, budget_bytes) -> None:
+    """Requests keep leasing while the id is switched v0 -> v1 -> v2 -> v3: no request fails, no
+    engine stops while a request holds it, and all memory comes back."""
+    import random
+
+    rng = random.Random(seed)
+    factory = FakeFactory()
+    registry = make_registry([root], factory, memory_budget_bytes=budget_bytes)
+    in_use: dict[int, int] = {}
+    shut_while_busy: list[str] = []
+    served: list[str] = []
+
+    async def request() -> None:
+        async with registry.lease("m") as engine:
+            if engine.closed.is_set():
+                shut_while_busy.append(engine.checkpoint)
+            in_use[id(engine)] = in_use.get(id(engine), 0) + 1
+            for _ in range(rng.randrange(1, 6)):
+                await asyncio.sleep(0)  # a request spanning a few loop turns
+            if engine.closed.is_set():
+                shut_while_busy.append(engine.checkpoint)
+            in_use[id(engine)] -= 1
+            served.append(engine.checkpoint)
+
+    await registry.register(spec_for(root, "m", "v0"), load=True)
+    requests: list[asyncio.Task] = []
+    for version in (1, 2, 3):
+        gate = factory.gate(f"v{version}")
+        switch = asyncio.create_task(registry.register(spec_for(root, "m", f"v{version}"), load=True))
+        for _ in range(10):  # requests arriving while the new checkpoint loads
+            requests.append(asyncio.create_task(request()))
+            await asyncio.sleep(0)
+        gate.set()
+        while not switch.done():
+            requests.append(asyncio.create_task(request()))
+            await asyncio.sleep(0)
+        await within(switch)
+    requests += [asyncio.create_task(request()) for _ in range(5)]
+    results = await within(asyncio.gather(*requests, return_exceptions=True))
+    assert [r for r in results if r is not None] == [] and shut_while_busy == []
+    assert served[-1] == "v3" and len(served) == len(requests) >= 35
+    assert {"v0", "v1", "v2", "v3"} <= set(served)
+    await within(registry.close())
+    assert factory.events.count("shutdown v0") == 1 and all(e.closed.is_set() for e in factory.engines)
+    assert registry.lifecycle_stats().memory_reserved_bytes == 0
