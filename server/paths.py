@@ -94,7 +94,10 @@ def check_checkpoint_dir(requested: str | Path, roots: Sequence[Path], *, truste
             raise _error(f"checkpoint_dir {shown!r} does not exist or is not a directory", "checkpoint_not_found")
         return path
     if not roots:
-        raise _error("this server has no checkpoint roots, so it accepts no checkpoint_dir", "checkpoint_dir_outside_roots")
+        raise _error(
+            "this server has no checkpoint roots, so it accepts no checkpoint_dir",
+            "checkpoint_dir_outside_roots",
+        )
     path = _check_relative_name(shown, "checkpoint_dir")
     real_roots = _real_roots(roots)
     if path.is_absolute():

@@ -661,18 +661,20 @@ def _error_of(exc: BaseException, model_id: str) -> ApiError:
         return exc
     if isinstance(exc, _BudgetExceeded):
         return ApiError(507, str(exc), code="memory_budget_exceeded")
+    message = f"cannot load model {model_id!r}: {exc}"
     if isinstance(exc, CheckpointError):
-        return ApiError(400, f"cannot load model {model_id!r}: {exc}", param="checkpoint_dir", code="invalid_checkpoint")
+        return ApiError(400, message, param="checkpoint_dir", code="invalid_checkpoint")
     if isinstance(exc, InvalidRequest):
-        return ApiError(400, f"cannot load model {model_id!r}: {exc}", param=exc.param, code=exc.code or "invalid_model")
-    return ApiError(500, f"loading model {model_id!r} failed: {type(exc).__name__}: {exc}", code="model_load_failed")
+        return ApiError(400, message, param=exc.param, code=exc.code or "invalid_model")
+    return ApiError(500, f"{message} ({type(exc).__name__})", code="model_load_failed")
 
 
 def _lease_failure(entry: _Entry) -> ApiError:
     assert entry.failure is not None
     failure = entry.failure
     hint = "the next request tries again" if failure.retry_on_lease else "register it again to retry"
-    return ApiError(503, f"model {entry.model_id!r} failed to load: {failure.error.message}; {hint}", code="model_load_failed")
+    message = f"model {entry.model_id!r} failed to load: {failure.error.message}; {hint}"
+    return ApiError(503, message, code="model_load_failed")
 
 
 def _is_current_load(entry: _Entry) -> bool:

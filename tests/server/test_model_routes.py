@@ -24,7 +24,9 @@ async def api_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as error:
-        return web.Response(status=error.status, body=error.to_json(), content_type="application/json", headers=error.headers)
+        return web.Response(
+            status=error.status, body=error.to_json(), content_type="application/json", headers=error.headers
+        )
 
 
 @pytest.fixture
@@ -159,7 +161,8 @@ async def test_delete_unloads_and_unregisters(client, registry, factory) -> None
 
 async def test_failed_load_answers_and_shows_failed(client, factory) -> None:
     factory.failures["bad"] = CheckpointError("bad/consolidated.00.pth: missing key tok_embeddings.weight")
-    error = await expect_error(await client.post("/v1/models", json={"model_id": "bad"}), 400, code="invalid_checkpoint")
+    response = await client.post("/v1/models", json={"model_id": "bad"})
+    error = await expect_error(response, 400, code="invalid_checkpoint")
     assert "tok_embeddings.weight" in error["message"]
     model = await (await client.get("/v1/models/bad")).json()
     assert model["status"] == "failed" and "tok_embeddings.weight" in model["error"]
@@ -187,7 +190,8 @@ async def test_memory_budget_exceeded_is_507(client) -> None:
         ({"model_id": "m", "colour": "blue"}, None, "invalid_request"),
         ({"metadata": {}}, "model_id", None),
         ({"model_id": "m", "model": "other"}, "model", None),
-        ({"model_id": "m", "checkpoint_dir": "m", "metadata": {"checkpoint_dir": "v2"}}, "metadata.checkpoint_dir", None),
+        ({"model_id": "m", "checkpoint_dir": "m", "metadata": {"checkpoint_dir": "v2"}}, 
+         "metadata.checkpoint_dir", None),
         ({"model_id": "m", "model_type": "embedding"}, "model_type", None),
         ({"model_id": "m", "llama_model": "Llama3.2-3B-Instrct"}, "metadata.llama_model", "unknown_llama_model"),
     ],
