@@ -71,12 +71,17 @@ _REQUEST_DECODER = msgspec.json.Decoder(RegisterModelRequest)
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
+# Routes that change what the server serves: the auth middleware may ask for the admin key on these
+# (`request.match_info.route.name in ADMIN_ROUTE_NAMES`).
+ADMIN_ROUTE_NAMES = frozenset({"models.register", "models.unregister"})
+
+
 def add_model_routes(app: web.Application) -> None:
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_post("/v1/models", register_model)
+    app.router.add_get("/v1/models", list_models, name="models.list")
+    app.router.add_post("/v1/models", register_model, name="models.register")
     # Ids may contain '/' (meta-llama/Llama-3.2-3B-Instruct), so the id takes the rest of the path.
-    app.router.add_get(r"/v1/models/{model_id:.+}", get_model)
-    app.router.add_delete(r"/v1/models/{model_id:.+}", delete_model)
+    app.router.add_get(r"/v1/models/{model_id:.+}", get_model, name="models.get")
+    app.router.add_delete(r"/v1/models/{model_id:.+}", delete_model, name="models.unregister")
 
 
 async def list_models(request: web.Request) -> web.Response:
