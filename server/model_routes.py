@@ -71,11 +71,7 @@ _REQUEST_DECODER = msgspec.json.Decoder(RegisterModelRequest)
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
-# Routes that change what the server serves: the auth middleware may ask for the admin key on these
-# (`request.match_info.route.name in ADMIN_ROUTE_NAMES`).
-ADMIN_ROUTE_NAMES = frozenset({"models.register", "models.unregister"})
-
-
+# Which of these need the admin key is server/auth.py's rule (POST and DELETE under /v1/models).
 def add_model_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models, name="models.list")
     app.router.add_post("/v1/models", register_model, name="models.register")

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine.types import CheckpointError
 from server.errors import ApiError
-from server.model_routes import ADMIN_ROUTE_NAMES, add_model_routes
+from server.model_routes import add_model_routes
 from server.registry import REGISTRY_KEY, ModelRegistry
 from tests.server.test_registry import FakeFactory, checkpoint, make_registry
 
@@ -244,8 +244,3 @@ async def test_lease_of_a_loading_model_is_503_with_retry_after(aiohttp_client, 
     gate.set()
     assert (await (await asyncio.wait_for(registering, 5)).json())["status"] == "ready"
 
-
-async def test_admin_routes_are_named_for_the_auth_middleware(registry) -> None:
-    app = build_app(registry)
-    names = {route.name for route in app.router.routes() if route.name}
-    assert ADMIN_ROUTE_NAMES == {"models.register", "models.unregister"} and ADMIN_ROUTE_NAMES <= names
