@@ -179,7 +179,7 @@ def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
         match = _PATH_RE.search(message)
         path = match.group("path").lstrip(".") if match else ""
         param = ".".join(p for p in (prefix, path) if p) or None
-        raise ApiError(400, message, param=param, code="invalid_request") from exc
+        raise ApiError(400, message, param=param, code="invalid_value") from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
 

@@ -182,12 +182,12 @@ async def test_memory_budget_exceeded_is_507(client) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"model_id": "m", "max_seq_len": "long"}, "max_seq_len", "invalid_request"),
-        ({"model_id": "m", "metadata": {"max_seq_len": -1}}, "metadata.max_seq_len", "invalid_request"),
-        ({"model_id": "m", "metadata": {"skip_initialize": "yes"}}, "metadata.skip_initialize", "invalid_request"),
-        ({"model_id": "m", "metadata": []}, "metadata", "invalid_request"),
-        ({"model_id": ""}, "model_id", "invalid_request"),
-        ({"model_id": "m", "colour": "blue"}, None, "invalid_request"),
+        ({"model_id": "m", "max_seq_len": "long"}, "max_seq_len", "invalid_value"),
+        ({"model_id": "m", "metadata": {"max_seq_len": -1}}, "metadata.max_seq_len", "invalid_value"),
+        ({"model_id": "m", "metadata": {"skip_initialize": "yes"}}, "metadata.skip_initialize", "invalid_value"),
+        ({"model_id": "m", "metadata": []}, "metadata", "invalid_value"),
+        ({"model_id": ""}, "model_id", "invalid_value"),
+        ({"model_id": "m", "colour": "blue"}, None, "invalid_value"),
         ({"metadata": {}}, "model_id", None),
         ({"model_id": "m", "model": "other"}, "model", None),
         ({"model_id": "m", "checkpoint_dir": "m", "metadata": {"checkpoint_dir": "v2"}}, 
