@@ -244,3 +244,20 @@ async def test_lease_of_a_loading_model_is_503_with_retry_after(aiohttp_client, 
     gate.set()
     assert (await (await asyncio.wait_for(registering, 5)).json())["status"] == "ready"
 
+
+
+async def test_openai_sdk_reads_the_model_objects(client) -> None:
+    import openai
+
+    model_id = "meta-llama/Llama-3.2-3B-Instruct"
+    await client.post("/v1/models", json={"model_id": model_id, "metadata": {"skip_initialize": True}})
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    async with sdk:
+        listed = await sdk.models.list()
+        assert [m.id for m in listed.data] == [model_id] and listed.data[0].owned_by == "llamaserve"
+        retrieved = await sdk.models.retrieve(model_id)
+        assert retrieved.id == model_id and retrieved.object == "model"
+        deleted = await sdk.models.delete(model_id)
+        assert deleted.deleted and deleted.id == model_id
+        with pytest.raises(openai.NotFoundError):
+            await sdk.models.retrieve(model_id)
