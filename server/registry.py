@@ -224,7 +224,7 @@ class ModelRegistry:
 
     def _register_entry(self, spec: ModelSpec, *, load: bool) -> _Entry:
         if self._closed:
-            raise ApiError(503, "the server is shutting down", code="shutting_down")
+            raise _shutting_down()
         spec = self._validated(spec)
         entry = self._entries.get(spec.model_id)
         if entry is None:
@@ -460,8 +460,10 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._load_wait_timeout_s
         while True:
+            if self._closed:
+                raise _shutting_down()
             entry = self._entries.get(model_id)
-            if entry is None or self._closed:
+            if entry is None:
                 raise _not_found(model_id)
             if entry.active is not None:
                 entry.active.leases += 1
@@ -643,6 +645,10 @@ def _info(entry: _Entry) -> ModelInfo:
         load_time_s=round(slot.load_time_s, 3) if slot is not None else None,
         memory_bytes=reserved,
     )
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="shutting_down")
 
 
 def _not_found(model_id: str) -> ApiError:

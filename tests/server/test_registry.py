@@ -456,8 +456,13 @@ async def test_close_shuts_down_everything(root, factory) -> None:
     assert all(engine.closed.is_set() for engine in factory.engines)
     assert registry.list() == [] and registry.lifecycle_stats().memory_reserved_bytes == 0
     await held.__aexit__(None, None, None)
-    with pytest.raises(ApiError):
+    with pytest.raises(ApiError) as caught:
         await registry.register(spec_for(root, "c"), load=False)
+    assert (caught.value.status, caught.value.code) == (503, "shutting_down")
+    with pytest.raises(ApiError) as caught:
+        async with registry.lease("a"):
+            pass
+    assert caught.value.status == 503
 
 
 # ---------------------------------------------------------------------- checkpoint location and safety
