@@ -7,25 +7,32 @@ Order of work on each row (vLLM's and HF's order, so behaviour matches what user
   3. greedy rows (temperature 0) take the argmax;
   4. sampled rows divide by temperature, drop tokens under min_p * max_prob, keep the top_k best,
      then the smallest best-first set whose mass (renormalised over what is left) reaches top_p,
-     and draw one token by inverse CDF from a single uniform number per row.
+     and draw a token by inverse CDF from uniform numbers.
 
-Why inverse CDF rather than an exponential race: one uniform per row makes a seeded row's draw a
-pure function of (seed, number of tokens generated so far, the row's own logits), so the same seed
-gives the same tokens whatever else is in the batch and after preemption (recompute), and it costs
-one exp + one cumsum over the row instead of a random number per vocabulary entry (the race cost
-about 85-130 ms per step at batch 32, vocab 128256 on this CPU). The cumulative sum runs in
-float64 so the tail of a 128k vocabulary is not rounded away.
+Randomness: each row draws from its own 64-bit splitmix stream, started from (seed, number of
+tokens generated so far) for seeded requests and from the sampler's generator otherwise. So a
+seeded draw is a pure function of the seed, the step and the row's own logits: the same whatever
+else is in the batch, and the same after preemption (recompute). Inverse CDF needs one uniform
+per row instead of the exponential race's one per vocabulary entry (that noise alone cost 85-130 ms
+per step at batch 32, vocab 128256 on this CPU). Cumulative sums run in float64 so the tail of a
+128k vocabulary is not rounded away.
 
-Logprobs follow vLLM's and OpenAI's convention: values of log_softmax of the raw model logits,
-before penalties, bias, temperature and truncation; top alternatives are the k most likely raw
+top_p without top_k never sorts the vocabulary (a full sort costs ~200 ms at batch 32 on CPU):
+it draws from the row, accepts the token if the mass strictly better than it is < top_p, and
+otherwise redraws among strictly better tokens. Each round accepts with probability >= top_p and
+the accepted token is distributed exactly as the renormalised top_p set.
+
+Logprobs follow vLLM's and OpenAI's convention: log_softmax of the raw model logits, before
+penalties, bias, temperature and truncation; the top alternatives are the k most likely raw
 tokens, best first.
 
-Ties: truncation keeps every token whose value equals the threshold, so exact ties at the top_k
-or top_p boundary can keep a few extra tokens.
+Ties: truncation keeps every token whose value equals the cut, so exact ties at the top_k or
+top_p boundary can keep a few extra tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -36,9 +43,8 @@ from engine.sequence import Sequence
 from engine.types import SamplingParams, TokenLogprob
 
 _MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would overflow float32
-# top_p without top_k first looks at this many best tokens and sorts the whole row only when
-# they hold less than top_p of the mass (a full sort of 128k entries costs ~6 ms a row on CPU).
-_TOP_P_PREFIX_TOKENS = 1024
+_MAX_TOP_P_ROUNDS = 16  # rejection rounds before a row falls back to a sort (expected < 1/top_p)
+_CHUNK = 1024  # tokens per chunk of the two-stage inverse CDF
 _MASK_64 = (1 << 64) - 1
 
 
@@ -49,10 +55,16 @@ class SampleResult:
     errors: dict[int, str]  # seq_id -> why this row alone failed
 
 
-def seeded_uniform(seed: int, step: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed mod 2**64, step)."""
-    z = _splitmix64((_splitmix64(seed & _MASK_64) + step) & _MASK_64)
-    return (z >> 11) * (1.0 / (1 << 53))
+# ---------------------------------------------------------------------- per-row random streams
+def seeded_state(seed: int, step: int) -> int:
+    """The start of a seeded row's random stream: depends only on (seed mod 2**64, step)."""
+    return _splitmix64((_splitmix64(seed & _MASK_64) + step) & _MASK_64)
+
+
+def next_uniform(state: int) -> tuple[float, int]:
+    """(u in [0, 1), next state)."""
+    state = _splitmix64(state)
+    return (state >> 11) * (1.0 / (1 << 53)), state
 
 
 def _splitmix64(z: int) -> int:
@@ -78,9 +90,8 @@ class Sampler:
         self._rng = random.Random(seed)  # unseeded rows share it
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [num_seqs, vocab] float32, row i belongs to seqs[i]."""
-        num_seqs = len(seqs)
-        if num_seqs == 0:
+        """logits: [num_seqs, vocab] float32, row i belongs to seqs[i]. Never modifies logits."""
+        if not seqs:
             return SampleResult([], [], {})
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -88,68 +99,47 @@ class Sampler:
             return _argmax_only(logits, seqs)
         return self._sample_general(logits, seqs)
 
+    def _is_plain_greedy(self, seq: Sequence) -> bool:
+        p = seq.params
+        return _is_greedy(p) and not _has_penalties(p) and not p.logit_bias and p.logprobs is None and not self._stops_masked(seq)
+
+    def _modifies_logits(self, seq: Sequence) -> bool:
+        return _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq)
+
+    def _stops_masked(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens < seq.params.min_tokens
+
     # ------------------------------------------------------------------ general path
     def _sample_general(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        vocab = logits.shape[1]
-        device = logits.device
-        errors: dict[int, str] = {}
-        failed = [False] * len(seqs)
-        raw_max = logits.amax(dim=1).tolist()  # NaN or +inf anywhere in the row shows here
-        for row, value in enumerate(raw_max):
-            if not math.isfinite(value):
-                failed[row] = True
-                errors[seqs[row].seq_id] = f"the model produced non-finite logits (row max {value})"
-        for row, seq in enumerate(seqs):
-            bad = [t for t, _ in seq.params.logit_bias if not 0 <= t < vocab]
-            if bad and not failed[row]:
-                failed[row] = True
-                errors[seq.seq_id] = f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
-
-        x = logits.clone()
-        failed_rows = [row for row, f in enumerate(failed) if f]
-        if failed_rows:  # keep failed rows finite so they cannot poison shared arithmetic
-            x[torch.tensor(failed_rows, device=device)] = 0.0
-        live = [row for row, f in enumerate(failed) if not f]
-        _apply_penalties(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
-        _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
-        self._mask_stop_tokens(x, [(row, seqs[row]) for row in live])
+        errors = _row_errors(logits, seqs)
+        live = [row for row, seq in enumerate(seqs) if seq.seq_id not in errors]
+        x = logits
+        if errors or any(self._modifies_logits(seq) for seq in seqs):
+            x = logits.contiguous().clone()  # ours to modify; the caller's logits stay raw for logprobs
+            if errors:  # keep failed rows finite so they cannot poison shared arithmetic
+                failed = [row for row, seq in enumerate(seqs) if seq.seq_id in errors]
+                x[torch.tensor(failed, device=x.device)] = 0.0
+            _apply_penalties(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
+            _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
+            self._mask_stop_tokens(x, [(row, seqs[row]) for row in live if self._stops_masked(seqs[row])])
 
         tokens = [-1] * len(seqs)
         greedy = [row for row in live if _is_greedy(seqs[row].params)]
         sampled = [row for row in live if not _is_greedy(seqs[row].params)]
-        for rows, chosen, row_max in (
-            _pick_greedy(x, greedy),
-            self._pick_sampled(x, [(row, seqs[row]) for row in sampled]),
-        ):
+        for rows, chosen, row_max in (_pick_greedy(x, greedy), self._pick_sampled(x, sampled, seqs)):
             for row, token, value in zip(rows, chosen, row_max):
-                if not math.isfinite(value):  # bias and min_tokens masked every token, or a bias was inf
-                    errors[seqs[row].seq_id] = "no token is left to sample: logit_bias or min_tokens masked every token"
-                else:
+                if math.isfinite(value):
                     tokens[row] = token
+                else:  # bias and min_tokens masked every token, or a bias was infinite
+                    errors[seqs[row].seq_id] = "no token is left to sample: logit_bias or min_tokens masked every token"
         want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
-        logprobs = _logprobs(logits, seqs, tokens, want)
-        return SampleResult(tokens, logprobs, errors)
-
-    def _is_plain_greedy(self, seq: Sequence) -> bool:
-        p = seq.params
-        return (
-            _is_greedy(p)
-            and not _has_penalties(p)
-            and not p.logit_bias
-            and p.logprobs is None
-            and not self._stops_masked(seq)
-        )
-
-    def _stops_masked(self, seq: Sequence) -> bool:
-        return seq.num_output_tokens < seq.params.min_tokens
+        return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
 
     def _mask_stop_tokens(self, x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
         vocab = x.shape[1]
         index_rows: list[int] = []
         index_tokens: list[int] = []
         for row, seq in rows:
-            if not self._stops_masked(seq):
-                continue
             # with ignore_eos the family's stop tokens do not stop, so there is nothing to hold back
             stops = set(seq.params.stop_token_ids)
             if not seq.params.ignore_eos:
@@ -161,50 +151,41 @@ class Sampler:
             idx = (torch.tensor(index_rows, device=x.device), torch.tensor(index_tokens, device=x.device))
             x.index_put_(idx, torch.tensor(-math.inf, device=x.device))
 
-    def _pick_sampled(self, x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> tuple[list[int], list[int], list[float]]:
+    def _pick_sampled(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[list[int], list[int], list[float]]:
         if not rows:
             return [], [], []
-        device = x.device
-        vocab = x.shape[1]
-        row_ids = [row for row, _ in rows]
-        params = [seq.params for _, seq in rows]
-        xs = x[torch.tensor(row_ids, device=device)]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        xs.div_(temperature.unsqueeze(1))
-        row_max = xs.amax(dim=1, keepdim=True)
-        row_max_list = row_max.squeeze(1).tolist()
-        dead = [i for i, value in enumerate(row_max_list) if not math.isfinite(value)]
-        if dead:  # the caller reports these rows; keep the arithmetic finite meanwhile
-            dead_idx = torch.tensor(dead, device=device)
-            xs[dead_idx] = 0.0
-            row_max[dead_idx] = 0.0
-        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
-        if min_p_rows:
-            _apply_min_p(xs, row_max, min_p_rows, [params[i].min_p for i in min_p_rows])
-        uniforms = [
-            seeded_uniform(p.seed, seq.num_output_tokens) if p.seed is not None else self._rng.random()
-            for (_, seq), p in zip(rows, params)
+        device, vocab = x.device, x.shape[1]
+        params = [seqs[row].params for row in rows]
+        weights, row_max = _weights(_take(x, rows), [p.temperature for p in params], [p.min_p for p in params])
+        states = [
+            seeded_state(p.seed, seqs[row].num_output_tokens) if p.seed is not None else self._rng.getrandbits(64)
+            for row, p in zip(rows, params)
         ]
-        truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-        full = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1)]
+        has_k = [0 < p.top_k < vocab for p in params]
+        groups = (
+            ([i for i, p in enumerate(params) if not has_k[i] and p.top_p >= 1], _sample_full),
+            ([i for i, p in enumerate(params) if has_k[i]], _sample_top_k),
+            ([i for i, p in enumerate(params) if not has_k[i] and p.top_p < 1], _sample_top_p),
+        )
         chosen = [0] * len(rows)
-        for group, picker in ((full, _sample_full), (truncated, _sample_truncated)):
-            if not group:
-                continue
-            g = torch.tensor(group, device=device)
-            u = torch.tensor([uniforms[i] for i in group], dtype=torch.float64, device=device)
-            if picker is _sample_full:
-                picked = _sample_full(xs[g], row_max[g], u)
-            else:
-                top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in group]
+        for group, picker in groups:
+            if group:
+                top_k = [params[i].top_k for i in group]
                 top_p = [params[i].top_p for i in group]
-                picked = _sample_truncated(xs[g], row_max[g], top_k, top_p, u, _TOP_P_PREFIX_TOKENS)
-            for i, token in zip(group, picked.tolist()):
-                chosen[i] = token
-        return row_ids, chosen, row_max_list
+                picked = picker(_take(weights, group), top_k, top_p, [states[i] for i in group])
+                for i, token in zip(group, picked.tolist()):
+                    chosen[i] = token
+        return rows, chosen, row_max
 
 
 # ---------------------------------------------------------------------- pieces (pure functions)
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] without a copy when rows is every row in order (the common case)."""
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
 def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     """The all-greedy, nothing-else fast path: one pass over the logits."""
     values, ids = logits.max(dim=1)
@@ -217,129 +198,194 @@ def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     return SampleResult(tokens, [None] * len(seqs), errors)
 
 
+def _row_errors(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
+    """Rows that cannot be sampled at all: non-finite model output or a bias id out of range."""
+    vocab = logits.shape[1]
+    errors: dict[int, str] = {}
+    for seq, value in zip(seqs, logits.amax(dim=1).tolist()):  # NaN or +inf anywhere shows in the max
+        if not math.isfinite(value):
+            errors[seq.seq_id] = f"the model produced non-finite logits (row max {value})"
+            continue
+        bad = [t for t, _ in seq.params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            errors[seq.seq_id] = f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    return errors
+
+
 def _apply_penalties(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
-    """Repetition (HF/CTRL: seen tokens' logits divided by the penalty if positive, multiplied if
-    negative, seen = prompt + output), then OpenAI's `logit -= count * frequency + (count > 0) *
-    presence` over output tokens."""
-    if not rows:
-        return
-    device = x.device
-    vocab = x.shape[1]
+    """Repetition (HF/CTRL: a seen token's logit is divided by the penalty if positive, multiplied
+    if not; seen = prompt + output), then OpenAI's `logit -= count * frequency + (count > 0) *
+    presence` over output tokens. x is contiguous; cost is O(tokens), not O(vocab)."""
+    flat = x.view(-1)
     rep = [(row, seq) for row, seq in rows if seq.params.repetition_penalty != 1]
     if rep:
-        idx = torch.tensor([row for row, _ in rep], device=device)
-        seen = _token_counts([seq.token_ids for _, seq in rep], vocab, device) > 0
-        penalty = torch.tensor([seq.params.repetition_penalty for _, seq in rep], device=device).unsqueeze(1)
-        sub = x[idx]
-        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-        x[idx] = torch.where(seen, penalised, sub)
+        keys, _, key_rows = _token_keys([(row, seq.token_ids) for row, seq in rep], x.shape[1], x.device)
+        penalty = _per_row(x, [(row, seq.params.repetition_penalty) for row, seq in rep])[key_rows]
+        values = flat[keys]
+        flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
     additive = [(row, seq) for row, seq in rows if seq.params.presence_penalty != 0 or seq.params.frequency_penalty != 0]
     if additive:
-        idx = torch.tensor([row for row, _ in additive], device=device)
-        counts = _token_counts([seq.output_token_ids for _, seq in additive], vocab, device)
-        frequency = torch.tensor([seq.params.frequency_penalty for _, seq in additive], device=device).unsqueeze(1)
-        presence = torch.tensor([seq.params.presence_penalty for _, seq in additive], device=device).unsqueeze(1)
-        x[idx] -= counts * frequency + (counts > 0).float() * presence
+        keys, counts, key_rows = _token_keys([(row, seq.output_token_ids) for row, seq in additive], x.shape[1], x.device)
+        frequency = _per_row(x, [(row, seq.params.frequency_penalty) for row, seq in additive])[key_rows]
+        presence = _per_row(x, [(row, seq.params.presence_penalty) for row, seq in additive])[key_rows]
+        flat[keys] -= counts * frequency + presence
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32: how often each token occurs in each list."""
-    counts = torch.zeros(len(token_lists), vocab, device=device)
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    flat = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    ok = (flat >= 0) & (flat < vocab)  # ids the model cannot emit carry no penalty
-    counts.index_put_((rows[ok], flat[ok]), torch.ones((), device=device), accumulate=True)
-    return counts
+def _token_keys(
+    rows: list[tuple[int, list[int]]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct (row, token) pairs as flat indices row * vocab + token, their counts, their rows."""
+    lengths = torch.tensor([len(tokens) for _, tokens in rows], device=device)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(t for _, t in rows)), dtype=torch.int64, device=device)
+    row_of = torch.repeat_interleave(torch.tensor([row for row, _ in rows], device=device), lengths)
+    ok = (tokens >= 0) & (tokens < vocab)  # ids the model cannot emit carry no penalty
+    keys, counts = torch.unique(row_of[ok] * vocab + tokens[ok], return_counts=True)
+    return keys, counts.to(torch.float32), keys // vocab
+
+
+def _per_row(x: torch.Tensor, values: list[tuple[int, float]]) -> torch.Tensor:
+    """[num_rows of x] float32 holding each listed row's value (0 elsewhere)."""
+    out = torch.zeros(x.shape[0], device=x.device)
+    out[torch.tensor([row for row, _ in values], device=x.device)] = torch.tensor([v for _, v in values], device=x.device)
+    return out
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -> None:
     if not rows:
         return
-    index_rows = [row for row, p in rows for _ in p.logit_bias]
-    index_tokens = [t for _, p in rows for t, _ in p.logit_bias]
-    bias = [b for _, p in rows for _, b in p.logit_bias]
     device = x.device
-    idx = (torch.tensor(index_rows, device=device), torch.tensor(index_tokens, device=device))
-    x.index_put_(idx, torch.tensor(bias, dtype=x.dtype, device=device), accumulate=True)
+    index_rows = torch.tensor([row for row, p in rows for _ in p.logit_bias], device=device)
+    index_tokens = torch.tensor([t for _, p in rows for t, _ in p.logit_bias], device=device)
+    bias = torch.tensor([b for _, p in rows for _, b in p.logit_bias], dtype=x.dtype, device=device)
+    x.index_put_((index_rows, index_tokens), bias, accumulate=True)
 
 
 def _pick_greedy(x: torch.Tensor, rows: list[int]) -> tuple[list[int], list[int], list[float]]:
     if not rows:
         return [], [], []
-    values, ids = x[torch.tensor(rows, device=x.device)].max(dim=1)
+    values, ids = _take(x, rows).max(dim=1)
     return rows, ids.tolist(), values.tolist()
 
 
-def _apply_min_p(xs: torch.Tensor, row_max: torch.Tensor, rows: list[int], min_p: list[float]) -> None:
-    """prob < min_p * max_prob  <=>  logit < max_logit + log(min_p): no softmax needed."""
-    idx = torch.tensor(rows, device=xs.device)
-    floor = row_max[idx] + torch.tensor([math.log(p) for p in min_p], device=xs.device).unsqueeze(1)
-    sub = xs[idx]
-    xs[idx] = sub.masked_fill(sub < floor, -math.inf)
+def _weights(xs: torch.Tensor, temperature: list[float], min_p: list[float]) -> tuple[torch.Tensor, list[float]]:
+    """exp((x - max) / T) per row, the best token weighing 1, min_p-dropped and masked tokens 0;
+    and each row's max logit (not finite: nothing left to sample, the row then weighs uniformly).
+    min_p: prob < min_p * max_prob  <=>  weight < min_p, as the best token weighs 1."""
+    device = xs.device
+    row_max = xs.amax(dim=1, keepdim=True)
+    row_max_list = row_max.squeeze(1).tolist()
+    weights = xs - row_max  # a new tensor: xs may be the caller's logits
+    weights.div_(torch.tensor(temperature, device=device).unsqueeze(1)).exp_()
+    dead = [i for i, value in enumerate(row_max_list) if not math.isfinite(value)]
+    if dead:  # the caller reports these rows; keep the arithmetic finite meanwhile
+        weights[torch.tensor(dead, device=device)] = 1.0
+    cut = [(i, p) for i, p in enumerate(min_p) if p > 0]
+    if cut:
+        idx = torch.tensor([i for i, _ in cut], device=device)
+        sub = weights[idx]
+        floor = torch.tensor([p for _, p in cut], device=device).unsqueeze(1)
+        weights[idx] = sub.masked_fill(sub < floor, 0.0)
+    return weights, row_max_list
 
 
-def _draw(cumulative: torch.Tensor, total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """First index whose cumulative weight exceeds u * total; total > 0 and u in [0, 1)."""
+def _uniforms(states: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    drawn = [next_uniform(s) for s in states]
+    return torch.tensor([u for u, _ in drawn], dtype=torch.float64, device=device), [s for _, s in drawn]
+
+
+def _draw(cumulative: torch.Tensor, u: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """First index whose cumulative weight exceeds u * total (default: the row's last cumulative
+    value); u in [0, 1), total > 0. Never lands on a zero-weight entry."""
+    total = cumulative[:, -1] if total is None else total
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cumulative, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _sample_full(xs: torch.Tensor, row_max: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF over the whole row in vocabulary order."""
-    cumulative = torch.cumsum(torch.exp(xs - row_max), dim=1, dtype=torch.float64)
-    return _draw(cumulative, cumulative[:, -1], u)
+def _draw_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over each row in vocabulary order, in two stages so no [rows, vocab] float64
+    tensor is ever built: pick a chunk of _CHUNK tokens by its (pairwise-summed) mass, then the
+    token inside it by a float64 cumulative sum of that chunk alone."""
+    rows, vocab = weights.shape
+    if vocab <= _CHUNK:
+        return _draw(torch.cumsum(weights, dim=1, dtype=torch.float64), u)
+    num_full = vocab // _CHUNK
+    sums = weights[:, : num_full * _CHUNK].reshape(rows, num_full, _CHUNK).sum(dim=2)
+    if vocab % _CHUNK:
+        sums = torch.cat([sums, weights[:, num_full * _CHUNK :].sum(dim=1, keepdim=True)], dim=1)
+    chunk_cumulative = torch.cumsum(sums, dim=1, dtype=torch.float64)
+    total = chunk_cumulative[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(chunk_cumulative, target.unsqueeze(1), right=True)  # [rows, 1]
+    before = torch.cat([torch.zeros_like(chunk_cumulative[:, :1]), chunk_cumulative], dim=1).gather(1, chunk)
+    cols = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
+    local = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    local_cumulative = torch.cumsum(local, dim=1, dtype=torch.float64)
+    residual = (target.unsqueeze(1) - before).squeeze(1).clamp(min=0.0) / local_cumulative[:, -1]
+    # the chunk's float32 sum and its float64 cumulative differ by rounding: _draw clamps
+    index = _draw(local_cumulative, residual.clamp(max=1.0))
+    return cols.gather(1, index.unsqueeze(1)).squeeze(1)
 
 
-def _sample_truncated(
-    xs: torch.Tensor, row_max: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor, prefix: int
-) -> torch.Tensor:
-    """top_k then top_p, then inverse CDF over the kept tokens in best-first order.
+def _sample_full(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """No truncation: inverse CDF over the whole row."""
+    u, _ = _uniforms(states, weights.device)
+    return _draw_from_weights(weights, u)
 
-    Works on the `k` best tokens of each row, k = max(top_k, prefix when a row has only top_p);
-    rows whose top_p mass is not inside that prefix are redone over the fully sorted row."""
-    vocab = xs.shape[1]
-    device = xs.device
-    has_k = [k < vocab for k in top_k]
-    k = min(vocab, max([kk for kk, h in zip(top_k, has_k) if h] + [prefix if not all(has_k) else 0]))
-    values, ids = torch.topk(xs, k, dim=1)  # best first
-    weights = torch.exp(values - row_max)
-    top_k_t = torch.tensor(top_k, device=device)
-    weights.masked_fill_(torch.arange(k, device=device) >= top_k_t.unsqueeze(1), 0.0)
-    cumulative = torch.cumsum(weights, dim=1, dtype=torch.float64)
-    # top_p is relative to the mass left after top_k; without top_k that is the whole row's
-    mass = cumulative[:, -1].clone()
-    no_k = [i for i, h in enumerate(has_k) if not h]
-    if no_k:
-        no_k_t = torch.tensor(no_k, device=device)
-        mass[no_k_t] = torch.exp(xs[no_k_t] - row_max[no_k_t]).sum(dim=1, dtype=torch.float64)
+
+def _sample_top_k(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """top_k, then top_p within it, then inverse CDF over the kept tokens best first.
+    top_k >= vocab (or 0) means the whole row, sorted."""
+    vocab, device = weights.shape[1], weights.device
+    top_k = [k if 0 < k < vocab else vocab for k in top_k]
+    u, _ = _uniforms(states, device)
+    values, ids = torch.topk(weights, max(top_k), dim=1)  # best first
+    values.masked_fill_(torch.arange(values.shape[1], device=device) >= torch.tensor(top_k, device=device).unsqueeze(1), 0.0)
+    cumulative = torch.cumsum(values, dim=1, dtype=torch.float64)
     top_p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
-    before = cumulative - weights.double()  # mass strictly better than each token
-    keep = (before < (top_p_t * mass).unsqueeze(1)) & (weights > 0)  # a best-first prefix of each row
-    num_kept = keep.sum(dim=1)
-    kept_mass = cumulative.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
-    picked = ids.gather(1, _draw(cumulative, kept_mass, u).unsqueeze(1)).squeeze(1)
-    if k < vocab:
-        short = (num_kept == k) & (cumulative[:, -1] < top_p_t * mass)
-        short_rows = [i for i, s in enumerate(short.tolist()) if s and not has_k[i]]
-        if short_rows:
-            idx = torch.tensor(short_rows, device=device)
-            picked[idx] = _sample_truncated(
-                xs[idx], row_max[idx], [top_k[i] for i in short_rows], [top_p[i] for i in short_rows], u[idx], vocab
-            )
+    before = cumulative - values.double()  # mass strictly better than each token
+    # a best-first prefix of each row; its first token always stays (before == 0, weight == 1)
+    keep = (before < (top_p_t * cumulative[:, -1]).unsqueeze(1)) & (values > 0)
+    kept_mass = cumulative.gather(1, (keep.sum(dim=1) - 1).unsqueeze(1)).squeeze(1)
+    return ids.gather(1, _draw(cumulative, u, kept_mass).unsqueeze(1)).squeeze(1)
+
+
+def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
+    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot."""
+    device = weights.device
+    threshold = torch.tensor(top_p, dtype=torch.float64, device=device) * weights.sum(dim=1).double()
+    pivot = torch.full((weights.shape[0], 1), -1.0, device=device)
+    picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=device)
+    active = list(range(weights.shape[0]))
+    for round_index in range(_MAX_TOP_P_ROUNDS):
+        idx = torch.tensor(active, device=device)
+        sub = _take(weights, active)
+        u, new_states = _uniforms([states[i] for i in active], device)
+        for i, state in zip(active, new_states):
+            states[i] = state
+        allowed = sub if round_index == 0 else sub * (sub > pivot[idx])
+        token = _draw_from_weights(allowed, u).unsqueeze(1)
+        value = sub.gather(1, token)
+        heavier = (sub * (sub > value)).sum(dim=1).double()
+        accepted = (heavier < threshold[idx]).tolist()
+        picked[idx] = token.squeeze(1)
+        pivot[idx] = value
+        active = [i for i, ok in zip(active, accepted) if not ok]
+        if not active:
+            return picked
+    # pathological rows (many near-equal tokens around the cut): sort them
+    idx = torch.tensor(active, device=device)
+    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), [top_p[i] for i in active], [states[i] for i in active])
     return picked
 
 
-def _logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int]
-) -> list[TokenLogprob | None]:
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int]) -> list[TokenLogprob | None]:
     """Raw-model log-softmax of the sampled token and the k best alternatives, k = params.logprobs."""
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not rows:
         return out
     device = logits.device
-    idx = torch.tensor(rows, device=device)
-    logprobs = torch.log_softmax(logits[idx], dim=1)
+    logprobs = torch.log_softmax(_take(logits, rows), dim=1)
     chosen_ids = torch.tensor([tokens[row] for row in rows], device=device)
     chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
     ks = [min(seqs[row].params.logprobs or 0, logits.shape[1]) for row in rows]
@@ -349,6 +395,5 @@ def _logprobs(
         values, ids = torch.topk(logprobs, max(ks), dim=1)
         top_values, top_ids = values.tolist(), ids.tolist()
     for i, row in enumerate(rows):
-        top = list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]]))
-        out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=top)
+        out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]])))
     return out

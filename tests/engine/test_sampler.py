@@ -25,6 +25,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=[1024, 5], ids=["one-stage", "two-stage"])
+def chunk(request, monkeypatch):
+    """Run a test with the whole-row inverse CDF and with the chunked two-stage one (VOCAB = 12 * 5 + 4
+    leaves a short last chunk)."""
+    monkeypatch.setattr(sampler_mod, "_CHUNK", request.param)
+    return request.param
+
+
 def seq(params: SamplingParams | None = None, prompt: list[int] | None = None, output: list[int] | None = None) -> Sequence:
     prompt = [1, 2, 3] if prompt is None else prompt
     output = output or []
@@ -79,7 +87,7 @@ OTHERS = [
 
 
 @pytest.mark.parametrize("params", SEEDED_VARIANTS)
-def test_seed_reproduces_alone_and_in_any_batch(params):
+def test_seed_reproduces_alone_and_in_any_batch(params, chunk):
     outputs = [4, 9, 4]
     alone, batched = [], []
     for step in range(30):
@@ -126,11 +134,12 @@ def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in SamplingParams.__slots__}
 
 
-def test_temperature_one_matches_softmax_frequencies():
-    row = logits_for(1, vocab=8)[0] / 3
+@pytest.mark.parametrize("vocab", [8, 23])
+def test_temperature_one_matches_softmax_frequencies(chunk, vocab):
+    row = logits_for(1, vocab=vocab)[0] / 3
     picks = draws(row, SamplingParams(temperature=1.0), num=8000)
     expected = torch.softmax(row, dim=0)
-    observed = torch.bincount(torch.tensor(picks), minlength=8).double() / len(picks)
+    observed = torch.bincount(torch.tensor(picks), minlength=vocab).double() / len(picks)
     sigma = (expected * (1 - expected) / len(picks)).sqrt()
     assert torch.all((observed - expected).abs() < 5 * sigma + 1e-3)
 
@@ -154,9 +163,9 @@ def known_probs() -> torch.Tensor:
     return torch.cat([probs.log(), torch.full((VOCAB - 6,), -1e4)])
 
 
-@pytest.mark.parametrize("prefix", [1024, 2])  # 2: the prefix misses the mass, forcing the full sort
-def test_top_p_keeps_smallest_set_reaching_p(monkeypatch, prefix):
-    monkeypatch.setattr(sampler_mod, "_TOP_P_PREFIX_TOKENS", prefix)
+@pytest.mark.parametrize("rounds", [16, 0])  # 0: no rejection rounds, every row takes the sorting fallback
+def test_top_p_keeps_smallest_set_reaching_p(monkeypatch, rounds, chunk):
+    monkeypatch.setattr(sampler_mod, "_MAX_TOP_P_ROUNDS", rounds)
     row = known_probs()
     assert set(draws(row, SamplingParams(temperature=1.0, top_p=0.75))) == {1, 3}
     assert set(draws(row, SamplingParams(temperature=1.0, top_p=0.85))) == {1, 3, 4}
@@ -171,13 +180,13 @@ def test_top_p_is_relative_to_what_top_k_left():
     assert set(draws(row, SamplingParams(temperature=1.0, top_k=2, top_p=0.7))) == {1, 3}
 
 
-def test_min_p_drops_tokens_under_fraction_of_best():
+def test_min_p_drops_tokens_under_fraction_of_best(chunk):
     row = known_probs()
     # threshold 0.15 * 0.5 = 0.075: keeps 0.5, 0.3, 0.1
     assert set(draws(row, SamplingParams(temperature=1.0, min_p=0.15))) == {1, 3, 4}
 
 
-def test_top_p_frequencies_are_renormalised():
+def test_top_p_frequencies_are_renormalised(chunk):
     row = known_probs()
     picks = draws(row, SamplingParams(temperature=1.0, top_p=0.75), num=4000)
     share = picks.count(1) / len(picks)
@@ -288,7 +297,23 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_k():
     assert second.logprob == pytest.approx(reference[1, 4].item(), abs=1e-5)
 
 
-def test_seeded_uniform_is_in_unit_interval_and_varies():
-    values = [sampler_mod.seeded_uniform(seed, step) for seed in (-1, 0, 1, 2**63 + 5) for step in range(50)]
+def test_seeded_streams_are_uniform_and_distinct():
+    values = []
+    for seed in (-1, 0, 1, 2**63 + 5):
+        for step in range(50):
+            u, state = sampler_mod.next_uniform(sampler_mod.seeded_state(seed, step))
+            values += [u, sampler_mod.next_uniform(state)[0]]
     assert all(0 <= v < 1 for v in values)
     assert len(set(values)) == len(values)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.95])
+def test_top_p_support_matches_sorted_reference_on_a_flat_row(chunk, top_p):
+    row = logits_for(1, seed=11)[0] / 3  # many tokens share the mass: several rejection rounds
+    probs = torch.softmax(row.double(), dim=0)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    allowed = set(order[before < top_p].tolist())
+    picks = draws(row, SamplingParams(temperature=1.0, top_p=top_p), num=3000)
+    assert set(picks) <= allowed
+    assert len(set(picks)) >= 0.8 * len(allowed)
