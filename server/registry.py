@@ -4,9 +4,11 @@ Lifecycle of one model id: registered -> loading -> ready (or failed). A registe
 on its first lease; concurrent first leases share one load task. Every request holds a lease on
 one loaded engine (a `_Slot`) for as long as it runs, so that:
 
-- hot switch (re-registering an id with another checkpoint) loads the new engine, then points
-  new leases at it; the old one serves the leases it has and shuts down when the last one ends;
-- unregister and eviction never cut a running request: a retired slot shuts down when drained.
+- hot switch (re-registering an id with another checkpoint) loads the new engine while the old
+  one keeps serving, then points new leases at it; the old one serves the leases it has and shuts
+  down when the last one ends. If the new load fails, the old engine stays;
+- unregister, eviction and `report_dead` never cut a running request: a retired slot shuts down
+  when drained.
 
 Memory: with a budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it
 starts and gives it back only once its engine has shut down. A load that does not fit waits for
@@ -20,8 +22,8 @@ Status codes a caller sees: 404 `model_not_found` (unknown id); 503 `model_loadi
 Retry-After (a lease waited `load_wait_timeout_s` for a load); 503 `model_load_failed` (a lease
 on a failed model); a registration that loads answers its load's own error: 400
 `invalid_checkpoint` / the engine's InvalidRequest code, 507 `memory_budget_exceeded`, 500
-`model_load_failed` for anything unexpected. Loads run in the factory (the real one on a thread);
-the event loop only awaits them.
+`model_load_failed` for anything unexpected; 503 `shutting_down` after close(). Loads run in the
+factory (the real one on a thread); the event loop only awaits them.
 """
 
 from __future__ import annotations
