@@ -1,0 +1,134 @@
+"""Meta's published Llama models: descriptor name, HF repo id, family, architecture, context length.
+
+The architecture of each entry is its params.json as Meta publishes it. A checkpoint's own
+params.json wins over this table (finetunes, pruned and test checkpoints); the table supplies the
+family (tokenizer, chat format, stop tokens) and the default context length, and the architecture
+only when a checkpoint has no params.json.
+
+Plain data, no torch: the server may resolve names without loading the engine.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from engine.types import CheckpointError, Family, InvalidRequest
+
+LLAMA2_VOCAB_SIZE = 32000
+LLAMA3_VOCAB_SIZE = 128256
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    name: str  # llama-models descriptor, e.g. "Llama3.2-3B-Instruct"
+    family: Family
+    hf_repo: str  # e.g. "meta-llama/Llama-3.2-3B-Instruct"
+    max_seq_len: int  # the family's default context length in tokens
+    pth_file_count: int  # shards Meta publishes (consolidated.NN.pth)
+    arch: tuple[tuple[str, Any], ...] = ()  # params.json items as Meta publishes them (a tuple: picklable, immutable)
+    supported_reason: str | None = None  # None: this engine runs it; else why not
+
+    @property
+    def architecture(self) -> dict[str, Any]:
+        """params.json fields; raises CheckpointError for architectures this engine cannot run."""
+        if self.supported_reason is not None:
+            raise CheckpointError(f"{self.name}: {self.supported_reason}")
+        return dict(self.arch)
+
+
+def _llama2(dim: int, n_layers: int, n_heads: int, *, n_kv_heads: int | None = None) -> dict[str, Any]:
+    # Llama 2 params.json ships vocab_size -1 (the 32000-token sentencepiece model), no n_kv_heads
+    # (MHA) for 7B/13B, and the reference default rope_theta of 10000.
+    arch: dict[str, Any] = {
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "vocab_size": LLAMA2_VOCAB_SIZE,
+        "multiple_of": 256 if n_kv_heads is None else 4096,
+        "norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "use_scaled_rope": False,
+    }
+    if n_kv_heads is not None:
+        arch.update(n_kv_heads=n_kv_heads, ffn_dim_multiplier=1.3)
+    return arch
+
+
+def _llama3(dim: int, n_layers: int, n_heads: int, ffn: float, multiple_of: int, *, scaled: bool) -> dict[str, Any]:
+    return {
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": 8,
+        "vocab_size": LLAMA3_VOCAB_SIZE,
+        "ffn_dim_multiplier": ffn,
+        "multiple_of": multiple_of,
+        "norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "use_scaled_rope": scaled,
+    }
+
+
+_L3_8B = dict(dim=4096, n_layers=32, n_heads=32, ffn=1.3, multiple_of=1024)
+_L3_70B = dict(dim=8192, n_layers=80, n_heads=64, ffn=1.3, multiple_of=4096)
+_L3_405B = dict(dim=16384, n_layers=126, n_heads=128, ffn=1.2, multiple_of=4096)
+_L32_1B = dict(dim=2048, n_layers=16, n_heads=32, ffn=1.5, multiple_of=256)
+_L32_3B = dict(dim=3072, n_layers=28, n_heads=24, ffn=1.0, multiple_of=256)
+_LLAMA4_REASON = "Llama 4 (mixture-of-experts, chunked attention) is not supported yet"
+
+
+def _build_table() -> dict[str, Descriptor]:
+    entries: list[Descriptor] = []
+
+    def add(name: str, family: Family, hf: str, max_seq_len: int, shards: int, arch: dict, reason=None) -> None:
+        entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason))
+
+    for suffix, hf_suffix in (("", ""), ("-chat", "-chat")):
+        add(f"Llama-2-7b{suffix}", "llama2", f"meta-llama/Llama-2-7b{hf_suffix}", 4096, 1, _llama2(4096, 32, 32))
+        add(f"Llama-2-13b{suffix}", "llama2", f"meta-llama/Llama-2-13b{hf_suffix}", 4096, 2, _llama2(5120, 40, 40))
+        add(
+            f"Llama-2-70b{suffix}", "llama2", f"meta-llama/Llama-2-70b{hf_suffix}", 4096, 8,
+            _llama2(8192, 80, 64, n_kv_heads=8),
+        )  # fmt: skip
+    for suffix in ("", "-Instruct"):
+        add(f"Llama-3-8B{suffix}", "llama3", f"meta-llama/Llama-3-8B{suffix}", 8192, 1, _llama3(**_L3_8B, scaled=False))
+        add(f"Llama-3-70B{suffix}", "llama3", f"meta-llama/Llama-3-70B{suffix}", 8192, 8, _llama3(**_L3_70B, scaled=False))
+        add(f"Llama3.1-8B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-8B{suffix}", 131072, 1, _llama3(**_L3_8B, scaled=True))
+        add(f"Llama3.1-70B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-70B{suffix}", 131072, 8, _llama3(**_L3_70B, scaled=True))
+        add(f"Llama3.1-405B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-405B{suffix}", 131072, 8, _llama3(**_L3_405B, scaled=True))
+        add(f"Llama3.2-1B{suffix}", "llama3_2", f"meta-llama/Llama-3.2-1B{suffix}", 131072, 1, _llama3(**_L32_1B, scaled=True))
+        add(f"Llama3.2-3B{suffix}", "llama3_2", f"meta-llama/Llama-3.2-3B{suffix}", 131072, 1, _llama3(**_L32_3B, scaled=True))
+    add("Llama3.3-70B-Instruct", "llama3_3", "meta-llama/Llama-3.3-70B-Instruct", 131072, 8, _llama3(**_L3_70B, scaled=True))
+    for name, max_seq_len in (
+        ("Llama-4-Scout-17B-16E", 262144),
+        ("Llama-4-Scout-17B-16E-Instruct", 10485760),
+        ("Llama-4-Maverick-17B-128E", 262144),
+        ("Llama-4-Maverick-17B-128E-Instruct", 1048576),
+    ):
+        add(name, "llama4", f"meta-llama/{name}", max_seq_len, 8, {}, _LLAMA4_REASON)
+    return {d.name: d for d in entries}
+
+
+DESCRIPTORS: Mapping[str, Descriptor] = MappingProxyType(_build_table())
+_BY_KEY: Mapping[str, Descriptor] = MappingProxyType(
+    {key.lower(): d for d in DESCRIPTORS.values() for key in (d.name, d.hf_repo, d.hf_repo.split("/", 1)[1])}
+)
+
+
+def find_descriptor(name: str) -> Descriptor | None:
+    """The descriptor named by a llama-models descriptor or an HF repo id (case-insensitive), or None."""
+    return _BY_KEY.get(name.strip().lower())
+
+
+def resolve_descriptor(name: str) -> Descriptor:
+    """Like find_descriptor, but an unknown name raises InvalidRequest listing the close matches."""
+    descriptor = find_descriptor(name)
+    if descriptor is not None:
+        return descriptor
+    names = [*DESCRIPTORS, *(d.hf_repo for d in DESCRIPTORS.values())]
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(DESCRIPTORS)}"
+    raise InvalidRequest(f"unknown Llama model descriptor {name!r}{hint}", param="llama_model")

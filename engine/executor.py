@@ -1,0 +1,161 @@
+"""The model side of the engine: weights, the paged KV cache and model-parallel workers.
+
+ModelExecutor runs on rank 0 and is what the runner drives: execute(StepInputs) -> logits.
+RankShard is one rank's share (weights + KV cache + forward), the same code on rank 0 and on
+every follower (engine/workers.py). dtype and device are read from EngineConfig here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint import CheckpointSpec, check_parallel_size, load_rank_state_dict
+from engine.config import EngineConfig
+from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.quantization import check_quantization, quantize_model
+from engine.step_inputs import StepInputs
+from engine.types import CheckpointError, EngineDead
+from engine.workers import ParallelGroup, launched_by_torchrun, rank_device
+
+log = logging.getLogger(__name__)
+
+
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    return getattr(torch, config.resolved_dtype())
+
+
+@dataclass
+class RankShard:
+    """One model-parallel rank: its weights, its KV cache, its forward pass."""
+
+    model: Transformer
+    mp_size: int
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_seq_len: int
+    weight_bytes: int  # this rank's weights in memory
+    kv_caches: list[KVCache] | None = None
+
+    @classmethod
+    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+        mp_size = config.model_parallel_size
+        dtype = torch_dtype(config)
+        started_s = time.monotonic()
+        with torch.device("meta"):
+            model = Transformer(spec.model_args, mp_size=mp_size, max_seq_len=max_seq_len)
+        state = load_rank_state_dict(spec, rank, mp_size)
+        # Views of the mmapped shards stay zero-copy when dtype and device already match.
+        state = {key: value.to(device=device, dtype=dtype).contiguous() for key, value in state.items()}
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:  # shapes were checked against params.json; this is a bug guard
+            raise CheckpointError(f"{spec.checkpoint_dir}: {exc}") from None
+        del state
+        quantize_model(model, config.quantization, mp_size)
+        model.init_rope(device, dtype)
+        model.eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info(
+            "rank %d: %.1f MiB of weights on %s as %s%s in %.2f s",
+            rank, weight_bytes / 2**20, device, dtype, f" ({config.quantization})" if config.quantization else "",
+            time.monotonic() - started_s,
+        )  # fmt: skip
+        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model.params, self.mp_size, self.block_size, self.dtype)
+
+    def plan_num_blocks(self, config: EngineConfig) -> int:
+        """KV blocks this rank can hold: the configured bytes (split over the ranks), or a fraction
+        of free accelerator memory, never more than a full batch of full-length sequences uses."""
+        if config.kv_cache_bytes is not None or self.device.type != "cuda":
+            total = config.kv_cache_bytes if config.kv_cache_bytes is not None else config.cpu_kv_cache_bytes
+            budget = total // self.mp_size
+        else:
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * config.kv_cache_memory_fraction)
+        useful = config.max_batch_size * math.ceil(self.max_seq_len / self.block_size)
+        num_blocks = min(budget // self.bytes_per_block, useful)
+        if num_blocks < 1:
+            raise CheckpointError(
+                f"KV cache budget of {budget} bytes per rank holds no block of {self.bytes_per_block} bytes; "
+                "raise kv_cache_bytes"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.model.params, self.mp_size, num_blocks, self.block_size, dtype=self.dtype, device=self.device
+        )
+        blocks_per_seq = math.ceil(self.max_seq_len / self.block_size)
+        if num_blocks < blocks_per_seq:
+            log.warning(
+                "KV cache holds %d tokens, less than one sequence of max_seq_len %d",
+                num_blocks * self.block_size, self.max_seq_len,
+            )  # fmt: skip
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        assert self.kv_caches is not None, "allocate_kv_cache first"
+        return self.model(inputs.to(self.device), self.kv_caches)
+
+
+class ModelExecutor:
+    """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
+
+    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int) -> None:
+        check_quantization(config.quantization)
+        check_parallel_size(spec.model_args, config.model_parallel_size)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.vocab_size = spec.model_args.vocab_size
+        self.block_size = config.block_size_tokens
+        self._group: ParallelGroup | None = None
+        self._closed = False
+        mp_size = config.model_parallel_size
+        if mp_size > 1:
+            if launched_by_torchrun():
+                self._group = ParallelGroup.join_launched(config)
+            else:
+                self._group = ParallelGroup.spawn(config, spec, max_seq_len=max_seq_len)
+        try:
+            device = self._group.device if self._group else rank_device(config, 0)
+            self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
+            num_blocks = self._shard.plan_num_blocks(config)
+            if self._group is not None:
+                num_blocks = self._group.agree_min(num_blocks)
+            self._shard.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
+        log.info(
+            "executor ready: %d KV blocks of %d tokens (%.1f MiB), weights %.1f MiB, model_parallel_size %d",
+            num_blocks, self.block_size, self.kv_cache_bytes / 2**20, self.weight_bytes / 2**20, mp_size,
+        )  # fmt: skip
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_logits, vocab] float32 logits on the CPU, for inputs.logits_indices rows."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        if self._group is None:
+            return self._shard.forward(inputs).cpu()
+        self._group.broadcast_step(inputs)
+        return self._group.collective(lambda: self._shard.forward(inputs)).cpu()
+
+    def shutdown(self) -> None:
+        """Stop followers and free the process group; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None

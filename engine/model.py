@@ -1,0 +1,351 @@
+"""Llama 2 / 3 / 3.1 / 3.2 / 3.3 text model in the llama3 reference shape, over a paged KV cache.
+
+Same modules, parameter names and maths as llama-models' llama3 `model.py` (RMSNorm, RoPE with
+Llama 3.1 frequency scaling, grouped-query attention, SwiGLU, fairscale model-parallel layers),
+so a Meta checkpoint's state dict loads as is. What differs is the forward contract: one flat
+batch of new tokens from many sequences (prefill chunks and single decode tokens mixed), each
+token's K/V written to its slot in a paged cache and attention read back through each sequence's
+block table. Attention metadata is built once per step and passed down explicitly.
+
+Model parallel: fairscale keeps its model-parallel group in process-global state, so a process
+holds at most one model with mp_size > 1 at a time (engine.workers owns that group's lifetime).
+With mp_size == 1 the layers are plain nn.Linear / nn.Embedding with the same parameter names:
+no process group needed, and no collective calls on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint import ModelArgs
+from engine.step_inputs import StepInputs
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, n_local_kv_heads, head_dim]
+
+
+# --------------------------------------------------------------------------- model-parallel layers
+def _fairscale():
+    import fairscale.nn.model_parallel.initialize as fs_init
+    from fairscale.nn.model_parallel import layers
+
+    return fs_init, layers
+
+
+def _check_group(mp_size: int) -> None:
+    fs_init, _ = _fairscale()
+    if not fs_init.model_parallel_is_initialized():
+        raise RuntimeError(
+            f"model_parallel_size {mp_size} needs fairscale's model-parallel group; build the model through "
+            "engine.executor.ModelExecutor (or engine.workers) which creates it"
+        )
+    world = fs_init.get_model_parallel_world_size()
+    if world != mp_size:
+        raise RuntimeError(
+            f"this process already holds a model-parallel group of size {world}; one model with "
+            f"model_parallel_size > 1 per process (asked for {mp_size})"
+        )
+
+
+def column_parallel_linear(in_features: int, out_features: int, mp_size: int, *, gather_output: bool = False) -> nn.Module:
+    """fairscale ColumnParallelLinear (output rows split over ranks), or nn.Linear at mp_size 1."""
+    if mp_size == 1:
+        return nn.Linear(in_features, out_features, bias=False)
+    _check_group(mp_size)
+    _, layers = _fairscale()
+    layer = layers.ColumnParallelLinear.__new__(layers.ColumnParallelLinear)
+    # fairscale's __init__ materialises the full master weight on CPU to initialise it; the model
+    # is built on the meta device and loaded from a checkpoint, so set the attributes directly.
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features, layer.gather_output = in_features, out_features, gather_output
+    layer.output_size_per_partition = out_features // mp_size
+    layer.weight = nn.Parameter(torch.empty(out_features // mp_size, in_features), requires_grad=False)
+    layer.register_parameter("bias", None)
+    layer.master_weight = None
+    return layer
+
+
+def row_parallel_linear(in_features: int, out_features: int, mp_size: int) -> nn.Module:
+    """fairscale RowParallelLinear (input columns split, outputs all-reduced), or nn.Linear."""
+    if mp_size == 1:
+        return nn.Linear(in_features, out_features, bias=False)
+    _check_group(mp_size)
+    _, layers = _fairscale()
+    layer = layers.RowParallelLinear.__new__(layers.RowParallelLinear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features, layer.input_is_parallel = in_features, out_features, True
+    layer.input_size_per_partition = in_features // mp_size
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features // mp_size), requires_grad=False)
+    layer.register_parameter("bias", None)
+    layer.master_weight = None
+    return layer
+
+
+def vocab_parallel_embedding(vocab_size: int, dim: int, mp_size: int) -> nn.Module:
+    """fairscale VocabParallelEmbedding (vocab rows split, outputs all-reduced), or nn.Embedding."""
+    if mp_size == 1:
+        return nn.Embedding(vocab_size, dim)
+    _check_group(mp_size)
+    fs_init, layers = _fairscale()
+    layer = layers.VocabParallelEmbedding.__new__(layers.VocabParallelEmbedding)
+    nn.Module.__init__(layer)
+    layer.num_embeddings, layer.embedding_dim = vocab_size, dim
+    layer.padding_idx, layer.max_norm, layer.norm_type = None, None, 2.0
+    layer.scale_grad_by_freq, layer.sparse, layer._weight = False, False, None
+    rank = fs_init.get_model_parallel_rank()
+    per_rank = vocab_size // mp_size
+    layer.vocab_start_index, layer.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
+    layer.num_embeddings_per_partition = per_rank
+    layer.weight = nn.Parameter(torch.empty(per_rank, dim), requires_grad=False)
+    return layer
+
+
+# --------------------------------------------------------------------------- pure helpers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.float64):  # fused kernel, same maths
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x) * self.weight
+
+
+def apply_scaling(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1 long-context RoPE frequency scaling (values from Meta's grid search)."""
+    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8, 1, 4, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * torch.pi / freqs
+    new_freqs = torch.where(wavelen > low_freq_wavelen, freqs / scale_factor, freqs)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, (1 - smooth) * new_freqs / scale_factor + smooth * new_freqs, new_freqs)
+
+
+def precompute_freqs_cis(
+    head_dim: int, end: int, theta: float, use_scaled: bool, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[end, head_dim // 2] complex rotations, position-major (the reference's table)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device="cpu")[: head_dim // 2] / head_dim))
+    if use_scaled:
+        freqs = apply_scaling(freqs)
+    angles = torch.outer(torch.arange(end, dtype=dtype, device="cpu"), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by freqs_cis [tokens, 1, head_dim // 2] (adjacent pairs)."""
+    real = x.to(freqs_cis.real.dtype).reshape(*x.shape[:-1], -1, 2)
+    return torch.view_as_real(torch.view_as_complex(real) * freqs_cis).flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------- attention metadata
+@dataclass(slots=True)
+class PrefillChunk:
+    rows: slice  # rows of the flat batch holding this sequence's new tokens
+    block_ids: torch.Tensor  # [ceil(kv_len / block_size)] the sequence's blocks covering its K/V
+    kv_len: int  # K/V length after this step (cached prefix + new tokens)
+    mask: torch.Tensor | None  # [n_new, kv_len] bool, True = attend; None: no prefix, plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about the batch layout, built once per step for all layers.
+    Sequences with one new token (decodes) are attended together in one padded batch; longer
+    chunks (prefills) one at a time, since their query lengths differ."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token's K/V
+    decode_rows: slice | torch.Tensor | None  # rows of the decode tokens (a slice when contiguous)
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, inputs: StepInputs, block_size: int) -> "AttentionMetadata":
+        starts = inputs.query_start_loc.tolist()
+        seq_lens = inputs.seq_lens.tolist()
+        device = inputs.block_tables.device
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        prefills = []
+        for i in range(len(seq_lens)):
+            n_new = starts[i + 1] - starts[i]
+            if n_new > 1:
+                prefills.append(_prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size, device))
+        decode_rows = decode_tables = decode_mask = None
+        if decodes:
+            lens = [seq_lens[i] for i in decodes]
+            max_blocks = -(-max(lens) // block_size)
+            decode_tables = inputs.block_tables[decodes, :max_blocks] if len(decodes) < len(seq_lens) else inputs.block_tables[:, :max_blocks]
+            positions = torch.arange(max_blocks * block_size, device=device)
+            decode_mask = (positions[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+            rows = [starts[i] for i in decodes]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            decode_rows = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
+        return cls(inputs.slot_mapping, decode_rows, decode_tables, decode_mask, prefills)
+
+
+def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int, device) -> PrefillChunk:
+    num_blocks = -(-kv_len // block_size)
+    prefix = kv_len - n_new
+    mask = None
+    if prefix > 0:  # query j sits at position prefix + j and sees keys 0..prefix + j
+        query_pos = torch.arange(prefix, kv_len, device=device)[:, None]
+        mask = torch.arange(kv_len, device=device)[None, :] <= query_pos
+    return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks], kv_len, mask)
+
+
+# --------------------------------------------------------------------------- the transformer
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, mp_size: int) -> None:
+        super().__init__()
+        self.n_kv_heads = args.kv_heads
+        self.n_local_heads = args.n_heads // mp_size
+        self.n_local_kv_heads = max(1, self.n_kv_heads // mp_size)  # past n_kv_heads ranks repeat heads
+        self.n_rep = self.n_local_heads // self.n_local_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = column_parallel_linear(args.dim, args.n_heads * self.head_dim, mp_size)
+        self.wk = column_parallel_linear(args.dim, self.n_local_kv_heads * mp_size * self.head_dim, mp_size)
+        self.wv = column_parallel_linear(args.dim, self.n_local_kv_heads * mp_size * self.head_dim, mp_size)
+        self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim, mp_size)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = apply_rotary_emb(self.wq(x).view(num_tokens, self.n_local_heads, self.head_dim), freqs_cis)
+        k = apply_rotary_emb(self.wk(x).view(num_tokens, self.n_local_kv_heads, self.head_dim), freqs_cis)
+        v = self.wv(x).view(num_tokens, self.n_local_kv_heads, self.head_dim)
+        k_cache, v_cache = cache
+        k_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            out[chunk.rows] = self._prefill(q[chunk.rows], k[chunk.rows], v[chunk.rows], k_cache, v_cache, chunk)
+        return self.wo(out.view(num_tokens, -1))
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence. Grouped query heads ride in SDPA's query-length dim (the n_rep
+        heads sharing a KV head are n_rep queries against it), so K/V are never repeated."""
+        batch, max_blocks = meta.decode_block_tables.shape
+        shape = (batch, max_blocks * k_cache.shape[1], self.n_local_kv_heads, self.head_dim)
+        keys = k_cache[meta.decode_block_tables].view(shape).transpose(1, 2)
+        values = v_cache[meta.decode_block_tables].view(shape).transpose(1, 2)
+        queries = q.view(batch, self.n_local_kv_heads, self.n_rep, self.head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
+        return out.reshape(batch, self.n_local_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.mask is None:  # no cached prefix: the new tokens are the whole K/V
+            keys, values = k, v
+        else:
+            shape = (-1, self.n_local_kv_heads, self.head_dim)
+            keys = k_cache[chunk.block_ids].view(shape)[: chunk.kv_len]
+            values = v_cache[chunk.block_ids].view(shape)[: chunk.kv_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=self.n_rep > 1,
+        )  # fmt: skip
+        return out.transpose(0, 1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, mp_size: int) -> None:
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = column_parallel_linear(args.dim, hidden, mp_size)
+        self.w2 = row_parallel_linear(hidden, args.dim, mp_size)
+        self.w3 = column_parallel_linear(args.dim, hidden, mp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)).mul_(self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs, mp_size: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args, mp_size)
+        self.feed_forward = FeedForward(args, mp_size)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Build it under `torch.device("meta")`, then load_state_dict(assign=True) and init_rope()."""
+
+    def __init__(self, args: ModelArgs, *, mp_size: int = 1, max_seq_len: int) -> None:
+        super().__init__()
+        self.params = args
+        self.mp_size = mp_size
+        self.max_seq_len = max_seq_len
+        self.vocab_size = args.vocab_size
+        self.tok_embeddings = vocab_parallel_embedding(args.vocab_size, args.dim, mp_size)
+        self.layers = nn.ModuleList(TransformerBlock(i, args, mp_size) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        if not args.tie_word_embeddings:
+            self.output = column_parallel_linear(args.dim, args.vocab_size, mp_size, gather_output=True)
+        self.freqs_cis: torch.Tensor | None = None
+
+    def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)."""
+        real = torch.float64 if dtype == torch.float64 else torch.float32
+        args = self.params
+        table = precompute_freqs_cis(args.head_dim, self.max_seq_len, args.rope_theta, args.use_scaled_rope, dtype=real)
+        self.freqs_cis = table.to(device)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
+        """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
+        meta = AttentionMetadata.build(inputs, block_size=kv_caches[0][0].shape[1])
+        freqs_cis = self.freqs_cis[inputs.positions].unsqueeze(1)
+        h = self.tok_embeddings(inputs.input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, freqs_cis, cache, meta)
+        return self.logits(h[inputs.logits_indices])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        if self.params.tie_word_embeddings:
+            return self._tied_logits(h)
+        return self.output(h).float()
+
+    def _tied_logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.tok_embeddings.weight  # this rank's vocab rows
+        logits = F.linear(h, weight)
+        if self.mp_size > 1:
+            from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region
+
+            logits = gather_from_model_parallel_region(logits)
+        return logits.float()
+
+
+def kv_cache_shape(args: ModelArgs, mp_size: int, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """Per layer, for K and for V: [num_blocks, block_size, n_local_kv_heads, head_dim]."""
+    return (num_blocks, block_size, max(1, args.kv_heads // mp_size), args.head_dim)
+
+
+def kv_cache_bytes_per_block(args: ModelArgs, mp_size: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, K and V, on one rank."""
+    per_layer = math.prod(kv_cache_shape(args, mp_size, 1, block_size)) * torch.empty((), dtype=dtype).element_size()
+    return 2 * args.n_layers * per_layer
+
+
+def allocate_kv_caches(
+    args: ModelArgs, mp_size: int, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    shape = kv_cache_shape(args, mp_size, num_blocks, block_size)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(args.n_layers)
+    ]
