@@ -21,8 +21,6 @@ from typing import Iterable, Sequence
 
 from server.errors import ApiError
 
-DEFAULT_CHECKPOINT_ROOT = Path("~/.llama/checkpoints")  # where `llama model download` writes
-
 _MAX_SCAN_DEPTH = 3  # checkpoint dirs are flat (Meta) or one level deep (HF `original/`)
 _MAX_SCAN_ENTRIES = 10_000  # a bound on the symlink scan of an untrusted dir
 
