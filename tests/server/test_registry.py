@@ -611,3 +611,18 @@ async def test_hot_switches_under_a_stream_of_requests_drop_nothing(root, seed, 
     await within(registry.close())
     assert factory.events.count("shutdown v0") == 1 and all(e.closed.is_set() for e in factory.engines)
     assert registry.lifecycle_stats().memory_reserved_bytes == 0
+
+
+async def test_registry_keeps_no_reference_to_unloaded_engines(registry, root, factory) -> None:
+    import gc
+    import weakref
+
+    await registry.register(spec_for(root, "a"), load=True)
+    await registry.register(spec_for(root, "a", "a2"), load=True)  # hot switch retires the first
+    async with registry.lease("a") as engine:
+        refs = [weakref.ref(e) for e in factory.engines]
+        del engine
+    factory.engines.clear()
+    await registry.unregister("a")
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]  # their weights can be freed
