@@ -183,7 +183,7 @@ def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] without a copy when rows is every row in order (the common case)."""
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         return x
-    return x[torch.tensor(rows, device=x.device)]
+    return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
 def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -279,12 +279,8 @@ def _weights(xs: torch.Tensor, temperature: list[float], min_p: list[float]) -> 
     dead = [i for i, value in enumerate(row_max_list) if not math.isfinite(value)]
     if dead:  # the caller reports these rows; keep the arithmetic finite meanwhile
         weights[torch.tensor(dead, device=device)] = 1.0
-    cut = [(i, p) for i, p in enumerate(min_p) if p > 0]
-    if cut:
-        idx = torch.tensor([i for i, _ in cut], device=device)
-        sub = weights[idx]
-        floor = torch.tensor([p for _, p in cut], device=device).unsqueeze(1)
-        weights[idx] = sub.masked_fill(sub < floor, 0.0)
+    if any(p > 0 for p in min_p):  # one in-place pass; rows without min_p have floor 0
+        weights.masked_fill_(weights < torch.tensor(min_p, device=device).unsqueeze(1), 0.0)
     return weights, row_max_list
 
 
