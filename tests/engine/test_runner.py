@@ -131,3 +131,63 @@ def test_inconsistent_batch_is_refused(computed, count, blocks):
     seq = make_seq(0, list(range(10)), 10, computed, blocks)
     with pytest.raises(ValueError, match="sequence 0"):
         build_step_inputs(ScheduledBatch([seq], [count]), BLOCK_SIZE)
+
+
+# ---------------------------------------------------------------------- over the real tiny model
+@pytest.fixture(scope="module")
+def real_runner(tiny_checkpoint):
+    from engine.checkpoint import resolve_checkpoint
+    from engine.config import EngineConfig
+    from engine.executor import ModelExecutor
+    from tests.conftest import TINY_DESCRIPTOR
+
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    config = EngineConfig(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=4)
+    runner = ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=64), stop_token_ids=frozenset())
+    yield runner
+    runner.shutdown()
+
+
+def test_chunked_generation_through_real_executor_equals_one_shot_prefills(real_runner):
+    """Greedy tokens from 4-token prefill chunks then decodes, batched beside another sequence,
+    equal those of a one-shot prefill of each prefix on fresh blocks (float64: no near ties)."""
+    next_block = iter(range(real_runner.num_blocks))
+    logprobs_by_seq: dict[int, list[float]] = {}
+    g = torch.Generator().manual_seed(3)
+    vocab = real_runner.vocab_size
+
+    def new_seq(seq_id: int, prompt: list[int]) -> Sequence:
+        return Sequence(seq_id, f"r{seq_id}", list(prompt), len(prompt), SamplingParams(temperature=0, logprobs=1))
+
+    def step(pairs: list[tuple[Sequence, int]]):
+        for seq, n in pairs:
+            while len(seq.block_table) * BLOCK_SIZE < seq.num_computed_tokens + n:
+                seq.block_table.append(next(next_block))
+        batch = ScheduledBatch([s for s, _ in pairs], [n for _, n in pairs])
+        out = real_runner.execute(batch)
+        assert out.errors == {}
+        for seq, n in pairs:  # what the scheduler does after a step
+            seq.num_computed_tokens += n
+        for seq_id, token, logprob in zip(out.seq_ids, out.sampled_token_ids, out.logprobs):
+            seq = next(s for s, _ in pairs if s.seq_id == seq_id)
+            seq.token_ids.append(token)
+            logprobs_by_seq.setdefault(seq_id, []).append(logprob.logprob)
+        return out
+
+    prompt = torch.randint(0, vocab, (11,), generator=g).tolist()
+    chunked = new_seq(0, prompt)
+    other = new_seq(1, torch.randint(0, vocab, (5,), generator=g).tolist())
+    step([(other, 5)])
+    assert step([(other, 1), (chunked, 4)]).seq_ids == [1]  # partial chunk: no token
+    step([(other, 1), (chunked, 4)])
+    step([(chunked, 3), (other, 1)])  # last chunk samples the first output token
+    for _ in range(5):
+        step([(other, 1), (chunked, 1)])
+    generated = chunked.output_token_ids
+    assert len(generated) == 6
+
+    for j in range(len(generated)):
+        one_shot = new_seq(100 + j, prompt + generated[:j])
+        out = step([(one_shot, one_shot.num_tokens)])
+        assert out.sampled_token_ids == [generated[j]]
+        assert logprobs_by_seq[100 + j][0] == pytest.approx(logprobs_by_seq[0][j], abs=1e-5)
