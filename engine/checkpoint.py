@@ -147,7 +147,7 @@ def find_shards(checkpoint_dir: Path) -> tuple[Path, ...]:
     if numbered:
         ranks = [rank for rank, _ in numbered]
         if ranks != list(range(len(ranks))):
-            raise CheckpointError(f"{checkpoint_dir}: consolidated shards are not numbered 00..{len(ranks) - 1}: {ranks}")
+            raise CheckpointError(f"{checkpoint_dir}: consolidated shards are not numbered 00..{len(ranks) - 1:02d}: {ranks}")
         return tuple(p for _, p in numbered)
     tune = sorted((int(m.group(1)), p) for p in files if (m := _TORCHTUNE.match(p.name)))
     if tune:
@@ -354,7 +354,8 @@ class _Shards:
         size = len(self._spec.shard_paths)
         missing = [k for k in self._layouts if k not in state]
         if missing:
-            raise CheckpointError(f"{path}: missing key {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{path}: missing key {missing[0]!r}{more}, expected by {self._arch_source()}")
         unexpected = [k for k in state if k not in self._layouts and k not in _IGNORED_KEYS]
         if unexpected:
             raise CheckpointError(f"{path}: unexpected key {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
@@ -368,8 +369,13 @@ class _Shards:
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(
                     f"{path}: key {key!r} has shape {list(tensor.shape)}, expected {list(expected)} "
-                    f"(shard {old_rank} of {size}, params.json {self._describe(key)})"
+                    f"(shard {old_rank} of {size}, {self._arch_source()} {self._describe(key)})"
                 )
+
+    def _arch_source(self) -> str:
+        if (self._spec.checkpoint_dir / PARAMS_FILE).exists() or self._spec.descriptor is None:
+            return "params.json"
+        return f"{self._spec.descriptor.name}'s published architecture (no params.json)"
 
     def _describe(self, key: str) -> str:
         a = self._spec.model_args

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.checkpoint import ModelArgs, parameter_count
+from engine.descriptors import DESCRIPTORS, find_descriptor, resolve_descriptor
+from engine.types import CheckpointError, InvalidRequest
+
+REQUIRED = [
+    *(f"Llama3.1-{s}{i}" for s in ("8B", "70B", "405B") for i in ("", "-Instruct")),
+    *(f"Llama3.2-{s}{i}" for s in ("1B", "3B") for i in ("", "-Instruct")),
+    "Llama3.3-70B-Instruct",
+    *(f"Llama-2-{s}{c}" for s in ("7b", "13b") for c in ("", "-chat")),
+    *(f"Llama-4-{m}{i}" for m in ("Scout-17B-16E", "Maverick-17B-128E") for i in ("", "-Instruct")),
+]
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_table_has_required_descriptors(name):
+    assert name in DESCRIPTORS
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("Llama3.2-3B-Instruct", "Llama3.2-3B-Instruct"),
+        ("meta-llama/Llama-3.2-3B-Instruct", "Llama3.2-3B-Instruct"),
+        ("Llama-3.2-3B-Instruct", "Llama3.2-3B-Instruct"),  # the HF name without its org
+        ("  meta-llama/llama-3.1-8b  ", "Llama3.1-8B"),  # case and whitespace are not significant
+        ("meta-llama/Llama-2-7b-chat", "Llama-2-7b-chat"),
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "Llama-4-Scout-17B-16E-Instruct"),
+    ],
+)
+def test_both_naming_styles_resolve(name, expected):
+    assert resolve_descriptor(name).name == expected
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(InvalidRequest, match=r"unknown Llama model descriptor 'Llama3.2-3B-Instrct'.*Llama3.2-3B-Instruct") as info:
+        resolve_descriptor("Llama3.2-3B-Instrct")
+    assert info.value.param == "llama_model"
+    assert find_descriptor("gpt-4") is None
+
+
+@pytest.mark.parametrize("name", ["Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"])
+def test_llama4_architecture_is_not_supported_yet(name):
+    descriptor = resolve_descriptor(name)
+    assert descriptor.family == "llama4"
+    with pytest.raises(CheckpointError, match="Llama 4.*not supported yet"):
+        descriptor.architecture
+
+
+@pytest.mark.parametrize(
+    "name, family, max_seq_len, ffn_hidden, billions",
+    [
+        ("Llama3.1-8B-Instruct", "llama3_1", 131072, 14336, 8.03),
+        ("Llama3.1-70B", "llama3_1", 131072, 28672, 70.55),
+        ("Llama3.1-405B-Instruct", "llama3_1", 131072, 53248, 405.85),
+        ("Llama3.2-1B-Instruct", "llama3_2", 131072, 8192, 1.50),  # untied count; Meta ships output.weight
+        ("Llama3.2-3B", "llama3_2", 131072, 8192, 3.61),
+        ("Llama3.3-70B-Instruct", "llama3_3", 131072, 28672, 70.55),
+        ("Llama-2-7b", "llama2", 4096, 11008, 6.74),
+        ("Llama-2-13b-chat", "llama2", 4096, 13824, 13.02),
+    ],
+)
+def test_published_architectures(name, family, max_seq_len, ffn_hidden, billions):
+    descriptor = resolve_descriptor(name)
+    args = ModelArgs.from_params(descriptor.architecture, source=name)
+    assert descriptor.family == family and descriptor.max_seq_len == max_seq_len
+    assert args.ffn_hidden_dim == ffn_hidden
+    assert parameter_count(args) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_use_scaled_rope_follows_the_family():
+    for d in DESCRIPTORS.values():
+        if d.family in ("llama3_1", "llama3_2", "llama3_3"):
+            assert d.architecture["use_scaled_rope"] is True
+        elif d.family in ("llama2", "llama3"):
+            assert d.architecture["use_scaled_rope"] is False

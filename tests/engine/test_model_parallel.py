@@ -1,0 +1,59 @@
+"""MODEL_PARALLEL_SIZE=2 on CPU (gloo, one spawned follower) against size 1 on the same weights.
+
+Each case spawns one process; sizes are tiny and each executor runs one short schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from engine.types import EngineDead
+from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPT_LENGTHS = [3, 9, 14]
+
+
+def _run(checkpoint, mp_size: int):
+    executor = make_executor(checkpoint, mp_size=mp_size)
+    try:
+        return run_random_schedule(executor, random_prompts(256, PROMPT_LENGTHS, seed=21), seed=21, max_new=4)
+    finally:
+        executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mp1_results(tiny_checkpoint):
+    return _run(tiny_checkpoint, 1)
+
+
+@pytest.mark.parametrize("shards", ["1->2", "2->2", "2->1"])
+def test_mp_matches_single_process(request, mp1_results, shards):
+    """Same greedy tokens and near-identical logits, whatever the saved and the run sizes."""
+    saved, run = (int(x) for x in shards.split("->"))
+    checkpoint = request.getfixturevalue("tiny_checkpoint" if saved == 1 else "tiny_checkpoint_2shards")
+    results = _run(checkpoint, run)
+    for seq_id, (logits, tokens) in mp1_results.items():
+        other_logits, other_tokens = results[seq_id]
+        assert other_tokens == tokens
+        torch.testing.assert_close(other_logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_dead_worker_is_reported(tiny_checkpoint):
+    executor = make_executor(tiny_checkpoint, mp_size=2)
+    try:
+        follower = executor._group.processes[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(30)
+        with pytest.raises(EngineDead, match="rank 1"):
+            run_random_schedule(executor, random_prompts(256, [5], seed=1), seed=1, max_new=1)
+        with pytest.raises(EngineDead):  # stays dead
+            run_random_schedule(executor, random_prompts(256, [5], seed=1), seed=1, max_new=1)
+    finally:
+        executor.shutdown()  # must not hang on the dead follower
+    assert not follower.is_alive()
