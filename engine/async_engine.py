@@ -1,0 +1,246 @@
+"""The engine as the server sees it: `generate()` per request, the model stepping on its own thread.
+
+The event loop only does I/O: `generate()` validates, hands the request to the engine thread and
+awaits the request's own slot. The engine thread applies adds and aborts, runs one step, and sends
+each event loop the step's deltas in one `call_soon_threadsafe`. A slot merges deltas its consumer
+has not taken yet, so a slow reader never holds up the step or anyone else. When idle the engine
+thread sleeps on a condition variable; nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from typing import Any, AsyncIterator
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.output import DetokenizerFactory
+from engine.sequence import ModelRunner
+from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, InvalidRequest, QueueFull, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    return RequestOutput(
+        request_id=then.request_id,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        text_delta=first.text_delta + then.text_delta,
+        logprobs=logprobs,
+        finish_reason=then.finish_reason,
+        stop_reason=then.stop_reason,
+        num_prompt_tokens=then.num_prompt_tokens,
+        num_output_tokens=then.num_output_tokens,
+        num_cached_tokens=then.num_cached_tokens,
+        error=then.error,
+    )
+
+
+class _Slot:
+    """One request's mailbox, living on the event loop that awaits it."""
+
+    __slots__ = ("loop", "pending", "error", "ready")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.pending = item if self.pending is None else merge_outputs(self.pending, item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.pending is not None:  # deltas that came before an error are still delivered
+            output, self.pending = self.pending, None
+            return output
+        raise self.error  # type: ignore[misc]
+
+
+def _deliver(items: list[tuple[_Slot, RequestOutput | BaseException]]) -> None:
+    for slot, item in items:
+        slot.put(item)
+
+
+class AsyncEngine:
+    """engine.types.EngineClient over an EngineCore stepping on a dedicated thread."""
+
+    def __init__(
+        self,
+        model_id: str,
+        runner: ModelRunner,
+        tokenizer: Any,
+        chat_format: Any,
+        config: EngineConfig,
+        *,
+        max_seq_len: int,
+        detokenizer_factory: DetokenizerFactory | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.chat_format = chat_format
+        self.config = config
+        self.runner = runner
+        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
+        self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
+        self._cond = threading.Condition()
+        self._adds: list[tuple[EngineRequest, _Slot]] = []  # guarded by _cond
+        self._aborts: list[str] = []  # guarded by _cond
+        self._dead: EngineDead | None = None  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._active: dict[str, _Slot] = {}  # event-loop side: requests whose generator is open
+        self._slots: dict[str, _Slot] = {}  # engine-thread side: where each request's deltas go
+        self._runner_shut_down = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ EngineClient
+    @property
+    def num_running_requests(self) -> int:
+        """Requests in flight (queued, running, or with deltas not yet taken)."""
+        return len(self._active)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Validate now (raising InvalidRequest, ContextLengthExceeded, QueueFull or EngineDead
+        before anything is yielded), queue on first iteration, then yield deltas."""
+        self._check_can_add(request)
+        return self._stream(request)
+
+    async def abort(self, request_id: str) -> None:
+        self._post_abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        if not self._runner_shut_down:
+            self._runner_shut_down = True
+            await asyncio.to_thread(self.runner.shutdown)
+
+    # ------------------------------------------------------------------ event-loop side
+    def _check_can_add(self, request: EngineRequest) -> None:
+        if self._dead is not None:
+            raise EngineDead(f"model {self.model_id!r} is not available: {self._dead}")
+        if self._stopping:
+            raise EngineDead(f"model {self.model_id!r} is shutting down")
+        self.core.check(request)  # pure: reads only immutable limits
+        if request.request_id in self._active:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        num_waiting = self.core.scheduler.num_waiting + len(self._adds)
+        if num_waiting >= self.config.max_waiting_requests:
+            raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
+
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        self._check_can_add(request)  # again: time may have passed since generate()
+        slot = _Slot(asyncio.get_running_loop())
+        self._active[request_id] = slot
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                del self._active[request_id]
+                raise EngineDead(f"model {self.model_id!r} is not available")
+            self._adds.append((request, slot))
+            self._cond.notify()
+        finished = False
+        try:
+            while not finished:
+                output = await slot.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._active.pop(request_id, None)
+            if not finished:  # the consumer left early (client gone, cancelled): free the blocks
+                self._post_abort(request_id)
+
+    def _post_abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._adds or self._aborts or self._stopping or self.core.has_unfinished):
+                    self._cond.wait()
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                stopping = self._stopping
+            if stopping:
+                self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), adds)
+                return
+            items = self._apply(adds, aborts)
+            steps_before = self.core.timing.num_steps
+            try:
+                outputs = self.core.step()
+            except BaseException as exc:  # a dead worker, or a bug: every request fails, the model goes away
+                log.exception("engine for %s stopped", self.model_id)
+                dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine step crashed: {exc!r}")
+                self._send(items)
+                self._fail_everything(dead, [])
+                return
+            items += self._route(outputs)
+            self._send(items)
+            if self.core.has_unfinished and self.core.timing.num_steps == steps_before:
+                with self._cond:  # nothing could be scheduled (should not happen): wait for news, not spin
+                    self._cond.wait(timeout=0.01)
+
+    def _apply(self, adds: list[tuple[EngineRequest, _Slot]], aborts: list[str]) -> list[tuple[_Slot, Any]]:
+        items: list[tuple[_Slot, Any]] = []
+        for request, slot in adds:
+            try:
+                self.core.add_request(request)
+            except EngineError as exc:
+                items.append((slot, exc))
+            else:
+                self._slots[request.request_id] = slot
+        outputs = [out for request_id in aborts if (out := self.core.abort_request(request_id)) is not None]
+        return items + self._route(outputs)
+
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Slot, Any]]:
+        items: list[tuple[_Slot, Any]] = []
+        for output in outputs:
+            slot = self._slots.pop(output.request_id) if output.finished else self._slots.get(output.request_id)
+            if slot is not None:
+                items.append((slot, output))
+        return items
+
+    def _send(self, items: list[tuple[_Slot, Any]]) -> None:
+        """One call_soon_threadsafe per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Slot, Any]]] = defaultdict(list)
+        for slot, item in items:
+            by_loop[slot.loop].append((slot, item))
+        for loop, loop_items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, loop_items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+    def _fail_everything(self, error: EngineDead, adds: list[tuple[EngineRequest, _Slot]]) -> None:
+        with self._cond:
+            self._dead = self._dead or error
+            adds = adds + self._adds
+            self._adds = []
+        self.core.fail_all(str(error))  # frees every block
+        items: list[tuple[_Slot, Any]] = [(slot, error) for slot in self._slots.values()]
+        items += [(slot, error) for _, slot in adds]
+        self._slots.clear()
+        self._send(items)

@@ -1,0 +1,267 @@
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.async_engine import AsyncEngine, merge_outputs
+from engine.config import EngineConfig
+from engine.sequence import ScheduledBatch, StepOutput
+from engine.types import (
+    ContextLengthExceeded,
+    EngineDead,
+    EngineRequest,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+)
+from tests.engine.fakes import FakeDetokenizer, FakeRunner, FakeTokenizer, default_next_token
+
+TOK = FakeTokenizer()
+
+
+class GatedRunner(FakeRunner):
+    """A FakeRunner whose steps can be held, to keep requests in flight: `hold()`, then
+    `release(n)` lets n more steps run, `open()` lets all run."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._permits = threading.Semaphore(0)
+        self._held = False
+
+    def hold(self) -> None:
+        self._held = True
+
+    def release(self, num_steps: int = 1) -> None:
+        self._permits.release(num_steps)
+
+    def open(self) -> None:
+        self._held = False
+        self._permits.release(1000)
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        if self._held:
+            assert self._permits.acquire(timeout=30), "a test forgot to release the runner"
+        return super().execute(batch)
+
+
+def make_engine(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **config) -> AsyncEngine:
+    cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, **config})
+    return AsyncEngine("fake", runner or GatedRunner(64, 4), TOK, None, cfg, max_seq_len=max_seq_len,
+                       detokenizer_factory=FakeDetokenizer)
+
+
+def request(rid: str, text: str, **params) -> EngineRequest:
+    params.setdefault("max_tokens", 6)
+    return EngineRequest(rid, TOK.encode(text), SamplingParams(**params))
+
+
+def reference(text: str, n: int) -> list[int]:
+    tokens = TOK.encode(text)
+    for _ in range(n):
+        tokens.append(default_next_token(tokens, TOK.vocab_size))
+    return tokens[-n:]
+
+
+async def collect(engine: AsyncEngine, req: EngineRequest) -> list[RequestOutput]:
+    return [out async for out in engine.generate(req)]
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    """Yield to the loop until the engine thread got somewhere (no fixed sleeps)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+async def assert_clean(engine: AsyncEngine) -> None:
+    await wait_until(lambda: not engine.core.has_unfinished and engine.core.pool.num_free == engine.core.pool.num_blocks)
+    assert engine.runner.violations == []
+    assert engine.num_running_requests == 0
+
+
+@pytest.fixture
+async def engine():
+    eng = make_engine()
+    yield eng
+    await eng.shutdown()
+
+
+async def test_concurrent_generate(engine: AsyncEngine):
+    texts = {f"r{i}": "abcdefghij"[: 2 + i] for i in range(8)}
+    results = await asyncio.gather(*(collect(engine, request(rid, t)) for rid, t in texts.items()))
+    for (rid, text), outs in zip(texts.items(), results):
+        assert [t for o in outs for t in o.new_token_ids] == reference(text, 6)
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 6
+    await assert_clean(engine)
+
+
+async def test_errors_raise_before_anything_is_yielded(engine: AsyncEngine):
+    with pytest.raises(InvalidRequest):
+        engine.generate(EngineRequest("e", [], SamplingParams()))
+    with pytest.raises(ContextLengthExceeded):
+        engine.generate(request("c", "a" * 100, max_tokens=100))
+    engine.runner.hold()
+    gen = engine.generate(request("dup", "abc"))
+    first = asyncio.ensure_future(gen.__anext__())
+    await wait_until(lambda: engine.core.has_unfinished)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.generate(request("dup", "abc"))
+    engine.runner.open()
+    assert (await first).new_token_ids
+    await gen.aclose()
+    await assert_clean(engine)
+
+
+async def test_queue_full():
+    eng = make_engine(max_waiting_requests=2, max_batch_size=1)
+    eng.runner.hold()
+    gens = [eng.generate(request(f"q{i}", "abc")) for i in range(3)]
+    firsts = [asyncio.ensure_future(gens[0].__anext__())]
+    sched = eng.core.scheduler
+    await wait_until(lambda: sched.num_running == 1)  # q0 runs (held in the runner); q1, q2 will wait
+    firsts += [asyncio.ensure_future(g.__anext__()) for g in gens[1:]]
+    await wait_until(lambda: sched.num_waiting + len(eng._adds) == 2)
+    with pytest.raises(QueueFull):
+        eng.generate(request("over", "abc"))
+    eng.runner.open()
+    for first, gen in zip(firsts, gens):
+        await first
+        await gen.aclose()
+    await assert_clean(eng)
+    await eng.shutdown()
+
+
+async def test_early_close_aborts_and_frees_blocks(engine: AsyncEngine):
+    engine.runner.hold()
+    gen = engine.generate(request("leaver", "abcdef", max_tokens=100))
+    first = asyncio.ensure_future(gen.__anext__())
+    engine.runner.release(1)
+    assert (await first).new_token_ids
+    await gen.aclose()  # e.g. the HTTP client disconnected
+    engine.runner.open()
+    await assert_clean(engine)
+    assert engine.stats().requests_finished_total.get("abort") == 1
+
+
+async def test_cancelled_consumer_aborts(engine: AsyncEngine):
+    engine.runner.hold()
+
+    async def consume():
+        async for _ in engine.generate(request("cancelled", "abc", max_tokens=100)):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await wait_until(lambda: engine.core.has_unfinished)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    engine.runner.open()
+    await assert_clean(engine)
+
+
+async def test_explicit_abort_ends_the_stream(engine: AsyncEngine):
+    engine.runner.hold()
+    gen = engine.generate(request("ab", "abc", max_tokens=100))
+    first = asyncio.ensure_future(gen.__anext__())
+    engine.runner.release(1)
+    await first
+    await engine.abort("ab")
+    engine.runner.open()
+    outs = [out async for out in gen]
+    assert outs[-1].finish_reason == "abort"
+    await assert_clean(engine)
+
+
+async def test_slow_consumer_does_not_block_others(engine: AsyncEngine):
+    engine.runner.hold()
+    slow = engine.generate(request("slow", "abc", max_tokens=20))
+    first = asyncio.ensure_future(slow.__anext__())
+    engine.runner.release(1)
+    first = await first
+    assert len(first.new_token_ids) == 1
+    engine.runner.open()
+    fast = await collect(engine, request("fast", "xyz", max_tokens=20))  # completes while slow reads nothing
+    assert fast[-1].finish_reason == "length"
+    slot = engine._active["slow"]
+    await wait_until(lambda: slot.pending is not None and slot.pending.finished)
+    rest = [out async for out in slow]
+    assert len(rest) == 1  # everything that piled up arrives merged
+    assert first.new_token_ids + rest[0].new_token_ids == reference("abc", 20)
+    assert rest[0].num_output_tokens == 20 and rest[0].finish_reason == "length"
+    assert "".join(o.text_delta for o in [first, *rest]) == TOK.decode(reference("abc", 20))
+    await assert_clean(engine)
+
+
+async def test_stop_string_text(engine: AsyncEngine):
+    full = TOK.decode(reference("hello", 8))
+    outs = await collect(engine, request("s", "hello", max_tokens=8, stop=(full[4:6],)))
+    assert "".join(o.text_delta for o in outs) == full[:4]
+    assert outs[-1].finish_reason == "stop"
+    await assert_clean(engine)
+
+
+async def test_per_request_error_and_batch_exception():
+    runner = GatedRunner(64, 4, fail_seq=lambda s: "bad" if s.request_id == "bad" else None, raise_on_steps={5})
+    eng = make_engine(runner)
+    bad, good = await asyncio.gather(collect(eng, request("bad", "abc")), collect(eng, request("good", "abd")))
+    assert (bad[-1].finish_reason, bad[-1].error) == ("error", "bad")
+    assert good[-1].finish_reason in ("length", "error")
+    again = await collect(eng, request("after", "abe"))  # the engine keeps serving
+    assert again[-1].finish_reason == "length"
+    await assert_clean(eng)
+    await eng.shutdown()
+
+
+async def test_dead_runner_fails_all_and_later_generate_raises():
+    eng = make_engine(GatedRunner(64, 4, dead_on_step=3))
+    results = await asyncio.gather(
+        collect(eng, request("a", "abc", max_tokens=50)), collect(eng, request("b", "abd", max_tokens=50)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, EngineDead) for r in results)
+    assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    with pytest.raises(EngineDead):
+        eng.generate(request("c", "abc"))
+    await eng.shutdown()
+    assert eng.runner.shut_down
+
+
+async def test_shutdown_fails_in_flight_and_stops_runner():
+    eng = make_engine()
+    eng.runner.hold()
+    gen = eng.generate(request("x", "abc", max_tokens=50))
+    first = asyncio.ensure_future(gen.__anext__())
+    eng.runner.release(1)
+    await first
+    shutdown = asyncio.ensure_future(eng.shutdown())
+    await wait_until(lambda: eng._stopping)
+    eng.runner.open()  # the step in flight completes, then the engine stops
+    await shutdown
+    with pytest.raises(EngineDead):
+        async for _ in gen:
+            pass
+    assert eng.runner.shut_down
+    assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    with pytest.raises(EngineDead):
+        eng.generate(request("y", "abc"))
+
+
+async def test_stats_and_priority(engine: AsyncEngine):
+    await collect(engine, request("a", "abcdefgh"))
+    stats = engine.stats()
+    assert stats.generation_tokens_total == 6 and stats.prompt_tokens_total == 8
+    assert stats.kv_blocks_total == 64 and len(stats.observations_ttft_s) == 1
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_merge_outputs():
+    a = RequestOutput("r", [1], "a", None, None, num_output_tokens=1)
+    b = RequestOutput("r", [2, 3], "bc", None, "stop", stop_reason="x", num_output_tokens=3)
+    m = merge_outputs(a, b)
+    assert (m.new_token_ids, m.text_delta, m.finish_reason, m.stop_reason, m.num_output_tokens) == (
+        [1, 2, 3], "abc", "stop", "x", 3)
