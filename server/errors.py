@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import msgspec
@@ -45,3 +46,27 @@ class ApiError(Exception):
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self.to_body())
+
+
+def from_exception(exc: BaseException) -> ApiError:
+    """Map any exception to what the client sees; unknown ones become a bare 500 (no traceback,
+    no internals: the server log has the details)."""
+    from engine.types import CheckpointError, ContextLengthExceeded, EngineDead, EngineError, InvalidRequest, QueueFull
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return ApiError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
+    if isinstance(exc, QueueFull):
+        retry_after_s = max(1, math.ceil(exc.retry_after_s))
+        return ApiError(429, str(exc) or "The server is busy; retry later.", code="queue_full",
+                        headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, EngineDead):
+        return ApiError(503, f"The model is unavailable: {exc}", code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, CheckpointError):
+        return ApiError(500, f"The model failed to load: {exc}", code="model_load_failed")
+    if isinstance(exc, EngineError):
+        return ApiError(500, f"The engine failed: {exc}", code="engine_error")
+    return ApiError(500, "The server had an error while processing your request.", code="internal_error")

@@ -1,0 +1,334 @@
+"""RequestOutputs -> OpenAI responses and stream chunks (chat and completions).
+
+One assembler per HTTP request keeps each choice's state (text so far, tool-call parser, token
+counts). Streaming asks it for a chunk per engine delta; non-streaming feeds it every delta and
+asks for the response at the end. Both paths share the per-choice state, so the two can't drift.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from msgspec import UNSET
+
+from compat import protocol as p
+from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+SYSTEM_FINGERPRINT = "fp_llamaserve"
+
+
+class GenerationFailed(EngineError):
+    """The engine ended a request with finish_reason "error" or "abort"."""
+
+
+def _check(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise GenerationFailed(out.error or "the engine failed while generating")
+    if out.finish_reason == "abort":
+        raise GenerationFailed("the request was aborted by the engine")
+
+
+# --------------------------------------------------------------------------- token text for logprobs
+def token_text(tokenizer: "Tokenizer", token_id: int) -> tuple[str, list[int]]:
+    """A token as OpenAI shows it: its text, or `bytes:\\xNN` when it is not valid UTF-8 alone."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "".join(f"bytes:\\x{b:02x}" for b in raw), list(raw)
+
+
+def chat_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob]) -> p.ChatLogprobs:
+    content = []
+    for lp in logprobs:
+        text, raw = token_text(tokenizer, lp.token_id)
+        top = [p.TopLogprob(token=t, logprob=v, bytes=b) for t, b, v in
+               ((*token_text(tokenizer, tid), value) for tid, value in lp.top)]
+        content.append(p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=top))
+    return p.ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob], text_offset: int, top_k: int) -> p.CompletionLogprobs:
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for lp in logprobs:
+        text = token_text(tokenizer, lp.token_id)[0]
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({token_text(tokenizer, tid)[0]: value for tid, value in lp.top[:top_k]} if top_k else None)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+
+
+# --------------------------------------------------------------------------- chat
+@dataclass(slots=True)
+class _ChatChoice:
+    parser: Any = None  # engine.chat_format OutputParser when tools were offered
+    content: list[str] = field(default_factory=list)
+    logprobs: list[p.ChatTokenLogprob] = field(default_factory=list)
+    tool_ids: dict[int, str] = field(default_factory=dict)  # streamed tool-call index -> id
+    streamed_tool_calls: int = 0
+    finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class ChatAssembler:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        tokenizer: "Tokenizer",
+        chat_format: Any,
+        tools: Sequence[ToolDefinition],
+        n: int,
+        num_prompt_tokens: int,
+        want_logprobs: bool,
+        include_usage: bool = False,
+    ) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.num_prompt_tokens = num_prompt_tokens
+        self.choices = [_ChatChoice(parser=chat_format.output_parser(tools) if tools else None) for _ in range(n)]
+
+    # ---- streaming
+    def _chunk(self, choices: list[p.ChatChunkChoice]) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices,
+            usage=None if self.include_usage else UNSET,
+        )
+
+    def role_chunks(self) -> list[p.ChatCompletionChunk]:
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))])
+                for i in range(len(self.choices))]
+
+    def chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
+        """The chunk for one engine delta, or None when it carries nothing to send yet."""
+        choice = self._update(index, out)
+        logprobs = chat_logprobs(self.tokenizer, out.logprobs) if self.want_logprobs and out.logprobs else None
+        if choice.parser is None:
+            content, tool_deltas = out.text_delta, []
+        else:
+            parsed = choice.parser.push(out.text_delta)
+            content, tool_deltas = parsed.content, [self._tool_delta(choice, d) for d in parsed.tool_calls]
+            choice.content.append(content)
+        if out.finished:
+            tail, late_calls = self._finish(choice, out)
+            content += tail
+            tool_deltas += late_calls
+        if not (content or tool_deltas or logprobs or out.finished):
+            return None
+        delta = p.ChatDelta(content=content if content or logprobs else UNSET, tool_calls=tool_deltas or UNSET)
+        return self._chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=choice.finish_reason)])
+
+    def usage_chunk(self) -> p.ChatCompletionChunk:
+        chunk = self._chunk([])
+        chunk.usage = self.usage()
+        return chunk
+
+    def _tool_delta(self, choice: _ChatChoice, delta: Any) -> p.ToolCallDeltaOut:
+        first = delta.index not in choice.tool_ids
+        if first:
+            choice.tool_ids[delta.index] = delta.call_id or _call_id()
+            choice.streamed_tool_calls = max(choice.streamed_tool_calls, delta.index + 1)
+        return p.ToolCallDeltaOut(
+            index=delta.index,
+            id=choice.tool_ids[delta.index] if first else UNSET,
+            type="function" if first else UNSET,
+            function=p.FunctionCallDelta(name=delta.name if delta.name else UNSET, arguments=delta.arguments),
+        )
+
+    # ---- shared
+    def _update(self, index: int, out: RequestOutput) -> _ChatChoice:
+        _check(out)
+        choice = self.choices[index]
+        choice.num_prompt_tokens = out.num_prompt_tokens or choice.num_prompt_tokens
+        choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        return choice
+
+    def _finish(self, choice: _ChatChoice, out: RequestOutput) -> tuple[str, list[p.ToolCallDeltaOut]]:
+        """Close the parser; return content and tool calls it held back until the end."""
+        if choice.parser is None:
+            choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            return "", []
+        stop_token = out.stop_reason if isinstance(out.stop_reason, int) else None
+        parsed = choice.parser.finish(stop_token)
+        choice.tool_calls = [ToolCall(choice.tool_ids.get(i) or c.call_id or _call_id(), c.name, c.arguments)
+                             for i, c in enumerate(parsed.tool_calls)]
+        streamed = "".join(choice.content)
+        tail = ""
+        if parsed.content and parsed.content.startswith(streamed):
+            tail = parsed.content[len(streamed):]
+        late = [
+            p.ToolCallDeltaOut(index=i, id=call.call_id, type="function",
+                               function=p.FunctionCallDelta(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(choice.tool_calls) if i >= choice.streamed_tool_calls
+        ]
+        if out.finish_reason == "length":
+            choice.finish_reason = "length"
+        else:
+            choice.finish_reason = "tool_calls" if choice.tool_calls else (parsed.finish_reason or "stop")
+        choice.content = [parsed.content] if parsed.content is not None else []
+        return tail, late
+
+    # ---- non-streaming
+    def add(self, index: int, out: RequestOutput) -> None:
+        choice = self._update(index, out)
+        if self.want_logprobs and out.logprobs:
+            choice.logprobs.extend(chat_logprobs(self.tokenizer, out.logprobs).content or ())
+        if choice.parser is None:
+            choice.content.append(out.text_delta)
+        else:
+            choice.content.append(choice.parser.push(out.text_delta).content)
+        if out.finished:
+            if choice.parser is not None:
+                choice.content = ["".join(choice.content)]
+            self._finish(choice, out)
+
+    def response(self) -> p.ChatCompletionResponse:
+        choices = []
+        for i, choice in enumerate(self.choices):
+            content: str | None = "".join(choice.content)
+            calls = [p.ToolCallOut(id=c.call_id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
+                     for c in choice.tool_calls]
+            if calls and not content:
+                content = None
+            message = p.ChatMessageOut(content=content, tool_calls=calls or UNSET)
+            logprobs = p.ChatLogprobs(content=choice.logprobs) if self.want_logprobs else None
+            choices.append(p.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=choice.finish_reason))
+        return p.ChatCompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices, usage=self.usage(),
+        )
+
+    def usage(self) -> p.Usage:
+        completion = sum(c.num_output_tokens for c in self.choices)
+        cached = max((c.num_cached_tokens for c in self.choices), default=0)
+        return p.Usage(
+            prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+            total_tokens=self.num_prompt_tokens + completion,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# --------------------------------------------------------------------------- completions
+@dataclass(slots=True)
+class _CompletionChoice:
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0  # characters so far, echo included: the next token's text_offset
+    echo_pending: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class CompletionAssembler:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        tokenizer: "Tokenizer",
+        prompt_token_counts: Sequence[int],
+        echo_texts: Sequence[str] | None,
+        n: int,
+        logprobs: int | None,
+        include_usage: bool = False,
+    ) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.top_k = logprobs
+        self.include_usage = include_usage
+        self.n = n
+        self.prompt_tokens = sum(prompt_token_counts)
+        self.choices = []
+        for k in range(len(prompt_token_counts)):
+            echo = echo_texts[k] if echo_texts else ""
+            self.choices.extend(_CompletionChoice(echo_pending=echo, text_len=len(echo)) for _ in range(n))
+
+    def _delta(self, index: int, out: RequestOutput) -> tuple[_CompletionChoice, str, p.CompletionLogprobs | None]:
+        _check(out)
+        choice = self.choices[index]
+        choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        text = choice.echo_pending + out.text_delta
+        logprobs = None
+        if self.top_k is not None and out.logprobs:
+            logprobs = completion_logprobs(self.tokenizer, out.logprobs, choice.text_len, self.top_k)
+            choice.logprobs.extend(out.logprobs)
+        choice.echo_pending = ""
+        choice.text_len += len(out.text_delta)
+        if out.finished:
+            choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
+        return choice, text, logprobs
+
+    def chunk(self, index: int, out: RequestOutput) -> p.CompletionResponse | None:
+        choice, text, logprobs = self._delta(index, out)
+        if not (text or logprobs or out.finished):
+            return None
+        return p.CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=[p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason)],
+            usage=None if self.include_usage else UNSET,
+        )
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        choice, text, _ = self._delta(index, out)
+        choice.text.append(text)
+
+    def response(self) -> p.CompletionResponse:
+        choices = []
+        for i, choice in enumerate(self.choices):
+            logprobs = None
+            if self.top_k is not None:
+                logprobs = completion_logprobs(self.tokenizer, choice.logprobs, 0, self.top_k)  # echo excludes logprobs
+            choices.append(p.CompletionChoice(index=i, text="".join(choice.text), logprobs=logprobs,
+                                              finish_reason=choice.finish_reason))
+        return p.CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices, usage=self.usage(),
+        )
+
+    def usage_chunk(self) -> p.CompletionResponse:
+        return p.CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=[], usage=self.usage(),
+        )
+
+    def usage(self) -> p.Usage:
+        completion = sum(c.num_output_tokens for c in self.choices)
+        # Each prompt counts once however many choices it has, and so do its cached tokens.
+        cached = sum(max(c.num_cached_tokens for c in self.choices[k:k + self.n]) for k in range(0, len(self.choices), self.n))
+        return p.Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=min(cached, self.prompt_tokens)),
+        )

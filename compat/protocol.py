@@ -1,0 +1,422 @@
+"""OpenAI wire types: msgspec Structs, decoders built once, encoders for responses and chunks.
+
+Requests are decoded once at the edge with `forbid_unknown_fields=True`, so a parameter we do not
+support is a 400 naming it rather than silently ignored. Bounds live in `Meta`, roles and content
+part types are tagged unions, and `UNSET` tells "absent" from "null" where OpenAI does.
+Response Structs mirror OpenAI's shapes field for field (order included): SDKs and eval harnesses
+parse them, so a renamed or missing key is a bug.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from engine.types import InvalidRequest
+
+# --------------------------------------------------------------------------- shared bounds
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+StopList = Annotated[list[str], Meta(max_length=16)]
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=4096)]
+
+
+class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+# --------------------------------------------------------------------------- chat messages
+class ImageUrl(_Request, kw_only=True):
+    url: str
+    detail: str | UnsetType = UNSET
+
+
+class TextPart(_Request, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(_Request, kw_only=True, tag_field="type", tag="image_url"):
+    image_url: ImageUrl
+
+
+class AudioPart(_Request, kw_only=True, tag_field="type", tag="input_audio"):
+    input_audio: dict[str, Any]
+
+
+class FilePart(_Request, kw_only=True, tag_field="type", tag="file"):
+    file: dict[str, Any]
+
+
+ContentPart = TextPart | ImagePart | AudioPart | FilePart
+Content = str | list[ContentPart]
+
+
+class FunctionCall(_Request, kw_only=True):
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI carries it
+
+
+class ToolCallIn(_Request, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Request, kw_only=True, tag_field="role", tag="system"):
+    content: Content
+    name: str | UnsetType = UNSET
+
+
+class DeveloperMessage(_Request, kw_only=True, tag_field="role", tag="developer"):
+    content: Content
+    name: str | UnsetType = UNSET
+
+
+class UserMessage(_Request, kw_only=True, tag_field="role", tag="user"):
+    content: Content
+    name: str | UnsetType = UNSET
+
+
+class AssistantMessage(_Request, kw_only=True, tag_field="role", tag="assistant"):
+    content: Content | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    name: str | UnsetType = UNSET
+    refusal: str | None = None
+
+
+class ToolMessage(_Request, kw_only=True, tag_field="role", tag="tool"):
+    content: Content
+    tool_call_id: str
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+# --------------------------------------------------------------------------- tools
+class FunctionDefinition(_Request, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    strict: bool | None = None
+
+
+class Tool(_Request, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class StreamOptions(_Request, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Request, kw_only=True):
+    type: str
+    json_schema: dict[str, Any] | UnsetType = UNSET
+
+
+# --------------------------------------------------------------------------- requests
+class SamplingFields(_Request, kw_only=True):
+    """The sampling knobs chat, completions and the batch endpoints share (OpenAI + vLLM extras)."""
+
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumChoices = 1
+    stop: str | StopList | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 disable
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: NonNegativeInt = 0
+    skip_special_tokens: bool = True
+
+
+class ChatFields(SamplingFields, kw_only=True):
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # only "auto" and "none" are served; checked in to_engine
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+
+class ChatCompletionRequest(ChatFields, kw_only=True):
+    model: str
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+PromptItem = str | TokenId | list[TokenId]
+
+
+class CompletionFields(SamplingFields, kw_only=True):
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+
+
+class CompletionRequest(CompletionFields, kw_only=True):
+    model: str
+    # str | list[str] | list[int] | list[list[int]]; msgspec allows one array type in a union, so
+    # the list's items are a union and `completion_prompts` checks that they agree.
+    prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
+    max_tokens: NonNegativeInt | None = 16  # OpenAI's default for legacy completions
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class BatchChatCompletionRequest(ChatFields, kw_only=True):
+    """Many conversations with shared sampling parameters (meta-reference batch_chat_completion)."""
+
+    model: str
+    messages_batch: Annotated[list[Annotated[list[Message], Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class BatchCompletionRequest(CompletionFields, kw_only=True):
+    """Many prompts with shared sampling parameters (meta-reference batch_completion)."""
+
+    model: str
+    prompts: Annotated[list[str | list[TokenId]], Meta(min_length=1)]
+    max_tokens: NonNegativeInt | None = 16
+
+
+class TokenizeRequest(_Request, kw_only=True):
+    model: str
+    prompt: str | UnsetType = UNSET
+    messages: list[Message] | UnsetType = UNSET
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    model: str
+    tokens: list[TokenId]
+
+
+# Built once: a Decoder caches its type's validation plan.
+CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+BATCH_CHAT_DECODER = msgspec.json.Decoder(BatchChatCompletionRequest)
+BATCH_COMPLETION_DECODER = msgspec.json.Decoder(BatchCompletionRequest)
+TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeRequest)
+DETOKENIZE_DECODER = msgspec.json.Decoder(DetokenizeRequest)
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
+_MISSING_FIELD = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """Decode a request body; every failure is an InvalidRequest naming the offending `param`."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        message, param = validation_param(str(exc))
+        raise InvalidRequest(message, param=param, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def validation_param(message: str) -> tuple[str, str | None]:
+    """msgspec's '... - at `$.messages[0].role`' -> (message, 'messages[0].role').
+    Unknown and missing fields name the field itself, which is what a client needs to fix."""
+    match = _PATH.search(message)
+    path = match.group("path").lstrip(".") if match else ""
+    for pattern in (_UNKNOWN_FIELD, _MISSING_FIELD):
+        field_match = pattern.match(message)
+        if field_match:
+            field = field_match.group("field")
+            param = f"{path}.{field}" if path else field
+            if pattern is _UNKNOWN_FIELD:
+                return f"Unrecognized request argument supplied: {param}", param
+            return f"Missing required parameter: '{param}'", param
+    return message, path or None
+
+
+# --------------------------------------------------------------------------- responses
+class _Response(Struct, kw_only=True):
+    """Field order follows OpenAI's; UNSET fields are left out of the JSON, None ones are null."""
+
+
+class PromptTokensDetails(_Response, kw_only=True):
+    cached_tokens: int = 0
+
+
+class Usage(_Response, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(_Response, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCallOut(_Response, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
+class ChatMessageOut(_Response, kw_only=True):
+    role: str = "assistant"
+    content: str | None
+    refusal: None = None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+
+
+class ChatChoice(_Response, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionCallDelta(_Response, kw_only=True):
+    name: str | UnsetType = UNSET
+    arguments: str = ""
+
+
+class ToolCallDeltaOut(_Response, kw_only=True):
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionCallDelta | UnsetType = UNSET
+
+
+class ChatDelta(_Response, kw_only=True):
+    role: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET
+    tool_calls: list[ToolCallDeltaOut] | UnsetType = UNSET
+
+
+class ChatChunkChoice(_Response, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET  # absent unless stream_options.include_usage
+
+
+class CompletionLogprobs(_Response, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response, kw_only=True):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ErrorDetail(_Response, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class BatchItem(_Response, kw_only=True):
+    index: int
+    response: ChatCompletionResponse | CompletionResponse | None = None
+    error: ErrorDetail | None = None
+
+
+class BatchResponse(_Response, kw_only=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[BatchItem]
+    usage: Usage
+
+
+class TokenizeResponse(_Response, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET
+
+
+class DetokenizeResponse(_Response, kw_only=True):
+    prompt: str
+
+
+ENCODER = msgspec.json.Encoder()

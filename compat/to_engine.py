@@ -1,0 +1,295 @@
+"""OpenAI requests -> EngineRequests: prompt tokens, SamplingParams, n fan-out, length checks.
+
+Pure functions over the decoded protocol Structs and an EngineClient (for its tokenizer, chat
+format and max_seq_len). Every refusal is an engine.types.InvalidRequest naming the `param`; the
+server turns it into a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import msgspec
+
+from compat import protocol as p
+from engine.types import (
+    ChatMessage,
+    ContextLengthExceeded,
+    EngineClient,
+    EngineRequest,
+    InvalidRequest,
+    SamplingParams,
+    ToolCall,
+    ToolDefinition,
+)
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    requests: list[EngineRequest]  # [n]; choice i is requests[i]
+    prompt_token_ids: list[int]
+    tools: tuple[ToolDefinition, ...]  # what the output parser looks for; empty: plain text
+
+
+@dataclass(slots=True)
+class CompletionPlan:
+    requests: list[EngineRequest]  # [num_prompts * n]; choice index == position
+    prompt_token_ids: list[list[int]]  # [num_prompts]
+    prompt_texts: list[str]  # [num_prompts], for echo
+    n: int
+
+
+# --------------------------------------------------------------------------- chat
+def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str) -> ChatPlan:
+    tools = chat_tools(fields)
+    dialog = chat_messages(messages)
+    prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
+    max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
+    param = "max_completion_tokens" if fields.max_completion_tokens is not None else "max_tokens"
+    max_tokens = checked_max_tokens(len(prompt), max_tokens, engine.max_seq_len, param=param, prompt_param="messages")
+    if fields.top_logprobs is not None and not fields.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
+    # Tool calls arrive as special-token tags (<|python_tag|>, <|eom_id|>): the parser must see them.
+    skip_special = fields.skip_special_tokens and not tools
+    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size)
+    return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools)
+
+
+def chat_tools(fields: p.ChatFields) -> tuple[ToolDefinition, ...]:
+    choice = fields.tool_choice
+    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+        raise InvalidRequest(
+            f"tool_choice {msgspec.json.encode(choice).decode()} is not supported; use 'auto' or 'none'",
+            param="tool_choice",
+        )
+    if fields.parallel_tool_calls is False:
+        raise InvalidRequest("parallel_tool_calls=false is not supported", param="parallel_tool_calls")
+    if fields.response_format is not None and fields.response_format.type != "text":
+        raise InvalidRequest(
+            f"response_format type '{fields.response_format.type}' is not supported", param="response_format.type"
+        )
+    if not fields.tools or choice == "none":
+        return ()
+    names = [tool.function.name for tool in fields.tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tool names must be unique", param="tools")
+    return tuple(
+        ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in fields.tools
+    )
+
+
+def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
+    dialog: list[ChatMessage] = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if isinstance(message, p.AssistantMessage):
+            content = message.refusal if message.content is None and message.refusal else message.content
+            calls = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls or ())]
+            dialog.append(ChatMessage("assistant", _text(content, param), tool_calls=calls, name=_name(message)))
+        elif isinstance(message, p.ToolMessage):
+            dialog.append(ChatMessage("tool", _text(message.content, param), tool_call_id=message.tool_call_id))
+        else:  # system, developer (OpenAI's new name for system) and user
+            role = "user" if isinstance(message, p.UserMessage) else "system"
+            dialog.append(ChatMessage(role, _text(message.content, param), name=_name(message)))
+    return dialog
+
+
+def _name(message: p.Message) -> str | None:
+    name = getattr(message, "name", msgspec.UNSET)
+    return None if name is msgspec.UNSET else name
+
+
+def _text(content: p.Content | None, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, p.TextPart):
+            kind = type(part).__struct_config__.tag
+            raise InvalidRequest(
+                f"content parts of type '{kind}' are not supported by this server; send text",
+                param=f"{param}.content[{j}].type",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+def _tool_call(call: p.ToolCallIn, param: str) -> ToolCall:
+    try:
+        arguments = msgspec.json.decode(call.function.arguments)
+    except msgspec.DecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest("tool call arguments must be a JSON object", param=f"{param}.function.arguments")
+    return ToolCall(call.id, call.function.name, call.function.arguments)
+
+
+# --------------------------------------------------------------------------- completions
+def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClient, request_id: str) -> CompletionPlan:
+    """`prompt` is CompletionRequest.prompt (str | list[str] | list[int] | list[list[int]])."""
+    check_completion_fields(req)
+    tokenizer = engine.tokenizer
+    prompts_ids: list[list[int]] = []
+    texts: list[str] = []
+    for prompt_item in completion_prompts(prompt):
+        if isinstance(prompt_item, str):
+            ids = tokenizer.encode(prompt_item, bos=True)
+            texts.append(prompt_item)
+        else:
+            _check_token_ids(prompt_item, tokenizer.vocab_size, "prompt")
+            ids = list(prompt_item)
+            texts.append(tokenizer.decode(ids) if req.echo else "")
+        prompts_ids.append(ids)
+    params_by_prompt = []
+    for ids in prompts_ids:
+        max_tokens = checked_max_tokens(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
+        params_by_prompt.append(
+            sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size)
+        )
+    requests: list[EngineRequest] = []
+    for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
+        requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n))
+    return CompletionPlan(requests, prompts_ids, texts, req.n)
+
+
+def check_completion_fields(req: p.CompletionFields) -> None:
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if req.best_of not in (None, 1):
+        raise InvalidRequest("best_of is not supported; only best_of=1", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest("echo with logprobs is not supported: prompt logprobs are not computed", param="echo")
+    if req.max_tokens == 0:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+
+
+def completion_prompts(prompt: object) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> one entry per prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    kinds = {type(item) for item in prompt} if isinstance(prompt, list) else set()
+    if kinds == {str}:
+        return list(prompt)
+    if kinds == {int}:
+        return [list(prompt)]
+    if kinds == {list}:
+        if any(not item for item in prompt):
+            raise InvalidRequest("token-id prompts must not be empty", param="prompt")
+        return list(prompt)
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", param="prompt"
+    )
+
+
+def _check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in ids:
+        if token_id >= vocab_size:
+            raise InvalidRequest(f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+# --------------------------------------------------------------------------- shared
+def checked_max_tokens(
+    num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, *, param: str, prompt_param: str
+) -> int:
+    """The completion budget; a prompt that leaves no room, or a request past the context, is 400."""
+    if num_prompt_tokens >= max_seq_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_seq_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length "
+            "of the prompt.",
+            param=prompt_param,
+        )
+    if max_tokens is None:
+        return max_seq_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_seq_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the length of the prompt or {param}.",
+            param=param,
+        )
+    return max_tokens
+
+
+def sampling_params(
+    fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, vocab_size: int
+) -> SamplingParams:
+    if fields.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    stop = (fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop or ())
+    params = SamplingParams(
+        temperature=1.0 if fields.temperature is None else fields.temperature,
+        top_p=1.0 if fields.top_p is None else fields.top_p,
+        top_k=max(fields.top_k or 0, 0),  # vLLM spells "disabled" as -1
+        min_p=fields.min_p or 0.0,
+        presence_penalty=fields.presence_penalty or 0.0,
+        frequency_penalty=fields.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+        logit_bias=_logit_bias(fields.logit_bias),
+        seed=fields.seed,
+        max_tokens=max_tokens,
+        min_tokens=fields.min_tokens,
+        stop=tuple(s for s in stop if s),  # OpenAI ignores empty stop strings
+        stop_token_ids=tuple(fields.stop_token_ids or ()),
+        ignore_eos=fields.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=skip_special_tokens,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        param = next((name for name in _PARAM_NAMES if name.replace("_", " ") in message or name in message), None)
+        raise InvalidRequest(message, param=param) from None
+    return params
+
+
+_PARAM_NAMES = ("logit_bias", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise InvalidRequest(f"logit_bias keys must be token ids, got '{key}'", param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
+
+
+def fan_out(
+    request_id: str, prompt: list[int], params: SamplingParams, n: int, *, first_index: int = 0
+) -> list[EngineRequest]:
+    """OpenAI's n -> n engine requests; seeds seed+i keep choices distinct but reproducible."""
+    requests = []
+    for i in range(n):
+        seeded = params
+        if params.seed is not None and i:
+            seeded = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+        requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded))
+    return requests
+
+
+# --------------------------------------------------------------------------- tokenize
+def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
+    has_prompt = req.prompt is not msgspec.UNSET
+    has_messages = req.messages is not msgspec.UNSET
+    if has_prompt == has_messages:
+        raise InvalidRequest("send exactly one of 'prompt' or 'messages'", param="prompt")
+    if has_prompt:
+        return engine.tokenizer.encode(req.prompt, bos=req.add_special_tokens)
+    tools = ()
+    if req.tools:
+        tools = tuple(ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in req.tools)
+    return engine.chat_format.encode_dialog(
+        chat_messages(req.messages), tools=tools, add_generation_prompt=req.add_generation_prompt
+    )
+
+
+def detokenize_ids(req: p.DetokenizeRequest, engine: EngineClient) -> str:
+    _check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
+    return engine.tokenizer.decode(req.tokens)

@@ -1,0 +1,198 @@
+"""create_app(config, engine_factory): the aiohttp application, its middlewares and lifecycle.
+
+Tests build the same app with a fake EngineFactory. Middlewares, outermost first: request id,
+access log (one structlog line per request), errors (every exception -> OpenAI error body), auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from server import auth
+from server.config import ServerConfig, should_load
+from server.errors import ApiError, from_exception
+from server.metrics import ServerMetrics
+from server.model_spec import EngineFactory
+
+
+@dataclass(slots=True)
+class ServerState:
+    started: bool = False  # configured models registered (and loaded unless skip_initialize)
+    draining: bool = False  # SIGTERM seen: /ready says 503 so balancers stop sending
+    startup_errors: list[str] = field(default_factory=list)
+    startup_task: asyncio.Task | None = None
+
+
+CONFIG_KEY = web.AppKey("config", ServerConfig)
+STATE_KEY = web.AppKey("state", ServerState)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+LOGGER_KEY = web.AppKey("access_logger", structlog.typing.FilteringBoundLogger)
+# Request-scoped fields for the access log line (model, token counts, TTFT).
+LOG_FIELDS = web.RequestKey("log_fields", dict)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
+    from server import routes  # routes reads the keys above
+    from server.model_routes import add_model_routes
+    from server.registry import REGISTRY_KEY, ModelRegistry
+
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[request_id_middleware, access_log_middleware, error_middleware, auth_middleware],
+    )
+    registry = ModelRegistry(
+        engine_factory,
+        checkpoint_roots=list(config.checkpoint_roots),
+        memory_budget_bytes=config.memory_budget_bytes,
+        evict_idle_lru=config.evict_idle_lru,
+        load_wait_timeout_s=config.load_wait_timeout_s,
+    )
+    app[CONFIG_KEY] = config
+    app[STATE_KEY] = ServerState()
+    app[REGISTRY_KEY] = registry
+    metrics = ServerMetrics(registry.engines)
+    metrics.add_lifecycle(registry.lifecycle_stats)
+    app[METRICS_KEY] = metrics
+    app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
+    routes.add_routes(app)
+    add_model_routes(app)
+    app.on_response_prepare.append(_add_request_id_header)
+    app.on_shutdown.append(_start_draining)
+    app.cleanup_ctx.append(_registry_context)
+    return app
+
+
+# --------------------------------------------------------------------------- lifecycle
+async def _registry_context(app: web.Application) -> AsyncIterator[None]:
+    """Register (and load) the configured models in the background: the port opens at once and
+    /ready turns 200 when they are loaded. On the way out, stop every engine."""
+    from server.registry import REGISTRY_KEY
+
+    registry = app[REGISTRY_KEY]
+    state = app[STATE_KEY]
+    state.startup_task = asyncio.create_task(_register_configured(app))
+    try:
+        yield
+    finally:
+        state.draining = True
+        state.startup_task.cancel()
+        await asyncio.gather(state.startup_task, return_exceptions=True)
+        await registry.close()
+
+
+async def _register_configured(app: web.Application) -> None:
+    from server.registry import REGISTRY_KEY
+
+    registry = app[REGISTRY_KEY]
+    state = app[STATE_KEY]
+    log = structlog.get_logger("llamaserve.startup")
+    for spec in app[CONFIG_KEY].models:
+        try:
+            if should_load(spec):
+                registry.register_background(spec)  # loads in its own task; /ready waits for it
+            else:
+                await registry.register(spec, load=False)
+        except Exception as exc:  # noqa: BLE001 - one bad model must not stop the others
+            state.startup_errors.append(f"{spec.model_id}: {from_exception(exc).message}")
+            log.error("model registration failed", model=spec.model_id, error=str(exc))
+    state.started = True  # load failures show as `failed` models in /v1/models
+
+
+async def _start_draining(app: web.Application) -> None:
+    app[STATE_KEY].draining = True
+
+
+# --------------------------------------------------------------------------- middlewares
+async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Honour a sane incoming X-Request-Id (so a trace spans proxies), else make one."""
+    incoming = request.headers.get("X-Request-Id", "")
+    request[REQUEST_ID] = incoming if _VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+    return await handler(request)
+
+
+@web.middleware
+async def access_log_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    fields: dict = {}
+    request[LOG_FIELDS] = fields
+    start_s = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client closed the connection (nginx's convention)
+        raise
+    finally:
+        latency_s = time.perf_counter() - start_s
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        metrics = request.app[METRICS_KEY]
+        metrics.http_requests.labels(request.method, route, str(status)).inc()
+        metrics.http_latency.labels(route).observe(latency_s)
+        request.app[LOGGER_KEY].info(
+            "request", request_id=request[REQUEST_ID], method=request.method, path=request.path, status=status,
+            latency_s=round(latency_s, 6), **fields,
+        )
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = _http_error(request, exc)
+    except ApiError as exc:
+        error = exc
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - nothing escapes as a traceback
+        error = from_exception(exc)
+        if error.status >= 500:
+            structlog.get_logger("llamaserve.errors").exception(
+                "unhandled error", request_id=request[REQUEST_ID], path=request.path
+            )
+    if error.status >= 500 and error.code == "internal_error":
+        error.message += f" (request id {request[REQUEST_ID]})"
+    return web.Response(body=error.to_json(), status=error.status, headers=error.headers,
+                        content_type="application/json")
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+    headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+    if exc.status == 404:
+        return ApiError(404, f"Invalid URL ({request.method} {request.path})", code="not_found", headers=headers)
+    if exc.status == 405:
+        return ApiError(405, f"Method {request.method} is not allowed for {request.path}",
+                        code="method_not_allowed", headers=headers)
+    if exc.status == 413:
+        limit = request.app[CONFIG_KEY].max_body_bytes
+        return ApiError(413, f"Request body is too large: the limit is {limit} bytes", code="request_too_large")
+    return ApiError(exc.status, exc.reason or "HTTP error", code=None, headers=headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    config = request.app[CONFIG_KEY]
+    auth.check(request, config.api_key, config.admin_api_key)
+    return await handler(request)

@@ -1,0 +1,347 @@
+"""ServerConfig: the one place settings are merged, flags > env > run.yaml > defaults.
+
+Every option is declared once in OPTIONS (its name, type, run.yaml section and help); the CLI
+flags, `LLAMASERVE_<NAME>` environment variables and run.yaml keys are all derived from it.
+The meta-reference environment variables (INFERENCE_MODEL, MODEL_PARALLEL_SIZE, ...) are read at the
+env level, below their LLAMASERVE_ spellings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import msgspec
+import yaml
+
+from engine.config import EngineConfig
+from server.errors import ApiError
+from server.model_spec import ModelSpec
+from server.paths import find_checkpoint_dir
+
+ENV_PREFIX = "LLAMASERVE_"
+DEFAULT_CHECKPOINT_ROOT = "~/.llama/checkpoints"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names where it came from."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    models: list[ModelSpec] = field(default_factory=list)
+    checkpoint_roots: list[Path] = field(default_factory=lambda: [Path(DEFAULT_CHECKPOINT_ROOT).expanduser()])
+    memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
+    evict_idle_lru: bool = False
+    load_wait_timeout_s: float = 30.0  # a request for a loading model waits this long, then 503
+    max_batch_request_items: int = 256  # prompts in one /v1/batch/* call
+    max_body_bytes: int = 32 << 20
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    log_format: Literal["json", "console"] = "json"
+    log_level: str = "info"
+    chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
+    demo: bool = False
+    demo_cache_dir: Path | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+# --------------------------------------------------------------------------- option table
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'16GiB', '8G', '500MB' or a plain integer -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"expected a size like 16GiB or 8000000000, got {text!r}")
+    unit = (match.group(2) or "").lower().rstrip("b") if (match.group(2) or "").lower() != "b" else ""
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _paths(text: str) -> list[Path]:
+    return [Path(part).expanduser() for part in text.split(":") if part]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # ServerConfig / EngineConfig field; flag --name-with-dashes; env LLAMASERVE_NAME
+    parse: Callable[[str], Any]  # text (env, flag) -> value
+    section: Literal["server", "engine", "auth"]
+    help: str
+    meta_env: str | None = None  # the meta-reference spelling, read below LLAMASERVE_<NAME>
+    short: str | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "server", "interface to listen on"),
+    Option("port", int, "server", "port to listen on"),
+    Option("api_key", str, "auth", "require 'Authorization: Bearer KEY' on every route but /health"),
+    Option("admin_api_key", str, "auth", "key for POST/DELETE /v1/models (default: the api key)"),
+    Option("checkpoint_roots", _paths, "server", "where checkpoints live (colon-separated in env/yaml string; "
+           "the flag --checkpoint-root repeats)"),
+    Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),
+    Option("evict_idle_lru", _bool, "server", "unload the least recently used idle model to make room"),
+    Option("load_wait_timeout_s", float, "server", "how long a request waits for a loading model before 503"),
+    Option("max_batch_request_items", int, "server", "most prompts in one /v1/batch/* request"),
+    Option("max_body_bytes", parse_bytes, "server", "largest request body (413 beyond)"),
+    Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
+    Option("log_format", str, "server", "json or console"),
+    Option("log_level", str, "server", "debug, info, warning, error"),
+    Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
+    Option("demo", _bool, "server", "serve a small demo model (downloaded or built once)"),
+    Option("demo_cache_dir", Path, "server", "where the demo checkpoint is cached"),
+    Option("device", str, "engine", "cpu or cuda"),
+    Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
+    Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
+    Option("max_batch_size", int, "engine", "sequences per engine step", meta_env="MAX_BATCH_SIZE"),
+    Option("max_seq_len", int, "engine", "cap on the context length", meta_env="MAX_SEQ_LEN"),
+    Option("max_num_batched_tokens", int, "engine", "token budget of one engine step"),
+    Option("block_size_tokens", int, "engine", "KV cache block size"),
+    Option("kv_cache_bytes", parse_bytes, "engine", "KV cache size (default: derived)"),
+    Option("kv_cache_memory_fraction", float, "engine", "CUDA: fraction of free memory for the KV cache"),
+    Option("cpu_kv_cache_bytes", parse_bytes, "engine", "CPU: KV cache size"),
+    Option("max_waiting_requests", int, "engine", "queued requests beyond which the server answers 429"),
+    Option("enable_prefix_caching", _bool, "engine", "reuse KV blocks of shared prompt prefixes"),
+    Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed", meta_env="QUANTIZATION_TYPE"),
+    Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
+    Option("seed", int, "engine", "seed for random demo weights and unseeded sampling"),
+)
+_BY_NAME = {option.name: option for option in OPTIONS}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+# --------------------------------------------------------------------------- run.yaml
+class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+_YAML_TYPES: dict[Callable[[str], Any], Any] = {
+    int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
+}
+
+
+def _section_struct(section: str) -> type:
+    """A typed Struct per run.yaml section, derived from OPTIONS so the two can't disagree."""
+    fields = [(o.name, _YAML_TYPES[o.parse] | msgspec.UnsetType, msgspec.UNSET) for o in OPTIONS if o.section == section]
+    return msgspec.defstruct(f"{section.title()}Section", fields, bases=(_Section,), forbid_unknown_fields=True)
+
+
+ServerSection = _section_struct("server")
+EngineSection = _section_struct("engine")
+AuthSection = _section_struct("auth")
+
+
+class ModelMetadata(msgspec.Struct):
+    """Known keys of a model's `metadata` (others are kept as given)."""
+
+    llama_model: str | None = None
+    skip_initialize: bool | None = None
+    skip_load: bool | None = None
+    checkpoint_dir: str | None = None
+    model_parallel_size: int | None = None
+    max_seq_len: int | None = None
+    quantization: str | None = None
+
+
+class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
+    model_id: str
+    checkpoint_dir: str | None = None
+    llama_model: str | None = None
+    model_parallel_size: int | None = None
+    max_seq_len: int | None = None
+    quantization: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+class RunYaml(msgspec.Struct, forbid_unknown_fields=True):
+    version: int | str | None = None
+    server: ServerSection = msgspec.field(default_factory=ServerSection)  # type: ignore[valid-type]
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)  # type: ignore[valid-type]
+    auth: AuthSection = msgspec.field(default_factory=AuthSection)  # type: ignore[valid-type]
+    models: list[ModelEntry] = []
+
+
+def load_run_yaml(path: Path) -> RunYaml:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return msgspec.convert(raw or {}, RunYaml)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_yaml_message(str(exc))}") from None
+
+
+def _yaml_message(message: str) -> str:
+    """msgspec's "... - at `$.server`" -> name the bad key the way a run.yaml reader sees it."""
+    match = re.match(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `\$\.?(?P<path>[^`]*)`)?", message)
+    if match:
+        where = f"{match.group('path')}." if match.group("path") else ""
+        return f"unknown key '{where}{match.group('key')}'"
+    return message.replace("`$.", "`").replace("`$`", "the top level")
+
+
+# --------------------------------------------------------------------------- merge
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every option, defaulting to None so that only flags given on the line override."""
+    for option in OPTIONS:
+        flag = "--" + option.name.replace("_", "-")
+        if option.name == "checkpoint_roots":
+            parser.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", default=None,
+                                type=lambda t: Path(t).expanduser(), help=option.help)
+            continue
+        if option.parse is _bool:
+            parser.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None, help=option.help)
+        else:
+            parser.add_argument(flag, dest=option.name, default=None, help=option.help, metavar=option.name.upper())
+    parser.add_argument("--config", type=Path, default=None, help="run.yaml with server, engine, auth and models sections")
+    parser.add_argument("--model", default=None, help="model id to serve (also a llama-models descriptor)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoint dir of --model")
+    parser.add_argument("--llama-model", default=None, help="descriptor of --model's base architecture")
+
+
+def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Merge flags > env > run.yaml > defaults into one ServerConfig."""
+    env = os.environ if env is None else env
+    flags = vars(args) if args is not None else {}
+    config_path = flags.get("config") or (Path(env[ENV_PREFIX + "CONFIG"]) if env.get(ENV_PREFIX + "CONFIG") else None)
+    run_yaml = load_run_yaml(Path(config_path)) if config_path else RunYaml()
+
+    values: dict[str, Any] = {}
+    for section in ("server", "engine", "auth"):
+        for name, value in msgspec.structs.asdict(getattr(run_yaml, section)).items():
+            if value is not msgspec.UNSET:
+                values[name] = _from_yaml(name, value, f"{config_path}: {section}.{name}")
+    for option in OPTIONS:
+        for var in filter(None, (option.meta_env, ENV_PREFIX + option.name.upper())):  # LLAMASERVE_ wins
+            if env.get(var) is not None:
+                values[option.name] = _parse(option, env[var], var)
+    for option in OPTIONS:
+        if flags.get(option.name) is not None:
+            value = flags[option.name]
+            values[option.name] = value if not isinstance(value, str) else _parse(option, value, "--" + option.name.replace("_", "-"))
+
+    models = _models(run_yaml, Path(config_path) if config_path else None, env, flags, values)
+    return _assemble(values, models)
+
+
+def _parse(option: Option, text: str, source: str) -> Any:
+    try:
+        return option.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _from_yaml(name: str, value: Any, source: str) -> Any:
+    """Values the typed section Structs already checked; only paths and sizes still need parsing."""
+    option = _BY_NAME[name]
+    if isinstance(value, list):
+        return [Path(v).expanduser() for v in value]
+    if option.parse in (Path, _paths, parse_bytes):
+        return _parse(option, value, source)
+    return value
+
+
+def _models(run_yaml: RunYaml, config_path: Path | None, env: Mapping[str, str], flags: dict, values: dict) -> list[ModelSpec]:
+    roots = values.get("checkpoint_roots") or ServerConfig().checkpoint_roots
+    by_id: dict[str, ModelSpec] = {}
+    for i, entry in enumerate(run_yaml.models):
+        spec = _spec_from_entry(entry, roots, f"{config_path}: models[{i}]")
+        by_id[spec.model_id] = spec
+    env_model = env.get(ENV_PREFIX + "MODEL") or env.get("INFERENCE_MODEL")
+    env_dir = env.get(ENV_PREFIX + "CHECKPOINT_DIR") or env.get("INFERENCE_CHECKPOINT_DIR")
+    if env_model or env_dir:
+        entry = ModelEntry(model_id=env_model or Path(env_dir).name, checkpoint_dir=env_dir,
+                           llama_model=env.get(ENV_PREFIX + "LLAMA_MODEL"))
+        by_id[entry.model_id] = _spec_from_entry(entry, roots, "INFERENCE_MODEL/INFERENCE_CHECKPOINT_DIR")
+    if flags.get("model") or flags.get("checkpoint_dir"):
+        directory = flags.get("checkpoint_dir")
+        entry = ModelEntry(model_id=flags.get("model") or Path(directory).name,
+                           checkpoint_dir=str(directory) if directory else None, llama_model=flags.get("llama_model"))
+        by_id[entry.model_id] = _spec_from_entry(entry, roots, "--model/--checkpoint-dir")
+    return list(by_id.values())
+
+
+def _spec_from_entry(entry: ModelEntry, roots: Sequence[Path], source: str) -> ModelSpec:
+    try:
+        known = msgspec.convert(entry.metadata, ModelMetadata)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: metadata: {_yaml_message(str(exc))}") from None
+    llama_model = entry.llama_model or known.llama_model
+    directory = entry.checkpoint_dir or known.checkpoint_dir
+    if directory:
+        checkpoint_dir = Path(directory).expanduser()
+    else:
+        try:
+            checkpoint_dir = find_checkpoint_dir([entry.model_id, llama_model or ""], roots, trusted=True,
+                                                 model_id=entry.model_id)
+        except ApiError as exc:
+            raise ConfigError(f"{source}: {exc.message}") from None
+    return ModelSpec(
+        model_id=entry.model_id,
+        checkpoint_dir=checkpoint_dir,
+        llama_model=llama_model,
+        metadata=dict(entry.metadata),
+        model_parallel_size=entry.model_parallel_size or known.model_parallel_size,
+        max_seq_len=entry.max_seq_len or known.max_seq_len,
+        quantization=entry.quantization or known.quantization,
+        trusted=True,  # named by the operator, not by an API caller
+    )
+
+
+def should_load(spec: ModelSpec) -> bool:
+    """Config models load at start unless their metadata says skip_initialize (or skip_load)."""
+    return not (spec.metadata.get("skip_initialize") or spec.metadata.get("skip_load"))
+
+
+def _assemble(values: dict[str, Any], models: list[ModelSpec]) -> ServerConfig:
+    engine_values = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
+    server_values = {k: v for k, v in values.items() if k not in _ENGINE_FIELDS}
+    try:
+        engine = EngineConfig(**engine_values)
+        config = ServerConfig(models=models, engine=engine, **server_values)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+    _validate(config)
+    return config
+
+
+def _validate(config: ServerConfig) -> None:
+    checks = [
+        (config.log_format in ("json", "console"), "log_format must be json or console"),
+        (config.engine.device in ("cpu", "cuda"), "device must be cpu or cuda"),
+        (config.engine.dtype in (None, "float32", "bfloat16", "float16", "float64"),
+         "dtype must be float32, bfloat16, float16 or float64"),
+        (0 < config.port < 65536, "port must be in 1..65535"),
+        (config.max_batch_request_items >= 1, "max_batch_request_items must be >= 1"),
+        (config.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
+        (config.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
+        (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
+        (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)

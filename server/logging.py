@@ -1,0 +1,42 @@
+"""structlog setup: JSON lines for machines or a console renderer for people; stdlib logs join in."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal, TextIO
+
+import structlog
+
+LogFormat = Literal["json", "console"]
+
+
+def configure_logging(log_format: LogFormat = "json", level: str = "info", stream: TextIO | None = None) -> None:
+    """Called once by the CLI (process setup, like installing uvloop); apps and tests never call it."""
+    level_no = logging.getLevelName(level.upper())
+    if not isinstance(level_no, int):
+        raise ValueError(f"unknown log level {level!r}")
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    # Engine and library logs (stdlib logging) go through the same renderer.
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level_no)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # our access line replaces it

@@ -1,0 +1,144 @@
+"""Prometheus metrics with vLLM-style names (`llamaserve:` prefix), one CollectorRegistry per app.
+
+Engine numbers are pulled at scrape time from each loaded engine's `stats()`: gauges and counters
+are read as they are; histogram observations (which `stats()` hands over once) are fed into
+histograms this module keeps per model, so nothing is lost between scrapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import structlog
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.types import EngineClient, EngineStats
+
+PREFIX = "llamaserve:"
+log = structlog.get_logger("llamaserve.metrics")
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+EnginesFn = Callable[[], Sequence[tuple[str, EngineClient]]]
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engines: EnginesFn) -> None:
+        self._engines = engines
+        labels = ["model_name"]
+        self._histograms = {
+            "observations_ttft_s": Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token.",
+                                             labels, buckets=_TTFT_BUCKETS_S, registry=None),
+            "observations_tpot_s": Histogram(f"{PREFIX}time_per_output_token_seconds", "Time per output token.",
+                                             labels, buckets=_TPOT_BUCKETS_S, registry=None),
+            "observations_e2e_s": Histogram(f"{PREFIX}e2e_request_latency_seconds", "End-to-end request latency.",
+                                            labels, buckets=_E2E_BUCKETS_S, registry=None),
+            "observations_step_s": Histogram(f"{PREFIX}engine_step_seconds", "Duration of one engine step.",
+                                             labels, buckets=_STEP_BUCKETS_S, registry=None),
+            "observations_batch_size": Histogram(f"{PREFIX}batch_size", "Sequences per engine step.",
+                                                 labels, buckets=_BATCH_BUCKETS, registry=None),
+        }
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # metrics depend on which engines are loaded at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests running on the engine.", labels=["model_name"])
+        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled.", labels=["model_name"])
+        kv_usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", labels=["model_name"])
+        kv_total = GaugeMetricFamily(f"{PREFIX}kv_cache_blocks_total", "KV cache blocks.", labels=["model_name"])
+        counters = {
+            name: CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model_name"])
+            for name, doc in (
+                ("num_preemptions", "Preemptions."),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                ("prompt_tokens", "Prompt tokens processed."),
+                ("generation_tokens", "Tokens generated."),
+            )
+        }
+        success = CounterMetricFamily(f"{PREFIX}request_success", "Finished requests.", labels=["model_name", "finished_reason"])
+        for model_id, engine in self._engines():
+            try:
+                stats: EngineStats = engine.stats()
+            except Exception:  # noqa: BLE001 - a dying engine must not break the whole scrape
+                log.exception("engine stats failed", model=model_id)
+                continue
+            labels = [model_id]
+            running.add_metric(labels, stats.num_running)
+            waiting.add_metric(labels, stats.num_waiting)
+            kv_usage.add_metric(labels, stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+            kv_total.add_metric(labels, stats.kv_blocks_total)
+            counters["num_preemptions"].add_metric(labels, stats.num_preempted_total)
+            counters["prefix_cache_queries"].add_metric(labels, stats.prefix_cache_queries_total)
+            counters["prefix_cache_hits"].add_metric(labels, stats.prefix_cache_hits_total)
+            counters["prompt_tokens"].add_metric(labels, stats.prompt_tokens_total)
+            counters["generation_tokens"].add_metric(labels, stats.generation_tokens_total)
+            for reason, count in sorted(stats.requests_finished_total.items()):
+                success.add_metric([model_id, reason], count)
+            for attribute, histogram in self._histograms.items():
+                child = histogram.labels(model_id)
+                for value in getattr(stats, attribute):
+                    child.observe(value)
+        yield from (running, waiting, kv_usage, kv_total, *counters.values(), success)
+        for histogram in self._histograms.values():
+            yield from histogram.collect()
+
+
+class _LifecycleCollector(Collector):
+    """The registry's model lifecycle counters (loads, failures, evictions, memory)."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, doc, value in (
+            ("model_loads", "Model loads completed.", stats.loads_total),
+            ("model_load_failures", "Model loads that failed.", stats.load_failures_total),
+            ("model_load_seconds", "Seconds spent loading models.", stats.load_seconds_total),
+            ("model_unloads", "Models unloaded.", stats.unloads_total),
+            ("model_evictions", "Idle models evicted to make room.", stats.evictions_total),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
+        for name, doc, value in (
+            ("models_loaded", "Models loaded now.", stats.loaded_models),
+            ("models_loading", "Models loading now.", stats.loading_models),
+            ("model_memory_reserved_bytes", "Bytes reserved by loaded and loading models.", stats.memory_reserved_bytes),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}{name}", doc, value=value)
+        if stats.memory_budget_bytes is not None:
+            yield GaugeMetricFamily(f"{PREFIX}model_memory_budget_bytes", "The memory budget for models.",
+                                    value=stats.memory_budget_bytes)
+
+
+class ServerMetrics:
+    """The app's own registry (never prometheus_client's global one), so apps and tests don't share state."""
+
+    def __init__(self, engines: EnginesFn) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(engines))
+        self.http_requests = Counter(
+            f"{PREFIX}http_requests", "HTTP requests by route and status.", ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            f"{PREFIX}http_request_duration_seconds", "HTTP request latency (streams: until the last byte).",
+            ["route"], buckets=_E2E_BUCKETS_S, registry=self.registry,
+        )
+
+    def add_lifecycle(self, stats: Callable[[], Any]) -> None:
+        """Model lifecycle metrics from a `registry.lifecycle_stats`-like callable."""
+        self.registry.register(_LifecycleCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
