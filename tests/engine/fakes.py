@@ -1,9 +1,9 @@
-"""Fakes that run the engine without torch: a runner over a simulated paged KV cache and a
-one-character-per-token tokenizer."""
+"""Fakes that run the engine without torch: a runner over a simulated paged KV cache, a
+one-character-per-token tokenizer and a byte tokenizer."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Callable, Iterable
 
 from engine.sequence import ScheduledBatch, Sequence, StepOutput
 from engine.types import EngineDead, TokenLogprob
@@ -25,6 +25,11 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self.token_text(token_id).encode()
 
+    first_token_bytes = token_bytes
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in SPECIAL
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return "".join(
             self.token_text(t) for t in token_ids if not (skip_special_tokens and t in SPECIAL)
@@ -34,34 +39,22 @@ class FakeTokenizer:
         return [3 + ALPHABET.index(ch) for ch in text]
 
 
-class FakeDetokenizer:
-    """Same contract as engine.detokenizer.IncrementalDetokenizer: push() returns text that is safe to
-    emit (a possible start of a stop string is held back), stop_matched names the stop string once
-    seen, and nothing from the stop string on is ever emitted."""
+class ByteTokenizer:
+    """Token i < 256 is byte i, for tiny real models with a 256-token vocabulary; no stop tokens."""
 
-    def __init__(self, tokenizer: FakeTokenizer, *, stop: Seq[str] = (), skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        self.skip_special_tokens = skip_special_tokens
-        self.stop_matched: str | None = None
-        self._pending = ""
+    vocab_size = 256
+    stop_token_ids: frozenset[int] = frozenset()
 
-    def push(self, token_ids: list[int]) -> str:
-        if self.stop_matched is not None:
-            return ""
-        self._pending += self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        hits = [(self._pending.find(s), s) for s in self.stop if s in self._pending]
-        if hits:
-            index, self.stop_matched = min(hits)
-            text, self._pending = self._pending[:index], ""
-            return text
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self._pending.endswith(s[:k])), default=0)
-        text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold :]
-        return text
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
-    def finish(self) -> str:
-        text, self._pending = ("" if self.stop_matched else self._pending), ""
-        return text
+    first_token_bytes = token_bytes
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
 
 def default_next_token(context: list[int], vocab_size: int) -> int:

@@ -17,7 +17,7 @@ from engine.types import (
     RequestOutput,
     SamplingParams,
 )
-from tests.engine.fakes import FakeDetokenizer, FakeRunner, FakeTokenizer, default_next_token
+from tests.engine.fakes import FakeRunner, FakeTokenizer, default_next_token
 
 TOK = FakeTokenizer()
 
@@ -49,8 +49,7 @@ class GatedRunner(FakeRunner):
 
 def make_engine(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **config) -> AsyncEngine:
     cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, **config})
-    return AsyncEngine("fake", runner or GatedRunner(64, 4), TOK, None, cfg, max_seq_len=max_seq_len,
-                       detokenizer_factory=FakeDetokenizer)
+    return AsyncEngine("fake", runner or GatedRunner(64, 4), TOK, None, cfg, max_seq_len=max_seq_len)
 
 
 def request(rid: str, text: str, **params) -> EngineRequest:

@@ -15,14 +15,14 @@ from engine.types import (
     RequestOutput,
     SamplingParams,
 )
-from tests.engine.fakes import EOS, FakeDetokenizer, FakeRunner, FakeTokenizer, default_next_token
+from tests.engine.fakes import EOS, FakeRunner, FakeTokenizer, default_next_token
 
 TOK = FakeTokenizer()
 
 
-def make_core(runner: FakeRunner | None = None, *, max_seq_len: int = 128, detok=FakeDetokenizer, **config) -> EngineCore:
+def make_core(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **config) -> EngineCore:
     cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, **config})
-    return EngineCore(runner or FakeRunner(64, 4), TOK, cfg, max_seq_len, detokenizer_factory=detok)
+    return EngineCore(runner or FakeRunner(64, 4), TOK, cfg, max_seq_len)
 
 
 def request(rid: str, prompt: str | list[int], **params) -> EngineRequest:
