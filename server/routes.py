@@ -8,6 +8,7 @@ aborts the engine request when the client goes away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from contextlib import aclosing
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import ChatAssembler, CompletionAssembler, token_text
-from engine.types import EngineClient, EngineRequest, RequestOutput
+from engine.types import EngineClient, EngineDead, EngineRequest, RequestOutput
 from server import sse
 from server.app import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
@@ -28,6 +29,7 @@ from server.errors import ApiError, from_exception
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
 
 Indexed = tuple[int, RequestOutput]
+DEAD_ENGINE_REPORTER = web.RequestKey("dead_engine_reporter", Callable)
 
 
 def add_routes(app: web.Application) -> None:
@@ -46,6 +48,25 @@ def _registry(request: web.Request) -> Any:
     from server.registry import REGISTRY_KEY  # H7's module; imported late so compat tests need no registry
 
     return request.app[REGISTRY_KEY]
+
+
+@contextlib.asynccontextmanager
+async def _lease(request: web.Request, model_id: str) -> AsyncIterator[EngineClient]:
+    """The model's engine for the whole request; an engine found dead is reported to the registry
+    so that the next request reloads it."""
+    registry = _registry(request)
+    async with registry.lease(model_id) as engine:
+        request[DEAD_ENGINE_REPORTER] = lambda exc: _report_dead(registry, model_id, engine, exc)
+        try:
+            yield engine
+        except EngineDead as exc:
+            _report_dead(registry, model_id, engine, exc)
+            raise
+
+
+def _report_dead(registry: Any, model_id: str, engine: EngineClient, exc: Exception) -> None:
+    if isinstance(exc, EngineDead):
+        registry.report_dead(model_id, engine, str(exc))
 
 
 def _log(request: web.Request, **fields: Any) -> None:
@@ -143,7 +164,7 @@ async def _respond(
 
         if first is None:
             return await sse.stream(request, None, outputs, lambda _: None, head(), tail)
-        return await sse.stream(request, first, outputs, render, head(), tail)
+        return await sse.stream(request, first, outputs, render, head(), tail, request.get(DEAD_ENGINE_REPORTER))
     finally:
         await outputs.aclose()
         usage = assembler.usage()
@@ -157,7 +178,7 @@ def _response_id(prefix: str) -> str:
 # --------------------------------------------------------------------------- chat and completions
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.CHAT_DECODER)
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         response_id = _response_id("chatcmpl")
         plan = await _plan(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -172,7 +193,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.COMPLETION_DECODER)
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         response_id = _response_id("cmpl")
         plan = await _plan(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -224,7 +245,7 @@ def _batch_response(response_id: str, kind: str, model: str, items: list[p.Batch
 async def batch_chat_completions(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.BATCH_CHAT_DECODER)
     _check_batch_size(request, len(req.messages_batch), "messages_batch")
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         batch_id = _response_id("batch")
 
         def make(k: int, messages: list) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
@@ -246,7 +267,7 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
 async def batch_completions(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.BATCH_COMPLETION_DECODER)
     _check_batch_size(request, len(req.prompts), "prompts")
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         batch_id = _response_id("batch")
 
         def make(k: int, prompt: str | list[int]) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
@@ -268,7 +289,7 @@ async def batch_completions(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- tokenizer endpoints
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         ids = await _plan(size, to_engine.tokenize, req, engine)
         strs = [token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
@@ -277,7 +298,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.DETOKENIZE_DECODER)
-    async with _registry(request).lease(req.model) as engine:
+    async with _lease(request, req.model) as engine:
         return json_response(p.DetokenizeResponse(prompt=to_engine.detokenize_ids(req, engine)))
 
 

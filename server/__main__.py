@@ -1,0 +1,104 @@
+"""`python -m server` / `llamaserve`: parse flags, merge the config, run the app until SIGTERM.
+
+    llamaserve --model Llama3.2-1B-Instruct --checkpoint-dir ~/.llama/checkpoints/Llama3.2-1B-Instruct
+    llamaserve --config run.yaml --api-key "$KEY"
+    llamaserve --demo
+    llamaserve import-gguf model.gguf OUT_DIR
+
+The engine (torch) is imported here, lazily, and nowhere else in server/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from server.config import ConfigError, ServerConfig, add_arguments, build_config
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llamaserve",
+        description="An OpenAI-compatible inference server for Meta-format Llama checkpoints. Every flag can "
+        "also be set as LLAMASERVE_<FLAG> (e.g. LLAMASERVE_PORT) or in run.yaml; flags win over env, env over "
+        "run.yaml. Subcommand: 'llamaserve import-gguf FILE OUT_DIR' converts a GGUF file to a Meta checkpoint.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "import-gguf":
+        from engine.gguf_import import main as import_gguf
+
+        return import_gguf(argv[1:])
+    args = make_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+        if config.demo:
+            config = with_demo_model(config)
+    except ConfigError as exc:
+        print(f"llamaserve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    from server.logging import configure_logging
+
+    configure_logging(config.log_format, config.log_level)
+    serve(config)
+    return 0
+
+
+def with_demo_model(config: ServerConfig) -> ServerConfig:
+    """--demo: add the demo checkpoint (downloaded or built once) to the configured models."""
+    from engine.demo import ensure_demo_checkpoint
+
+    from server.model_spec import ModelSpec
+
+    cache_dir = config.demo_cache_dir or Path("~/.cache/llamaserve/demo").expanduser()
+    demo = ensure_demo_checkpoint(cache_dir)
+    spec = ModelSpec(
+        model_id=demo.model_id, checkpoint_dir=Path(demo.checkpoint_dir),
+        llama_model=getattr(demo, "llama_model", None), metadata=dict(getattr(demo, "metadata", {}) or {}),
+        trusted=True,
+    )
+    others = [m for m in config.models if m.model_id != spec.model_id]
+    return dataclasses.replace(config, models=[*others, spec])
+
+
+def serve(config: ServerConfig) -> None:
+    """Run until SIGINT/SIGTERM. aiohttp then stops accepting, gives in-flight requests up to
+    drain_timeout_s to finish (handler cancellation aborts the rest in the engine), and runs the
+    cleanup context, which stops every engine and its model-parallel workers."""
+    from aiohttp import web
+
+    from engine.loader import LocalEngineFactory
+    from server.app import create_app
+
+    factory = LocalEngineFactory(config.engine, chat_template_path=config.chat_template)
+    app = create_app(config, factory)
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        shutdown_timeout=config.drain_timeout_s,
+        handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
+        access_log=None,  # our middleware logs one structured line per request
+        print=None,
+        loop=new_event_loop(),
+    )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
