@@ -46,6 +46,7 @@ _MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would over
 _MAX_TOP_P_ROUNDS = 16  # rejection rounds before a row falls back to a sort (expected < 1/top_p)
 _CHUNK = 1024  # tokens per chunk of the two-stage inverse CDF
 _MASK_64 = (1 << 64) - 1
+_Picks = tuple[list[int], list[int], list[float]]  # (rows, chosen token per row, row max after processing)
 
 
 @dataclass(slots=True)
@@ -101,7 +102,7 @@ class Sampler:
 
     def _is_plain_greedy(self, seq: Sequence) -> bool:
         p = seq.params
-        return _is_greedy(p) and not _has_penalties(p) and not p.logit_bias and p.logprobs is None and not self._stops_masked(seq)
+        return _is_greedy(p) and p.logprobs is None and not self._modifies_logits(seq)
 
     def _modifies_logits(self, seq: Sequence) -> bool:
         return _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq)
@@ -115,7 +116,7 @@ class Sampler:
         live = [row for row, seq in enumerate(seqs) if seq.seq_id not in errors]
         x = logits
         if errors or any(self._modifies_logits(seq) for seq in seqs):
-            x = logits.contiguous().clone()  # ours to modify; the caller's logits stay raw for logprobs
+            x = logits.clone(memory_format=torch.contiguous_format)  # the caller's stay raw for logprobs
             if errors:  # keep failed rows finite so they cannot poison shared arithmetic
                 failed = [row for row, seq in enumerate(seqs) if seq.seq_id in errors]
                 x[torch.tensor(failed, device=x.device)] = 0.0
@@ -131,7 +132,7 @@ class Sampler:
                 if math.isfinite(value):
                     tokens[row] = token
                 else:  # bias and min_tokens masked every token, or a bias was infinite
-                    errors[seqs[row].seq_id] = "no token is left to sample: logit_bias or min_tokens masked every token"
+                    errors[seqs[row].seq_id] = "no token left to sample: logit_bias or min_tokens masked them all"
         want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
         return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
 
@@ -151,7 +152,7 @@ class Sampler:
             idx = (torch.tensor(index_rows, device=x.device), torch.tensor(index_tokens, device=x.device))
             x.index_put_(idx, torch.tensor(-math.inf, device=x.device))
 
-    def _pick_sampled(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[list[int], list[int], list[float]]:
+    def _pick_sampled(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> _Picks:
         if not rows:
             return [], [], []
         device, vocab = x.device, x.shape[1]
@@ -223,9 +224,10 @@ def _apply_penalties(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
         penalty = _per_row(x, [(row, seq.params.repetition_penalty) for row, seq in rep])[key_rows]
         values = flat[keys]
         flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
-    additive = [(row, seq) for row, seq in rows if seq.params.presence_penalty != 0 or seq.params.frequency_penalty != 0]
+    additive = [(row, seq) for row, seq in rows if seq.params.presence_penalty or seq.params.frequency_penalty]
     if additive:
-        keys, counts, key_rows = _token_keys([(row, seq.output_token_ids) for row, seq in additive], x.shape[1], x.device)
+        outputs = [(row, seq.output_token_ids) for row, seq in additive]
+        keys, counts, key_rows = _token_keys(outputs, x.shape[1], x.device)
         frequency = _per_row(x, [(row, seq.params.frequency_penalty) for row, seq in additive])[key_rows]
         presence = _per_row(x, [(row, seq.params.presence_penalty) for row, seq in additive])[key_rows]
         flat[keys] -= counts * frequency + presence
@@ -246,7 +248,8 @@ def _token_keys(
 def _per_row(x: torch.Tensor, values: list[tuple[int, float]]) -> torch.Tensor:
     """[num_rows of x] float32 holding each listed row's value (0 elsewhere)."""
     out = torch.zeros(x.shape[0], device=x.device)
-    out[torch.tensor([row for row, _ in values], device=x.device)] = torch.tensor([v for _, v in values], device=x.device)
+    rows = torch.tensor([row for row, _ in values], device=x.device)
+    out[rows] = torch.tensor([v for _, v in values], device=x.device)
     return out
 
 
@@ -260,7 +263,7 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -
     x.index_put_((index_rows, index_tokens), bias, accumulate=True)
 
 
-def _pick_greedy(x: torch.Tensor, rows: list[int]) -> tuple[list[int], list[int], list[float]]:
+def _pick_greedy(x: torch.Tensor, rows: list[int]) -> _Picks:
     if not rows:
         return [], [], []
     values, ids = _take(x, rows).max(dim=1)
@@ -335,7 +338,8 @@ def _sample_top_k(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
     top_k = [k if 0 < k < vocab else vocab for k in top_k]
     u, _ = _uniforms(states, device)
     values, ids = torch.topk(weights, max(top_k), dim=1)  # best first
-    values.masked_fill_(torch.arange(values.shape[1], device=device) >= torch.tensor(top_k, device=device).unsqueeze(1), 0.0)
+    beyond_k = torch.arange(values.shape[1], device=device) >= torch.tensor(top_k, device=device).unsqueeze(1)
+    values.masked_fill_(beyond_k, 0.0)
     cumulative = torch.cumsum(values, dim=1, dtype=torch.float64)
     top_p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
     before = cumulative - values.double()  # mass strictly better than each token
@@ -359,10 +363,10 @@ def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
         u, new_states = _uniforms([states[i] for i in active], device)
         for i, state in zip(active, new_states):
             states[i] = state
-        allowed = sub if round_index == 0 else sub * (sub > pivot[idx])
+        allowed = sub if round_index == 0 else torch.where(sub > pivot[idx], sub, 0.0)
         token = _draw_from_weights(allowed, u).unsqueeze(1)
         value = sub.gather(1, token)
-        heavier = (sub * (sub > value)).sum(dim=1).double()
+        heavier = torch.where(sub > value, sub, 0.0).sum(dim=1).double()
         accepted = (heavier < threshold[idx]).tolist()
         picked[idx] = token.squeeze(1)
         pivot[idx] = value
@@ -371,11 +375,14 @@ def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
             return picked
     # pathological rows (many near-equal tokens around the cut): sort them
     idx = torch.tensor(active, device=device)
-    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), [top_p[i] for i in active], [states[i] for i in active])
+    rest_top_p, rest_states = [top_p[i] for i in active], [states[i] for i in active]
+    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), rest_top_p, rest_states)
     return picked
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int]) -> list[TokenLogprob | None]:
+def _logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int]
+) -> list[TokenLogprob | None]:
     """Raw-model log-softmax of the sampled token and the k best alternatives, k = params.logprobs."""
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not rows:
@@ -391,5 +398,6 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], row
         values, ids = torch.topk(logprobs, max(ks), dim=1)
         top_values, top_ids = values.tolist(), ids.tolist()
     for i, row in enumerate(rows):
-        out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]])))
+        top = list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]]))
+        out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=top)
     return out
