@@ -92,6 +92,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [num_seqs, vocab] float32, row i belongs to seqs[i]. Never modifies logits."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):  # an executor bug: fail the batch
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
         if not seqs:
             return SampleResult([], [], {})
         if logits.dtype != torch.float32:

@@ -64,6 +64,11 @@ def test_greedy_is_argmax_on_fast_and_general_paths():
     assert fast.errors == {} and general.errors == {}
 
 
+def test_logits_rows_must_match_sequences():
+    with pytest.raises(ValueError, match="3 sequences"):
+        sample(logits_for(2), [seq() for _ in range(3)])
+
+
 def test_empty_batch():
     result = sample(torch.empty(0, VOCAB), [])
     assert (result.token_ids, result.logprobs, result.errors) == ([], [], {})
