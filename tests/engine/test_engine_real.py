@@ -1,0 +1,134 @@
+"""The whole engine over a tiny real random checkpoint: batching, chunking, preemption and
+prefix-cache hits never change a request's tokens. float64, so that a different batch shape
+cannot flip a near-tied argmax."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.types import EngineRequest, SamplingParams
+from tests.engine.fakes import ByteTokenizer
+
+BLOCK_SIZE = 4
+MAX_SEQ_LEN = 64
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_checkpoint):
+    from engine.checkpoint import resolve_checkpoint
+    from tests.conftest import TINY_DESCRIPTOR
+
+    return resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+
+
+def make_runner(spec, config: EngineConfig):
+    from engine.executor import ModelExecutor
+    from engine.runner import ModelRunnerImpl
+
+    return ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN), stop_token_ids=TOK.stop_token_ids)
+
+
+def config(spec, *, num_blocks: int = 256, **overrides) -> EngineConfig:
+    from engine.loader import kv_cache_bytes_per_token
+
+    per_block = kv_cache_bytes_per_token(spec.model_args, "float64") * BLOCK_SIZE
+    base = dict(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=16, max_num_batched_tokens=48,
+                kv_cache_bytes=num_blocks * per_block)
+    return EngineConfig(**{**base, **overrides})
+
+
+def make_requests(n: int = 16, *, prefix: list[int] = (), seeded: bool = False) -> list[EngineRequest]:
+    rng = random.Random(1234)
+    requests = []
+    for i in range(n):
+        prompt = list(prefix) + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        sampling = dict(temperature=0.9, top_p=0.95, seed=100 + i) if seeded else dict(temperature=0.0)
+        max_tokens = min(rng.randint(4, 16), MAX_SEQ_LEN - len(prompt))
+        requests.append(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **sampling)))
+    return requests
+
+
+class Alone:
+    """The reference: one request at a time, no prefix cache; results remembered per request."""
+
+    def __init__(self, spec) -> None:
+        cfg = config(spec, enable_prefix_caching=False)
+        self.core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+        self.results: dict[tuple, list[int]] = {}
+
+    def run(self, request: EngineRequest) -> list[int]:
+        key = (tuple(request.prompt_token_ids), request.params)
+        if key not in self.results:
+            self.core.add_request(request)
+            tokens: list[int] = []
+            while self.core.has_unfinished:
+                for out in self.core.step():
+                    tokens += out.new_token_ids
+            self.results[key] = tokens
+        return self.results[key]
+
+
+@pytest.fixture(scope="module")
+def alone_engine(spec):
+    alone = Alone(spec)
+    yield alone
+    alone.core.runner.shutdown()
+
+
+async def run_concurrently(engine: AsyncEngine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    async def one(request: EngineRequest) -> list[int]:
+        return [t async for out in engine.generate(request) for t in out.new_token_ids]
+
+    results = await asyncio.gather(*(one(r) for r in requests))
+    return {r.request_id: tokens for r, tokens in zip(requests, results)}
+
+
+async def check_batched_equals_alone(spec, alone_engine, requests, cfg: EngineConfig) -> AsyncEngine:
+    expected = {r.request_id: alone_engine.run(r) for r in requests}
+    for r in requests:  # fresh requests (arrival times) for the batched run
+        r.arrival_time_s = 0.0
+    engine = AsyncEngine("tiny", make_runner(spec, cfg), TOK, None, cfg, max_seq_len=MAX_SEQ_LEN)
+    try:
+        got = await run_concurrently(engine, requests)
+        assert got == expected
+        assert engine.core.pool.num_free == engine.core.pool.num_blocks
+        return engine
+    finally:
+        await engine.shutdown()
+
+
+async def test_16_concurrent_greedy_requests_equal_each_alone(spec, alone_engine):
+    engine = await check_batched_equals_alone(spec, alone_engine, make_requests(), config(spec))
+    assert max(engine.stats().observations_batch_size) > 8  # they really ran together
+
+
+async def test_with_a_pool_small_enough_to_force_preemption(spec, alone_engine):
+    engine = await check_batched_equals_alone(spec, alone_engine, make_requests(), config(spec, num_blocks=20))
+    assert engine.core.scheduler.num_preempted_total > 0
+
+
+async def test_with_prefix_cache_hits(spec, alone_engine):
+    prefix = [random.Random(7).randrange(256) for _ in range(17)]
+    requests = make_requests(prefix=prefix)
+    cfg = config(spec)
+    expected = {r.request_id: alone_engine.run(r) for r in requests}
+    engine = AsyncEngine("tiny", make_runner(spec, cfg), TOK, None, cfg, max_seq_len=MAX_SEQ_LEN)
+    try:
+        first = await run_concurrently(engine, requests[:1])  # warms the cache with the shared prefix
+        rest = await run_concurrently(engine, requests[1:])
+        assert {**first, **rest} == expected
+        stats = engine.stats()
+        assert stats.prefix_cache_hits_total >= 15 * 16  # 4 full blocks of the prefix, for each later request
+    finally:
+        await engine.shutdown()
+
+
+async def test_seeded_sampling_same_alone_or_batched(spec, alone_engine):
+    await check_batched_equals_alone(spec, alone_engine, make_requests(seeded=True), config(spec, num_blocks=24))
