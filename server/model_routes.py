@@ -15,12 +15,12 @@ Without skip_initialize the call returns once the model is loaded.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
+from compat.protocol import validation_param
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
@@ -68,7 +68,6 @@ class MetadataSettings(_Settings, kw_only=True):
 
 
 _REQUEST_DECODER = msgspec.json.Decoder(RegisterModelRequest)
-_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
 # Which of these need the admin key is server/auth.py's rule (POST and DELETE under /v1/models).
@@ -171,14 +170,15 @@ def _one(name: str, value: _T | None, other_name: str, other: _T | None) -> _T |
 
 
 def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
-    """Decode with msgspec; a ValidationError becomes a 400 whose param is the field's path."""
+    """Decode with msgspec; a ValidationError becomes a 400 whose param is the field's path
+    (under `prefix` for the metadata object, which is converted on its own)."""
     try:
         return decode(data)
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = _PATH_RE.search(message)
-        path = match.group("path").lstrip(".") if match else ""
+        message, path = validation_param(str(exc))
         param = ".".join(p for p in (prefix, path) if p) or None
+        if prefix and path:
+            message = message.replace(path, param)  # compat names the field without our prefix
         raise ApiError(400, message, param=param, code="invalid_value") from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
