@@ -262,3 +262,27 @@ async def test_openai_sdk_reads_the_model_objects(client) -> None:
         assert deleted.deleted and deleted.id == model_id
         with pytest.raises(openai.NotFoundError):
             await sdk.models.retrieve(model_id)
+
+
+async def test_in_the_real_app_a_registered_model_loads_on_its_first_chat(aiohttp_client, tmp_path) -> None:
+    """create_app with no models: register with skip_initialize, chat, see it load and answer."""
+    from server.app import create_app
+    from server.config import ServerConfig
+    from tests.server.fake_engine import FakeEngineFactory
+
+    checkpoint(tmp_path, "ft")
+    checkpoint(tmp_path, "ft2")
+    fake_factory = FakeEngineFactory()
+    client = await aiohttp_client(create_app(ServerConfig(checkpoint_roots=[tmp_path], models=[]), fake_factory))
+    assert (await (await client.get("/v1/models")).json())["data"] == []
+    body = {"model_id": "my-ft", "checkpoint_dir": "ft", "metadata": {"skip_initialize": True}}
+    assert (await (await client.post("/v1/models", json=body)).json())["status"] == "registered"
+    assert fake_factory.engines == {}
+    chat = {"model": "my-ft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status == 200, await response.text()
+    assert (await response.json())["model"] == "my-ft" and "my-ft" in fake_factory.engines
+    assert (await (await client.get("/v1/models/my-ft")).json())["status"] == "ready"
+    loaded = await (await client.post("/v1/models", json={"model_id": "other", "checkpoint_dir": "ft2"})).json()
+    assert loaded["status"] == "ready" and loaded["memory_bytes"] == 1 << 20
+    assert (await client.get("/ready")).status == 200
