@@ -109,7 +109,7 @@ class FunctionDefinition(_Request, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str = ""
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
-    strict: bool | None = None
+    strict: bool | None = None  # true is refused in to_engine: nothing here enforces the schema
 
 
 class Tool(_Request, kw_only=True):
@@ -119,7 +119,6 @@ class Tool(_Request, kw_only=True):
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(_Request, kw_only=True):

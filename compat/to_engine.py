@@ -73,6 +73,10 @@ def chat_tools(fields: p.ChatFields) -> tuple[ToolDefinition, ...]:
         )
     if not fields.tools or choice == "none":
         return ()
+    for i, tool in enumerate(fields.tools):
+        if tool.function.strict:
+            raise InvalidRequest("strict function schemas are not supported (no constrained decoding)",
+                                 param=f"tools[{i}].function.strict")
     names = [tool.function.name for tool in fields.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tool names must be unique", param="tools")

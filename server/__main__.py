@@ -54,9 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def with_demo_model(config: ServerConfig) -> ServerConfig:
     """--demo: add the demo checkpoint (downloaded or built once) to the configured models."""
-    from engine.demo import ensure_demo_checkpoint
-
     from server.model_spec import ModelSpec
+
+    try:
+        from engine.demo import ensure_demo_checkpoint
+    except ImportError as exc:
+        raise ConfigError(f"--demo is not available in this build ({exc})") from None
 
     cache_dir = config.demo_cache_dir or Path("~/.cache/llamaserve/demo").expanduser()
     demo = ensure_demo_checkpoint(cache_dir)

@@ -321,6 +321,10 @@ async def test_missing_field_names_it(client):
     ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+     "tools[0].function.strict"),
+    ("/v1/chat/completions", {"stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ("/v1/chat/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0].type"),
