@@ -24,6 +24,7 @@ from engine.types import EngineClient, EngineDead, EngineRequest, RequestOutput
 from server import sse
 from server.app import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
+from server.registry import REGISTRY_KEY, ModelRegistry
 
 # Bodies above this are tokenized off the event loop, so one huge prompt can't stall every stream.
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
@@ -44,9 +45,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
 
 
-def _registry(request: web.Request) -> Any:
-    from server.registry import REGISTRY_KEY  # H7's module; imported late so compat tests need no registry
-
+def _registry(request: web.Request) -> ModelRegistry:
     return request.app[REGISTRY_KEY]
 
 
@@ -215,12 +214,15 @@ async def _collect(outputs: AsyncIterator[Indexed], assembler: Any) -> Any:
     return assembler.response()
 
 
-async def _batch_item(index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]]) -> p.BatchItem:
+async def _batch_item(
+    request: web.Request, index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]]
+) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
         outputs, assembler = make()
         return p.BatchItem(index=index, response=await _collect(outputs, assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
+        request[DEAD_ENGINE_REPORTER](exc)
         error = from_exception(exc)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))
@@ -260,7 +262,7 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), assembler
             return build
 
-        items = await asyncio.gather(*(_batch_item(k, make(k, m)) for k, m in enumerate(req.messages_batch)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, m)) for k, m in enumerate(req.messages_batch)))
         return _batch_response(batch_id, "batch.chat.completion", req.model, list(items), request)
 
 
@@ -282,7 +284,7 @@ async def batch_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), assembler
             return build
 
-        items = await asyncio.gather(*(_batch_item(k, make(k, pr)) for k, pr in enumerate(req.prompts)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(req.prompts)))
         return _batch_response(batch_id, "batch.text_completion", req.model, list(items), request)
 
 

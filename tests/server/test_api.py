@@ -383,6 +383,14 @@ async def test_engine_dead_is_503(client, factory):
     assert "worker 1 exited" in error["message"]
 
 
+async def test_dead_engine_is_reloaded_on_the_next_request(client, factory):
+    dead = engine_of(factory)
+    dead.raise_on_generate = EngineDead("worker 1 exited")
+    await error_of(await client.post("/v1/chat/completions", json=CHAT), 503)
+    response = await client.post("/v1/chat/completions", json=CHAT)
+    assert response.status == 200 and engine_of(factory) is not dead
+
+
 async def test_unexpected_exception_is_500_without_traceback(client, factory):
     engine_of(factory).raise_on_generate = RuntimeError("secret internals")
     error = await error_of(await client.post("/v1/chat/completions", json=CHAT), 500)
