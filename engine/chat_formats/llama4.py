@@ -1,0 +1,76 @@
+"""Llama 4 chat: `<|begin_of_text|>` then, per message,
+`<|header_start|>{role}<|header_end|>\\n\\n{content}<|eot|>`, and an open assistant header.
+
+Tool calling as Llama 4 is served end to end: with tools, the system prompt is the (typo'd, as
+tuned) TOOLS_SYSTEM_PROMPT, then the tool definitions as JSON, then the caller's system prompt.
+Calls are pythonic, `[f(a=1), g(b="x")]`, with NO <|python_start|>/<|python_end|> around them;
+an assistant message that makes calls and each tool result (role `ipython`) end with <|eom|>.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.chat_formats.common import Dialog, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
+from engine.tokenizer import Tokenizer
+from engine.tool_parser import OutputParser, make_output_parser
+from engine.types import ChatMessage, ToolDefinition
+
+TOOLS_SYSTEM_PROMPT = (
+    "You are a helpful assisant who can can answer general questions or invoke tools when necessary.\n"
+    "In addition to tool calls, you should also augment your responses by using the tool outputs."
+)
+TOOLS_LIST_INTRO = "Here is a list of functions in JSON format that you can invoke.\n\n"
+
+
+class Llama4ChatFormat:
+    family = "llama4"
+    supports_tools = True
+    parser_needs_special_tokens = True  # the model may still write <|python_start|>
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_dialog(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
+    ) -> list[int]:
+        check_tools(tools, family_name="Llama 4", supports_tools=True, pythonic=True)
+        dialog = check_dialog(messages, family_name="Llama 4", supports_tools=True, system_anywhere=True)
+        prompt = PromptBuilder(self.tokenizer).special("<|begin_of_text|>")
+        system = system_text(dialog.system, tools)
+        if system is not None:
+            self._message(prompt, "system", system, "<|eot|>")
+        for index, message in enumerate(dialog.messages):
+            self._encode_message(prompt, message, dialog, index)
+        if add_generation_prompt:
+            self._header(prompt, "assistant")
+        return prompt.ids
+
+    def _header(self, prompt: PromptBuilder, role: str) -> None:
+        prompt.special("<|header_start|>").text(role).special("<|header_end|>").text("\n\n")
+
+    def _message(self, prompt: PromptBuilder, role: str, content: str, end: str) -> None:
+        self._header(prompt, role)
+        prompt.text(content).special(end)
+
+    def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
+        if message.role == "tool":
+            self._message(prompt, "ipython", message.content, "<|eom|>")
+        elif message.role == "assistant" and message.tool_calls:
+            param = f"messages[{index}].tool_calls"
+            calls = ", ".join(pythonic_call(call.name, dialog.arguments[id(call)], param) for call in message.tool_calls)
+            self._message(prompt, "assistant", f"{message.content}[{calls}]", "<|eom|>")
+        else:
+            self._message(prompt, message.role, message.content, "<|eot|>")
+
+    def output_parser(self, tools: Sequence[ToolDefinition]) -> OutputParser:
+        return make_output_parser(tools)
+
+
+def system_text(system: str | None, tools: Sequence[ToolDefinition]) -> str | None:
+    if not tools:
+        return system
+    parts = [TOOLS_SYSTEM_PROMPT, TOOLS_LIST_INTRO + tool_definitions_json(tools)]
+    if system is not None:
+        parts.append(system)
+    return "\n\n".join(parts)
