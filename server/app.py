@@ -174,6 +174,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             )
     if error.status >= 500 and error.code == "internal_error":
         error.message += f" (request id {request[REQUEST_ID]})"
+    request[LOG_FIELDS]["error_code"] = error.code
     return web.Response(body=error.to_json(), status=error.status, headers=error.headers,
                         content_type="application/json")
 
