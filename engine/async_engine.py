@@ -98,8 +98,9 @@ class AsyncEngine:
         self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
         self._cond = threading.Condition()
-        self._adds: list[tuple[EngineRequest, _Slot]] = []  # guarded by _cond
-        self._aborts: list[str] = []  # guarded by _cond
+        # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
+        self._inbox: list[tuple[str, Any, _Slot | None]] = []  # guarded by _cond
+        self._num_adds_posted = 0  # adds in the inbox, for the queue bound
         self._dead: EngineDead | None = None  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._active: dict[str, _Slot] = {}  # event-loop side: requests whose generator is open
@@ -144,7 +145,7 @@ class AsyncEngine:
         self.core.check(request)  # pure: reads only immutable limits
         if request.request_id in self._active:
             raise InvalidRequest(f"request id {request.request_id!r} is already in use")
-        num_waiting = self.core.scheduler.num_waiting + len(self._adds)
+        num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
         if num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
 
@@ -157,7 +158,8 @@ class AsyncEngine:
             if self._dead is not None or self._stopping:
                 del self._active[request_id]
                 raise EngineDead(f"model {self.model_id!r} is not available")
-            self._adds.append((request, slot))
+            self._inbox.append(("add", request, slot))
+            self._num_adds_posted += 1
             self._cond.notify()
         finished = False
         try:
@@ -172,48 +174,51 @@ class AsyncEngine:
 
     def _post_abort(self, request_id: str) -> None:
         with self._cond:
-            self._aborts.append(request_id)
+            self._inbox.append(("abort", request_id, None))
             self._cond.notify()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or self.core.has_unfinished):
+                while not (self._inbox or self._stopping or self.core.has_unfinished):
                     self._cond.wait()
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
+                inbox, self._inbox = self._inbox, []
+                self._num_adds_posted = 0
                 stopping = self._stopping
             if stopping:
-                self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), adds)
+                self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), inbox)
                 return
-            items = self._apply(adds, aborts)
+            items: list[tuple[_Slot, Any]] = []
             steps_before = self.core.timing.num_steps
             try:
-                outputs = self.core.step()
+                items = self._apply(inbox)
+                items += self._route(self.core.step())
             except BaseException as exc:  # a dead worker, or a bug: every request fails, the model goes away
                 log.exception("engine for %s stopped", self.model_id)
                 dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine step crashed: {exc!r}")
                 self._send(items)
-                self._fail_everything(dead, [])
+                self._fail_everything(dead, inbox)
                 return
-            items += self._route(outputs)
             self._send(items)
             if self.core.has_unfinished and self.core.timing.num_steps == steps_before:
                 with self._cond:  # nothing could be scheduled (should not happen): wait for news, not spin
                     self._cond.wait(timeout=0.01)
 
-    def _apply(self, adds: list[tuple[EngineRequest, _Slot]], aborts: list[str]) -> list[tuple[_Slot, Any]]:
+    def _apply(self, inbox: list[tuple[str, Any, _Slot | None]]) -> list[tuple[_Slot, Any]]:
+        """Adds and aborts, in the order they were posted."""
         items: list[tuple[_Slot, Any]] = []
-        for request, slot in adds:
-            try:
-                self.core.add_request(request)
-            except EngineError as exc:
-                items.append((slot, exc))
-            else:
-                self._slots[request.request_id] = slot
-        outputs = [out for request_id in aborts if (out := self.core.abort_request(request_id)) is not None]
-        return items + self._route(outputs)
+        for kind, payload, slot in inbox:
+            if kind == "add":
+                try:
+                    self.core.add_request(payload)
+                except EngineError as exc:
+                    items.append((slot, exc))
+                else:
+                    self._slots[payload.request_id] = slot  # type: ignore[assignment]
+            elif (output := self.core.abort_request(payload)) is not None:
+                items += self._route([output])
+        return items
 
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Slot, Any]]:
         items: list[tuple[_Slot, Any]] = []
@@ -234,13 +239,13 @@ class AsyncEngine:
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
 
-    def _fail_everything(self, error: EngineDead, adds: list[tuple[EngineRequest, _Slot]]) -> None:
+    def _fail_everything(self, error: EngineDead, inbox: list[tuple[str, Any, _Slot | None]]) -> None:
         with self._cond:
             self._dead = self._dead or error
-            adds = adds + self._adds
-            self._adds = []
+            inbox = inbox + self._inbox
+            self._inbox = []
         self.core.fail_all(str(error))  # frees every block
-        items: list[tuple[_Slot, Any]] = [(slot, error) for slot in self._slots.values()]
-        items += [(slot, error) for _, slot in adds]
+        slots = {id(slot): slot for slot in self._slots.values()}
+        slots.update((id(slot), slot) for kind, _, slot in inbox if kind == "add" and slot is not None)
         self._slots.clear()
-        self._send(items)
+        self._send([(slot, error) for slot in slots.values()])

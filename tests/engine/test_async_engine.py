@@ -124,7 +124,7 @@ async def test_queue_full():
     sched = eng.core.scheduler
     await wait_until(lambda: sched.num_running == 1)  # q0 runs (held in the runner); q1, q2 will wait
     firsts += [asyncio.ensure_future(g.__anext__()) for g in gens[1:]]
-    await wait_until(lambda: sched.num_waiting + len(eng._adds) == 2)
+    await wait_until(lambda: sched.num_waiting + eng._num_adds_posted == 2)
     with pytest.raises(QueueFull):
         eng.generate(request("over", "abc"))
     eng.runner.open()
