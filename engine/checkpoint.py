@@ -410,9 +410,12 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
 def _old_ranks(layout: ParamLayout, new_rank: int, new_size: int, old_size: int) -> Iterator[tuple[int, int, int]]:
     """(old_rank, start, end) of the old shards overlapping new_rank's slice, in global coordinates."""
     start, end = _rank_range(layout, new_rank, new_size)
+    seen = set()
     for old in range(old_size):
         o_start, o_end = _rank_range(layout, old, old_size)
-        if o_start < end and start < o_end:
+        # Saved past n_kv_heads, neighbouring shards hold the same KV head: read it once.
+        if o_start < end and start < o_end and (o_start, o_end) not in seen:
+            seen.add((o_start, o_end))
             yield old, o_start, o_end
 
 
@@ -500,9 +503,7 @@ def write_random_checkpoint(
     seed gives the same full weights whatever num_shards is."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_parallel_size(args, num_shards)
-    if args.kv_heads % num_shards:
-        raise ValueError(f"num_shards {num_shards} must divide n_kv_heads {args.kv_heads} (Meta's layout)")
+    check_parallel_size(args, num_shards)  # past n_kv_heads, shards repeat KV heads as Meta's do
     full = random_state_dict(args, seed=seed, dtype=dtype)
     for rank in range(num_shards):
         torch.save(shard_state_dict(full, args, rank, num_shards), out_dir / f"consolidated.{rank:02d}.pth")

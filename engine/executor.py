@@ -49,9 +49,7 @@ class RankShard:
         started_s = time.monotonic()
         with torch.device("meta"):
             model = Transformer(spec.model_args, mp_size=mp_size, max_seq_len=max_seq_len)
-        state = load_rank_state_dict(spec, rank, mp_size)
-        # Views of the mmapped shards stay zero-copy when dtype and device already match.
-        state = {key: value.to(device=device, dtype=dtype).contiguous() for key, value in state.items()}
+        state = _materialise(load_rank_state_dict(spec, rank, mp_size), device, dtype, rank)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # shapes were checked against params.json; this is a bug guard
@@ -104,6 +102,24 @@ class RankShard:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
         return self.model(inputs.to(self.device), self.kv_caches)
+
+
+def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
+    """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
+    ~10%. Views of the shards stay zero-copy when dtype and device already match."""
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    done, next_report, started_s = 0, 0.1, time.monotonic()
+    out = {}
+    for key, value in state.items():
+        out[key] = value.to(device=device, dtype=dtype).contiguous()
+        done += value.numel() * value.element_size()
+        if total and done / total >= next_report:
+            log.info(
+                "rank %d: read %.0f/%.0f MiB of weights (%.0f%%) in %.1f s",
+                rank, done / 2**20, total / 2**20, 100 * done / total, time.monotonic() - started_s,
+            )  # fmt: skip
+            next_report = done / total + 0.1
+    return out
 
 
 class ModelExecutor:

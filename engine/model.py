@@ -163,7 +163,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token's K/V
     decode_rows: slice | torch.Tensor | None  # rows of the decode tokens (a slice when contiguous)
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64, the decode block tables flattened
+    num_decode_blocks: int  # max_blocks: blocks gathered per decoding sequence
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
 
@@ -178,17 +179,19 @@ class AttentionMetadata:
             n_new = starts[i + 1] - starts[i]
             if n_new > 1:
                 prefills.append(_prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size, device))
-        decode_rows = decode_tables = decode_mask = None
+        decode_rows = decode_ids = decode_mask = None
+        max_blocks = 0
         if decodes:
             lens = [seq_lens[i] for i in decodes]
             max_blocks = -(-max(lens) // block_size)
-            decode_tables = inputs.block_tables[decodes, :max_blocks] if len(decodes) < len(seq_lens) else inputs.block_tables[:, :max_blocks]
+            tables = inputs.block_tables[decodes, :max_blocks] if len(decodes) < len(seq_lens) else inputs.block_tables[:, :max_blocks]
+            decode_ids = tables.reshape(-1).to(torch.int64)
             positions = torch.arange(max_blocks * block_size, device=device)
             decode_mask = (positions[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
             rows = [starts[i] for i in decodes]
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
             decode_rows = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
-        return cls(inputs.slot_mapping, decode_rows, decode_tables, decode_mask, prefills)
+        return cls(inputs.slot_mapping, decode_rows, decode_ids, max_blocks, decode_mask, prefills)
 
 
 def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int, device) -> PrefillChunk:
@@ -198,7 +201,7 @@ def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: i
     if prefix > 0:  # query j sits at position prefix + j and sees keys 0..prefix + j
         query_pos = torch.arange(prefix, kv_len, device=device)[:, None]
         mask = torch.arange(kv_len, device=device)[None, :] <= query_pos
-    return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks], kv_len, mask)
+    return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks].to(torch.int64), kv_len, mask)
 
 
 # --------------------------------------------------------------------------- the transformer
@@ -223,6 +226,8 @@ class Attention(nn.Module):
         k_cache, v_cache = cache
         k_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if not meta.prefills and isinstance(meta.decode_rows, slice):  # all decodes (then rows 0..n): no scatter
+            return self.wo(self._decode(q, k_cache, v_cache, meta).view(num_tokens, -1))
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
@@ -233,10 +238,11 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence. Grouped query heads ride in SDPA's query-length dim (the n_rep
         heads sharing a KV head are n_rep queries against it), so K/V are never repeated."""
-        batch, max_blocks = meta.decode_block_tables.shape
-        shape = (batch, max_blocks * k_cache.shape[1], self.n_local_kv_heads, self.head_dim)
-        keys = k_cache[meta.decode_block_tables].view(shape).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].view(shape).transpose(1, 2)
+        batch = q.shape[0]
+        shape = (batch, meta.num_decode_blocks * k_cache.shape[1], self.n_local_kv_heads, self.head_dim)
+        # index_select copies whole blocks; advanced indexing is ~8x slower on CPU here
+        keys = k_cache.index_select(0, meta.decode_block_ids).view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, meta.decode_block_ids).view(shape).transpose(1, 2)
         queries = q.view(batch, self.n_local_kv_heads, self.n_rep, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
         return out.reshape(batch, self.n_local_heads, self.head_dim)
@@ -246,8 +252,8 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             shape = (-1, self.n_local_kv_heads, self.head_dim)
-            keys = k_cache[chunk.block_ids].view(shape)[: chunk.kv_len]
-            values = v_cache[chunk.block_ids].view(shape)[: chunk.kv_len]
+            keys = k_cache.index_select(0, chunk.block_ids).view(shape)[: chunk.kv_len]
+            values = v_cache.index_select(0, chunk.block_ids).view(shape)[: chunk.kv_len]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=self.n_rep > 1,
@@ -308,11 +314,11 @@ class Transformer(nn.Module):
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
         """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
         meta = AttentionMetadata.build(inputs, block_size=kv_caches[0][0].shape[1])
-        freqs_cis = self.freqs_cis[inputs.positions].unsqueeze(1)
+        freqs_cis = self.freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
         h = self.tok_embeddings(inputs.input_ids)
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, freqs_cis, cache, meta)
-        return self.logits(h[inputs.logits_indices])
+        return self.logits(h.index_select(0, inputs.logits_indices))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)

@@ -119,7 +119,7 @@ def test_torchtune_meta_format_file_names(ckpt, tiny_checkpoint):
 
 
 # --------------------------------------------------------------------------- resharding
-@pytest.mark.parametrize("saved, run", [(1, 2), (2, 1), (2, 2), (1, 4), (2, 4)])
+@pytest.mark.parametrize("saved, run", [(1, 2), (2, 1), (2, 2), (1, 4), (2, 4), (4, 1), (4, 2)])  # 4 > n_kv_heads
 def test_reshard_gives_each_rank_its_slice(tmp_path, tiny_model_args, saved, run):
     write_random_checkpoint(tmp_path, tiny_model_args, num_shards=saved, seed=5)
     full = random_state_dict(tiny_model_args, seed=5)

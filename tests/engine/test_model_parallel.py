@@ -21,10 +21,12 @@ PROMPT_LENGTHS = [3, 9, 14]
 
 def _run(checkpoint, mp_size: int):
     executor = make_executor(checkpoint, mp_size=mp_size)
+    followers = list(executor._group.processes) if mp_size > 1 else []
     try:
         return run_random_schedule(executor, random_prompts(256, PROMPT_LENGTHS, seed=21), seed=21, max_new=4)
     finally:
         executor.shutdown()
+        assert [p.exitcode for p in followers] == [0] * len(followers)  # STOP ends them cleanly
 
 
 @pytest.fixture(scope="module")
