@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -48,7 +49,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     from server.logging import configure_logging
 
     configure_logging(config.log_format, config.log_level)
+    if torchrun_follower_rank() is not None:
+        return follow(config)
     serve(config)
+    return 0
+
+
+def torchrun_follower_rank() -> int | None:
+    """Under `torchrun --nproc-per-node N -m server ...` every rank runs this command; ranks > 0
+    run the model-parallel follower loop instead of the HTTP server."""
+    rank = os.environ.get("RANK")
+    if rank is None or "WORLD_SIZE" not in os.environ or not rank.isdigit() or int(rank) == 0:
+        return None
+    return int(rank)
+
+
+def follow(config: ServerConfig) -> int:
+    if len(config.models) != 1:
+        print("llamaserve: under torchrun, configure exactly one model (every rank loads its shard of it)",
+              file=sys.stderr)
+        return 2
+    from engine.loader import follow_torchrun  # resolves the checkpoint as rank 0 does, then workers.follow
+
+    follow_torchrun(config.models[0], config.engine)
     return 0
 
 

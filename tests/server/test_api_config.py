@@ -213,3 +213,20 @@ def test_demo_unavailable_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "engine.demo", module)
     with pytest.raises(ConfigError, match="--demo: not cached"):
         with_demo_model(config_from(["--demo"]))
+
+
+def test_torchrun_followers_run_the_follower_loop(monkeypatch, tmp_path):
+    import server.__main__ as cli
+
+    calls = []
+    module = types.ModuleType("engine.loader")
+    module.follow_torchrun = lambda spec, engine_config: calls.append((spec.model_id, engine_config.model_parallel_size))
+    monkeypatch.setitem(sys.modules, "engine.loader", module)
+    monkeypatch.setattr(cli, "serve", lambda config: calls.append("served"))
+    monkeypatch.setattr("server.logging.configure_logging", lambda *args, **kwargs: None)  # process-wide
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--model", "m", "--checkpoint-dir", str(tmp_path), "--model-parallel-size", "2"]) == 0
+    assert calls == [("m", 2)]
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--model", "m", "--checkpoint-dir", str(tmp_path)]) == 0 and calls[-1] == "served"
