@@ -470,7 +470,6 @@ async def test_batch_chat_with_a_per_item_error(client, factory):
 
 
 async def test_batch_completions_in_order(client, factory):
-    factory.script = None
     engine_of(factory).script = lambda request: [f"#{request.prompt_token_ids[-1] - 48}"]
     body = {"model": "fake", "prompts": ["0", "1", [50]], "temperature": 0}
     result = await (await client.post("/v1/batch/completions", json=body)).json()
