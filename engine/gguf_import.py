@@ -56,6 +56,8 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 scaled-RoPE factors; checked, not
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # ggml token types (gguf.TokenType): which GGUF vocab entries become added tokens.
+_TOKEN_NORMAL = 1
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
@@ -292,20 +294,24 @@ def iter_weights(reader, path: Path, params: dict[str, Any], dtype: torch.dtype)
 def build_tokenizer_files(reader, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tokenizer.json, tokenizer_config.json) contents from `tokenizer.ggml.*`."""
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise CheckpointError(
-            f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') vocabularies can be imported"
-        )
-    pre = _field(reader, "tokenizer.ggml.pre") or "default"
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(
-            f"{path}: unknown pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
-        )
     tokens: list[str] = list(_required(reader, path, "tokenizer.ggml.tokens"))
-    types: list[int] = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [_split_merge(m) for m in _field(reader, "tokenizer.ggml.merges") or []]
-    tokenizer_json = _tokenizer_json(tokens, types, merges, PRE_TOKENIZERS[pre])
-    return tokenizer_json, _tokenizer_config(reader, tokens, types)
+    types: list[int] = list(_field(reader, "tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+    if model == "gpt2":
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise CheckpointError(
+                f"{path}: unknown pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        merges = [_split_merge(m) for m in _field(reader, "tokenizer.ggml.merges") or []]
+        tokenizer_json = _tokenizer_json(tokens, types, merges, PRE_TOKENIZERS[pre])
+    elif model == "llama":
+        scores = list(_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+        tokenizer_json = _sentencepiece_json(tokens, types, scores, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+    else:
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') and sentencepiece ('llama') vocabularies can be imported"
+        )
+    return tokenizer_json, _tokenizer_config(reader, tokens, types, default_add_bos=model == "llama")
 
 
 def _split_merge(merge: str) -> list[str]:
@@ -347,7 +353,66 @@ def _tokenizer_json(tokens: list[str], types: list[int], merges: list[list[str]]
     }
 
 
-def _tokenizer_config(reader, tokens: list[str], types: list[int]) -> dict[str, Any]:
+def _sentencepiece_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
+    """BPE merges that reproduce sentencepiece's score-driven merging (as HF's LlamaConverter does):
+    every split of a piece into two pieces is a merge, ranked by the score of the merged piece."""
+    vocab = {tok: i for i, tok in enumerate(tokens) if types[i] in (_TOKEN_NORMAL, _TOKEN_USER_DEFINED)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, piece_id in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[piece_id], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [[left, right] for *_, left, right in ranked]
+
+
+def _sentencepiece_json(tokens: list[str], types: list[int], scores: list[float], add_space_prefix: bool) -> dict[str, Any]:
+    """A Llama-2-style HF tokenizer: "▁" for spaces, <0xNN> byte fallback, merges from scores."""
+    unknown = next((tok for i, tok in enumerate(tokens) if types[i] == _TOKEN_UNKNOWN), None)
+    added = [
+        {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": types[i] in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)}
+        for i, tok in enumerate(tokens)
+        if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNKNOWN)
+    ]  # fmt: skip
+    normalizers = [{"type": "Prepend", "prepend": "\u2581"}] if add_space_prefix else []
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
+    decoders = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_space_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unknown,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": _sentencepiece_merges(tokens, types, scores),
+        },
+    }
+
+
+def _tokenizer_config(reader, tokens: list[str], types: list[int], *, default_add_bos: bool) -> dict[str, Any]:
     """HF's tokenizer_config.json conventions plus our explicit stop-token ids."""
 
     def spelling(key: str) -> str | None:
@@ -368,7 +433,7 @@ def _tokenizer_config(reader, tokens: list[str], types: list[int]) -> dict[str, 
         "eos_token": spelling("tokenizer.ggml.eos_token_id"),
         "unk_token": spelling("tokenizer.ggml.unknown_token_id"),
         "pad_token": spelling("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", default_add_bos)),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "stop_token_ids": sorted(stop_ids),
         "model_max_length": int(_field(reader, "llama.context_length", 4096)),

@@ -11,6 +11,7 @@ q/k layout, which shapes alone cannot.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +148,7 @@ def meta_named(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- writing GGUF files
-def write_gguf(path: Path, weights: dict[str, np.ndarray], *, qtype=None, arch: str = "llama") -> dict[str, np.ndarray]:
+def write_gguf(path: Path, weights: dict[str, np.ndarray], *, qtype=None, arch: str = "llama", vocab=None, vocab_size: int = VOCAB) -> dict[str, np.ndarray]:
     """Write `weights` (HF layout) as llama.cpp would: q/k permuted, matrices in `qtype`, norms F32.
     Returns the HF-layout weights as the GGUF holds them after quantization (the reference)."""
     qtype = qtype or gguf.GGMLQuantizationType.F32
@@ -161,16 +162,8 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], *, qtype=None, arch: 
     writer.add_rope_freq_base(THETA)
     writer.add_layer_norm_rms_eps(EPS)
     writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
-    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    writer.add_vocab_size(vocab_size)
+    (vocab or write_byte_level_vocab)(writer)
     reference = {}
     for name, value in weights.items():
         if name.endswith("attn_q.weight"):
@@ -196,6 +189,18 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], *, qtype=None, arch: 
         elif name.endswith("attn_k.weight"):
             reference[name] = llama_cpp_unpermute(reference[name], N_KV_HEADS)
     return reference
+
+
+def write_byte_level_vocab(writer) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
 
 
 def llama_cpp_unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -305,6 +310,49 @@ def test_tokenizer_special_tokens_and_config(tiny_tokenizer, imported):
     assert tk.decode(tk.encode(text)) == text
     config = json.loads((imported[0] / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHATML and config["bos_token"] == "<|im_start|>" and config["eos_token"] == "<|im_end|>"
+
+
+def sentencepiece_vocab(sp):
+    """What llama.cpp's converter writes for a sentencepiece tokenizer.model."""
+
+    def write(writer) -> None:
+        n = sp.get_piece_size()
+        types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+        writer.add_token_scores([sp.get_score(i) for i in range(n)])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(sp.bos_id())
+        writer.add_eos_token_id(sp.eos_id())
+
+    return write
+
+
+SP_TEXTS = ["the quick brown fox", "hello  world\n\tllama café naïve", "42 3.14 {x}", "東京 🦙 emoji!", " leading space", "unseen QXZ glyphs ©®"]
+
+
+def test_sentencepiece_vocabulary_matches_sentencepiece(tmp_path):
+    import sentencepiece
+
+    from tests.engine.tokenizer_fixtures import tiny_sentencepiece_model
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=tiny_sentencepiece_model())
+    weights = hf_weights(seed=3, tied=True)
+    weights["token_embd.weight"] = np.resize(weights["token_embd.weight"], (sp.get_piece_size(), DIM)).astype(np.float32)
+    path = tmp_path / "sp.gguf"
+    write_gguf(path, weights, vocab=sentencepiece_vocab(sp), vocab_size=sp.get_piece_size())
+    out = import_gguf(path, tmp_path / "ckpt", progress=False)
+    tk = load_hf_tokenizer(out)
+    assert tk.bos_id == sp.bos_id() and tk.eos_id == sp.eos_id()  # llama vocabularies add BOS by default
+    for text in SP_TEXTS:
+        assert tk.encode(text) == sp.encode(text), text
+        assert tk.decode(tk.encode(text)) == sp.decode(sp.encode(text))
+    # Random letter soup reaches merge orders that whole words do not (a wrong rank order fails here).
+    rng = random.Random(0)
+    alphabet = "the quick brown fox jumps over lazy dog hello world llama 42 café"
+    for _ in range(1000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20)))
+        assert tk.encode(text) == sp.encode(text), text
 
 
 # --------------------------------------------------------------------------- tests: refusals
