@@ -1,0 +1,140 @@
+"""Builds a running engine from a checkpoint dir: the one place where the engine's parts meet.
+
+checkpoint -> tokenizer + chat format -> executor (weights, KV cache, model-parallel workers)
+-> runner (inputs + sampler) -> AsyncEngine. The server reaches this through LocalEngineFactory,
+imported lazily so that server/ never imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.types import CheckpointError, EngineClient
+
+log = logging.getLogger(__name__)
+
+def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
+    """Per-model overrides (model-parallel size, max_seq_len, quantization) on the server's defaults."""
+    overrides: dict[str, Any] = {}
+    for name in ("model_parallel_size", "max_seq_len", "quantization"):
+        value = getattr(spec, name, None)
+        if value is not None:
+            overrides[name] = value
+    return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def _resolve(spec: Any):
+    from engine.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(
+        Path(spec.checkpoint_dir), model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None)
+    )
+
+
+def max_seq_len_for(checkpoint_max_seq_len: int, config: EngineConfig) -> int:
+    """MAX_SEQ_LEN caps the family's context; it never extends past what the checkpoint knows."""
+    if config.max_seq_len is None:
+        return checkpoint_max_seq_len
+    return min(config.max_seq_len, checkpoint_max_seq_len)
+
+
+def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: int) -> int:
+    """Bytes of KV cache the executor will allocate over all ranks, known before loading.
+    Mirrors RankShard.plan_num_blocks for configured sizes (CPU, or kv_cache_bytes set); on CUDA
+    without a configured size the executor takes a fraction of free memory, which the budget
+    cannot know in advance, so this counts one full batch."""
+    from engine.executor import torch_dtype
+    from engine.model import kv_cache_bytes_per_block
+
+    mp_size = config.model_parallel_size
+    per_block = kv_cache_bytes_per_block(model_args, mp_size, config.block_size_tokens, torch_dtype(config))
+    useful_blocks = config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
+    if config.kv_cache_bytes is None and config.device == "cuda":
+        return useful_blocks * per_block * mp_size
+    total = config.kv_cache_bytes if config.kv_cache_bytes is not None else config.cpu_kv_cache_bytes
+    return min((total // mp_size) // per_block, useful_blocks) * per_block * mp_size
+
+
+def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | None = None) -> EngineClient:
+    """Blocking: resolve, load weights, start workers, return a ready AsyncEngine."""
+    from engine.async_engine import AsyncEngine
+    from engine.executor import ModelExecutor
+    from engine.runner import ModelRunnerImpl
+
+    started_s = time.monotonic()
+    checkpoint = _resolve(spec)
+    tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
+    max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
+    executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
+    try:
+        runner = ModelRunnerImpl(executor, stop_token_ids=tokenizer.stop_token_ids)
+        engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len)
+    except BaseException:
+        executor.shutdown()
+        raise
+    log.info(
+        "loaded %s from %s in %.1f s (%d KV blocks of %d tokens, max_seq_len %d)",
+        spec.model_id,
+        checkpoint.checkpoint_dir,
+        time.monotonic() - started_s,
+        executor.num_blocks,
+        executor.block_size,
+        max_seq_len,
+    )
+    return engine
+
+
+def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):
+    """Llama descriptors keep their hand-written formats; "hf" checkpoints (and any model served
+    with --chat-template) render the checkpoint's Jinja template."""
+    from engine.chat_format import make_chat_format
+    from engine.checkpoint import check_tokenizer_vocab
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer_path = checkpoint.checkpoint_dir if checkpoint.family == "hf" else checkpoint.tokenizer_path
+    if tokenizer_path is None:
+        raise CheckpointError(f"{checkpoint.checkpoint_dir}: no tokenizer.model found")
+    tokenizer = load_tokenizer(checkpoint.family, tokenizer_path)
+    check_tokenizer_vocab(checkpoint, tokenizer.vocab_size)
+    if checkpoint.family == "hf" or chat_template_path is not None:
+        from engine.jinja_chat import load_chat_format
+
+        return tokenizer, load_chat_format(checkpoint.checkpoint_dir, tokenizer, chat_template_path)
+    return tokenizer, make_chat_format(checkpoint.family, tokenizer)
+
+
+def follow_torchrun(spec: Any, config: EngineConfig) -> None:
+    """Ranks > 0 under torchrun: resolve the checkpoint exactly as rank 0 does, then follow its steps."""
+    from engine.workers import follow
+
+    config = _effective_config(config, spec)
+    checkpoint = _resolve(spec)
+    follow(checkpoint, config, max_seq_len=max_seq_len_for(checkpoint.max_seq_len, config))
+
+
+class LocalEngineFactory:
+    """The server's EngineFactory: engines in this process (plus their model-parallel workers)."""
+
+    def __init__(self, config: EngineConfig, *, chat_template_path: Path | None = None) -> None:
+        self._config = config
+        self._chat_template_path = chat_template_path
+
+    def estimate_memory_bytes(self, spec: Any) -> int:
+        from engine.checkpoint import estimate_weight_bytes
+
+        config = _effective_config(self._config, spec)
+        checkpoint = _resolve(spec)
+        weights = estimate_weight_bytes(checkpoint.model_args, config.resolved_dtype())
+        kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
+        return weights + kv
+
+    async def load(self, spec: Any) -> EngineClient:
+        config = _effective_config(self._config, spec)
+        return await asyncio.to_thread(load_engine, spec, config, chat_template_path=self._chat_template_path)
