@@ -176,7 +176,10 @@ def _element_call(text: str, names: frozenset[str]) -> tuple[str, str]:
 # --------------------------------------------------------------------------- "could this still be a call?"
 _IDENT_START = re.compile(r"[A-Za-z_]\w*")
 _JSON_FIRST_KEY = re.compile(r'\{\s*(?:"((?:[^"\\]|\\.)*)("?))?')
-_JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')
+# the call's name: the first key, or after "type": "function" and/or OpenAI's "function": {
+_JSON_NAME = re.compile(
+    r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?(?:"function"\s*:\s*\{\s*)?"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)'
+)
 
 
 def _could_start_call(partial: str, names: frozenset[str]) -> bool:
@@ -209,7 +212,7 @@ def _could_start_json_call(text: str, names: frozenset[str]) -> bool:
             return False
     elif key is not None and len(text) > key.end() and text[key.end()] != '"':
         return False  # "{ 1" or "{}": no string key
-    name = _JSON_NAME.search(text)
+    name = _JSON_NAME.match(text)
     if name is not None:
         value, closed = name.group(1), name.group(2)
         return value in names if closed else any(n.startswith(value) for n in names)
@@ -250,7 +253,7 @@ class _CallRun:
         self._elem_open = False  # an unbracketed element has started (non-space seen)
 
     def feed(self, text: str) -> list[tuple[str, str]]:
-        """Scan more text; return the calls completed by it."""
+        """Scan more text (appended to `text` here or by the caller); return the calls it completed."""
         self.text += text
         new_calls: list[tuple[str, str]] = []
         while self._pos < len(self.text) and not (self.done or self.failed):
@@ -358,6 +361,8 @@ class ToolCallParser:
         self._mode: Literal["start", "content", "run", "tagged", "code", "function"] = "start"
         self._held = ""  # text not yet emitted nor handed to a call scanner
         self._content: list[str] = []
+        self._leading_space = ""  # whitespace before any visible content: dropped if calls come
+        self._after_call = False  # whitespace right after a call is dropped
         self._calls: list[ToolCall] = []
         self._run: _CallRun | None = None
         self._run_prefix = ""  # the text that opened the run (leading space, tags), for fallback
@@ -387,6 +392,8 @@ class ToolCallParser:
             self._break(out)
         self._emit_content(out, self._held)  # whatever is still held is plain text
         self._held = ""
+        if self._leading_space and not self._calls:  # a whitespace-only answer is still an answer
+            self._content.append(self._leading_space)
         content = "".join(self._content)
         if self._calls and not content.strip():
             content_or_none: str | None = None
@@ -424,7 +431,7 @@ class ToolCallParser:
         text = self._held
         at = min((i for i in (text.find(PYTHON_TAG), text.find(PYTHON_START), text.find(FUNCTION_TAG)) if i >= 0), default=-1)
         if at >= 0:
-            self._emit_content(out, text[:at])
+            self._emit_content(out, text[:at].replace(PYTHON_END, ""))
             self._held = text[at:]
             self._mode = "start"
             return True
@@ -443,8 +450,9 @@ class ToolCallParser:
     def _in_run(self, out: ParsedDelta, final: bool) -> bool:
         run = self._run
         assert run is not None
-        text, self._held = self._held, ""
-        for name, arguments in run.feed(text):
+        run.text += self._held  # handed over before scanning, so an internal error loses nothing
+        self._held = ""
+        for name, arguments in run.feed(""):
             self._emit_call(out, name, arguments)
         if final:
             run.close()
@@ -472,16 +480,12 @@ class ToolCallParser:
             return True
         tagged = self._mode == "tagged"
         if tagged and CODE_INTERPRETER in self._names:
-            self._code = run.text
+            self._code, self._held = "", run.text
             self._mode = "code"
-            return False
+            return True
         # not a call: its text is content (a tag the model wrote is not shown)
-        prefix = self._run_prefix
-        for tag in (PYTHON_TAG, PYTHON_START):
-            if prefix.endswith(tag):
-                prefix = prefix[: -len(tag)]
         self._held = run.text
-        self._emit_content(out, prefix)
+        self._emit_content(out, _without_tags(self._run_prefix))
         self._mode = "content"
         return True
 
@@ -531,9 +535,7 @@ class ToolCallParser:
         while True:
             if self._mode in ("run", "tagged"):
                 self._in_run(out, True)
-            elif self._mode == "code":
-                self._code += self._held
-                self._held = ""
+            elif self._mode == "code" and not self._in_code(out, True):  # no <|python_end|>: code to the end
                 self._emit_code(out)
                 self._mode = "content"
             self._advance(out, final=True)
@@ -542,32 +544,49 @@ class ToolCallParser:
 
     # ---- output
     def _emit_content(self, out: ParsedDelta, text: str) -> None:
-        if text:
-            out.content += text
-            self._content.append(text)
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if not text:
+            return
+        if not self._content:  # whitespace alone is held: it may only separate tool calls
+            if not text.strip():
+                self._leading_space += text
+                return
+            text, self._leading_space = self._leading_space + text, ""
+        out.content += text
+        self._content.append(text)
 
     def _emit_call(self, out: ParsedDelta, name: str, arguments: str) -> None:
         index = len(self._calls)
+        self._leading_space, self._after_call = "", True
         call = ToolCall(self._new_call_id(), name, arguments)
         self._calls.append(call)
         out.tool_calls.append(ToolCallDelta(index, call.call_id, name, ""))
         out.tool_calls.append(ToolCallDelta(index, None, None, arguments))
 
     def _emit_code(self, out: ParsedDelta) -> None:
-        code = self._code.strip("\n")
-        self._code = ""
+        code, self._code = self._code, ""
         if code.strip():
-            self._emit_call(out, CODE_INTERPRETER, json.dumps({"code": code}, ensure_ascii=False))
+            self._emit_call(out, CODE_INTERPRETER, json.dumps({"code": code.strip("\n")}, ensure_ascii=False))
+        else:  # a tag with nothing after it: no call, the text around it stays
+            self._emit_content(out, _without_tags(self._run_prefix) + code)
 
     def _break(self, out: ParsedDelta) -> None:
         """Unexpected trouble: stop parsing; everything not yet emitted becomes content."""
         self._broken = True
-        pending = self._run_prefix if self._mode != "content" else ""
+        pending = _without_tags(self._run_prefix) if self._mode != "content" else ""
         if self._run is not None:
             pending += self._run.text[self._run._elem_start :] if self._run.calls else self._run.text
         pending += self._code + self._held
         self._run, self._code, self._held, self._run_prefix = None, "", "", ""
         self._emit_content(out, pending)
+
+
+def _without_tags(text: str) -> str:
+    for tag in (PYTHON_TAG, PYTHON_START):
+        text = text.replace(tag, "")
+    return text
 
 
 def _drop_prefix(text: str, prefix: str) -> str:
