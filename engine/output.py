@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 
 from engine.scheduler import SeqEvent
 from engine.sequence import Sequence
-from engine.types import EngineStats, FinishReason, RequestOutput
+from engine.types import EngineStats, FinishReason, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,15 @@ class OutputProcessor:
         return self._output(seq, [event.new_token_id], text, logprobs, finish_reason, stop_reason)
 
     @staticmethod
-    def _output(seq: Sequence, token_ids: list[int], text: str, logprobs=None, finish_reason=None, stop_reason=None, error=None) -> RequestOutput:
+    def _output(
+        seq: Sequence,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+        finish_reason: FinishReason | None = None,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=token_ids,
