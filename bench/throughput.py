@@ -1,0 +1,210 @@
+"""Offline engine throughput (a script, not a test).
+
+    python bench/throughput.py [--config small] [--concurrency 1,8,32] [--checkpoint-dir DIR] [--threads N]
+
+Writes a random Meta checkpoint of the chosen config once (reused when --checkpoint-dir already
+holds one), then drives EngineCore directly (no HTTP, no event loop):
+1. for each concurrency c: 2c requests (c at least 4) of 128 prompt tokens and 64 output tokens
+   (greedy, ignore_eos), at most c in a batch; output tokens/s, the ratio to concurrency 1, and the
+   weight bytes streamed per second against this machine's read bandwidth (decode is memory bound);
+2. at the highest concurrency: the share of step time spent outside runner.execute (scheduling,
+   scheduler.update, detokenization, stop checks, stats);
+3. prefix caching: TTFT of a request with a 1000-token system prompt, cold vs. with the prompt's
+   blocks already cached.
+Numbers on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine.checkpoint import estimate_weight_bytes, resolve_checkpoint, write_random_checkpoint  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.executor import ModelExecutor  # noqa: E402
+from engine.runner import ModelRunnerImpl  # noqa: E402
+from engine.types import EngineRequest, SamplingParams  # noqa: E402
+from forward import CONFIGS, memory_bytes_per_s  # noqa: E402  (bench/forward.py: the same configs and roofline)
+
+DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family (llama3); params.json supplies the architecture
+PROMPT_TOKENS = 128
+OUTPUT_TOKENS = 64
+SYSTEM_PROMPT_TOKENS = 1000
+MAX_SEQ_LEN = 2048
+
+
+class ByteLevelTokenizer:
+    """Stands in when llama-models' Llama 3 tokenizer.model is not installed (ids >= 256 print nothing)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.stop_token_ids: frozenset[int] = frozenset()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
+
+    first_token_bytes = token_bytes
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(vocab_size: int):
+    """The real Llama 3 tokenizer when available, so detokenization costs what it costs in serving."""
+    try:
+        import importlib.util
+
+        from engine.tokenizer import llama3_tokenizer
+
+        origin = importlib.util.find_spec("llama_models").origin  # type: ignore[union-attr]
+        tokenizer = llama3_tokenizer(Path(origin).parent / "llama3" / "tokenizer.model")
+        if tokenizer.vocab_size == vocab_size:
+            return tokenizer, "llama3 tiktoken"
+    except Exception:  # a bench aid only
+        pass
+    return ByteLevelTokenizer(vocab_size), "byte-level stand-in"
+
+
+def checkpoint_dir(config_name: str, given: str | None) -> Path:
+    directory = Path(given) if given else Path(tempfile.gettempdir()) / f"llamaserve-bench-{config_name}"
+    if not (directory / "consolidated.00.pth").exists():
+        print(f"writing a random '{config_name}' checkpoint to {directory} ...", flush=True)
+        write_random_checkpoint(directory, CONFIGS[config_name], seed=0, dtype=torch.bfloat16)
+    return directory
+
+
+def make_core(spec, tokenizer, *, max_batch_size: int) -> EngineCore:
+    config = EngineConfig(
+        dtype="float32", max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
+    )
+    runner = ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN), stop_token_ids=tokenizer.stop_token_ids)
+    return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(256, min(vocab, 100_000)) for _ in range(n)]
+
+
+def run_offline(core: EngineCore, requests: list[EngineRequest]) -> tuple[float, int]:
+    started = time.perf_counter()
+    for request in requests:
+        core.add_request(request)
+    num_output = 0
+    while core.has_unfinished:
+        for out in core.step():
+            num_output += len(out.new_token_ids)
+    return time.perf_counter() - started, num_output
+
+
+def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float) -> None:
+    vocab = spec.model_args.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    base_rate = None
+    for c in concurrencies:
+        core = make_core(spec, tokenizer, max_batch_size=c)
+        rng = random.Random(c)
+        warm = [EngineRequest(f"warm{i}", random_prompt(rng, 16, vocab), SamplingParams(max_tokens=2)) for i in range(2)]
+        run_offline(core, warm)
+        core.timing.__init__()  # type: ignore[misc]
+        requests = [EngineRequest(f"c{c}-{i}", random_prompt(rng, PROMPT_TOKENS, vocab), params) for i in range(max(4, 2 * c))]
+        elapsed_s, num_output = run_offline(core, requests)
+        rate = num_output / elapsed_s
+        base_rate = base_rate or rate
+        timing = core.timing
+        streamed = timing.num_steps * weight_bytes / elapsed_s
+        print(
+            f"concurrency {c:3d}: {len(requests):3d} requests, {num_output:5d} output tokens in {elapsed_s:7.2f} s = "
+            f"{rate:8.1f} tok/s ({rate / base_rate:5.2f}x of concurrency 1); {timing.num_steps} steps, "
+            f"weights streamed {streamed / 1e9:5.2f} GB/s ({streamed / bandwidth:5.1%} of read bandwidth)",
+            flush=True,
+        )
+        if c == max(concurrencies):
+            total = timing.schedule_s + timing.execute_s + timing.update_s
+            print(
+                f"  step time at batch {c}: schedule {timing.schedule_s / total:6.2%}, runner.execute "
+                f"{timing.execute_s / total:6.2%}, update+output+stats {timing.update_s / total:6.2%} -> "
+                f"scheduler and bookkeeping {timing.bookkeeping_fraction:6.2%} (target < 5%)",
+                flush=True,
+            )
+        core.runner.shutdown()
+
+
+def time_to_first_token(core: EngineCore, request: EngineRequest) -> float:
+    started = time.perf_counter()
+    core.add_request(request)
+    first = None
+    while core.has_unfinished:
+        outputs = core.step()
+        if first is None and any(o.new_token_ids for o in outputs):
+            first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+def prefix_ttft(spec, tokenizer, repeats: int = 3) -> None:
+    vocab = spec.model_args.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    core = make_core(spec, tokenizer, max_batch_size=8)
+    time_to_first_token(core, EngineRequest("warm", random_prompt(rng, 16, vocab), params))
+    cold, warm = [], []
+    for i in range(repeats):
+        system = random_prompt(rng, SYSTEM_PROMPT_TOKENS, vocab)  # a new system prompt: nothing cached
+        cold.append(time_to_first_token(core, EngineRequest(f"cold{i}", system + random_prompt(rng, 24, vocab), params)))
+        warm.append(time_to_first_token(core, EngineRequest(f"warm{i}", system + random_prompt(rng, 24, vocab), params)))
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    stats = core.stats()
+    print(
+        f"prefix cache, {SYSTEM_PROMPT_TOKENS}-token system prompt + 24 tokens: TTFT cold {cold_s * 1e3:7.1f} ms, "
+        f"cached {warm_s * 1e3:7.1f} ms -> {cold_s / warm_s:5.1f}x faster (target >= 5x); "
+        f"hits {stats.prefix_cache_hits_total}/{stats.prefix_cache_queries_total} prompt tokens",
+        flush=True,
+    )
+    core.runner.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="small", choices=sorted(CONFIGS))
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--checkpoint-dir", default=None, help="where the random checkpoint is written or found")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--skip-prefix", action="store_true")
+    opts = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    spec = resolve_checkpoint(checkpoint_dir(opts.config, opts.checkpoint_dir), model_id=opts.config, llama_model=DESCRIPTOR)
+    tokenizer, tokenizer_name = load_tokenizer(spec.model_args.vocab_size)
+    bandwidth = memory_bytes_per_s()
+    args = spec.model_args
+    weight_bytes = estimate_weight_bytes(args, "float32")  # read once per step
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tokenizer: {tokenizer_name}; "
+        f"config '{opts.config}' (dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}), "
+        f"{weight_bytes / 2**20:.0f} MiB of weights; read bandwidth {bandwidth / 1e9:.1f} GB/s. "
+        "Shared machine: numbers are noisy.",
+        flush=True,
+    )
+    throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth)
+    if not opts.skip_prefix:
+        prefix_ttft(spec, tokenizer)
+
+
+if __name__ == "__main__":
+    main()
