@@ -296,7 +296,24 @@ def read_template_file(path: Path) -> str:
     return text
 
 
-def load_chat_format(checkpoint_dir: Path, tokenizer: "Tokenizer", override_template_path: Path | None = None) -> JinjaChatFormat:
+class NoChatTemplate:
+    """The chat format of a checkpoint without a template: every chat request is refused, clearly."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def encode_dialog(self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True) -> list[int]:
+        raise InvalidRequest(self.message, param="messages")
+
+    def output_parser(self, tools: Sequence[ToolDefinition]) -> "OutputParser":
+        from engine.tool_parser import make_output_parser
+
+        return make_output_parser(tools)
+
+
+def load_chat_format(
+    checkpoint_dir: Path, tokenizer: "Tokenizer", override_template_path: Path | None = None
+) -> JinjaChatFormat | NoChatTemplate:
     """The checkpoint's chat format: `override_template_path` (the server's --chat-template) first,
     then chat_template.jinja / chat_template.json, then tokenizer_config.json's chat_template."""
     from engine.hf_tokenizer import read_tokenizer_config
@@ -315,8 +332,8 @@ def load_chat_format(checkpoint_dir: Path, tokenizer: "Tokenizer", override_temp
         else:
             source = str(checkpoint_dir / "tokenizer_config.json")
             template = _template_from_config(config.get("chat_template"), source)
-    if not template:
-        raise CheckpointError(f"{checkpoint_dir}: no chat template (tokenizer_config.json chat_template); pass --chat-template FILE")
+    if not template:  # a base model: completions work, chat requests get a clear 400
+        return NoChatTemplate(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template); start the server with --chat-template FILE")
     specials = {k: s for k in ("unk_token", "pad_token") if isinstance(s := _spelling(config.get(k)), str)}
     return JinjaChatFormat(
         template,
@@ -340,4 +357,4 @@ def _spelling(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-__all__ = ["JinjaChatFormat", "compile_chat_template", "load_chat_format", "read_template_file"]
+__all__ = ["JinjaChatFormat", "NoChatTemplate", "compile_chat_template", "load_chat_format", "read_template_file"]

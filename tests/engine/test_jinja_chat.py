@@ -174,8 +174,9 @@ def test_override_template_files(tmp_path, checkpoint, tokenizer):
 
 def test_checkpoint_without_template(tmp_path, tokenizer):
     write_checkpoint_tokenizer(tmp_path, byte_level_tokenizer_json(), CHATML_CONFIG)
-    with pytest.raises(CheckpointError, match="--chat-template"):
-        load_chat_format(tmp_path, tokenizer)
+    fmt = load_chat_format(tmp_path, tokenizer)  # loads: completions still work
+    with pytest.raises(InvalidRequest, match="no chat template.*--chat-template"):
+        fmt.encode_dialog([ChatMessage("user", "x")])
 
 
 def test_output_parser_content_only_and_tools(chatml):
