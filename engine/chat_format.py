@@ -13,6 +13,8 @@ For the server (compat):
   SamplingParams.skip_special_tokens=False, so that the output parser sees the tags tool calls
   come with (`<|python_tag|>`, `<|python_start|>`); the parser keeps them out of the content.
 - `output_parser(tools)` returns a fresh engine.tool_parser.OutputParser per choice.
+- OpenAI `name` fields have no place in Llama prompts and are not rendered (as in Meta's and
+  HF's formats); the `developer` role arrives here as `system`.
 """
 
 from __future__ import annotations

@@ -418,6 +418,13 @@ def test_single_result_without_tool_call_id_is_matched(tok):
     )
 
 
+def test_hf_checkpoints_bring_their_own_format(tok):
+    from engine.types import CheckpointError
+
+    with pytest.raises(CheckpointError, match="bring their own"):
+        make_chat_format("hf", tok)
+
+
 def test_chat_format_flags(tok):
     assert not fmt(tok, "llama3").supports_tools and not fmt(tok, "llama3").parser_needs_special_tokens
     for family in ("llama3_1", "llama3_2", "llama3_3"):
