@@ -196,7 +196,7 @@ def _could_start_call(partial: str, names: frozenset[str]) -> bool:
     if not rest:
         return any(n.startswith(name) for n in names)
     if rest.startswith("("):
-        return name in names and name not in BUILTIN_QUERY_TOOLS
+        return name in names
     if rest.startswith("."):
         return name in names and name in BUILTIN_QUERY_TOOLS and (rest.startswith(".call(") or ".call(".startswith(rest))
     return False

@@ -90,6 +90,7 @@ CASES = [
     ('<function=get_weather>{"city": "Kyiv"}</function>', [("get_weather", {"city": "Kyiv"})], None),
     ('Sure. <function=search_docs>{"q": "x"}</function><function=get_weather>{}</function>',
      [("search_docs", {"q": "x"}), ("get_weather", {})], "Sure. "),
+    ('[brave_search(query="llama 4")]', [("brave_search", {"query": "llama 4"})], None),  # Llama 4 style
     ('<|python_tag|>brave_search.call(query="latest price of 1oz gold")',
      [("brave_search", {"query": "latest price of 1oz gold"})], None),
     ('<|python_tag|>def is_prime(n):\n    return n > 1\n\nprint(is_prime(7))',
