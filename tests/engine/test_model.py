@@ -187,6 +187,19 @@ def test_float32_close_to_reference(tiny_checkpoint, full_state):
         torch.testing.assert_close(logits.double(), ref, atol=2e-4, rtol=2e-4)
 
 
+def test_bfloat16_close_to_reference(tiny_checkpoint, full_state):
+    state, args = full_state
+    executor = make_executor(tiny_checkpoint, dtype="bfloat16")
+    try:
+        results = run_random_schedule(executor, random_prompts(args.vocab_size, [4, 12], seed=8), seed=8, max_new=2)
+    finally:
+        executor.shutdown()
+    for logits, tokens in results.values():
+        assert logits.dtype == torch.float32
+        ref = reference_logits(state, args, tokens[: logits.shape[0]]).float()
+        assert F.cosine_similarity(logits, ref, dim=-1).min() > 0.99
+
+
 def test_matches_llama_models_reference(full_state):
     """Fidelity: Meta's own llama3 reference Transformer (llama-models) on the same weights."""
     reference = pytest.importorskip("llama_models.llama3.model")

@@ -1,0 +1,194 @@
+"""Forward-pass throughput against this machine's roofline (a script, not a test).
+
+    python bench/forward.py [--configs tiny,small] [--dtypes float32,bfloat16] [--threads N]
+
+Measures, in the same run: matmul GFLOP/s and memory bandwidth (the roofline), then prefill and
+decode tokens/s at batch 1, 8 and 32 for the 'tiny' and 'small' random configs (vocab 128256),
+each next to its bound: decode at batch 1 against weight bytes / bandwidth, decode at batch 32
+and prefill against FLOPs per token / matmul FLOP/s. Numbers on a shared machine are noisy:
+each figure is the best of a few repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
+from engine.model import Transformer, allocate_kv_caches  # noqa: E402
+from engine.runner import build_step_inputs  # noqa: E402
+from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
+
+CONFIGS = {
+    "tiny": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
+    "small": ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
+}
+BLOCK_SIZE = 16
+CONTEXT_TOKENS = 128  # K/V already cached for each decoding sequence
+PREFILL_TOKENS = 512
+DECODE_STEPS = 8
+
+
+def best_of(fn, repeats: int = 3) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+# --------------------------------------------------------------------------- the roofline
+class Roofline:
+    """Peak matmul FLOP/s per dtype and read bandwidth, sampled again before every config and
+    kept at their best: on a shared machine a single sample underestimates the peak."""
+
+    def __init__(self) -> None:
+        self.flops: dict[torch.dtype, float] = {}
+        self.bandwidth = 0.0
+
+    def sample(self, dtype: torch.dtype) -> None:
+        self.flops[dtype] = max(self.flops.get(dtype, 0.0), matmul_flops_per_s(dtype))
+        self.bandwidth = max(self.bandwidth, memory_bytes_per_s())
+
+
+def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    reps = 4
+    seconds = best_of(lambda: [torch.mm(a, b) for _ in range(reps)], repeats=5)
+    return 2 * n**3 * reps / seconds
+
+
+def memory_bytes_per_s(mib: int = 256) -> float:
+    """Read bandwidth: a reduction streams the buffer once (what decode does with weights)."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    seconds = best_of(lambda: x.sum(), repeats=5)
+    return x.numel() * 4 / seconds
+
+
+# --------------------------------------------------------------------------- the model
+@dataclass
+class Bench:
+    args: ModelArgs
+    dtype: torch.dtype
+    model: Transformer
+    caches: list
+
+    @classmethod
+    def build(cls, args: ModelArgs, dtype: torch.dtype, num_blocks: int) -> "Bench":
+        with torch.device("meta"):
+            model = Transformer(args, max_seq_len=CONTEXT_TOKENS + PREFILL_TOKENS + 64)
+        model.load_state_dict(random_state_dict(args, seed=0, dtype=dtype), assign=True)
+        model.init_rope(torch.device("cpu"), dtype)
+        caches = allocate_kv_caches(args, 1, num_blocks, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
+        return cls(args, dtype, model, caches)
+
+    def step(self, seqs: list[Sequence], counts: list[int]) -> None:
+        inputs, _ = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
+        self.model(inputs, self.caches)
+
+    def prefill_tokens_per_s(self) -> float:
+        seq = _sequence(0, PREFILL_TOKENS, 0)
+        return PREFILL_TOKENS / best_of(lambda: self.step([seq], [PREFILL_TOKENS]), repeats=2)
+
+    def decode_tokens_per_s(self, batch: int) -> float:
+        seqs = [_sequence(i, CONTEXT_TOKENS + DECODE_STEPS, i) for i in range(batch)]
+
+        def run() -> None:
+            for s in seqs:
+                s.num_computed_tokens = CONTEXT_TOKENS
+            for _ in range(DECODE_STEPS):
+                self.step(seqs, [1] * batch)
+                for s in seqs:
+                    s.num_computed_tokens += 1
+
+        return batch * DECODE_STEPS / best_of(run)
+
+
+def _sequence(i: int, num_tokens: int, slot: int) -> Sequence:
+    blocks_per_seq = math.ceil((CONTEXT_TOKENS + PREFILL_TOKENS) / BLOCK_SIZE)
+    seq = Sequence(i, str(i), [7] * num_tokens, num_tokens, SamplingParams(temperature=0.0))
+    seq.block_table = list(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+    return seq
+
+
+def weight_counts(args: ModelArgs) -> tuple[int, int]:
+    """(matmul parameters every token multiplies by, except the head; output head parameters)."""
+    per_layer = args.dim * (args.n_heads + 2 * args.kv_heads) * args.head_dim + args.n_heads * args.head_dim * args.dim
+    per_layer += 3 * args.dim * args.ffn_hidden_dim
+    return args.n_layers * per_layer, args.vocab_size * args.dim
+
+
+# --------------------------------------------------------------------------- report
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="tiny,small")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    batches = [int(b) for b in opts.batches.split(",")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shared machine: numbers are noisy")
+    roofline = Roofline()
+    results = []
+    for dtype_name in opts.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for name in opts.configs.split(","):
+            roofline.sample(dtype)
+            results.append((name, dtype_name, measure(CONFIGS[name], dtype, batches)))
+    for dtype in roofline.flops:
+        roofline.sample(dtype)  # once more after the runs, then report against the best samples
+    print(f"memory read bandwidth: {roofline.bandwidth / 1e9:.1f} GB/s")
+    for dtype, flops in roofline.flops.items():
+        print(f"matmul {str(dtype).removeprefix('torch.')}: {flops / 1e9:.1f} GFLOP/s")
+    for name, dtype_name, measured in results:
+        dtype = getattr(torch, dtype_name)
+        report(name, dtype_name, CONFIGS[name], dtype, measured, roofline.flops[dtype], roofline.bandwidth)
+
+
+def measure(args: ModelArgs, dtype: torch.dtype, batches: list[int]) -> dict[str, float]:
+    blocks = max(batches) * math.ceil((CONTEXT_TOKENS + PREFILL_TOKENS) / BLOCK_SIZE)
+    bench = Bench.build(args, dtype, blocks)
+    out = {"prefill": bench.prefill_tokens_per_s()}
+    for batch in batches:
+        out[f"decode {batch}"] = bench.decode_tokens_per_s(batch)
+    return out
+
+
+def report(name: str, dtype_name: str, args: ModelArgs, dtype: torch.dtype, measured: dict[str, float], flops: float, bandwidth: float) -> None:
+    body, head = weight_counts(args)
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes_per_token = 2 * args.n_layers * args.kv_heads * args.head_dim * elem
+    print(f"-- {name} {dtype_name}: {(body + 2 * head) / 1e6:.1f} M params ({(body + head) * elem / 2**20:.0f} MiB read per decode step)")
+    prefill = measured["prefill"]
+    prefill_bound = flops / (2 * body + 2 * head / PREFILL_TOKENS)  # the head runs for the last row only
+    print(f"   prefill {PREFILL_TOKENS:4d} tok: {prefill:9.1f} tok/s  ({prefill / prefill_bound:5.1%} of compute bound {prefill_bound:9.1f})")
+    for key, tps in measured.items():
+        if not key.startswith("decode"):
+            continue
+        batch = int(key.split()[1])
+        step_bytes = (body + head) * elem + batch * CONTEXT_TOKENS * kv_bytes_per_token
+        memory_bound = batch * bandwidth / step_bytes
+        compute_bound = flops / (2 * (body + head))
+        bound = min(memory_bound, compute_bound)
+        which = "bandwidth" if memory_bound < compute_bound else "compute"
+        print(
+            f"   decode batch {batch:3d}: {tps:9.1f} tok/s  ({tps / bound:5.1%} of {which} bound {bound:9.1f}; "
+            f"bandwidth bound {memory_bound:9.1f}, compute bound {compute_bound:9.1f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
