@@ -74,7 +74,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
     try:
-        runner = ModelRunnerImpl(executor, stop_token_ids=tokenizer.stop_token_ids)
+        runner = ModelRunnerImpl(executor, stop_token_ids=tokenizer.stop_token_ids, seed=config.seed)
         engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len)
     except BaseException:
         executor.shutdown()
