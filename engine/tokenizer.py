@@ -297,7 +297,9 @@ _SP_UNK_SURFACE = " \u2047 "  # what sentencepiece prints for <unk>
 
 class SentencePieceTokenizer:
     """Llama 2's sentencepiece model (with byte fallback). Decoding is done here from per-token
-    bytes so that one-shot and incremental decoding follow one rule (see `token_bytes`)."""
+    bytes so that one-shot and incremental decoding follow one rule: sentencepiece's own output
+    for valid UTF-8 (dummy-prefix space dropped once, <unk> as " ⁇ "), with one U+FFFD per
+    invalid sequence where sentencepiece writes one per byte, as tiktoken and Python do."""
 
     def __init__(self, path: Path) -> None:
         import sentencepiece

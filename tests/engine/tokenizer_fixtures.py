@@ -76,9 +76,13 @@ def tiny_sentencepiece_model() -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def tiny_llama2_path() -> Path:
+    import atexit
+    import shutil
     import tempfile
 
-    path = Path(tempfile.mkdtemp(prefix="llamaserve-sp-")) / "tokenizer.model"
+    directory = tempfile.mkdtemp(prefix="llamaserve-sp-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = Path(directory) / "tokenizer.model"
     path.write_bytes(tiny_sentencepiece_model())
     return path
 
