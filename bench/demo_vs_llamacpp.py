@@ -176,7 +176,8 @@ async def one_request(base: str, model: str, prompt: list[int], output_tokens: i
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                if json.loads(data).get("choices"):
+                choices = json.loads(data).get("choices") or [{}]
+                if choices[0].get("text") or choices[0].get("finish_reason"):  # a token arrived (or the end)
                     stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError(f"{base}: no tokens streamed")
@@ -197,6 +198,33 @@ async def run_level(base: str, model: str, streams: int, prompt_tokens: int, out
 async def bench_server(base: str, model: str, levels: list[int], prompt_tokens: int, output_tokens: int) -> dict[int, Run]:
     await one_request(base, model, list(range(200, 216)), 4)  # warm up
     return {n: await run_level(base, model, n, prompt_tokens, output_tokens, seed=1000 + n) for n in levels}
+
+
+TOKENIZER_TEXTS = [
+    "Hello world!", "The year 2024 had 366 days; pi is 3.14159.", "1234567890 0.5 -42 1e10 $1,000,000",
+    "  two  spaces,\ttabs\n\nand newlines\r\n", "    \n\n   trailing spaces   ", "naïve café, Größe, 日本語, 한국어, emoji 🙂👍🏽",
+    "<|im_start|>user\nspecial spellings as text<|im_end|>", "def f(x):\n    return x**2  # comment", "https://example.com/a?b=1&c=2",
+    "It's, don't, we'll, I'VE, they're", "ÀÉÎÕÜ àéîõü ß ø å", "\u200b zero width \u00a0 nbsp", "a" * 300, "",
+]
+
+
+async def check_tokenizer(base: str, checkpoint_dir: Path) -> None:
+    """Our tokenizer.json against llama-server's /tokenize on the same GGUF (special spellings as text)."""
+    import aiohttp
+
+    from engine.hf_tokenizer import load_hf_tokenizer
+
+    ours = load_hf_tokenizer(checkpoint_dir)
+    mismatches = []
+    async with aiohttp.ClientSession() as session:
+        for text in TOKENIZER_TEXTS:
+            async with session.post(base + "/tokenize", json={"content": text, "add_special": False, "parse_special": False}) as response:
+                theirs = (await response.json())["tokens"]
+            if ours.encode(text) != theirs:
+                mismatches.append((text, ours.encode(text), theirs))
+    print(f"tokenizer vs llama-server /tokenize: {len(TOKENIZER_TEXTS) - len(mismatches)}/{len(TOKENIZER_TEXTS)} texts identical")
+    for text, mine, theirs in mismatches:
+        print(f"  {text[:40]!r}: ours {mine[:12]} llama-server {theirs[:12]}")
 
 
 # --------------------------------------------------------------------------- report
@@ -253,6 +281,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 process, ready, model = start_llama_server(peer, gguf, port, log), "/health", "smollm2"
             try:
                 await wait_ready(f"http://127.0.0.1:{port}", ready, process)
+                if peer is not None:
+                    await check_tokenizer(f"http://127.0.0.1:{port}", demo.checkpoint_dir)
                 results[name] = await bench_server(f"http://127.0.0.1:{port}", model, levels, args.prompt_tokens, args.output_tokens)
             except RuntimeError as exc:
                 print(f"{name}: {exc} (log: {log.name})")

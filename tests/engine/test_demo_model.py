@@ -141,6 +141,7 @@ QUESTIONS = {
 }
 
 
+@pytest.mark.slow
 def test_greedy_chat_answers_facts(demo_dir):
     from engine.config import EngineConfig
     from engine.loader import load_engine
