@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
 from engine.model import Transformer, allocate_kv_caches  # noqa: E402
+from engine.quantization import pack_for_cpu  # noqa: E402
 from engine.runner import build_step_inputs  # noqa: E402
 from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
@@ -85,10 +86,12 @@ class Bench:
     caches: list
 
     @classmethod
-    def build(cls, args: ModelArgs, dtype: torch.dtype, num_blocks: int) -> "Bench":
+    def build(cls, args: ModelArgs, dtype: torch.dtype, num_blocks: int, *, pack: bool) -> "Bench":
         with torch.device("meta"):
             model = Transformer(args, max_seq_len=CONTEXT_TOKENS + PREFILL_TOKENS + 64)
         model.load_state_dict(random_state_dict(args, seed=0, dtype=dtype), assign=True)
+        if pack:  # what ModelExecutor does on CPU
+            pack_for_cpu(model, 1, dtype)
         model.init_rope(torch.device("cpu"), dtype)
         caches = allocate_kv_caches(args, 1, num_blocks, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
         return cls(args, dtype, model, caches)
@@ -136,18 +139,20 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of oneDNN packed weights")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     batches = [int(b) for b in opts.batches.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shared machine: numbers are noisy")
+    packing = "plain F.linear" if opts.no_pack else "oneDNN packed weights"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {packing}; shared machine: numbers are noisy")
     roofline = Roofline()
     results = []
     for dtype_name in opts.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name in opts.configs.split(","):
             roofline.sample(dtype)
-            results.append((name, dtype_name, measure(CONFIGS[name], dtype, batches)))
+            results.append((name, dtype_name, measure(CONFIGS[name], dtype, batches, pack=not opts.no_pack)))
     for dtype in roofline.flops:
         roofline.sample(dtype)  # once more after the runs, then report against the best samples
     print(f"memory read bandwidth: {roofline.bandwidth / 1e9:.1f} GB/s")
@@ -158,9 +163,9 @@ def main() -> None:
         report(name, dtype_name, CONFIGS[name], dtype, measured, roofline.flops[dtype], roofline.bandwidth)
 
 
-def measure(args: ModelArgs, dtype: torch.dtype, batches: list[int]) -> dict[str, float]:
+def measure(args: ModelArgs, dtype: torch.dtype, batches: list[int], *, pack: bool) -> dict[str, float]:
     blocks = max(batches) * math.ceil((CONTEXT_TOKENS + PREFILL_TOKENS) / BLOCK_SIZE)
-    bench = Bench.build(args, dtype, blocks)
+    bench = Bench.build(args, dtype, blocks, pack=pack)
     out = {"prefill": bench.prefill_tokens_per_s()}
     for batch in batches:
         out[f"decode {batch}"] = bench.decode_tokens_per_s(batch)

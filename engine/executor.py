@@ -17,7 +17,7 @@ import torch
 from engine.checkpoint import CheckpointSpec, check_parallel_size, load_rank_state_dict
 from engine.config import EngineConfig
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
-from engine.quantization import check_quantization, quantize_model
+from engine.quantization import check_quantization, pack_for_cpu, quantize_model
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError, EngineDead
 from engine.workers import ParallelGroup, launched_by_torchrun, rank_device
@@ -56,6 +56,8 @@ class RankShard:
             raise CheckpointError(f"{spec.checkpoint_dir}: {exc}") from None
         del state
         quantize_model(model, config.quantization, mp_size)
+        if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype):
+            log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
         model.init_rope(device, dtype)
         model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

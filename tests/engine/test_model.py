@@ -19,7 +19,7 @@ from engine.checkpoint import ModelArgs, load_rank_state_dict, resolve_checkpoin
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
 from engine.model import precompute_freqs_cis
-from engine.quantization import FP8_DTYPE, Fp8RowwiseLinear
+from engine.quantization import FP8_DTYPE, Fp8RowwiseLinear, PackedCpuLinear, cpu_packing_available
 from engine.runner import build_step_inputs
 from engine.sequence import ScheduledBatch, Sequence
 from engine.step_inputs import StepInputs
@@ -179,6 +179,8 @@ def test_float32_close_to_reference(tiny_checkpoint, full_state):
     state, args = full_state
     executor = make_executor(tiny_checkpoint, dtype="float32")
     try:
+        packed = [m for m in executor._shard.model.modules() if isinstance(m, PackedCpuLinear)]
+        assert len(packed) == (7 * args.n_layers + 1 if cpu_packing_available(torch.float32) else 0)
         results = run_random_schedule(executor, random_prompts(args.vocab_size, [3, 11, 17], seed=5), seed=5, max_new=2)
     finally:
         executor.shutdown()

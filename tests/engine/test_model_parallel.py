@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(240)
 PROMPT_LENGTHS = [3, 9, 14]
 
 
-def _run(checkpoint, mp_size: int):
-    executor = make_executor(checkpoint, mp_size=mp_size)
+def _run(checkpoint, mp_size: int, dtype: str):
+    executor = make_executor(checkpoint, mp_size=mp_size, dtype=dtype)
     followers = list(executor._group.processes) if mp_size > 1 else []
     try:
         return run_random_schedule(executor, random_prompts(256, PROMPT_LENGTHS, seed=21), seed=21, max_new=4)
@@ -31,19 +31,27 @@ def _run(checkpoint, mp_size: int):
 
 @pytest.fixture(scope="module")
 def mp1_results(tiny_checkpoint):
-    return _run(tiny_checkpoint, 1)
+    return {dtype: _run(tiny_checkpoint, 1, dtype) for dtype in ("float64", "float32")}
 
 
-@pytest.mark.parametrize("shards", ["1->2", "2->2", "2->1"])
-def test_mp_matches_single_process(request, mp1_results, shards):
+@pytest.mark.parametrize(
+    "shards, dtype, tolerance",
+    [
+        ("1->2", "float64", 1e-9),
+        ("2->2", "float64", 1e-9),
+        ("2->1", "float64", 1e-9),
+        ("1->2", "float32", 1e-4),  # the production path: oneDNN-packed linears plus collectives
+    ],
+)
+def test_mp_matches_single_process(request, mp1_results, shards, dtype, tolerance):
     """Same greedy tokens and near-identical logits, whatever the saved and the run sizes."""
     saved, run = (int(x) for x in shards.split("->"))
     checkpoint = request.getfixturevalue("tiny_checkpoint" if saved == 1 else "tiny_checkpoint_2shards")
-    results = _run(checkpoint, run)
-    for seq_id, (logits, tokens) in mp1_results.items():
+    results = _run(checkpoint, run, dtype)
+    for seq_id, (logits, tokens) in mp1_results[dtype].items():
         other_logits, other_tokens = results[seq_id]
         assert other_tokens == tokens
-        torch.testing.assert_close(other_logits, logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other_logits, logits, atol=tolerance, rtol=tolerance)
 
 
 def test_dead_worker_is_reported(tiny_checkpoint):
