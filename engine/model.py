@@ -173,25 +173,30 @@ class AttentionMetadata:
         starts = inputs.query_start_loc.tolist()
         seq_lens = inputs.seq_lens.tolist()
         device = inputs.block_tables.device
-        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        prefills = []
-        for i in range(len(seq_lens)):
-            n_new = starts[i + 1] - starts[i]
-            if n_new > 1:
-                prefills.append(_prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size, device))
-        decode_rows = decode_ids = decode_mask = None
-        max_blocks = 0
-        if decodes:
-            lens = [seq_lens[i] for i in decodes]
-            max_blocks = -(-max(lens) // block_size)
-            tables = inputs.block_tables[decodes, :max_blocks] if len(decodes) < len(seq_lens) else inputs.block_tables[:, :max_blocks]
-            decode_ids = tables.reshape(-1).to(torch.int64)
-            positions = torch.arange(max_blocks * block_size, device=device)
-            decode_mask = (positions[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
-            rows = [starts[i] for i in decodes]
-            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-            decode_rows = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
-        return cls(inputs.slot_mapping, decode_rows, decode_ids, max_blocks, decode_mask, prefills)
+        counts = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+        prefills = [
+            _prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size, device)
+            for i, n_new in enumerate(counts)
+            if n_new > 1
+        ]
+        decodes = [i for i, n_new in enumerate(counts) if n_new == 1]
+        if not decodes:
+            return cls(inputs.slot_mapping, None, None, 0, None, prefills)
+        return cls(inputs.slot_mapping, *_decode_group(inputs, decodes, starts, seq_lens, block_size), prefills)
+
+
+def _decode_group(inputs: StepInputs, decodes: list[int], starts: list[int], seq_lens: list[int], block_size: int):
+    """(rows, flattened block ids, blocks per sequence, padding mask) of the single-token sequences."""
+    device = inputs.block_tables.device
+    lens = [seq_lens[i] for i in decodes]
+    max_blocks = -(-max(lens) // block_size)
+    tables = inputs.block_tables if len(decodes) == len(seq_lens) else inputs.block_tables[decodes]
+    block_ids = tables[:, :max_blocks].reshape(-1).to(torch.int64)
+    key_pos = torch.arange(max_blocks * block_size, device=device)
+    mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+    rows = [starts[i] for i in decodes]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return (slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)), block_ids, max_blocks, mask
 
 
 def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int, device) -> PrefillChunk:
