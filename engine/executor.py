@@ -19,8 +19,8 @@ from engine.config import EngineConfig
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
 from engine.quantization import check_quantization, pack_for_cpu, quantize_model
 from engine.step_inputs import StepInputs
-from engine.types import CheckpointError, EngineDead
-from engine.workers import ParallelGroup, launched_by_torchrun, rank_device
+from engine.types import CheckpointError, EngineDead, InvalidRequest
+from engine.workers import ParallelGroup, group_in_use, launched_by_torchrun, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,13 @@ class ModelExecutor:
         self._closed = False
         mp_size = config.model_parallel_size
         if mp_size > 1:
+            if not launched_by_torchrun() and group_in_use():
+                raise InvalidRequest(
+                    "another model with model_parallel_size > 1 is loaded in this process; unload it first "
+                    "(torch.distributed and fairscale keep one model-parallel group per process)",
+                    param="model_parallel_size",
+                    code="model_parallel_busy",
+                )
             if launched_by_torchrun():
                 self._group = ParallelGroup.join_launched(config)
             else:

@@ -232,6 +232,13 @@ class ParallelGroup:
         destroy_group()
 
 
+def group_in_use() -> bool:
+    """Whether this process already holds a torch.distributed / fairscale model-parallel group."""
+    import fairscale.nn.model_parallel.initialize as fs_init
+
+    return dist.is_initialized() or fs_init.model_parallel_is_initialized()
+
+
 def init_group(device: torch.device, *, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
     """torch.distributed + fairscale's model-parallel group (the whole world is one MP group)."""
     import fairscale.nn.model_parallel.initialize as fs_init

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from engine.types import EngineDead
+from engine.types import EngineDead, InvalidRequest
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,6 +57,8 @@ def test_mp_matches_single_process(request, mp1_results, shards, dtype, toleranc
 def test_dead_worker_is_reported(tiny_checkpoint):
     executor = make_executor(tiny_checkpoint, mp_size=2)
     try:
+        with pytest.raises(InvalidRequest, match="another model with model_parallel_size > 1 is loaded"):
+            make_executor(tiny_checkpoint, mp_size=2)  # one model-parallel group per process
         follower = executor._group.processes[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.join(30)
