@@ -1,0 +1,1 @@
+"""End-to-end tests: tiny real checkpoints, live servers, the openai SDK."""
