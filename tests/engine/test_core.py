@@ -220,3 +220,40 @@ def test_debug_log_io(caplog):
     assert "prompt ids=[10, 11]" in caplog.text and "'hi'" in caplog.text
     assert "request dbg finished: length" in caplog.text
     assert_clean(core)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mix_of_adds_aborts_and_steps(seed: int):
+    """Shared prefixes, a tiny pool, chunking, priorities and aborts at random moments: every request
+    that is not aborted gets exactly its reference tokens, and nothing leaks."""
+    import random
+
+    rng = random.Random(seed)
+    core = make_core(FakeRunner(rng.choice([12, 14, 16]), 4), max_seq_len=48,
+                     max_num_batched_tokens=rng.choice([4, 8, 16]), max_batch_size=rng.choice([2, 4, 8]))
+    prefixes = [TOK.encode(p) for p in ("system one", "another system", "")]
+    prompts: dict[str, list[int]] = {}
+    outs: dict[str, list[RequestOutput]] = {}
+    aborted: set[str] = set()
+    max_tokens: dict[str, int] = {}
+    for _ in range(400):
+        if len(prompts) < 30 and rng.random() < 0.5:
+            rid = f"q{len(prompts)}"
+            prompts[rid] = rng.choice(prefixes) + [3 + rng.randrange(60) for _ in range(rng.randint(1, 12))]
+            req = request(rid, prompts[rid], max_tokens=rng.randint(1, 10))
+            req.priority = rng.choice([0, 0, 1])
+            core.add_request(req)
+            max_tokens[rid] = req.params.max_tokens  # type: ignore[assignment]
+        if prompts and rng.random() < 0.05:
+            rid = rng.choice(list(prompts))
+            if core.abort_request(rid) is not None:
+                aborted.add(rid)
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    run(core)
+    for rid, outputs in outs.items():
+        if rid not in aborted:
+            assert joined(outputs)[0] == reference(prompts[rid], max_tokens[rid])
+            assert outputs[-1].finish_reason == "length"
+    assert set(outs) | aborted == set(prompts)
+    assert_clean(core)
