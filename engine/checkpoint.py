@@ -202,6 +202,11 @@ def resolve_checkpoint(checkpoint_dir: Path, *, model_id: str, llama_model: str 
     original = checkpoint_dir / "original"
     if not (checkpoint_dir / PARAMS_FILE).exists() and (original / PARAMS_FILE).exists():
         checkpoint_dir = original
+    if any(checkpoint_dir.glob("fp8_scales_*.pt")):  # cast without its scales it would be garbage
+        raise CheckpointError(
+            f"{checkpoint_dir}: pre-quantized FP8 checkpoints (fp8_scales_*.pt) are not supported; load the "
+            "bf16 release with quantization fp8_mixed instead"
+        )
     descriptor = _descriptor_for(model_id, llama_model)
     if descriptor is not None:
         published = descriptor.architecture  # raises for architectures this engine cannot run
@@ -328,7 +333,10 @@ class _Shards:
         self._spec = spec
         self._layouts = layouts
         self._open: dict[int, dict[str, torch.Tensor]] = {}
-        self.bytes_read = 0
+
+    @property
+    def num_opened(self) -> int:
+        return len(self._open)
 
     def get(self, old_rank: int) -> dict[str, torch.Tensor]:
         if old_rank not in self._open:
@@ -451,12 +459,10 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int) -> di
     out: dict[str, torch.Tensor] = {}
     for key, layout in layouts.items():
         out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
-    if args.tie_word_embeddings is False and "output.weight" not in out:  # pragma: no cover - layouts include it
-        raise CheckpointError(f"{spec.shard_paths[0]}: missing key 'output.weight'")
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
     log.info(
         "rank %d/%d: mapped %.1f MiB of weights from %d shard(s) of %s in %.2f s",
-        mp_rank, mp_size, nbytes / 2**20, len(shards._open), spec.checkpoint_dir, time.monotonic() - started_s,
+        mp_rank, mp_size, nbytes / 2**20, shards.num_opened, spec.checkpoint_dir, time.monotonic() - started_s,
     )  # fmt: skip
     return out
 

@@ -270,6 +270,12 @@ def test_bad_params_json(ckpt, params, message):
     assert "params.json" in str(info.value)
 
 
+def test_meta_fp8_checkpoint_is_refused(ckpt):
+    (ckpt / "fp8_scales_0.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"pre-quantized FP8 checkpoints \(fp8_scales_\*.pt\) are not supported"):
+        resolve(ckpt)
+
+
 def test_unknown_llama_model_lists_close_matches(tiny_checkpoint):
     with pytest.raises(CheckpointError, match="unknown Llama model descriptor 'Llama3.2-1B-Instrukt'.*Llama3.2-1B-Instruct"):
         resolve(tiny_checkpoint, llama_model="Llama3.2-1B-Instrukt")
