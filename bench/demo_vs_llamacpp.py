@@ -2,7 +2,7 @@
 llama-server on the same weights, one server at a time, in one run (a script, not a test).
 
     python bench/demo_vs_llamacpp.py [--streams 1,8,32] [--prompt-tokens 128] [--output-tokens 64]
-                                     [--llama-server PATH] [--f32-gguf PATH] [--skip-llamacpp]
+                                     [--llama-server PATH] [--f32-gguf PATH] [--skip-llamacpp] [--exact-check]
 
 Workload: N concurrent streaming /v1/completions requests, each a distinct prompt of
 --prompt-tokens token ids, --output-tokens tokens out (end of sequence ignored), greedy, a fresh
@@ -11,7 +11,8 @@ connection per request. Reported per server and N: total output tokens/s, time p
 run: batch 1 decode against weight bytes / read bandwidth; the whole workload against its matmul
 FLOPs (2 x parameters per token, prompt tokens skipping the output head) / matmul FLOP/s. Then
 llamaserve / llama-server ratios. Targets (issue 9): at 32 streams >= 1.3x llama-server's output
-tokens/s; at 1 stream a TPOT within 1.1x of llama-server's.
+tokens/s; at 1 stream a TPOT within 1.1x of llama-server's. Also checked against llama-server: our
+tokenizer.json (its /tokenize) and, with --exact-check, greedy chat tokens in float32.
 
 llama-server: built by ../shared/peers/build_llama_server.sh (about 10 minutes on 2 cores) and fed
 an F32 GGUF made by ../shared/peers/make_f32_gguf.py from the same Q4_1 file our importer reads, so
@@ -118,10 +119,10 @@ def start_ours(port: int, cache_dir: Path, log) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
 
 
-def start_llama_server(binary: Path, gguf: Path, port: int, log) -> subprocess.Popen:
+def start_llama_server(binary: Path, gguf: Path, port: int, log, extra: list[str] = ()) -> subprocess.Popen:
     command = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS),
-        "--parallel", "32", "-c", "16384", "--cont-batching", "--no-webui",
+        "--parallel", "32", "-c", "16384", "--cont-batching", "--no-webui", *extra,
     ]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     return subprocess.Popen(command, stdout=log, stderr=log, env=env)
@@ -227,6 +228,42 @@ async def check_tokenizer(base: str, checkpoint_dir: Path) -> None:
         print(f"  {text[:40]!r}: ours {mine[:12]} llama-server {theirs[:12]}")
 
 
+EXACT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does in two sentences.", "List three fruits."]
+
+
+async def check_exact_tokens(binary: Path, gguf: Path, checkpoint_dir: Path, new_tokens: int = 32) -> None:
+    """Greedy chat answers token for token: our float32 engine vs llama-server in float32 (fp32 KV
+    cache, no flash attention), on the same prompt ids (rendered by our chat template)."""
+    import aiohttp
+
+    from engine.config import EngineConfig
+    from engine.loader import load_engine
+    from engine.types import ChatMessage, EngineRequest, SamplingParams
+    from server.model_spec import ModelSpec
+
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", prefix="llama-server-exact-", suffix=".log", delete=False) as log:
+        process = start_llama_server(binary, gguf, port, log, extra=["-fa", "off", "-ctk", "f32", "-ctv", "f32"])
+        engine = load_engine(ModelSpec(model_id="demo", checkpoint_dir=checkpoint_dir), EngineConfig(max_batch_size=4, max_seq_len=1024))
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", "/health", process)
+            async with aiohttp.ClientSession() as session:
+                for i, question in enumerate(EXACT_QUESTIONS):
+                    prompt = engine.chat_format.encode_dialog([ChatMessage("user", question)])
+                    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "return_tokens": True, "cache_prompt": False}
+                    async with session.post(f"http://127.0.0.1:{port}/completion", json=body) as response:
+                        theirs = (await response.json())["tokens"]
+                    ours: list[int] = []
+                    params = SamplingParams(temperature=0.0, max_tokens=len(theirs), ignore_eos=True)
+                    async for out in engine.generate(EngineRequest(f"exact{i}", prompt, params)):
+                        ours += out.new_token_ids
+                    same = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
+                    print(f"  {question!r}: {same}/{len(theirs)} greedy tokens identical")
+        finally:
+            await engine.shutdown()
+            stop(process)
+
+
 # --------------------------------------------------------------------------- report
 def report(name: str, runs: dict[int, Run], roof: dict[str, float], prompt_tokens: int, output_tokens: int) -> None:
     decode_bound = roof["bandwidth"] / roof["weight_bytes"]
@@ -292,6 +329,9 @@ async def main_async(args: argparse.Namespace) -> int:
             report(name, results[name], roof, args.prompt_tokens, args.output_tokens)
     if "llamaserve" in results and "llama-server" in results:
         compare(results["llamaserve"], results["llama-server"])
+    if args.exact_check and len(servers) > 1:
+        print("\ngreedy tokens, llamaserve float32 vs llama-server float32:")
+        await check_exact_tokens(binary, Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir), demo.checkpoint_dir)
     return 0
 
 
@@ -304,6 +344,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER or {DEFAULT_LLAMA_SERVER})")
     parser.add_argument("--f32-gguf", default=None, help="F32 GGUF of the demo weights (default: made once into the cache)")
     parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only")
+    parser.add_argument("--exact-check", action="store_true", help="also compare greedy chat tokens with llama-server in float32")
     sys.exit(asyncio.run(main_async(parser.parse_args())))
 
 
