@@ -146,6 +146,15 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(torch.view_as_complex(real) * freqs_cis).flatten(-2).type_as(x)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[tokens, n_kv_heads, head_dim] -> [tokens, n_kv_heads * n_rep, head_dim], each KV head
+    serving n_rep consecutive query heads (torch.repeat_interleave(x, n_rep, dim=1))."""
+    if n_rep == 1:
+        return x
+    tokens, n_kv_heads, head_dim = x.shape
+    return x[:, :, None, :].expand(tokens, n_kv_heads, n_rep, head_dim).reshape(tokens, n_kv_heads * n_rep, head_dim)
+
+
 # --------------------------------------------------------------------------- attention metadata
 @dataclass(slots=True)
 class PrefillChunk:
@@ -259,11 +268,15 @@ class Attention(nn.Module):
             shape = (-1, self.n_local_kv_heads, self.head_dim)
             keys = k_cache.index_select(0, chunk.block_ids).view(shape)[: chunk.kv_len]
             values = v_cache.index_select(0, chunk.block_ids).view(shape)[: chunk.kv_len]
+        # K/V heads repeated explicitly (the reference's repeat_kv): SDPA's enable_gqa drops to the
+        # slow math kernel on CPU, and the copy is small next to a prefill's attention.
+        # 4-D inputs: the CPU flash kernel takes [batch, heads, tokens, head_dim] only.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=self.n_rep > 1,
+            q.transpose(0, 1)[None], repeat_kv(keys, self.n_rep).transpose(0, 1)[None],
+            repeat_kv(values, self.n_rep).transpose(0, 1)[None],
+            attn_mask=chunk.mask, is_causal=chunk.mask is None,
         )  # fmt: skip
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 class FeedForward(nn.Module):
