@@ -22,11 +22,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolDefinition
+from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
-    from engine.tool_parser import OutputParser
+    from engine.tool_parser import OutputParser, ParsedDelta, ParsedOutput
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 MAX_RENDERED_CHARS = 8_000_000  # a template that loops into megabytes of text is stopped there
@@ -259,11 +259,93 @@ class JinjaChatFormat:
         return self._specials.encode(self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def output_parser(self, tools: Sequence[ToolDefinition]) -> "OutputParser":
-        """Content only without tools; with tools, the JSON / pythonic / <function=...> call parser
-        (whatever syntax the template taught, a call is recognised only for an offered tool)."""
+        """Content only without tools. With tools: `<tool_call>{json}</tool_call>` blocks when the
+        template teaches them (Hermes, Qwen, SmolLM3), else the JSON / pythonic / <function=...>
+        parser. Either way a call is recognised only for an offered tool."""
         from engine.tool_parser import make_output_parser
 
+        if tools and TOOL_CALL_OPEN in self.template_text:
+            return TaggedToolCallParser(tools)
         return make_output_parser(tools)
+
+
+# --------------------------------------------------------------------------- <tool_call> blocks
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class TaggedToolCallParser:
+    """Tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, streamed:
+    text that could open a block is held back only while it could, a block is sent as a call once
+    it closes, and a block that is not a call of an offered tool stays text. Never raises."""
+
+    def __init__(self, tools: Sequence[ToolDefinition]) -> None:
+        self._tools = tuple(tools)
+        self._held = ""  # a possible block opening, or an open block's text
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+
+    def push(self, text_delta: str) -> "ParsedDelta":
+        from engine.tool_parser import ParsedDelta
+
+        out = ParsedDelta()
+        self._held += text_delta
+        while self._held:
+            start = self._held.find(TOOL_CALL_OPEN)
+            if start < 0:  # emit all but a tail that may still become "<tool_call>"
+                keep = _partial_suffix(self._held, TOOL_CALL_OPEN)
+                self._emit_text(out, self._held[: len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep :]
+                return out
+            self._emit_text(out, self._held[:start])
+            self._held = self._held[start:]
+            end = self._held.find(TOOL_CALL_CLOSE)
+            if end < 0:
+                return out  # inside a block: wait for its end
+            self._close_block(out, self._held[: end + len(TOOL_CALL_CLOSE)])
+            self._held = self._held[end + len(TOOL_CALL_CLOSE) :]
+        return out
+
+    def finish(self, stop_token_id: int | None) -> "ParsedOutput":
+        from engine.tool_parser import ParsedDelta, ParsedOutput
+
+        if self._held.startswith(TOOL_CALL_OPEN):  # a block the model never closed
+            self._close_block(ParsedDelta(), self._held)
+        else:
+            self._content.append(self._held)
+        self._held = ""
+        content = "".join(self._content)  # exactly what was streamed, so stream and final agree
+        reason = None if stop_token_id is None else "tool_calls" if self._calls else "stop"
+        return ParsedOutput(None if self._calls and not content.strip() else content, list(self._calls), reason)
+
+    def _emit_text(self, out: "ParsedDelta", text: str) -> None:
+        if text:
+            out.content += text
+            self._content.append(text)
+
+    def _close_block(self, out: "ParsedDelta", block: str) -> None:
+        from engine.tool_parser import ToolCallDelta, parse_output
+
+        inner = block[len(TOOL_CALL_OPEN) :].removesuffix(TOOL_CALL_CLOSE).strip()
+        try:
+            calls = parse_output(inner, self._tools).tool_calls if inner.startswith("{") else []
+        except Exception:  # a parser never raises on model output
+            calls = []
+        if not calls:
+            self._emit_text(out, block)
+            return
+        for call in calls:
+            index = len(self._calls)
+            self._calls.append(call)
+            out.tool_calls.append(ToolCallDelta(index, call.call_id, call.name, ""))
+            out.tool_calls.append(ToolCallDelta(index, None, None, call.arguments))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 # --------------------------------------------------------------------------- loading
@@ -357,4 +439,4 @@ def _spelling(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-__all__ = ["JinjaChatFormat", "NoChatTemplate", "compile_chat_template", "load_chat_format", "read_template_file"]
+__all__ = ["JinjaChatFormat", "NoChatTemplate", "TaggedToolCallParser", "compile_chat_template", "load_chat_format", "read_template_file"]

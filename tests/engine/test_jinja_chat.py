@@ -190,6 +190,44 @@ def test_output_parser_content_only_and_tools(chatml):
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
+WEATHER = ToolDefinition("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
+
+
+def stream(parser, text: str):
+    """Feed one character at a time; return (streamed content, call deltas, final output)."""
+    deltas = [parser.push(ch) for ch in text]
+    return "".join(d.content for d in deltas), [c for d in deltas for c in d.tool_calls], parser.finish(IM_END)
+
+
+def test_tagged_tool_calls_when_the_template_teaches_them(tokenizer):
+    parser = format_with(TOOLS_TEMPLATE, tokenizer).output_parser([WEATHER])
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, deltas, final = stream(parser, text)
+    assert content == final.content == "Let me check.\n"
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""), (0, None, '{"city": "Paris"}')]
+    assert deltas[0].call_id == final.tool_calls[0].call_id and final.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "not_offered", "arguments": {}}</tool_call>',  # only offered tools are calls
+        "<tool_call>not json</tool_call> and <tool",  # garbage, and a tail that never became a tag
+        "a < b, <tool_cal",
+    ],
+)
+def test_tagged_blocks_that_are_not_calls_stay_text(tokenizer, text):
+    content, deltas, final = stream(format_with(TOOLS_TEMPLATE, tokenizer).output_parser([WEATHER]), text)
+    assert final.content == text and text.startswith(content)  # a held-back tail comes out at the end
+    assert deltas == [] and final.tool_calls == [] and final.finish_reason == "stop"
+
+
+def test_unclosed_tagged_call_at_the_end(tokenizer):
+    parser = format_with(TOOLS_TEMPLATE, tokenizer).output_parser([WEATHER])
+    _, _, final = stream(parser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert final.content is None and [c.name for c in final.tool_calls] == ["get_weather"]
+
+
 LLAMA3_TOKENIZER = Path(__import__("llama_models").__file__).parent / "llama3" / "tokenizer.model"
 
 
