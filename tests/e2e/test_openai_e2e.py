@@ -135,6 +135,23 @@ def test_chat_n2_greedy_choices_equal_n1(client):
     assert double.usage.completion_tokens == 2 * single.usage.completion_tokens
 
 
+def test_chat_stream_n2_and_logprobs(client):
+    expected = greedy_chat(client, MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, n=2,
+                                            logprobs=True, top_logprobs=2, stream=True,
+                                            stream_options={"include_usage": True})
+    texts, finishes, logprobs, usage = ["", ""], [[], []], [[], []], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+            logprobs[choice.index] += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+    assert texts == [expected.choices[0].message.content] * 2 and finishes == [["length"], ["length"]]
+    assert [[e.token for e in lp] for lp in logprobs] == [[e.token for e in expected.choices[0].logprobs.content]] * 2
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == expected.usage.prompt_tokens
+
+
 def test_seed_reproducible_at_temperature_1(client):
     def sample(seed: int, n: int = 1) -> list[str]:
         completion = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed,
@@ -240,6 +257,15 @@ def test_batch_completions_equal_individual_requests(client, http):
     assert [item["response"]["choices"][0]["text"] for item in body["data"]] == alone
     assert body["usage"]["completion_tokens"] == 8 * len(prompts)
 
+    # One bad prompt (a token id past the vocabulary, one past the context) fails alone.
+    response = http.post("/v1/batch/completions", json={"model": MODEL, "prompts": [prompts[0], [10**9], "word " * MAX_SEQ_LEN],
+                                                        "temperature": 0, "max_tokens": 8})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert data[0]["error"] is None and data[0]["response"]["choices"][0]["text"] == alone[0]
+    assert data[1]["response"] is None and data[1]["error"]["type"] == "invalid_request_error"
+    assert data[2]["response"] is None and data[2]["error"]["code"] == "context_length_exceeded"
+
 
 def test_batch_chat_completions_equal_individual_requests(client, http):
     conversations = [MESSAGES, [{"role": "user", "content": "hi"}], [{"role": "user", "content": "Count to three."}]]
@@ -260,6 +286,18 @@ def test_concurrent_greedy_requests_equal_sequential(server, client):
     with server.openai() as other, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         concurrent_texts = list(pool.map(lambda p: greedy_completion(other, p, max_tokens=16), prompts))
     assert concurrent_texts == sequential
+
+    # A seeded sample is the same alone and batched with unseeded traffic (its own generator).
+    def seeded() -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=1.0, seed=99,
+                                         max_tokens=12).choices[0].text
+
+    alone = seeded()
+    with server.openai() as other, concurrent.futures.ThreadPoolExecutor(5) as pool:
+        noise = [pool.submit(other.completions.create, model=MODEL, prompt=p, temperature=1.0, max_tokens=20)
+                 for p in prompts[:4]]
+        batched = pool.submit(seeded)
+        assert batched.result() == alone and all(f.result().choices for f in noise)
 
 
 # --------------------------------------------------------------------------- tokenizer endpoints
@@ -301,6 +339,35 @@ def test_disconnect_mid_stream_frees_kv_blocks(server, http):
     generated = (metric(after, "llamaserve:generation_tokens_total", model_name=MODEL)
                  - metric(before, "llamaserve:generation_tokens_total", model_name=MODEL))
     assert 3 <= generated < 400  # aborted, not run to max_tokens
+
+
+@pytest.mark.parametrize("kind", ["completion", "batch", "chat_stream_n2"])
+def test_disconnect_aborts_non_stream_batch_and_multi_choice_requests(server, http, kind):
+    def kv_state() -> tuple[float | None, float | None]:
+        samples = scrape(http)
+        return (metric(samples, "llamaserve:num_requests_running", model_name=MODEL),
+                metric(samples, "llamaserve:kv_cache_usage_perc", model_name=MODEL))
+
+    wait_until(lambda: kv_state() == (0.0, 0.0), timeout_s=10, what="an idle engine")
+    before = metric(scrape(http), "llamaserve:generation_tokens_total", model_name=MODEL)
+    long = {"model": MODEL, "temperature": 0, "max_tokens": 400}
+    if kind == "chat_stream_n2":
+        with server.http() as own, own.stream("POST", "/v1/chat/completions",
+                                              json={**long, "messages": MESSAGES, "n": 2, "stream": True}) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            for _ in range(4):
+                next(events)
+            assert kv_state()[0] == 2  # both choices run
+    else:
+        path, body = {"completion": ("/v1/completions", {"prompt": PROMPTS[0]}),
+                      "batch": ("/v1/batch/completions", {"prompts": PROMPTS[:3]})}[kind]
+        with server.http() as own:
+            own.timeout = httpx.Timeout(120, read=0.5)  # the client gives up while the engine generates
+            with pytest.raises(httpx.ReadTimeout):
+                own.post(path, json={**long, **body})
+    wait_until(lambda: kv_state() == (0.0, 0.0), timeout_s=10, what="the aborted requests' KV blocks to be freed")
+    generated = metric(scrape(http), "llamaserve:generation_tokens_total", model_name=MODEL) - before
+    assert 0 < generated < 400  # every sequence aborted long before max_tokens
 
 
 # --------------------------------------------------------------------------- errors
