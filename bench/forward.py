@@ -70,11 +70,15 @@ def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024) -> float:
     return 2 * n**3 * reps / seconds
 
 
-def memory_bytes_per_s(mib: int = 256) -> float:
-    """Read bandwidth: a reduction streams the buffer once (what decode does with weights)."""
+def memory_bytes_per_s(mib: int = 512) -> float:
+    """Streaming bandwidth, the better of a reduction (reads the buffer once, what decode does with
+    weights) and a copy (reads and writes it): either alone can be compute-limited on one thread."""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    seconds = best_of(lambda: x.sum(), repeats=5)
-    return x.numel() * 4 / seconds
+    y = torch.empty_like(x)
+    read_s = best_of(lambda: x.sum(), repeats=5)
+    copy_s = best_of(lambda: y.copy_(x), repeats=5)
+    nbytes = x.numel() * 4
+    return max(nbytes / read_s, 2 * nbytes / copy_s)
 
 
 # --------------------------------------------------------------------------- the model
