@@ -84,9 +84,13 @@ def _environment():
     return env
 
 
+# Filters that look attributes up by a name given as an argument (`map(attribute="...")`).
+_ATTRIBUTE_FILTERS = frozenset({"attr", "map", "selectattr", "rejectattr", "sort", "groupby", "sum", "unique", "min", "max"})
+
+
 def _private_names(tree: Any) -> Iterable[str]:
     """Attribute names starting with "_" that the template spells out: `x.__class__`,
-    `x["__globals__"]`, `x|attr("__init__")`."""
+    `x["__globals__"]`, `x|attr("__init__")`, `xs|map(attribute="__class__")`."""
     from jinja2 import nodes
 
     for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
@@ -94,8 +98,8 @@ def _private_names(tree: Any) -> Iterable[str]:
             yield node.attr
         elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and str(node.arg.value).startswith("_"):
             yield str(node.arg.value)
-        elif isinstance(node, nodes.Filter) and node.name == "attr":
-            for arg in node.args:
+        elif isinstance(node, nodes.Filter) and node.name in _ATTRIBUTE_FILTERS:
+            for arg in [*node.args, *(kw.value for kw in node.kwargs)]:
                 if isinstance(arg, nodes.Const) and str(arg.value).startswith("_"):
                     yield str(arg.value)
 

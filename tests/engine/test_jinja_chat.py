@@ -133,6 +133,7 @@ def test_bos_eos_loopcontrols_generation_tag_and_strftime(tokenizer):
         "{{ messages['__class__'] }}",
         "{{ messages | attr('__class__') }}",
         "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{{ messages | map(attribute='__class__') | list }}",
     ],
 )
 def test_hostile_templates_are_refused_at_load(tokenizer, template):
@@ -144,6 +145,7 @@ def test_hostile_templates_are_refused_at_load(tokenizer, template):
     "template,match",
     [
         ("{{ messages | attr('_' ~ '_class__') }}", "not allowed in a chat template"),  # built at run time
+        ("{{ messages | map(attribute='_' ~ '_class__') | list }}", "not allowed in a chat template"),
         ("{% set x = messages.append(1) %}", "SecurityError"),  # the sandbox is immutable
         ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),  # the sandbox's range limit
         ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", f"more than {MAX_RENDERED_CHARS}"),
