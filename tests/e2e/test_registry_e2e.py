@@ -312,5 +312,120 @@ def test_corrupt_shard_fails_with_reason_and_the_server_keeps_serving(server, ht
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_load_failed"
         assert chat(http, "good").status_code == 200  # the others keep serving
         assert http.get("/v1/models/good").json()["status"] == "ready"
+
+        # A hot switch to the corrupt shard fails; the old weights keep serving under the old spec.
+        response = register(http, model_id="good", checkpoint_dir=str(broken), llama_model=BASE_DESCRIPTOR)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_checkpoint"
+        info = http.get("/v1/models/good").json()
+        assert info["status"] == "ready" and info["checkpoint_dir"] == real(base_checkpoint)
+        assert chat(http, "good").status_code == 200
     finally:
         unregister_all(http, "good", "broken")
+
+
+def test_skip_initialize_reregistration_retires_the_old_weights(server, http, checkpoints, base_checkpoint, expected):
+    second = checkpoints.get("second-weights", seed=1)
+    try:
+        assert register(http, model_id="relazy", checkpoint_dir=str(base_checkpoint),
+                        llama_model=BASE_DESCRIPTOR).status_code == 200
+        assert completion_text(http, "relazy") == expected(base_checkpoint)
+        response = register(http, model_id="relazy", checkpoint_dir=str(second), llama_model=BASE_DESCRIPTOR,
+                            skip_initialize=True)
+        assert response.status_code == 200 and response.json()["status"] == "registered", response.text
+        wait_until(lambda: server.registry.lifecycle_stats().loaded_models == 0, timeout_s=10,
+                   what="the old engine to retire")
+        assert completion_text(http, "relazy") == expected(second)  # loaded on first use, the new weights
+    finally:
+        unregister_all(http, "relazy")
+
+
+def test_concurrent_registrations_of_one_id_share_one_load(server, http, base_checkpoint):
+    loads_before = gauge(http, "model_loads_total")
+    body = {"model_id": "shared-load", "checkpoint_dir": str(base_checkpoint), "llama_model": BASE_DESCRIPTOR}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            responses = list(pool.map(lambda _: http.post("/v1/models", json=body), range(3)))
+        assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+        assert {r.json()["status"] for r in responses} == {"ready"}
+        assert gauge(http, "model_loads_total") == loads_before + 1
+    finally:
+        unregister_all(http, "shared-load")
+
+
+def test_hf_style_id_finds_the_descriptor_folder(server, http, base_checkpoint):
+    hf_id = "meta-llama/Llama-3.2-1B-Instruct"
+    try:
+        # No checkpoint_dir: not at <root>/meta-llama/..., so <root>/<its descriptor>, as `llama model download` names it.
+        response = register(http, model_id=hf_id)
+        assert response.status_code == 200, response.text
+        assert response.json()["status"] == "ready" and response.json()["checkpoint_dir"] == real(base_checkpoint)
+        assert http.get(f"/v1/models/{hf_id}").json()["id"] == hf_id  # ids with '/' route
+        with server.openai() as sdk:
+            assert sdk.models.retrieve(hf_id).id == hf_id
+            reply = sdk.chat.completions.create(model=hf_id, messages=[{"role": "user", "content": "hi"}],
+                                                temperature=0, max_tokens=4)
+            assert reply.choices[0].message.content and reply.model == hf_id
+        assert http.delete(f"/v1/models/{hf_id}").status_code == 200
+    finally:
+        unregister_all(http, hf_id)
+
+
+def test_delete_lets_a_running_stream_finish_then_unloads(server, http, base_checkpoint):
+    body = {"model": "draining", "prompt": PROMPT_IDS, "temperature": 0, "max_tokens": 48}
+    try:
+        assert register(http, model_id="draining", checkpoint_dir=str(base_checkpoint),
+                        llama_model=BASE_DESCRIPTOR).status_code == 200
+        expected_text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        unloads_before = gauge(http, "model_unloads_total")
+        with server.http() as own, own.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            text = json.loads(next(events))["choices"][0]["text"]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                deleted = pool.submit(http.delete, "/v1/models/draining")
+                wait_until(lambda: http.get("/v1/models/draining").status_code == 404, timeout_s=10,
+                           what="the id to be unregistered")
+                assert complete(http, "draining").status_code == 404  # no new requests
+                rest = list(events)
+                assert deleted.result(timeout=60).status_code == 200
+        assert rest[-1] == "[DONE]"
+        text += "".join(json.loads(e)["choices"][0]["text"] for e in rest[:-1])
+        assert text == expected_text  # the running request was not cut
+        assert gauge(http, "model_unloads_total") == unloads_before + 1 and gauge(http, "models_loaded") == 0
+    finally:
+        unregister_all(http, "draining")
+
+
+def test_memory_budget_refuses_clearly_or_evicts_the_idle_lru_model(checkpoints, base_checkpoint):
+    from engine.loader import LocalEngineFactory
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    second = checkpoints.get("second-weights", seed=1)
+    need = LocalEngineFactory(engine_config()).estimate_memory_bytes(
+        ModelSpec(model_id="x", checkpoint_dir=base_checkpoint, llama_model=BASE_DESCRIPTOR))
+    for evict in (False, True):
+        config = ServerConfig(models=[], checkpoint_roots=[checkpoints.root], engine=engine_config(),
+                              memory_budget_bytes=int(1.5 * need), evict_idle_lru=evict)
+        live = LiveServer(config).start()
+        try:
+            with live.http() as http:
+                assert register(http, model_id="a", checkpoint_dir=str(base_checkpoint),
+                                llama_model=BASE_DESCRIPTOR).status_code == 200
+                response = register(http, model_id="b", checkpoint_dir=str(second), llama_model=BASE_DESCRIPTOR)
+                if not evict:
+                    assert response.status_code == 507, response.text
+                    error = response.json()["error"]
+                    assert error["code"] == "memory_budget_exceeded" and "DELETE /v1/models" in error["message"]
+                    assert http.get("/v1/models/b").json()["status"] == "failed"
+                    assert completion_text(http, "a")  # the loaded model keeps serving
+                    assert http.delete("/v1/models/a").status_code == 200
+                    assert completion_text(http, "b")  # room now: the next request loads it
+                else:
+                    assert response.status_code == 200 and response.json()["status"] == "ready", response.text
+                    assert http.get("/v1/models/a").json()["status"] == "registered"  # evicted, still known
+                    assert gauge(http, "model_evictions_total") == 1
+                    assert completion_text(http, "a")  # loads again, evicting b (now the idle one)
+                    assert http.get("/v1/models/b").json()["status"] == "registered"
+                assert gauge(http, "model_memory_reserved_bytes") <= config.memory_budget_bytes
+        finally:
+            live.stop()
