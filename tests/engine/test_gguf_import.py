@@ -355,6 +355,45 @@ def test_sentencepiece_vocabulary_matches_sentencepiece(tmp_path):
         assert tk.encode(text) == sp.encode(text), text
 
 
+def tiktoken_as_gguf_vocab(ranks: dict[bytes, int], specials: list[str]) -> tuple[list[str], list[int], list[list[str]]]:
+    """(tokens, token types, merges) as llama.cpp's converter writes a Llama 3 vocabulary: byte-level
+    spellings, merges recovered from the BPE ranks (each split of a token into two tokens, by rank)."""
+    to_char = {b: c for c, b in gpt2_byte_decoder().items()}
+
+    def spell(token: bytes) -> str:
+        return "".join(to_char[b] for b in token)
+
+    by_rank = sorted(ranks, key=ranks.__getitem__)
+    merges = []
+    for token in by_rank:
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges.extend(sorted(splits, key=lambda lr: (ranks[lr[0]], ranks[lr[1]])))
+    merges.sort(key=lambda lr: ranks[lr[0] + lr[1]])
+    return [spell(t) for t in by_rank] + specials, [1] * len(by_rank) + [3] * len(specials), [[spell(a), spell(b)] for a, b in merges]
+
+
+@pytest.mark.slow
+def test_llama3_pre_tokenizer_matches_tiktoken():
+    """tokenizer.ggml.pre = "llama-bpe" (Llama 3 GGUFs): the tokenizer.json we build encodes as
+    Llama 3's own tiktoken tokenizer does."""
+    from engine.gguf_import import PRE_TOKENIZERS, _tokenizer_json
+    from engine.hf_tokenizer import HFTokenizer
+    from engine.tokenizer import llama3_special_tokens, load_tiktoken_ranks, load_tokenizer
+    from tests.engine.tokenizer_fixtures import llama_models_file
+
+    path = llama_models_file("llama3/tokenizer.model")
+    tokens, types, merges = tiktoken_as_gguf_vocab(load_tiktoken_ranks(path), llama3_special_tokens())
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True}
+    ours = HFTokenizer(json.dumps(_tokenizer_json(tokens, types, merges, PRE_TOKENIZERS["llama-bpe"])), config, source="llama3")
+    reference = load_tokenizer("llama3", path)
+    rng = random.Random(0)
+    alphabet = "abcXYZ 0123 \n\t'!?.,éü日🙂"
+    texts = SP_TEXTS + ["The year 2024 had 366 days; 1234567", "It's, DON'T, we'll", "<|eot_id|> as text", "    \n\n   x   "]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    for text in texts:
+        assert ours.encode(text, bos=True) == reference.encode(text, bos=True), text
+
+
 # --------------------------------------------------------------------------- tests: refusals
 def _tiny_gguf(path: Path, **kw) -> Path:
     write_gguf(path, hf_weights(seed=2, tied=True), **kw)
