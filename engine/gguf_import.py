@@ -162,16 +162,16 @@ def ffn_params(dim: int, hidden_dim: int) -> dict[str, Any]:
     raise CheckpointError(f"cannot express FFN size {hidden_dim} for dim {dim} in params.json")  # pragma: no cover
 
 
-def _meta_rope_factors(head_dim: int, theta: float) -> np.ndarray:
-    """freqs / scaled freqs of Meta's Llama 3.1 `apply_scaling` (what llama.cpp stores as rope_freqs)."""
+def meta_rope_factors(head_dim: int, theta: float, scale_factor: float = 8.0) -> np.ndarray:
+    """freqs / scaled freqs of Meta's Llama 3.x `apply_scaling` (what llama.cpp stores as rope_freqs)."""
     freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    scale, low, high, old_context = 8.0, 1.0, 4.0, 8192
+    low, high, old_context = 1.0, 4.0, 8192
     wavelen = 2 * math.pi / freqs
     smooth = (old_context / wavelen - low) / (high - low)
     scaled = np.where(
         wavelen < old_context / high,
         freqs,
-        np.where(wavelen > old_context / low, freqs / scale, (1 - smooth) * freqs / scale + smooth * freqs),
+        np.where(wavelen > old_context / low, freqs / scale_factor, (1 - smooth) * freqs / scale_factor + smooth * freqs),
     )
     return freqs / scaled
 
@@ -228,10 +228,13 @@ def _check_rope_freqs(reader, path: Path, head_dim: int, theta: float) -> bool:
     if tensor is None:
         return False
     found = _dequantize(tensor, path).astype(np.float64).reshape(-1)
-    expected = _meta_rope_factors(head_dim, theta)
-    if found.shape != expected.shape or not np.allclose(found, expected, rtol=1e-3):
-        raise CheckpointError(f"{path}: {_ROPE_FREQS} holds RoPE factors other than Llama 3.1's scaling; not supported")
-    return True
+    for factor in (8.0, 16.0, 32.0):  # 8: Llama 3.1 (the one the engine runs); 32: Llama 3.2 1B/3B
+        expected = meta_rope_factors(head_dim, theta, factor)
+        if found.shape == expected.shape and np.allclose(found, expected, rtol=1e-3):
+            if factor != 8.0:
+                raise CheckpointError(f"{path}: Llama 3 RoPE scaling with factor {factor:g} is not supported (only 8, Llama 3.1's)")
+            return True
+    raise CheckpointError(f"{path}: {_ROPE_FREQS} holds RoPE factors other than Llama 3's scaling; not supported")
 
 
 # --------------------------------------------------------------------------- weights

@@ -394,6 +394,28 @@ def test_llama3_pre_tokenizer_matches_tiktoken():
         assert ours.encode(text, bos=True) == reference.encode(text, bos=True), text
 
 
+def _with_rope_freqs(factors: np.ndarray):
+    def write(writer) -> None:
+        write_byte_level_vocab(writer)
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+
+    return write
+
+
+def test_llama31_rope_freqs_mean_scaled_rope(tmp_path):
+    from engine.gguf_import import meta_rope_factors
+
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_weights(seed=4, tied=True), vocab=_with_rope_freqs(meta_rope_factors(HEAD_DIM, THETA)))
+    out = import_gguf(path, tmp_path / "ckpt", progress=False)
+    assert json.loads((out / "params.json").read_text())["use_scaled_rope"] is True
+    assert "rope_freqs.weight" not in torch.load(out / "consolidated.00.pth", weights_only=True)
+    path32 = tmp_path / "scaled32.gguf"
+    write_gguf(path32, hf_weights(seed=4, tied=True), vocab=_with_rope_freqs(meta_rope_factors(HEAD_DIM, THETA, 32.0)))
+    with pytest.raises(CheckpointError, match="factor 32 is not supported"):
+        import_gguf(path32, tmp_path / "ckpt32", progress=False)
+
+
 # --------------------------------------------------------------------------- tests: refusals
 def _tiny_gguf(path: Path, **kw) -> Path:
     write_gguf(path, hf_weights(seed=2, tied=True), **kw)
