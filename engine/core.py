@@ -107,9 +107,13 @@ class EngineCore:
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
         )
-        self.scheduler.add(seq)
-        self._next_seq_id += 1
         self.output.add(seq)
+        try:
+            self.scheduler.add(seq)  # QueueFull
+        except BaseException:
+            self.output.discard(seq.request_id)
+            raise
+        self._next_seq_id += 1
         if self.config.debug_log_io:
             text = decode_for_log(self.tokenizer, seq.token_ids)
             log.info("request %s prompt ids=%s text=%r", seq.request_id, seq.token_ids, text)

@@ -108,8 +108,9 @@ class OutputProcessor:
         )
         self._requests[seq.request_id] = RequestState(seq, detokenizer, seq.arrival_time_s)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never reached the scheduler."""
+        self._requests.pop(request_id, None)
 
     def process(self, events: list[SeqEvent], now_s: float | None = None) -> tuple[list[RequestOutput], list[Sequence]]:
         """Turn one step's events into one delta per request. Returns the deltas and the sequences

@@ -102,6 +102,7 @@ def test_duplicate_request_id_and_queue_full():
         core.add_request(request("a", "abc"))
     with pytest.raises(QueueFull):
         core.add_request(request("b", "abc"))
+    assert list(core.output._requests) == ["a"]  # the refused request left nothing behind
     run(core)
     assert_clean(core)
 
