@@ -55,6 +55,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
+    rope_scaling_factor: float | None = None  # with use_scaled_rope; None: 8 (Llama 3.1), 32 for Llama 3.2 1B/3B
     tie_word_embeddings: bool = False  # output.weight may be absent and shares tok_embeddings
     extra: tuple[tuple[str, Any], ...] = ()  # params.json keys this engine does not use, kept for the record
 
@@ -95,12 +96,15 @@ class ModelArgs:
             raise bad(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise bad("norm_eps and rope_theta must be > 0")
+        if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1:
+            raise bad(f"rope_scaling_factor must be >= 1, found {self.rope_scaling_factor!r}")
 
     def to_params(self) -> dict[str, Any]:
         """params.json content (the inverse of from_params)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        if out["n_kv_heads"] is None:
-            del out["n_kv_heads"]
+        for optional in ("n_kv_heads", "rope_scaling_factor"):
+            if out[optional] is None:
+                del out[optional]
         if not out["tie_word_embeddings"]:
             del out["tie_word_embeddings"]
         return {**out, **dict(self.extra)}
@@ -222,13 +226,15 @@ def resolve_checkpoint(checkpoint_dir: Path, *, model_id: str, llama_model: str 
             f"{checkpoint_dir}: {model_id!r} names no known Llama model; set llama_model to its base descriptor "
             "(e.g. Llama3.2-3B-Instruct)"
         )
-    defaults = {"rope_theta": 10000.0} if family == "llama2" else {}
+    defaults: dict[str, Any] = {"rope_theta": 10000.0} if family == "llama2" else {}
+    if descriptor is not None and family != "llama2":
+        defaults["rope_scaling_factor"] = descriptor.rope_scaling_factor  # params.json never states it
     if params_path.exists():
         args = ModelArgs.from_params(_read_params(params_path), source=str(params_path), defaults=defaults)
         if descriptor is not None:
             _log_mismatch(checkpoint_dir, descriptor, args)
     elif descriptor is not None:
-        args = ModelArgs.from_params(published, source=f"{descriptor.name} (published architecture)")
+        args = ModelArgs.from_params(published, source=f"{descriptor.name} (published architecture)", defaults=defaults)
     else:  # unreachable: "hf" requires params.json
         raise CheckpointError(f"{params_path}: missing")
     if args.vocab_size <= 0:

@@ -30,6 +30,9 @@ class Descriptor:
     pth_file_count: int  # shards Meta publishes (consolidated.NN.pth)
     arch: tuple[tuple[str, Any], ...] = ()  # params.json items as Meta publishes them (a tuple: picklable, immutable)
     supported_reason: str | None = None  # None: this engine runs it; else why not
+    # Llama 3 RoPE scaling factor (use_scaled_rope). Meta's params.json does not carry it: 8 for
+    # Llama 3.1 / 3.3, but 32 for Llama 3.2 1B/3B (their HF config.json; meta-llama/llama-models#241).
+    rope_scaling_factor: float = 8.0
 
     @property
     def architecture(self) -> dict[str, Any]:
@@ -84,7 +87,8 @@ def _build_table() -> dict[str, Descriptor]:
     entries: list[Descriptor] = []
 
     def add(name: str, family: Family, hf: str, max_seq_len: int, shards: int, arch: dict, reason=None) -> None:
-        entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason))
+        rope_factor = 32.0 if family == "llama3_2" else 8.0
+        entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason, rope_factor))
 
     for suffix, hf_suffix in (("", ""), ("-chat", "-chat")):
         add(f"Llama-2-7b{suffix}", "llama2", f"meta-llama/Llama-2-7b{hf_suffix}", 4096, 1, _llama2(4096, 32, 32))

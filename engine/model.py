@@ -117,9 +117,10 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x) * self.weight
 
 
-def apply_scaling(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1 long-context RoPE frequency scaling (values from Meta's grid search)."""
-    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8, 1, 4, 8192
+def apply_scaling(freqs: torch.Tensor, scale_factor: float = 8.0) -> torch.Tensor:
+    """Llama 3.1 long-context RoPE frequency scaling (values from Meta's grid search; scale_factor
+    8 for Llama 3.1/3.3, 32 for Llama 3.2 1B/3B)."""
+    low_freq_factor, high_freq_factor, old_context_len = 1, 4, 8192
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * torch.pi / freqs
@@ -130,12 +131,12 @@ def apply_scaling(freqs: torch.Tensor) -> torch.Tensor:
 
 
 def precompute_freqs_cis(
-    head_dim: int, end: int, theta: float, use_scaled: bool, *, dtype: torch.dtype = torch.float32
+    head_dim: int, end: int, theta: float, use_scaled: bool, *, scale_factor: float = 8.0, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """[end, head_dim // 2] complex rotations, position-major (the reference's table)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device="cpu")[: head_dim // 2] / head_dim))
     if use_scaled:
-        freqs = apply_scaling(freqs)
+        freqs = apply_scaling(freqs, scale_factor)
     angles = torch.outer(torch.arange(end, dtype=dtype, device="cpu"), freqs)
     return torch.polar(torch.ones_like(angles), angles)
 
@@ -325,7 +326,10 @@ class Transformer(nn.Module):
         """The RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)."""
         real = torch.float64 if dtype == torch.float64 else torch.float32
         args = self.params
-        table = precompute_freqs_cis(args.head_dim, self.max_seq_len, args.rope_theta, args.use_scaled_rope, dtype=real)
+        table = precompute_freqs_cis(
+            args.head_dim, self.max_seq_len, args.rope_theta, args.use_scaled_rope,
+            scale_factor=args.rope_scaling_factor or 8.0, dtype=real,
+        )  # fmt: skip
         self.freqs_cis = table.to(device)
 
     @torch.inference_mode()

@@ -49,12 +49,21 @@ def edit_shard(path: Path, fn) -> None:
 # --------------------------------------------------------------------------- resolving
 def test_resolve_reads_params_and_descriptor(tiny_checkpoint, tiny_model_args):
     spec = resolve(tiny_checkpoint)
-    assert spec.model_args == tiny_model_args
+    assert spec.model_args == dataclasses.replace(tiny_model_args, rope_scaling_factor=32.0)  # from Llama3.2's descriptor
     assert spec.family == "llama3_2" and spec.descriptor.name == TINY_DESCRIPTOR
     assert spec.max_seq_len == 131072 and spec.tokenizer_path is None
     assert [p.name for p in spec.shard_paths] == ["consolidated.00.pth"]
     # the model id alone names the descriptor when no llama_model is given
     assert resolve_checkpoint(tiny_checkpoint, model_id="meta-llama/Llama-3.1-8B-Instruct").family == "llama3_1"
+
+
+def test_rope_scaling_factor_comes_from_the_descriptor_unless_params_state_it(ckpt):
+    # Meta's params.json never states it: Llama 3.2 1B/3B need 32, Llama 3.1 / 3.3 use 8.
+    assert resolve(ckpt).model_args.rope_scaling_factor == 32.0
+    assert resolve(ckpt, llama_model="Llama3.1-8B-Instruct").model_args.rope_scaling_factor == 8.0
+    params = json.loads((ckpt / "params.json").read_text())
+    (ckpt / "params.json").write_text(json.dumps({**params, "rope_scaling_factor": 16.0}))
+    assert resolve(ckpt).model_args.rope_scaling_factor == 16.0
 
 
 def test_architecture_mismatch_is_logged_not_refused(tiny_checkpoint, caplog):
@@ -317,6 +326,7 @@ def test_pickle_with_code_payload_is_refused(ckpt, tmp_path):
 
 def test_model_args_round_trip(tiny_model_args):
     params = tiny_model_args.to_params()
+    assert "rope_scaling_factor" not in params  # unset fields are not written
     assert ModelArgs.from_params(params, source="x") == tiny_model_args
     tied = dataclasses.replace(tiny_model_args, tie_word_embeddings=True, n_kv_heads=None)
     assert ModelArgs.from_params(tied.to_params(), source="x") == tied

@@ -77,3 +77,10 @@ def test_use_scaled_rope_follows_the_family():
             assert d.architecture["use_scaled_rope"] is True
         elif d.family in ("llama2", "llama3"):
             assert d.architecture["use_scaled_rope"] is False
+
+
+def test_rope_scaling_factor_of_llama_3_2_is_32():
+    """meta-llama/llama-models#241: Llama 3.2 1B/3B were trained with factor 32, not 3.1's 8."""
+    assert resolve_descriptor("Llama3.2-3B-Instruct").rope_scaling_factor == 32.0
+    assert resolve_descriptor("Llama3.1-8B").rope_scaling_factor == 8.0
+    assert resolve_descriptor("Llama3.3-70B-Instruct").rope_scaling_factor == 8.0

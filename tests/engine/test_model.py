@@ -39,7 +39,9 @@ def reference_logits(state: dict[str, torch.Tensor], args: ModelArgs, tokens: li
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + args.norm_eps) * w
 
     def rope(x):
-        freqs = precompute_freqs_cis(hd, n, args.rope_theta, args.use_scaled_rope, dtype=torch.float64)
+        freqs = precompute_freqs_cis(
+            hd, n, args.rope_theta, args.use_scaled_rope, scale_factor=args.rope_scaling_factor or 8.0, dtype=torch.float64
+        )
         c = torch.view_as_complex(x.reshape(n, x.shape[1], hd // 2, 2)) * freqs[:, None, :]
         return torch.view_as_real(c).reshape(x.shape)
 
@@ -210,6 +212,7 @@ def test_matches_llama_models_reference(full_state):
     from engine.workers import destroy_group, init_group
 
     state, args = full_state
+    args = dataclasses.replace(args, rope_scaling_factor=None)  # the reference hard-codes Llama 3.1's 8
     prompt = random_prompts(args.vocab_size, [12], seed=11)[0]
     init_group(torch.device("cpu"), rank=0, world_size=1, init_method="tcp://127.0.0.1:0", timeout_s=60)
     try:
@@ -221,6 +224,22 @@ def test_matches_llama_models_reference(full_state):
         destroy_group()
     ours = reference_logits(state, args, prompt)
     torch.testing.assert_close(ours.float(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling(factor):
+    """The "llama3" RoPE scaling as HF's config.json states it (factor 8: 3.1/3.3, 32: 3.2 1B/3B)."""
+    head_dim, theta, low, high, old_len = 64, 500000.0, 1.0, 4.0, 8192
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - low) / (high - low)
+    expected = torch.where(
+        wavelen > old_len / low,
+        inv / factor,
+        torch.where(wavelen < old_len / high, inv, (1 - smooth) * inv / factor + smooth * inv),
+    )
+    table = precompute_freqs_cis(head_dim, 2, theta, True, scale_factor=factor, dtype=torch.float64)
+    torch.testing.assert_close(torch.angle(table[1]), expected)
 
 
 def test_logits_only_for_requested_rows(executor64, full_state):
@@ -262,6 +281,7 @@ def test_tied_embeddings_and_kv_budget(tmp_path, tiny_model_args):
     args = dataclasses.replace(tiny_model_args, tie_word_embeddings=True)
     write_random_checkpoint(tmp_path, args, seed=3)
     spec = resolve_checkpoint(tmp_path, model_id="tied", llama_model=TINY_DESCRIPTOR)
+    args = spec.model_args
     state = {k: v.clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}
     assert "output.weight" not in state
     block_bytes = 2 * args.n_layers * BLOCK_SIZE * args.kv_heads * args.head_dim * 8
