@@ -122,7 +122,11 @@ def test_chat_stream_equals_non_stream(client):
     assert text == expected.choices[0].message.content
     assert finishes == ["length"]  # once, on the last chunk of the choice
     assert content_chunks[-1].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == expected.usage  # the usage chunk comes last
+    usage = chunks[-1].usage  # the usage chunk comes last
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        expected.usage.prompt_tokens, 12, expected.usage.prompt_tokens + 12)
+    # The same prompt ran just before: its full KV blocks come from the prefix cache.
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     assert len({c.id for c in chunks}) == 1
 
 
