@@ -119,7 +119,7 @@ def start_ours(port: int, cache_dir: Path, log) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
 
 
-def start_llama_server(binary: Path, gguf: Path, port: int, log, extra: list[str] = ()) -> subprocess.Popen:
+def start_llama_server(binary: Path, gguf: Path, port: int, log, extra: list[str] | tuple[str, ...] = ()) -> subprocess.Popen:
     command = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS),
         "--parallel", "32", "-c", "16384", "--cont-batching", "--no-webui", *extra,
@@ -295,6 +295,7 @@ async def main_async(args: argparse.Namespace) -> int:
     demo = ensure_demo_checkpoint(cache_dir)
     levels = [int(n) for n in args.streams.split(",")]
     roof = roofline(demo.checkpoint_dir)
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (others' work on these cores skews both servers)")
     print(
         f"roofline ({THREADS} threads): read bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {roof['flops'] / 1e9:.1f} GFLOP/s; "
         f"weights {roof['weight_bytes'] / 1e6:.0f} MB -> batch-1 decode bound {roof['bandwidth'] / roof['weight_bytes']:.1f} tok/s; "
@@ -315,7 +316,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 process, ready, model = start_ours(port, cache_dir, log), "/ready", DEMO_MODEL_ID
             else:
                 gguf = Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir)
-                process, ready, model = start_llama_server(peer, gguf, port, log), "/health", "smollm2"
+                process, ready, model = start_llama_server(peer, gguf, port, log, args.peer_args.split()), "/health", "smollm2"
             try:
                 await wait_ready(f"http://127.0.0.1:{port}", ready, process)
                 if peer is not None:
@@ -329,6 +330,7 @@ async def main_async(args: argparse.Namespace) -> int:
             report(name, results[name], roof, args.prompt_tokens, args.output_tokens)
     if "llamaserve" in results and "llama-server" in results:
         compare(results["llamaserve"], results["llama-server"])
+    print(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.exact_check and len(servers) > 1:
         print("\ngreedy tokens, llamaserve float32 vs llama-server float32:")
         await check_exact_tokens(binary, Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir), demo.checkpoint_dir)
@@ -344,6 +346,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER or {DEFAULT_LLAMA_SERVER})")
     parser.add_argument("--f32-gguf", default=None, help="F32 GGUF of the demo weights (default: made once into the cache)")
     parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only")
+    parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. '--poll 0' on a busy machine")
     parser.add_argument("--exact-check", action="store_true", help="also compare greedy chat tokens with llama-server in float32")
     sys.exit(asyncio.run(main_async(parser.parse_args())))
 
