@@ -104,6 +104,13 @@ def _private_names(tree: Any) -> Iterable[str]:
                     yield str(arg.value)
 
 
+def _template_variables(source_text: str) -> set[str]:
+    """Names the template reads from its context (e.g. whether it renders `tools` at all)."""
+    from jinja2 import meta
+
+    return set(meta.find_undeclared_variables(_environment().parse(source_text)))
+
+
 def compile_chat_template(source_text: str, *, source: str):
     """A compiled template, or CheckpointError for a syntax error or a hostile template."""
     from jinja2 import TemplateSyntaxError
@@ -200,9 +207,16 @@ class JinjaChatFormat:
     ) -> None:
         self.template_text = template
         self._template = compile_chat_template(template, source=source)
-        self._tokenizer = tokenizer
+        self.family = "hf"
+        self.tokenizer = tokenizer
         self._specials = _SpecialTokens(tokenizer)
         self._source = source
+        self.supports_tools = "tools" in _template_variables(template)
+        # Tool-call tags that are special tokens vanish from text decoded with skip_special_tokens;
+        # the parser must see them.
+        self.parser_needs_special_tokens = any(
+            tag in template and self._specials.id_of(tag) is not None for tag in (TOOL_CALL_OPEN, "<|python_tag|>", "<|python_start|>")
+        )
         # bos/eos (and unk/pad, ...) go into the context as HF passes them: plain strings, "" if none.
         self._token_context = {**(special_tokens or {}), "bos_token": bos_token or "", "eos_token": eos_token or ""}
 
@@ -385,8 +399,13 @@ def read_template_file(path: Path) -> str:
 class NoChatTemplate:
     """The chat format of a checkpoint without a template: every chat request is refused, clearly."""
 
-    def __init__(self, message: str) -> None:
+    family = "hf"
+    supports_tools = False
+    parser_needs_special_tokens = False
+
+    def __init__(self, message: str, tokenizer: "Tokenizer") -> None:
         self.message = message
+        self.tokenizer = tokenizer
 
     def encode_dialog(self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True) -> list[int]:
         raise InvalidRequest(self.message, param="messages")
@@ -419,7 +438,7 @@ def load_chat_format(
             source = str(checkpoint_dir / "tokenizer_config.json")
             template = _template_from_config(config.get("chat_template"), source)
     if not template:  # a base model: completions work, chat requests get a clear 400
-        return NoChatTemplate(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template); start the server with --chat-template FILE")
+        return NoChatTemplate(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template); start the server with --chat-template FILE", tokenizer)
     specials = {k: s for k in ("unk_token", "pad_token") if isinstance(s := _spelling(config.get(k)), str)}
     return JinjaChatFormat(
         template,

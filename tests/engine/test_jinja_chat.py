@@ -177,8 +177,21 @@ def test_override_template_files(tmp_path, checkpoint, tokenizer):
 def test_checkpoint_without_template(tmp_path, tokenizer):
     write_checkpoint_tokenizer(tmp_path, byte_level_tokenizer_json(), CHATML_CONFIG)
     fmt = load_chat_format(tmp_path, tokenizer)  # loads: completions still work
+    assert fmt.family == "hf" and fmt.tokenizer is tokenizer and fmt.supports_tools is False
     with pytest.raises(InvalidRequest, match="no chat template.*--chat-template"):
         fmt.encode_dialog([ChatMessage("user", "x")])
+
+
+def test_protocol_attributes(chatml, tokenizer):
+    from engine.chat_format import ChatFormat
+
+    assert chatml.family == "hf" and chatml.tokenizer is tokenizer
+    assert chatml.supports_tools is False and chatml.parser_needs_special_tokens is False  # ChatML ignores tools
+    tools_format = format_with(TOOLS_TEMPLATE, tokenizer)
+    assert tools_format.supports_tools is True
+    assert tools_format.parser_needs_special_tokens is False  # <tool_call> is plain text in this vocabulary
+    for name in ChatFormat.__annotations__:
+        assert hasattr(chatml, name)
 
 
 def test_output_parser_content_only_and_tools(chatml):
