@@ -83,7 +83,8 @@ class HFTokenizer:
         self.special_tokens: dict[str, int] = {t["content"]: i for i, t in added.items() if t.get("special")}
         self._special_names = {i: name for name, i in self.special_tokens.items()}
         self._added_bytes = {i: t["content"].encode("utf-8") for i, t in added.items()}
-        self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        # ids may have holes (unused rows in the embedding): the vocabulary spans up to the largest id
+        self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._strip_first_space = False  # set by _build_token_bytes for sentencepiece-style vocabularies
         self._bytes = self._build_token_bytes(spec)
         self.eos_id = self._eos_id(config, generation_config)
