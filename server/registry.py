@@ -580,6 +580,14 @@ class ModelRegistry:
         """True once every model the server's own config loads at start has been loaded."""
         return not any(e.required for e in self._entries.values())
 
+    def start_failures(self) -> list[str]:
+        """'<id>: <why>' for each model loaded at start whose load failed: why /ready stays 503."""
+        return [
+            f"{e.model_id}: {e.failure.error.message}"
+            for e in self._entries.values()
+            if e.required and e.failure is not None and e.load is None
+        ]
+
     def lifecycle_stats(self) -> LifecycleStats:
         return LifecycleStats(
             loads_total=self._loads_total,

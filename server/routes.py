@@ -313,9 +313,11 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     registry = _registry(request)
     is_ready = state.started and not state.draining and registry.ready()
-    body = {"status": "ready" if is_ready else ("draining" if state.draining else "loading")}
-    if state.startup_errors:
-        body["errors"] = state.startup_errors
+    failures = registry.start_failures()  # a failed start-up load is not "loading": say so, and why
+    status = "ready" if is_ready else "draining" if state.draining else "failed" if failures else "loading"
+    body: dict = {"status": status}
+    if state.startup_errors or failures:
+        body["errors"] = [*state.startup_errors, *failures]
     return json_response(body, status=200 if is_ready else 503)
 
 
