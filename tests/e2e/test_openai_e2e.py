@@ -203,6 +203,28 @@ def test_chat_top_logprobs(client):
     assert "".join(e.token for e in content if not SPECIAL.match(e.token)) == completion.choices[0].message.content
 
 
+def test_sampling_parameters_reach_the_engine(client):
+    def run(**kwargs):
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, **kwargs).choices[0]
+
+    greedy = run(temperature=0).text
+    assert run(temperature=0, logit_bias={"9906": 100}).text == "Hello" * 6  # 9906 is "Hello"
+    assert run(temperature=1.0, seed=3, extra_body={"top_k": 1}).text == greedy
+    assert run(temperature=1.0, seed=3, top_p=1e-9).text == greedy
+    stopped = run(temperature=0, logit_bias={"9906": 100}, extra_body={"stop_token_ids": [9906]})
+    assert (stopped.text, stopped.finish_reason) == ("", "stop")
+    eos = {"128009": 100}  # <|eot_id|>, a stop token of the Llama 3 instruct family
+    ended = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logit_bias=eos)
+    assert (ended.choices[0].text, ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("", "stop", 1)
+    at_least = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logit_bias=eos,
+                                         extra_body={"min_tokens": 3})
+    assert at_least.choices[0].finish_reason == "stop" and at_least.usage.completion_tokens == 4  # 3, then <|eot_id|>
+    assert greedy.startswith(at_least.choices[0].text)
+    ignored = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logit_bias=eos,
+                                        extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 6
+
+
 # --------------------------------------------------------------------------- completions
 def test_completion_prompt_forms_agree(client, http):
     ids = tokenize(http, prompt=PROMPTS[0])

@@ -429,3 +429,45 @@ def test_memory_budget_refuses_clearly_or_evicts_the_idle_lru_model(checkpoints,
                 assert gauge(http, "model_memory_reserved_bytes") <= config.memory_budget_bytes
         finally:
             live.stop()
+
+
+def test_llama_stack_register_body_and_per_model_max_seq_len(server, http, base_checkpoint):
+    # What `llama-stack-client models register` sends; the base descriptor comes as provider_model_id.
+    body = {"model_id": "stack-ft", "provider_model_id": BASE_DESCRIPTOR, "provider_id": "meta-reference",
+            "model_type": "llm", "metadata": {"max_seq_len": 64}}
+    try:
+        response = register(http, **body)
+        assert response.status_code == 200, response.text
+        info = response.json()
+        assert info["status"] == "ready" and info["llama_model"] == BASE_DESCRIPTOR and info["max_seq_len"] == 64
+        assert info["checkpoint_dir"] == real(base_checkpoint) and info["identifier"] == "stack-ft"
+        too_long = http.post("/v1/completions", json={"model": "stack-ft", "prompt": "hi", "max_tokens": 100})
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert "64" in too_long.json()["error"]["message"]
+        refused = register(http, **{**body, "model_id": "an-embedder", "model_type": "embedding"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model_type"
+    finally:
+        unregister_all(http, "stack-ft")
+
+
+def test_ready_reports_a_configured_model_that_failed_to_load(checkpoints, base_checkpoint):
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    broken = checkpoints.corrupt("corrupt-shard")
+    config = ServerConfig(
+        models=[ModelSpec(model_id="fine", checkpoint_dir=base_checkpoint, llama_model=BASE_DESCRIPTOR, trusted=True),
+                ModelSpec(model_id="broken-at-start", checkpoint_dir=broken, llama_model=BASE_DESCRIPTOR, trusted=True)],
+        checkpoint_roots=[checkpoints.root], engine=engine_config())
+    live = LiveServer(config).start()
+    try:
+        with live.http() as http:
+            wait_until(lambda: {m["status"] for m in http.get("/v1/models").json()["data"]} == {"ready", "failed"},
+                       timeout_s=60, what="both start-up loads to end")
+            assert completion_text(http, "fine")  # the server keeps serving the good one
+            response = http.get("/ready")
+            body = response.json()
+            assert response.status_code == 503 and body["status"] == "failed"  # not "loading": nothing is
+            assert any("broken-at-start" in error for error in body.get("errors", []))  # and why it is not ready
+    finally:
+        live.stop()
