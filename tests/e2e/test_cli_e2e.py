@@ -76,6 +76,7 @@ def cli_server(tmp_path_factory, checkpoints, base_checkpoint):
             process.wait(timeout=30)
 
 
+@pytest.mark.slow  # starts the server process
 def test_cli_serves_yaml_and_env_models_with_auth_then_drains_on_sigterm(cli_server):
     process, url, log_path = cli_server
     authed = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})

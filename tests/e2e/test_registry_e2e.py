@@ -471,3 +471,22 @@ def test_ready_reports_a_configured_model_that_failed_to_load(checkpoints, base_
             assert any("broken-at-start" in error for error in body.get("errors", []))  # and why it is not ready
     finally:
         live.stop()
+
+
+@pytest.mark.slow  # spawns a model-parallel worker process
+def test_model_parallel_2_registration_matches_mp1_and_delete_stops_its_worker(server, http, base_checkpoint, expected):
+    import multiprocessing
+
+    children_before = {child.pid for child in multiprocessing.active_children()}
+    try:
+        response = register(http, model_id="mp2", checkpoint_dir=str(base_checkpoint), llama_model=BASE_DESCRIPTOR,
+                            model_parallel_size=2)
+        assert response.status_code == 200 and response.json()["status"] == "ready", response.text
+        workers = {child.pid for child in multiprocessing.active_children()} - children_before
+        assert len(workers) == 1  # rank 1; rank 0 is this process
+        assert completion_text(http, "mp2") == expected(base_checkpoint)  # float64: MP2 == MP1 exactly
+        assert http.delete("/v1/models/mp2").status_code == 200
+        wait_until(lambda: not workers & {child.pid for child in multiprocessing.active_children()}, timeout_s=30,
+                   what="the model-parallel worker to exit")
+    finally:
+        unregister_all(http, "mp2")
