@@ -131,3 +131,37 @@ def test_cli_serves_yaml_and_env_models_with_auth_then_drains_on_sigterm(cli_ser
         anonymous.close()
     log_text = log_path.read_text()
     assert "Traceback" not in log_text, log_text[-4000:]
+
+
+@pytest.mark.slow  # starts the server process
+def test_cli_from_env_alone_exits_cleanly_on_sigterm_while_loading(tmp_path, base_checkpoint):
+    """Settings from LLAMASERVE_* env vars only (no run.yaml, no flags); SIGTERM before the model is
+    loaded (a pod stopped during start-up) still exits 0, without a traceback."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
+    env.update(INFERENCE_MODEL=BASE_DESCRIPTOR, INFERENCE_CHECKPOINT_DIR=str(base_checkpoint), PYTHONUNBUFFERED="1",
+               LLAMASERVE_HOST="127.0.0.1", LLAMASERVE_PORT=str(port), LLAMASERVE_DTYPE="float64",
+               LLAMASERVE_CPU_KV_CACHE_BYTES="8MiB", LLAMASERVE_MAX_SEQ_LEN=str(MAX_SEQ_LEN))
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "server"], cwd=REPO, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            def health_ok() -> bool:
+                assert process.poll() is None, log_path.read_text()[-4000:]
+                try:
+                    return http.get("/health").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_until(health_ok, timeout_s=120, interval_s=0.05, what="/health")
+            ready = http.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "loading"  # the port opens before the load ends
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-4000:]
