@@ -70,13 +70,13 @@ class Checkpoints:
     _written: dict[str, Path] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self, name: str, *, seed: int, under: Path | None = None) -> Path:
+    def get(self, name: str, *, seed: int) -> Path:
         """<root>/<name> with random weights of `seed` (params.json as E2E_PARAMS)."""
         import torch
 
         from engine.checkpoint import ModelArgs, write_random_checkpoint
 
-        out = (under or self.root) / name
+        out = self.root / name
         key = str(out)
         with self._lock:
             if key not in self._written:
@@ -84,6 +84,18 @@ class Checkpoints:
                                         dtype=torch.float32)
                 self._written[key] = out
             return self._written[key]
+
+    def outside_copy(self, name: str) -> Path:
+        """<outside>/<name>: looks like a checkpoint (params.json, tokenizer, a shard) but lies outside
+        the root. The server must refuse it before reading anything, so the shard is a stub."""
+        source = self.get(BASE_DESCRIPTOR, seed=0)
+        out = self.outside / name
+        if not out.exists():
+            out.mkdir()
+            shutil.copy(source / "params.json", out / "params.json")
+            shutil.copy(source / "tokenizer.model", out / "tokenizer.model")
+            (out / "consolidated.00.pth").write_bytes(b"not read")
+        return out
 
     def corrupt(self, name: str) -> Path:
         """A checkpoint dir whose only shard is truncated: params.json and tokenizer are fine."""
@@ -194,10 +206,6 @@ def wait_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: floa
         time.sleep(interval_s)
 
 
-def wait_ready(http: httpx.Client, *, timeout_s: float = 120.0) -> None:
-    wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=timeout_s, interval_s=0.1, what="/ready")
-
-
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
 
@@ -261,10 +269,4 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: RSS then drops only for mmapped blocks
         pass
-
-
-def chat_text(client, model: str, content: str, **kwargs: Any) -> str:
-    completion = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                                temperature=0, **{"max_tokens": 8, **kwargs})
-    return completion.choices[0].message.content
 

@@ -35,7 +35,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cli_server(tmp_path_factory, checkpoints, base_checkpoint):
     finetune = checkpoints.get(FINETUNE, seed=2)
-    lazy = checkpoints.get("lazy-from-yaml", seed=3)
+    lazy = checkpoints.get("second-weights", seed=1)
     work = tmp_path_factory.mktemp("cli")
     port = free_port()
     run_yaml = {

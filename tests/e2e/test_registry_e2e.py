@@ -262,7 +262,7 @@ def test_hot_switch_under_load_drops_nothing(server, http, checkpoints, base_che
 
 # --------------------------------------------------------------------------- refusals
 def test_paths_outside_the_roots_symlink_escapes_and_missing_dirs_are_400(server, http, checkpoints):
-    outside = checkpoints.get("outside-model", seed=0, under=checkpoints.outside)
+    outside = checkpoints.outside_copy("outside-model")
     escape_link = checkpoints.root / "escape-link"
     if not escape_link.is_symlink():
         escape_link.symlink_to(outside, target_is_directory=True)
