@@ -396,6 +396,45 @@ def test_disconnect_aborts_non_stream_batch_and_multi_choice_requests(server, ht
     assert 0 < generated < 400  # every sequence aborted long before max_tokens
 
 
+# --------------------------------------------------------------------------- observability and load shedding
+def test_metrics_carry_the_engine_stats(client, http):
+    for _ in range(2):  # the second one hits the prefix cache
+        greedy_completion(client, PROMPTS[0] * 4, max_tokens=2)
+    samples = scrape(http)
+    assert metric(samples, "llamaserve:time_to_first_token_seconds_count", model_name=MODEL) > 0
+    assert metric(samples, "llamaserve:request_success_total", model_name=MODEL, finished_reason="length") > 0
+    assert metric(samples, "llamaserve:prefix_cache_hits_total", model_name=MODEL) > 0
+    assert metric(samples, "llamaserve:kv_cache_blocks_total", model_name=MODEL) == 512
+    assert metric(samples, "llamaserve:models_loaded") == 1
+    response = http.get("/health", headers={"X-Request-Id": "trace-e2e-1"})
+    assert response.headers["X-Request-Id"] == "trace-e2e-1"
+
+
+def test_queue_full_is_429_with_retry_after(base_checkpoint, checkpoints):
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    config = ServerConfig(models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
+                          checkpoint_roots=[checkpoints.root],
+                          engine=engine_config(max_batch_size=1, max_waiting_requests=1))
+    live = LiveServer(config).start()
+    try:
+        with live.http() as http, live.openai() as sdk, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
+            running = sdk.completions.create(model=MODEL, prompt="a", temperature=0, max_tokens=400, stream=True)
+            next(iter(running))  # holds the only batch slot
+            queued = pool.submit(sdk.completions.create, model=MODEL, prompt="b", temperature=0, max_tokens=4)
+            wait_until(lambda: metric(scrape(http), "llamaserve:num_requests_waiting", model_name=MODEL) == 1,
+                       timeout_s=30, what="the second request to queue")
+            with pytest.raises(openai.RateLimitError) as info:
+                sdk.completions.create(model=MODEL, prompt="c", temperature=0, max_tokens=4)
+            assert info.value.body["code"] == "queue_full" and int(info.value.response.headers["Retry-After"]) >= 1
+            running.close()  # frees the slot: the queued request runs
+            assert queued.result(timeout=60).usage.completion_tokens == 4
+    finally:
+        live.stop()
+
+
 # --------------------------------------------------------------------------- errors
 def test_errors_are_openai_errors(client, http):
     with pytest.raises(openai.NotFoundError) as info:
