@@ -130,6 +130,34 @@ def test_chat_stream_equals_non_stream(client):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_streamed_text_equals_non_streamed_across_partial_utf8(server):
+    """Random weights emit tokens that are parts of UTF-8 characters: the stream holds them back
+    until they complete, so its deltas join to exactly the non-streamed text."""
+    prompts = [f"prompt {i} ünï ✓ 你好" for i in range(6)]
+    partial_tokens: list[str] = []
+
+    def run(sdk, kind: str, prompt: str, stream: bool) -> str:
+        if kind == "chat":
+            args = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=40)
+            if not stream:
+                return sdk.chat.completions.create(**args).choices[0].message.content
+            return "".join(c.choices[0].delta.content or "" for c in sdk.chat.completions.create(**args, stream=True)
+                           if c.choices)
+        args = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+        if not stream:
+            choice = sdk.completions.create(**args, logprobs=1).choices[0]
+            partial_tokens.extend(t for t in choice.logprobs.tokens if t.startswith("bytes:"))
+            return choice.text
+        return "".join(c.choices[0].text for c in sdk.completions.create(**args, stream=True) if c.choices)
+
+    cases = [(kind, prompt) for kind in ("chat", "completion") for prompt in prompts]
+    with server.openai() as sdk, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        whole = list(pool.map(lambda case: run(sdk, *case, stream=False), cases))
+        streamed = list(pool.map(lambda case: run(sdk, *case, stream=True), cases))
+    assert streamed == whole
+    assert partial_tokens  # the premise: some tokens were parts of characters
+
+
 def test_chat_n2_greedy_choices_equal_n1(client):
     single = greedy_chat(client, MESSAGES, max_tokens=8)
     double = greedy_chat(client, MESSAGES, max_tokens=8, n=2)
