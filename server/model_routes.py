@@ -130,10 +130,11 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
 def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> tuple[ModelSpec, bool]:
     meta = _decode(lambda m: msgspec.convert(m, MetadataSettings), body.metadata, prefix="metadata")
     if body.model_type is not None and body.model_type != "llm":
-        raise ApiError(400, f"model_type {body.model_type!r} is not served here; only 'llm'", param="model_type")
+        raise ApiError(400, f"model_type {body.model_type!r} is not served here; only 'llm'", param="model_type",
+                       code="invalid_value")
     model_id = _one("model_id", body.model_id, "model", body.model)
     if model_id is None:
-        raise ApiError(400, "model_id is required", param="model_id")
+        raise ApiError(400, "model_id is required", param="model_id", code="invalid_value")
     provider_model = body.provider_model_id if body.provider_model_id != model_id else None
     llama_model = _one("llama_model", body.llama_model, "metadata.llama_model", meta.llama_model)
     llama_model = _one("llama_model", llama_model, "provider_model_id", provider_model)
@@ -165,7 +166,8 @@ def _quantization(value: str | QuantizationConfig | None) -> str | None:
 def _one(name: str, value: _T | None, other_name: str, other: _T | None) -> _T | None:
     """One setting given in two places: they must agree."""
     if value is not None and other is not None and value != other:
-        raise ApiError(400, f"{other_name} ({other!r}) contradicts {name} ({value!r})", param=other_name)
+        raise ApiError(400, f"{other_name} ({other!r}) contradicts {name} ({value!r})", param=other_name,
+                       code="invalid_value")
     return value if value is not None else other
 
 

@@ -245,7 +245,8 @@ class ModelRegistry:
     def _validated(self, spec: ModelSpec) -> ModelSpec:
         """Checked paths and descriptor: every spec, whoever built it, passes here."""
         if not spec.model_id or len(spec.model_id) > 256 or "\x00" in spec.model_id:
-            raise ApiError(400, "model_id must be a non-empty name of at most 256 characters", param="model_id")
+            raise ApiError(400, "model_id must be a non-empty name of at most 256 characters", param="model_id",
+                           code="invalid_value")
         if spec.llama_model is not None:
             self._resolve_descriptor(spec.llama_model)
         checkpoint_dir = check_checkpoint_dir(spec.checkpoint_dir, self.checkpoint_roots, trusted=spec.trusted)
