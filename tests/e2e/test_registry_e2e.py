@@ -444,8 +444,16 @@ def test_llama_stack_register_body_and_per_model_max_seq_len(server, http, base_
         too_long = http.post("/v1/completions", json={"model": "stack-ft", "prompt": "hi", "max_tokens": 100})
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
         assert "64" in too_long.json()["error"]["message"]
-        refused = register(http, **{**body, "model_id": "an-embedder", "model_type": "embedding"})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model_type"
+        # Refusals name the field and carry a string code, like every other error.
+        refusals = {
+            "model_type": register(http, **{**body, "model_id": "an-embedder", "model_type": "embedding"}),
+            "model_id": register(http, provider_model_id=BASE_DESCRIPTOR, skip_initialize=True),
+            "metadata.llama_model": register(http, model_id="x", llama_model=BASE_DESCRIPTOR, skip_initialize=True,
+                                             metadata={"llama_model": "Llama3.1-8B-Instruct"}),
+        }
+        for param, refused in refusals.items():
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == param and refused.json()["error"]["code"] == "invalid_value"
     finally:
         unregister_all(http, "stack-ft")
 
