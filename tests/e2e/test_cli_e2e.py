@@ -4,6 +4,7 @@ run.yaml's auth section; then SIGTERM while a stream is in flight: it drains and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -104,6 +105,9 @@ def test_cli_serves_yaml_and_env_models_with_auth_then_drains_on_sigterm(cli_ser
                 for model in (FINETUNE, BASE_DESCRIPTOR, "lazy-from-yaml")
             }
             assert len(set(texts.values())) == 3  # three checkpoints, three different weights
+        traced = authed.post("/v1/chat/completions", headers={"X-Request-Id": "e2e-trace-1"},
+                             json={"model": FINETUNE, "messages": MESSAGES, "temperature": 0, "max_tokens": 5})
+        assert traced.status_code == 200 and traced.headers["X-Request-Id"] == "e2e-trace-1"
         with openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0, timeout=60) as bad:
             with pytest.raises(openai.AuthenticationError):
                 bad.chat.completions.create(model=FINETUNE, messages=MESSAGES, max_tokens=1)
@@ -131,6 +135,14 @@ def test_cli_serves_yaml_and_env_models_with_auth_then_drains_on_sigterm(cli_ser
         anonymous.close()
     log_text = log_path.read_text()
     assert "Traceback" not in log_text, log_text[-4000:]
+    # One JSON access-log line per request: request id, model, token counts, TTFT, latency.
+    records = [json.loads(line) for line in log_text.splitlines() if line.startswith("{")]
+    (access,) = [r for r in records if r.get("request_id") == "e2e-trace-1"]
+    assert access["model"] == FINETUNE and access["status"] == 200 and access["path"] == "/v1/chat/completions"
+    assert access["completion_tokens"] == 5 and access["prompt_tokens"] > 0
+    assert 0 < access["ttft_s"] <= access["latency_s"]
+    # Model lifecycle events are logged too.
+    assert any(FINETUNE in r.get("event", "") and "ready in" in r.get("event", "") for r in records)
 
 
 @pytest.mark.slow  # starts the server process
