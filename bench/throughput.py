@@ -36,7 +36,7 @@ from engine.core import EngineCore  # noqa: E402
 from engine.executor import ModelExecutor  # noqa: E402
 from engine.runner import ModelRunnerImpl  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
-from forward import CONFIGS, memory_bytes_per_s  # noqa: E402  (bench/forward.py: the same configs and roofline)
+from forward import CONFIGS, matmul_flops_per_s, memory_bytes_per_s, weight_counts  # noqa: E402  (bench/forward.py: the same configs and roofline)
 
 DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family (llama3); params.json supplies the architecture
 PROMPT_TOKENS = 128
@@ -111,7 +111,14 @@ def run_offline(core: EngineCore, requests: list[EngineRequest]) -> tuple[float,
     return time.perf_counter() - started, num_output
 
 
-def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float) -> None:
+def workload_flops(args, num_prompt_tokens: int, num_output_tokens: int) -> float:
+    """Matmul FLOPs of the work: every prompt token goes through the body, the head runs once per
+    output token (the first one from the prefill's last row)."""
+    body, head = weight_counts(args)
+    return 2.0 * (body * (num_prompt_tokens + num_output_tokens) + head * num_output_tokens)
+
+
+def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float) -> None:
     vocab = spec.model_args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     base_rate = None
@@ -127,10 +134,12 @@ def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, ban
         base_rate = base_rate or rate
         timing = core.timing
         streamed = timing.num_steps * weight_bytes / elapsed_s
+        achieved = workload_flops(spec.model_args, len(requests) * PROMPT_TOKENS, num_output) / elapsed_s
         print(
             f"concurrency {c:3d}: {len(requests):3d} requests, {num_output:5d} output tokens in {elapsed_s:7.2f} s = "
             f"{rate:8.1f} tok/s ({rate / base_rate:5.2f}x of concurrency 1); {timing.num_steps} steps, "
-            f"weights streamed {streamed / 1e9:5.2f} GB/s ({streamed / bandwidth:5.1%} of read bandwidth)",
+            f"weights streamed {streamed / 1e9:5.2f} GB/s ({streamed / bandwidth:5.1%} of read bandwidth), "
+            f"matmuls {achieved / 1e9:5.1f} GFLOP/s ({achieved / flops:5.1%} of peak)",
             flush=True,
         )
         if c == max(concurrencies):
@@ -194,17 +203,19 @@ def main() -> None:
     spec = resolve_checkpoint(checkpoint_dir(opts.config, opts.checkpoint_dir), model_id=opts.config, llama_model=DESCRIPTOR)
     tokenizer, tokenizer_name = load_tokenizer(spec.model_args.vocab_size)
     bandwidth = memory_bytes_per_s()
+    flops = matmul_flops_per_s(torch.float32)
     args = spec.model_args
     weight_bytes = estimate_weight_bytes(args, "float32")  # read once per step
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tokenizer: {tokenizer_name}; "
         f"config '{opts.config}' (dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}), "
-        f"{weight_bytes / 2**20:.0f} MiB of weights; read bandwidth {bandwidth / 1e9:.1f} GB/s. "
+        f"{weight_bytes / 2**20:.0f} MiB of weights; read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"matmul {flops / 1e9:.1f} GFLOP/s. "
         "Shared machine: numbers are noisy.",
         flush=True,
     )
     if opts.concurrency:
-        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth)
+        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops)
     if not opts.skip_prefix:
         prefix_ttft(spec, tokenizer)
 
