@@ -354,6 +354,39 @@ def test_concurrent_greedy_requests_equal_sequential(server, client):
         assert batched.result() == alone and all(f.result().choices for f in noise)
 
 
+def test_preemption_under_kv_pressure_keeps_streams_exact(server, base_checkpoint, checkpoints):
+    """A server whose KV cache cannot hold every running request preempts some and recomputes them
+    later; their streams still equal the same requests on a roomy server."""
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    prompts = [f"Story {i}:" for i in range(6)]
+
+    def stream_all(live: LiveServer) -> list[str]:
+        def one(prompt: str) -> str:
+            chunks = sdk.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=96, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with live.openai() as sdk, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+    roomy = stream_all(server)
+    config = ServerConfig(models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
+                          checkpoint_roots=[checkpoints.root],
+                          engine=engine_config(cpu_kv_cache_bytes=512 << 10))  # 32 blocks: ~5 requests' worth
+    tight = LiveServer(config).start()
+    try:
+        with tight.http() as http:
+            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
+            assert stream_all(tight) == roomy
+            samples = scrape(http)
+            assert metric(samples, "llamaserve:kv_cache_blocks_total", model_name=MODEL) == 32
+            assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL) > 0
+            assert metric(samples, "llamaserve:kv_cache_usage_perc", model_name=MODEL) == 0
+    finally:
+        tight.stop()
+
+
 # --------------------------------------------------------------------------- tokenizer endpoints
 def test_tokenize_detokenize_round_trip(http):
     text = "Hello wörld ✓, 你好! <tag>  spaces\nnew line"
