@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from engine.tokenizer import ByteTableTokenizer
 from engine.types import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def _token_spelling(value: Any) -> str | None:
     return None
 
 
-class HFTokenizer:
+class HFTokenizer(ByteTableTokenizer):
     """A `tokenizer.json` vocabulary behind the engine's Tokenizer protocol."""
 
     def __init__(self, tokenizer_json: str, config: dict[str, Any], *, source: str, generation_config: dict[str, Any] | None = None) -> None:
@@ -167,31 +168,8 @@ class HFTokenizer:
         return table
 
     # ------------------------------------------------------------------ the Tokenizer protocol
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
-        ids.extend(self._tk.encode(text, add_special_tokens=False).ids)
-        if eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        parts: list[bytes] = []
-        at_start = True
-        for token_id in token_ids:
-            special = self.is_special(token_id)
-            if special and skip_special_tokens:
-                continue
-            if at_start and not special:
-                parts.append(self.first_token_bytes(token_id))
-                at_start = False
-            else:
-                parts.append(self.token_bytes(token_id))
-        return b"".join(parts).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self.vocab_size:
-            return b""
-        return self._bytes[token_id]
+    def _encode_text(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
 
     def first_token_bytes(self, token_id: int) -> bytes:
         """Sentencepiece-style vocabularies drop the dummy-prefix space of the first piece."""

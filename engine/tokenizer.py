@@ -295,7 +295,54 @@ _SP_SPACE = "\u2581"  # sentencepiece's visible space, "▁"
 _SP_UNK_SURFACE = " \u2047 "  # what sentencepiece prints for <unk>
 
 
-class SentencePieceTokenizer:
+class ByteTableTokenizer:
+    """Shared text path of tokenizers that keep one byte string per token id (`_bytes`): encoding
+    wraps `_encode_text` with bos/eos, and decoding concatenates token bytes, so one-shot and
+    incremental decoding (engine/detokenizer.py) follow one rule. Subclasses set vocab_size,
+    bos_id, eos_id, _bytes and implement _encode_text, is_special and first_token_bytes."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    _bytes: list[bytes] | dict[int, bytes]
+
+    def _encode_text(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def is_special(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def first_token_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
+        ids.extend(self._encode_text(text))
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        parts: list[bytes] = []
+        at_start = True
+        for token_id in token_ids:
+            special = self.is_special(token_id)
+            if special and skip_special_tokens:
+                continue
+            if at_start and not special:
+                parts.append(self.first_token_bytes(token_id))
+                at_start = False
+            else:
+                parts.append(self.token_bytes(token_id))
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            return b""
+        return self._bytes[token_id]
+
+
+class SentencePieceTokenizer(ByteTableTokenizer):
     """Llama 2's sentencepiece model (with byte fallback). Decoding is done here from per-token
     bytes so that one-shot and incremental decoding follow one rule: sentencepiece's own output
     for valid UTF-8 (dummy-prefix space dropped once, <unk> as " ⁇ "), with one U+FFFD per
@@ -328,32 +375,9 @@ class SentencePieceTokenizer:
             return _SP_UNK_SURFACE.encode()
         return piece.replace(_SP_SPACE, " ").encode("utf-8")
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    def _encode_text(self, text: str) -> list[int]:
         # sentencepiece never reads control tokens from input text, so "<s>" stays text
-        ids: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
-        ids.extend(self._sp.encode(text))
-        if eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        parts: list[bytes] = []
-        at_start = True
-        for token_id in token_ids:
-            special = self.is_special(token_id)
-            if special and skip_special_tokens:
-                continue
-            if at_start and not special:
-                parts.append(self.first_token_bytes(token_id))
-                at_start = False
-            else:
-                parts.append(self.token_bytes(token_id))
-        return b"".join(parts).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self.vocab_size:
-            return b""
-        return self._bytes[token_id]
+        return self._sp.encode(text)
 
     def first_token_bytes(self, token_id: int) -> bytes:
         """Sentencepiece's dummy prefix: the first visible piece loses one leading space, unless it
