@@ -8,6 +8,7 @@ by tensor ops, so a 512-token prefill chunk costs the same Python as a single de
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
@@ -15,6 +16,9 @@ import torch
 from engine.sampler import Sampler
 from engine.sequence import ScheduledBatch, StepOutput
 from engine.step_inputs import StepInputs
+from engine.types import TokenLogprob
+
+PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of rows) of prompt-scoring rows
 
 
 class Executor(Protocol):
@@ -79,6 +83,51 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
     return inputs, sampling
 
 
+def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
+    """The rows whose logits score a prompt token, for the sequences that want prompt logprobs.
+
+    The row at position p scores token p + 1, so a chunk [c, c + n) scores prompt tokens
+    [c + 1, min(c + n + 1, num_prompt_tokens)); the row of the last prompt token is the sampling
+    row, which build_step_inputs asks for already."""
+    spans: list[PromptSpan] = []
+    row_starts = itertools.accumulate(batch.num_new_tokens, initial=0)
+    for i, (seq, count, first_row) in enumerate(zip(batch.seqs, batch.num_new_tokens, row_starts)):
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed_tokens
+            num_rows = min(start + count, seq.num_prompt_tokens - 1) - start
+            if num_rows > 0:
+                spans.append((i, first_row, num_rows))
+    return spans
+
+
+def prompt_logprobs(logits: torch.Tensor, batch: ScheduledBatch, spans: list[PromptSpan]) -> dict[int, list[TokenLogprob]]:
+    """seq_id -> TokenLogprob per scored prompt token, from the spans' logits rows (in span order):
+    raw-model log-softmax in at least float32, plus the params.prompt_logprobs best alternatives."""
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=1)
+    targets: list[int] = []
+    for i, _, num_rows in spans:
+        seq = batch.seqs[i]
+        start = seq.num_computed_tokens + 1
+        targets += seq.token_ids[start : start + num_rows]
+    target_t = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    chosen = logprobs.gather(1, target_t.unsqueeze(1)).squeeze(1).tolist()
+    ks = [min(batch.seqs[i].params.prompt_logprobs or 0, logprobs.shape[1]) for i, _, _ in spans]
+    top_values: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if max(ks) > 0:
+        values, ids = torch.topk(logprobs, max(ks), dim=1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out: dict[int, list[TokenLogprob]] = {}
+    row = 0
+    for (i, _, num_rows), k in zip(spans, ks):
+        out[batch.seqs[i].seq_id] = [
+            TokenLogprob(targets[r], chosen[r], list(zip(top_ids[r][:k], top_values[r][:k])))
+            for r in range(row, row + num_rows)
+        ]
+        row += num_rows
+    return out
+
+
 class ModelRunnerImpl:
     """engine.sequence.ModelRunner over a model executor and the sampler."""
 
@@ -96,10 +145,17 @@ class ModelRunnerImpl:
         if not batch.seqs:
             return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
         inputs, sampling = build_step_inputs(batch, self.block_size)
+        # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
+        spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
+        if spans:
+            extra = [torch.arange(first, first + num, dtype=torch.int64) for _, first, num in spans]
+            inputs.logits_indices = torch.cat([inputs.logits_indices, *extra])
         logits = self._executor.execute(inputs)  # partial chunks still run: they fill the cache
         seqs = [batch.seqs[i] for i in sampling]
-        result = self._sampler.sample(logits, seqs)
+        result = self._sampler.sample(logits[: len(sampling)] if spans else logits, seqs)
         out = StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[], errors=result.errors)
+        if spans:
+            out.prompt_logprobs = prompt_logprobs(logits[len(sampling) :], batch, spans)
         for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs):
             if seq.seq_id not in result.errors:
                 out.seq_ids.append(seq.seq_id)
