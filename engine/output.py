@@ -142,7 +142,11 @@ class OutputProcessor:
     def _delta(self, state: RequestState, event: SeqEvent, now_s: float) -> RequestOutput:
         seq = state.seq
         if event.new_token_id is None:
-            return self._output(seq, [], "", finish_reason=event.finish_reason, error=event.error)
+            if event.finish_reason == "length":  # max_tokens=0: the prompt pass ended it, no token
+                self._observe_prompt(state, now_s)
+            output = self._output(seq, [], "", finish_reason=event.finish_reason, error=event.error)
+            output.prompt_logprobs = event.prompt_logprobs
+            return output
         self._observe_token(state, now_s)
         finish_reason, stop_reason = event.finish_reason, event.stop_reason
         detokenizer = state.detokenizer
@@ -155,7 +159,9 @@ class OutputProcessor:
             elif finish_reason is not None:
                 text += detokenizer.finish()
         logprobs = [event.logprob] if seq.params.logprobs is not None and event.logprob is not None else None
-        return self._output(seq, [event.new_token_id], text, logprobs, finish_reason, stop_reason)
+        output = self._output(seq, [event.new_token_id], text, logprobs, finish_reason, stop_reason)
+        output.prompt_logprobs = event.prompt_logprobs
+        return output
 
     @staticmethod
     def _output(
@@ -188,6 +194,13 @@ class OutputProcessor:
                 self.stats.prompt_tokens_total += state.seq.num_prompt_tokens
                 self.stats.ttft_s.append(now_s - state.arrival_time_s)
         state.last_token_time_s = now_s
+
+    def _observe_prompt(self, state: RequestState, now_s: float) -> None:
+        """A request that ends after its prompt pass without a token still counts its prompt."""
+        with self.stats.lock:
+            if state.first_token_time_s is None:
+                self.stats.prompt_tokens_total += state.seq.num_prompt_tokens
+                self.stats.ttft_s.append(now_s - state.arrival_time_s)
 
     def _finish(self, state: RequestState, output: RequestOutput, now_s: float) -> None:
         seq = state.seq

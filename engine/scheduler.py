@@ -29,6 +29,7 @@ class SeqEvent:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (or max_tokens=0 finish)
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
@@ -132,6 +133,8 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq)
         seq.num_computed_tokens = 0  # recomputed on resume (a prefix-cache hit may skip part of it)
+        if seq.wants_prompt_logprobs:  # not delivered yet: the recompute starts them over
+            seq.prompt_logprobs = None
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preempted_total += 1
@@ -142,7 +145,9 @@ class Scheduler:
             if len(batch.seqs) >= self.max_batch_size:
                 return
             seq = self.waiting[0]
-            cached = self.pool.find_cached_prefix(seq)
+            # Prompt logprobs need every prompt row's logits, so such a prompt computes in full
+            # (its blocks are still registered for others once computed).
+            cached = [] if seq.wants_prompt_logprobs else self.pool.find_cached_prefix(seq)
             num_cached = len(cached) * self.pool.block_size
             # Admit only when the whole rest of the sequence fits now, so prefill chunks of a newly
             # admitted request do not immediately preempt others; FCFS: the head waits, others too.
@@ -152,7 +157,8 @@ class Scheduler:
             if not self.pool.allocate(seq, num_cached + num_new, cached):
                 return
             self.waiting.pop(0)
-            self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
+            if not seq.wants_prompt_logprobs:
+                self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
             if seq.status is SequenceStatus.WAITING:  # first admission: report cache use of the prompt
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.num_computed_tokens = num_cached
@@ -172,9 +178,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             expects_token = batch.samples(i)
+            score_only = expects_token and seq.params.max_tokens == 0 and seq.num_output_tokens == 0
             error = output.errors.get(seq.seq_id)
-            if error is None and expects_token and seq.seq_id not in sampled:
+            if error is None and expects_token and not score_only and seq.seq_id not in sampled:
                 error = "the model runner returned no token for this sequence"
+            if error is None and seq.wants_prompt_logprobs:
+                error = self._collect_prompt_logprobs(seq, batch.num_new_tokens[i], output)
             if error is not None:
                 self.finish(seq)
                 events.append(SeqEvent(seq, None, finish_reason="error", error=error))
@@ -183,15 +192,43 @@ class Scheduler:
             self.pool.cache_computed_blocks(seq)
             if not expects_token:
                 continue  # a partial prefill chunk
+            prompt_logprobs = self._take_prompt_logprobs(seq)
+            if score_only:  # max_tokens=0: the prompt pass was the whole job; nothing is generated
+                self.finish(seq)
+                events.append(SeqEvent(seq, None, finish_reason="length", prompt_logprobs=prompt_logprobs))
+                continue
             j = sampled[seq.seq_id]
             token_id = output.sampled_token_ids[j]
             seq.token_ids.append(token_id)
             event = SeqEvent(seq, token_id, output.logprobs[j] if j < len(output.logprobs) else None)
+            event.prompt_logprobs = prompt_logprobs
             self._check_stop(event)
             if event.finish_reason is not None:
                 self.finish(seq)
             events.append(event)
         return events
+
+    @staticmethod
+    def _collect_prompt_logprobs(seq: Sequence, num_new: int, output: StepOutput) -> str | None:
+        """Append this chunk's prompt logprobs to seq's; an error message if the runner's count is off."""
+        start = seq.num_computed_tokens
+        expected = max(0, min(start + num_new + 1, seq.num_prompt_tokens) - (start + 1))
+        got = output.prompt_logprobs.get(seq.seq_id, [])
+        if len(got) != expected:
+            return f"the model runner returned {len(got)} prompt logprobs where {expected} were due"
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # the first token: nothing precedes it
+        seq.prompt_logprobs.extend(got)
+        return None
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """Hand out seq's prompt logprobs once, when its prompt pass completes."""
+        if not seq.wants_prompt_logprobs:
+            return None
+        collected, seq.prompt_logprobs = seq.prompt_logprobs, None
+        seq.prompt_logprobs_delivered = True
+        return collected
 
     def fail(self, batch: ScheduledBatch, error: str) -> list[SeqEvent]:
         """The whole step failed: finish the batch's sequences with an error event each."""

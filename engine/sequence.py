@@ -36,6 +36,15 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    # Prompt logprobs (params.prompt_logprobs): collected chunk by chunk while the prompt is first
+    # computed, handed out once with the first output; after that a recompute (preemption) skips them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_delivered: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while this sequence's prompt logprobs are still to be computed and delivered."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_delivered
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +92,9 @@ class StepOutput:
     sampled_token_ids: list[int]  # [num_sampled]
     logprobs: list[TokenLogprob | None]  # [num_sampled], None where not asked for
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why this sequence alone failed
+    # seq_id -> logprobs of prompt tokens [c + 1, min(c + n + 1, num_prompt_tokens)): the rows of this chunk
+    # (c, n as in ScheduledBatch), for sequences with wants_prompt_logprobs; empty when none asks.
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

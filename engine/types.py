@@ -42,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the family's
     ignore_eos: bool = False  # keep generating past the family's stop tokens
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob + top k
+    # None: off; k >= 0: each prompt token's logprob given the tokens before it, plus the top k.
+    # Such a request computes its whole prompt (no prefix-cache hit) the first time through.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # leave special tokens out of the text
 
     @property
@@ -60,8 +63,12 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 0:  # 0: score the prompt, generate nothing
+            raise ValueError("max_tokens must be >= 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
         for token_id, _ in self.logit_bias:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
@@ -103,6 +110,9 @@ class RequestOutput:
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set with finish_reason == "error"
+    # [num_prompt_tokens] when params.prompt_logprobs is set, in the request's first output only;
+    # the first entry is None (nothing precedes the first token).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
