@@ -69,6 +69,63 @@ def completion_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob]
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
 
+def prompt_completion_logprobs(
+    tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob | None], token_ids: Sequence[int], echo_text: str, top_k: int
+) -> p.CompletionLogprobs:
+    """The echoed prompt's part of a completion's logprobs: the first token's logprob is null, as
+    OpenAI returns it, and text_offset indexes the echoed text."""
+    tokens = [token_text(tokenizer, token_id)[0] for token_id in token_ids]
+    values: list[float | None] = [lp.logprob if lp is not None else None for lp in logprobs]
+    tops: list[dict[str, float] | None] = [
+        {token_text(tokenizer, tid)[0]: value for tid, value in lp.top[:top_k]} if lp is not None and top_k else None
+        for lp in logprobs
+    ]
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
+                                text_offset=prompt_text_offsets(tokenizer, token_ids, tokens, echo_text))
+
+
+def prompt_text_offsets(tokenizer: "Tokenizer", token_ids: Sequence[int], tokens: Sequence[str], echo_text: str) -> list[int]:
+    """Where each prompt token starts in the echoed text. A special token the echo leaves out (the
+    BOS the server put before a text prompt) takes no room; offsets never pass the text's end."""
+    offsets: list[int] = []
+    pos = 0
+    for token_id, text in zip(token_ids, tokens):
+        offsets.append(min(pos, len(echo_text)))
+        if echo_text.startswith(text, pos) or not tokenizer.is_special(token_id):
+            pos += len(text)
+    return offsets
+
+
+def vllm_prompt_logprobs(
+    tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob | None], top_k: int
+) -> list[dict[str, p.PromptLogprob] | None]:
+    """vLLM's choices[i].prompt_logprobs: per prompt token, {token id: logprob, rank, text} for the
+    token itself and its top_k best alternatives; null for the first token."""
+    out: list[dict[str, p.PromptLogprob] | None] = []
+    for lp in logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        top = lp.top[:top_k]
+        ranks = {tid: rank for rank, (tid, _) in enumerate(top, start=1)}
+        entries = {str(lp.token_id): p.PromptLogprob(logprob=lp.logprob, rank=ranks.get(lp.token_id),
+                                                      decoded_token=token_text(tokenizer, lp.token_id)[0])}
+        for tid, value in top:
+            entries.setdefault(str(tid), p.PromptLogprob(logprob=value, rank=ranks[tid],
+                                                         decoded_token=token_text(tokenizer, tid)[0]))
+        out.append(entries)
+    return out
+
+
+def _join_logprobs(parts: Sequence[p.CompletionLogprobs]) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(
+        tokens=[t for part in parts for t in part.tokens],
+        token_logprobs=[v for part in parts for v in part.token_logprobs],
+        top_logprobs=[t for part in parts for t in part.top_logprobs],
+        text_offset=[o for part in parts for o in part.text_offset],
+    )
+
+
 # --------------------------------------------------------------------------- chat
 @dataclass(slots=True)
 class _ChatChoice:
@@ -242,7 +299,10 @@ class _CompletionChoice:
     text: list[str] = field(default_factory=list)
     text_len: int = 0  # characters so far, echo included: the next token's text_offset
     echo_pending: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    echo_text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)  # for the echoed prompt's logprobs
+    logprobs: list[p.CompletionLogprobs] = field(default_factory=list)  # the parts sent so far
+    prompt_logprobs: list[dict[str, p.PromptLogprob] | None] | Any = UNSET  # vLLM's field, once known
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -260,19 +320,27 @@ class CompletionAssembler:
         n: int,
         logprobs: int | None,
         include_usage: bool = False,
+        prompt_logprobs: int | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        """echo_texts with logprobs: each choice's logprobs start with its prompt's (the engine's
+        RequestOutput.prompt_logprobs over prompt_token_ids); prompt_logprobs: vLLM's field."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.top_k = logprobs
+        self.echo = echo_texts is not None
+        self.prompt_top_k = prompt_logprobs
         self.include_usage = include_usage
         self.n = n
         self.prompt_tokens = sum(prompt_token_counts)
         self.choices = []
         for k in range(len(prompt_token_counts)):
             echo = echo_texts[k] if echo_texts else ""
-            self.choices.extend(_CompletionChoice(echo_pending=echo, text_len=len(echo)) for _ in range(n))
+            ids = list(prompt_token_ids[k]) if prompt_token_ids else []
+            self.choices.extend(_CompletionChoice(echo_pending=echo, text_len=len(echo), echo_text=echo,
+                                                  prompt_token_ids=ids) for _ in range(n))
 
     def _delta(self, index: int, out: RequestOutput) -> tuple[_CompletionChoice, str, p.CompletionLogprobs | None]:
         _check(out)
@@ -281,9 +349,18 @@ class CompletionAssembler:
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         text = choice.echo_pending + out.text_delta
         logprobs = None
-        if self.top_k is not None and out.logprobs:
-            logprobs = completion_logprobs(self.tokenizer, out.logprobs, choice.text_len, self.top_k)
-            choice.logprobs.extend(out.logprobs)
+        if self.top_k is not None:
+            parts = []
+            if self.echo and out.prompt_logprobs is not None:
+                parts.append(prompt_completion_logprobs(self.tokenizer, out.prompt_logprobs, choice.prompt_token_ids,
+                                                        choice.echo_text, self.top_k))
+            if out.logprobs:
+                parts.append(completion_logprobs(self.tokenizer, out.logprobs, choice.text_len, self.top_k))
+            if parts:
+                logprobs = parts[0] if len(parts) == 1 else _join_logprobs(parts)
+                choice.logprobs.append(logprobs)
+        if self.prompt_top_k is not None and out.prompt_logprobs is not None:
+            choice.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs, self.prompt_top_k)
         choice.echo_pending = ""
         choice.text_len += len(out.text_delta)
         if out.finished:
@@ -292,11 +369,13 @@ class CompletionAssembler:
 
     def chunk(self, index: int, out: RequestOutput) -> p.CompletionResponse | None:
         choice, text, logprobs = self._delta(index, out)
-        if not (text or logprobs or out.finished):
+        prompt_logprobs = choice.prompt_logprobs if out.prompt_logprobs is not None else UNSET
+        if not (text or logprobs or out.finished or prompt_logprobs is not UNSET):
             return None
         return p.CompletionResponse(
             id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
-            choices=[p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason)],
+            choices=[p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                                        prompt_logprobs=prompt_logprobs)],
             usage=None if self.include_usage else UNSET,
         )
 
@@ -307,11 +386,9 @@ class CompletionAssembler:
     def response(self) -> p.CompletionResponse:
         choices = []
         for i, choice in enumerate(self.choices):
-            logprobs = None
-            if self.top_k is not None:
-                logprobs = completion_logprobs(self.tokenizer, choice.logprobs, 0, self.top_k)  # echo excludes logprobs
+            logprobs = _join_logprobs(choice.logprobs) if self.top_k is not None else None
             choices.append(p.CompletionChoice(index=i, text="".join(choice.text), logprobs=logprobs,
-                                              finish_reason=choice.finish_reason))
+                                              finish_reason=choice.finish_reason, prompt_logprobs=choice.prompt_logprobs))
         return p.CompletionResponse(
             id=self.response_id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
             choices=choices, usage=self.usage(),

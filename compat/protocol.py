@@ -171,10 +171,12 @@ PromptItem = str | TokenId | list[TokenId]
 
 
 class CompletionFields(SamplingFields, kw_only=True):
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs come first (the first one null)
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
+    # vLLM extension: each prompt token's logprob plus the top k, in choices[i].prompt_logprobs
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(CompletionFields, kw_only=True):
@@ -368,11 +370,21 @@ class CompletionLogprobs(_Response, kw_only=True):
     text_offset: list[int]
 
 
+class PromptLogprob(_Response, kw_only=True):
+    """vLLM's per-token entry of choices[i].prompt_logprobs, keyed by token id."""
+
+    logprob: float
+    rank: int | None  # 1-based among the top alternatives; None where it is not among them
+    decoded_token: str
+
+
 class CompletionChoice(_Response, kw_only=True):
     text: str
     index: int
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM extension, present when the request set prompt_logprobs: [num_prompt_tokens], the first null
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(_Response, kw_only=True):

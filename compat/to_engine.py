@@ -150,11 +150,11 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
             texts.append(tokenizer.decode(ids) if req.echo else "")
         prompts_ids.append(ids)
     params_by_prompt = []
+    prompt_logprobs = completion_prompt_logprobs(req)
     for ids in prompts_ids:
         max_tokens = checked_max_tokens(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
-        params_by_prompt.append(
-            sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size)
-        )
+        params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size)
+        params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
         requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n))
@@ -166,10 +166,17 @@ def check_completion_fields(req: p.CompletionFields) -> None:
         raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
     if req.best_of not in (None, 1):
         raise InvalidRequest("best_of is not supported; only best_of=1", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequest("echo with logprobs is not supported: prompt logprobs are not computed", param="echo")
-    if req.max_tokens == 0:
-        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+        raise InvalidRequest(
+            "max_tokens=0 generates nothing: it needs echo or prompt_logprobs to score the prompt", param="max_tokens"
+        )
+
+
+def completion_prompt_logprobs(req: p.CompletionFields) -> int | None:
+    """The prompt logprobs the engine computes: echo with logprobs needs them, and so does vLLM's
+    prompt_logprobs field; None when neither asks."""
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:

@@ -200,7 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
             prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
             echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
-            include_usage=include_usage,
+            include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
         )
         outputs = merged_outputs(engine, plan.requests)
         return await _respond(request, req.stream, outputs, assembler, include_usage, list)
@@ -280,6 +280,7 @@ async def batch_completions(request: web.Request) -> web.Response:
                     response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
                     prompt_token_counts=[len(plan.prompt_token_ids[0])],
                     echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
+                    prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
                 )
                 return merged_outputs(engine, plan.requests), assembler
             return build
