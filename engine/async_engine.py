@@ -40,6 +40,7 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         num_output_tokens=then.num_output_tokens,
         num_cached_tokens=then.num_cached_tokens,
         error=then.error,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
     )
 
 

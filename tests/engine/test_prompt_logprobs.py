@@ -212,3 +212,12 @@ def test_max_tokens_zero_without_prompt_logprobs_finishes_after_the_prompt():
     h.run()
     assert h.outputs["r0"] == [] and h.finished["r0"].finish_reason == "length"
     h.assert_clean()
+
+
+def test_merged_deltas_keep_the_prompt_logprobs():
+    from engine.async_engine import merge_outputs
+
+    prompt = [None, TokenLogprob(5, -1.0, [])]
+    first = RequestOutput("r", [7], "a", num_prompt_tokens=2, prompt_logprobs=prompt)
+    merged = merge_outputs(merge_outputs(first, RequestOutput("r", [8], "b")), RequestOutput("r", [9], "c"))
+    assert merged.prompt_logprobs == prompt and merged.new_token_ids == [7, 8, 9]
