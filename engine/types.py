@@ -36,7 +36,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, CTRL/HF semantics, over prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) pairs
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
-    max_tokens: int | None = None  # None: until the context ends
+    max_tokens: int | None = None  # None: until the context ends; 0: finish "length" after the prompt pass (scoring)
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     stop: tuple[str, ...] = ()  # stop strings; text is never emitted past one
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the family's
