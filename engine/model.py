@@ -232,12 +232,24 @@ class Attention(nn.Module):
         self.wk = column_parallel_linear(args.dim, self.n_local_kv_heads * mp_size * self.head_dim, mp_size)
         self.wv = column_parallel_linear(args.dim, self.n_local_kv_heads * mp_size * self.head_dim, mp_size)
         self.wo = row_parallel_linear(args.n_heads * self.head_dim, args.dim, mp_size)
+        # wq|wk|wv fused into one linear at load time (engine.quantization.pack_for_cpu): one weight
+        # read and one kernel call instead of three; wq/wk/wv are then None.
+        self.wqkv: nn.Module | None = None
+
+    def _qkv(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k rotated, and v [tokens, kv_heads, head_dim]."""
+        num_tokens, heads, kv_heads = x.shape[0], self.n_local_heads, self.n_local_kv_heads
+        if self.wqkv is None:
+            q = apply_rotary_emb(self.wq(x).view(num_tokens, heads, self.head_dim), freqs_cis)
+            k = apply_rotary_emb(self.wk(x).view(num_tokens, kv_heads, self.head_dim), freqs_cis)
+            return q, k, self.wv(x).view(num_tokens, kv_heads, self.head_dim)
+        qkv = self.wqkv(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rotary_emb(qkv[:, : heads + kv_heads], freqs_cis)  # q and k rotated in one pass
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = apply_rotary_emb(self.wq(x).view(num_tokens, self.n_local_heads, self.head_dim), freqs_cis)
-        k = apply_rotary_emb(self.wk(x).view(num_tokens, self.n_local_kv_heads, self.head_dim), freqs_cis)
-        v = self.wv(x).view(num_tokens, self.n_local_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x, freqs_cis)
         k_cache, v_cache = cache
         k_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.n_local_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -287,9 +299,13 @@ class FeedForward(nn.Module):
         self.w1 = column_parallel_linear(args.dim, hidden, mp_size)
         self.w2 = row_parallel_linear(hidden, args.dim, mp_size)
         self.w3 = column_parallel_linear(args.dim, hidden, mp_size)
+        self.w13: nn.Module | None = None  # w1|w3 fused at load time (see Attention.wqkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)).mul_(self.w3(x)))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)).mul_(self.w3(x)))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate).mul_(up))
 
 
 class TransformerBlock(nn.Module):
@@ -321,6 +337,8 @@ class Transformer(nn.Module):
         if not args.tie_word_embeddings:
             self.output = column_parallel_linear(args.dim, args.vocab_size, mp_size, gather_output=True)
         self.freqs_cis: torch.Tensor | None = None
+        # the tied output head in a faster layout than the embedding's (pack_for_cpu); same values
+        self.tied_head: nn.Module | None = None
 
     def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
         """The RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)."""
@@ -349,6 +367,8 @@ class Transformer(nn.Module):
         return self.output(h).float()
 
     def _tied_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tied_head is not None:
+            return self.tied_head(h).float()
         weight = self.tok_embeddings.weight  # this rank's vocab rows
         logits = F.linear(h, weight)
         if self.mp_size > 1:
