@@ -244,7 +244,7 @@ async def check_exact_tokens(binary: Path, gguf: Path, checkpoint_dir: Path, new
     port = free_port()
     with tempfile.NamedTemporaryFile("w", prefix="llama-server-exact-", suffix=".log", delete=False) as log:
         process = start_llama_server(binary, gguf, port, log, extra=["-fa", "off", "-ctk", "f32", "-ctv", "f32"])
-        engine = load_engine(ModelSpec(model_id="demo", checkpoint_dir=checkpoint_dir), EngineConfig(max_batch_size=4, max_seq_len=1024))
+        engine = load_engine(ModelSpec(model_id="demo", checkpoint_dir=checkpoint_dir), EngineConfig(dtype="float32", max_batch_size=4, max_seq_len=1024))
         try:
             await wait_ready(f"http://127.0.0.1:{port}", "/health", process)
             async with aiohttp.ClientSession() as session:
