@@ -7,9 +7,11 @@ every follower (engine/workers.py). dtype and device are read from EngineConfig 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,11 @@ class RankShard:
 
     @classmethod
     def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+        with _without_omp_team(device):
+            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
+
+    @classmethod
+    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
         mp_size = config.model_parallel_size
         dtype = torch_dtype(config)
         started_s = time.monotonic()
@@ -106,6 +113,27 @@ class RankShard:
         return self.model(inputs.to(self.device), self.kv_caches)
 
 
+@contextlib.contextmanager
+def _without_omp_team(device: torch.device) -> Iterator[None]:
+    """Run CPU loading work single-threaded, so the loading thread never starts an OpenMP team.
+
+    The forward runs on the engine thread, usually not the thread that loaded the model. libgomp
+    keeps a thread team per thread that ever ran a parallel region; once its managed threads
+    outnumber the cores, every team spins only ~100 iterations before sleeping on a futex, and each
+    of the ~120 parallel regions of a decode step pays a wake-up: the demo model's batch-1 step
+    took 34-40 ms on the engine thread against 20 ms on the loading thread (2 cores). Loading
+    single-threaded costs a little load time; the engine thread's team is then the only one."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
     """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
     ~10%. Views of the shards stay zero-copy when dtype and device already match."""
@@ -151,11 +179,12 @@ class ModelExecutor:
                 self._group = ParallelGroup.spawn(config, spec, max_seq_len=max_seq_len)
         try:
             device = self._group.device if self._group else rank_device(config, 0)
-            self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
-            num_blocks = self._shard.plan_num_blocks(config)
-            if self._group is not None:
-                num_blocks = self._group.agree_min(num_blocks)
-            self._shard.allocate_kv_cache(num_blocks)
+            with _without_omp_team(device):  # the KV cache's zero fill too
+                self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
+                num_blocks = self._shard.plan_num_blocks(config)
+                if self._group is not None:
+                    num_blocks = self._group.agree_min(num_blocks)
+                self._shard.allocate_kv_cache(num_blocks)
         except BaseException:
             self.shutdown()
             raise
