@@ -181,15 +181,6 @@ class HFTokenizer(ByteTableTokenizer):
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_names
 
-    def special_token_id(self, name: str) -> int:
-        try:
-            return self.special_tokens[name]
-        except KeyError:
-            raise KeyError(f"no special token {name!r} in this vocabulary") from None
-
-    def special_token_name(self, token_id: int) -> str | None:
-        return self._special_names.get(token_id)
-
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not path.exists():

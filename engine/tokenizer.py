@@ -201,7 +201,24 @@ def llama4_special_tokens() -> list[str]:
     return named + reserved
 
 
-class TiktokenTokenizer:
+class SpecialTokenTable:
+    """Name <-> id lookups of a vocabulary's special tokens; subclasses fill `special_tokens` and
+    `_special_names` (its inverse)."""
+
+    special_tokens: dict[str, int]
+    _special_names: dict[int, str]
+
+    def special_token_id(self, name: str) -> int:
+        try:
+            return self.special_tokens[name]
+        except KeyError:
+            raise KeyError(f"no special token {name!r} in this vocabulary") from None
+
+    def special_token_name(self, token_id: int) -> str | None:
+        return self._special_names.get(token_id)
+
+
+class TiktokenTokenizer(SpecialTokenTable):
     """A tiktoken BPE vocabulary followed by a block of special tokens (Llama 3.x and Llama 4)."""
 
     def __init__(
@@ -258,14 +275,6 @@ class TiktokenTokenizer:
     def is_special(self, token_id: int) -> bool:
         return self.num_base_tokens <= token_id < self.vocab_size
 
-    def special_token_id(self, name: str) -> int:
-        try:
-            return self.special_tokens[name]
-        except KeyError:
-            raise KeyError(f"no special token {name!r} in this vocabulary") from None
-
-    def special_token_name(self, token_id: int) -> str | None:
-        return self._special_names.get(token_id)
 
 
 def llama3_tokenizer(path: Path) -> TiktokenTokenizer:
@@ -295,7 +304,7 @@ _SP_SPACE = "\u2581"  # sentencepiece's visible space, "▁"
 _SP_UNK_SURFACE = " \u2047 "  # what sentencepiece prints for <unk>
 
 
-class ByteTableTokenizer:
+class ByteTableTokenizer(SpecialTokenTable):
     """Shared text path of tokenizers that keep one byte string per token id (`_bytes`): encoding
     wraps `_encode_text` with bos/eos, and decoding concatenates token bytes, so one-shot and
     incremental decoding (engine/detokenizer.py) follow one rule. Subclasses set vocab_size,
@@ -364,7 +373,8 @@ class SentencePieceTokenizer(ByteTableTokenizer):
         self.stop_token_ids = frozenset({self.eos_id})
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         self._special = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
-        self._special_ids = {sp.id_to_piece(i): i for i in self._special}
+        self.special_tokens = {sp.id_to_piece(i): i for i in self._special}
+        self._special_names = {i: name for name, i in self.special_tokens.items()}
 
     def _piece_bytes(self, token_id: int) -> bytes:
         sp = self._sp
@@ -389,12 +399,6 @@ class SentencePieceTokenizer(ByteTableTokenizer):
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
-
-    def special_token_id(self, name: str) -> int:
-        try:
-            return self._special_ids[name]
-        except KeyError:
-            raise KeyError(f"no special token {name!r} in this vocabulary") from None
 
 
 # --------------------------------------------------------------------------- factory
