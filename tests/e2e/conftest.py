@@ -15,6 +15,7 @@ a near-tied argmax (see ARCHITECTURE.md, test seams).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import httpx
 import pytest
@@ -192,6 +193,27 @@ class LiveServer:
 
     def http(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, **kwargs)
+
+
+@contextlib.contextmanager
+def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, **engine_overrides: Any) -> Iterator[LiveServer]:
+    """A LiveServer serving one trusted model, yielded once /ready answers 200."""
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    config = ServerConfig(
+        models=[ModelSpec(model_id=model_id, checkpoint_dir=checkpoint_dir, trusted=True)],
+        checkpoint_roots=[checkpoints_root],
+        engine=engine_config(**engine_overrides),
+        drain_timeout_s=5.0,
+    )
+    live = LiveServer(config).start()
+    try:
+        with live.http() as http:
+            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
+        yield live
+    finally:
+        live.stop()
 
 
 def wait_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> T:

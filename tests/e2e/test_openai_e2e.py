@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, MAX_SEQ_LEN, LiveServer, engine_config, metric, scrape, wait_until
+from tests.e2e.conftest import BASE_DESCRIPTOR, MAX_SEQ_LEN, LiveServer, metric, ready_server, scrape, wait_until
 
 MODEL = BASE_DESCRIPTOR
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -27,20 +27,8 @@ PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello wÃ
 
 @pytest.fixture(scope="module")
 def server(base_checkpoint, checkpoints):
-    from server.config import ServerConfig
-    from server.model_spec import ModelSpec
-
-    config = ServerConfig(
-        models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
-        checkpoint_roots=[checkpoints.root],
-        engine=engine_config(),
-        drain_timeout_s=5.0,
-    )
-    live = LiveServer(config).start()
-    with live.http() as http:
-        wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
-    yield live
-    live.stop()
+    with ready_server(MODEL, base_checkpoint, checkpoints.root) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -357,9 +345,6 @@ def test_concurrent_greedy_requests_equal_sequential(server, client):
 def test_preemption_under_kv_pressure_keeps_streams_exact(server, base_checkpoint, checkpoints):
     """A server whose KV cache cannot hold every running request preempts some and recomputes them
     later; their streams still equal the same requests on a roomy server."""
-    from server.config import ServerConfig
-    from server.model_spec import ModelSpec
-
     prompts = [f"Story {i}:" for i in range(6)]
 
     def stream_all(live: LiveServer) -> list[str]:
@@ -371,20 +356,14 @@ def test_preemption_under_kv_pressure_keeps_streams_exact(server, base_checkpoin
             return list(pool.map(one, prompts))
 
     roomy = stream_all(server)
-    config = ServerConfig(models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
-                          checkpoint_roots=[checkpoints.root],
-                          engine=engine_config(cpu_kv_cache_bytes=512 << 10))  # 32 blocks: ~5 requests' worth
-    tight = LiveServer(config).start()
-    try:
+    # 32 blocks: ~5 requests' worth
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, cpu_kv_cache_bytes=512 << 10) as tight:
         with tight.http() as http:
-            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
             assert stream_all(tight) == roomy
             samples = scrape(http)
             assert metric(samples, "llamaserve:kv_cache_blocks_total", model_name=MODEL) == 32
             assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL) > 0
             assert metric(samples, "llamaserve:kv_cache_usage_perc", model_name=MODEL) == 0
-    finally:
-        tight.stop()
 
 
 # --------------------------------------------------------------------------- tokenizer endpoints
@@ -472,16 +451,8 @@ def test_metrics_carry_the_engine_stats(client, http):
 
 
 def test_queue_full_is_429_with_retry_after(base_checkpoint, checkpoints):
-    from server.config import ServerConfig
-    from server.model_spec import ModelSpec
-
-    config = ServerConfig(models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
-                          checkpoint_roots=[checkpoints.root],
-                          engine=engine_config(max_batch_size=1, max_waiting_requests=1))
-    live = LiveServer(config).start()
-    try:
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, max_batch_size=1, max_waiting_requests=1) as live:
         with live.http() as http, live.openai() as sdk, concurrent.futures.ThreadPoolExecutor(1) as pool:
-            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
             running = sdk.completions.create(model=MODEL, prompt="a", temperature=0, max_tokens=400, stream=True)
             next(iter(running))  # holds the only batch slot
             queued = pool.submit(sdk.completions.create, model=MODEL, prompt="b", temperature=0, max_tokens=4)
@@ -492,8 +463,6 @@ def test_queue_full_is_429_with_retry_after(base_checkpoint, checkpoints):
             assert info.value.body["code"] == "queue_full" and int(info.value.response.headers["Retry-After"]) >= 1
             running.close()  # frees the slot: the queued request runs
             assert queued.result(timeout=60).usage.completion_tokens == 4
-    finally:
-        live.stop()
 
 
 # --------------------------------------------------------------------------- errors

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, LiveServer, engine_config, wait_until
+from tests.e2e.conftest import BASE_DESCRIPTOR, ready_server
 
 MODEL = BASE_DESCRIPTOR
 PROMPT = "The capital of France is"
@@ -18,20 +18,8 @@ TOL = 1e-5  # logits travel as float32
 
 @pytest.fixture(scope="module")
 def server(base_checkpoint, checkpoints):
-    from server.config import ServerConfig
-    from server.model_spec import ModelSpec
-
-    config = ServerConfig(
-        models=[ModelSpec(model_id=MODEL, checkpoint_dir=base_checkpoint, trusted=True)],
-        checkpoint_roots=[checkpoints.root],
-        engine=engine_config(max_num_batched_tokens=4),  # prompts are scored over several chunks
-        drain_timeout_s=5.0,
-    )
-    live = LiveServer(config).start()
-    with live.http() as http:
-        wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")
-    yield live
-    live.stop()
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, max_num_batched_tokens=4) as live:  # prompts are scored over several chunks
+        yield live
 
 
 @pytest.fixture(scope="module")
