@@ -29,6 +29,21 @@ class PromptBuilder:
         return self
 
 
+
+class HeaderTurns:
+    """Llama 3 and Llama 4 frame each turn as <header start>role<header end>\n\n content <end token>;
+    only the names of the header tokens differ."""
+
+    header_start: str
+    header_end: str
+
+    def _header(self, prompt: PromptBuilder, role: str) -> None:
+        prompt.special(self.header_start).text(role).special(self.header_end).text("\n\n")
+
+    def _message(self, prompt: PromptBuilder, role: str, content: str, end: str) -> None:
+        self._header(prompt, role)
+        prompt.text(content).special(end)
+
 # --------------------------------------------------------------------------- dialog checks
 @dataclass(slots=True)
 class Dialog:

@@ -23,6 +23,7 @@ from typing import Callable, Literal, Sequence
 
 from engine.chat_formats.common import (
     Dialog,
+    HeaderTurns,
     PromptBuilder,
     check_dialog,
     check_tools,
@@ -68,7 +69,10 @@ def utc_today() -> dt.date:
     return dt.datetime.now(dt.timezone.utc).date()
 
 
-class Llama3ChatFormat:
+class Llama3ChatFormat(HeaderTurns):
+    header_start = "<|start_header_id|>"
+    header_end = "<|end_header_id|>"
+
     def __init__(self, tokenizer: Tokenizer, *, version: Version = "3.1", today: Callable[[], dt.date] = utc_today) -> None:
         self.tokenizer = tokenizer
         self.version = version
@@ -98,13 +102,6 @@ class Llama3ChatFormat:
         if add_generation_prompt:
             self._header(prompt, "assistant")
         return prompt.ids
-
-    def _header(self, prompt: PromptBuilder, role: str) -> None:
-        prompt.special("<|start_header_id|>").text(role).special("<|end_header_id|>").text("\n\n")
-
-    def _message(self, prompt: PromptBuilder, role: str, content: str, end: str) -> None:
-        self._header(prompt, role)
-        prompt.text(content).special(end)
 
     def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
         if message.role == "tool":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.chat_formats.common import Dialog, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
+from engine.chat_formats.common import Dialog, HeaderTurns, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
 from engine.tokenizer import Tokenizer
 from engine.tool_parser import OutputParser, make_output_parser
 from engine.types import ChatMessage, ToolDefinition
@@ -23,7 +23,10 @@ TOOLS_SYSTEM_PROMPT = (
 TOOLS_LIST_INTRO = "Here is a list of functions in JSON format that you can invoke.\n\n"
 
 
-class Llama4ChatFormat:
+class Llama4ChatFormat(HeaderTurns):
+    header_start = "<|header_start|>"
+    header_end = "<|header_end|>"
+
     family = "llama4"
     supports_tools = True
     parser_needs_special_tokens = True  # the model may still write <|python_start|>
@@ -45,13 +48,6 @@ class Llama4ChatFormat:
         if add_generation_prompt:
             self._header(prompt, "assistant")
         return prompt.ids
-
-    def _header(self, prompt: PromptBuilder, role: str) -> None:
-        prompt.special("<|header_start|>").text(role).special("<|header_end|>").text("\n\n")
-
-    def _message(self, prompt: PromptBuilder, role: str, content: str, end: str) -> None:
-        self._header(prompt, role)
-        prompt.text(content).special(end)
 
     def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
         if message.role == "tool":
