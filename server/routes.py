@@ -175,17 +175,34 @@ def _response_id(prefix: str) -> str:
 
 
 # --------------------------------------------------------------------------- chat and completions
+def _chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
+                    include_usage: bool = False) -> ChatAssembler:
+    """One place that turns a chat request (single or batch item) and its plan into an assembler."""
+    return ChatAssembler(
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
+        tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
+        include_usage=include_usage,
+    )
+
+
+def _completion_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
+                          include_usage: bool = False) -> CompletionAssembler:
+    """Likewise for completions; a batch item's plan holds one prompt."""
+    return CompletionAssembler(
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
+        prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
+        echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
+        include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
+    )
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.CHAT_DECODER)
     async with _lease(request, req.model) as engine:
         response_id = _response_id("chatcmpl")
         plan = await _plan(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = ChatAssembler(
-            response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
-            tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
-            include_usage=include_usage,
-        )
+        assembler = _chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
         return await _respond(request, req.stream, outputs, assembler, include_usage, assembler.role_chunks)
 
@@ -196,12 +213,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         response_id = _response_id("cmpl")
         plan = await _plan(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = CompletionAssembler(
-            response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
-            prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
-            echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
-            include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
-        )
+        assembler = _completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
         return await _respond(request, req.stream, outputs, assembler, include_usage, list)
 
@@ -254,12 +266,7 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
             def build() -> tuple[AsyncIterator[Indexed], Any]:
                 response_id = f"chatcmpl-{batch_id}-{k}"
                 plan = to_engine.chat_plan(req, messages, engine, response_id)
-                assembler = ChatAssembler(
-                    response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
-                    chat_format=engine.chat_format, tools=plan.tools, n=req.n,
-                    num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
-                )
-                return merged_outputs(engine, plan.requests), assembler
+                return merged_outputs(engine, plan.requests), _chat_assembler(req, plan, engine, response_id)
             return build
 
         items = await asyncio.gather(*(_batch_item(request, k, make(k, m)) for k, m in enumerate(req.messages_batch)))
@@ -276,13 +283,7 @@ async def batch_completions(request: web.Request) -> web.Response:
             def build() -> tuple[AsyncIterator[Indexed], Any]:
                 response_id = f"cmpl-{batch_id}-{k}"
                 plan = to_engine.completion_plan(req, prompt if isinstance(prompt, str) else [prompt], engine, response_id)
-                assembler = CompletionAssembler(
-                    response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
-                    prompt_token_counts=[len(plan.prompt_token_ids[0])],
-                    echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
-                    prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
-                )
-                return merged_outputs(engine, plan.requests), assembler
+                return merged_outputs(engine, plan.requests), _completion_assembler(req, plan, engine, response_id)
             return build
 
         items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(req.prompts)))
