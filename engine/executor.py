@@ -31,6 +31,22 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, config.resolved_dtype())
 
 
+def configured_kv_bytes_per_rank(config: EngineConfig, mp_size: int) -> int | None:
+    """The KV cache bytes config fixes per rank; None on CUDA without kv_cache_bytes, where the
+    executor takes a fraction of the memory free once the weights are loaded."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes // mp_size
+    if config.device == "cuda":
+        return None
+    return config.cpu_kv_cache_bytes // mp_size
+
+
+def plan_num_blocks(config: EngineConfig, *, bytes_per_block: int, budget_bytes: int, max_seq_len: int) -> int:
+    """Blocks that fit the budget, never more than a full batch of full-length sequences uses."""
+    useful = config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
+    return min(budget_bytes // bytes_per_block, useful)
+
+
 @dataclass
 class RankShard:
     """One model-parallel rank: its weights, its KV cache, its forward pass."""
@@ -82,14 +98,12 @@ class RankShard:
     def plan_num_blocks(self, config: EngineConfig) -> int:
         """KV blocks this rank can hold: the configured bytes (split over the ranks), or a fraction
         of free accelerator memory, never more than a full batch of full-length sequences uses."""
-        if config.kv_cache_bytes is not None or self.device.type != "cuda":
-            total = config.kv_cache_bytes if config.kv_cache_bytes is not None else config.cpu_kv_cache_bytes
-            budget = total // self.mp_size
-        else:
+        budget = configured_kv_bytes_per_rank(config, self.mp_size)
+        if budget is None:  # CUDA: a fraction of what the weights left free
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * config.kv_cache_memory_fraction)
-        useful = config.max_batch_size * math.ceil(self.max_seq_len / self.block_size)
-        num_blocks = min(budget // self.bytes_per_block, useful)
+        num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
+                                     max_seq_len=self.max_seq_len)
         if num_blocks < 1:
             raise CheckpointError(
                 f"KV cache budget of {budget} bytes per rank holds no block of {self.bytes_per_block} bytes; "

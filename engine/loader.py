@@ -46,20 +46,18 @@ def max_seq_len_for(checkpoint_max_seq_len: int, config: EngineConfig) -> int:
 
 
 def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: int) -> int:
-    """Bytes of KV cache the executor will allocate over all ranks, known before loading.
-    Mirrors RankShard.plan_num_blocks for configured sizes (CPU, or kv_cache_bytes set); on CUDA
-    without a configured size the executor takes a fraction of free memory, which the budget
-    cannot know in advance, so this counts one full batch."""
-    from engine.executor import torch_dtype
+    """Bytes of KV cache the executor will allocate over all ranks, known before loading. On CUDA
+    without kv_cache_bytes the executor takes a fraction of free memory, which cannot be known in
+    advance, so this counts one full batch of full-length sequences."""
+    from engine.executor import configured_kv_bytes_per_rank, plan_num_blocks, torch_dtype
     from engine.model import kv_cache_bytes_per_block
 
     mp_size = config.model_parallel_size
     per_block = kv_cache_bytes_per_block(model_args, mp_size, config.block_size_tokens, torch_dtype(config))
-    useful_blocks = config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
-    if config.kv_cache_bytes is None and config.device == "cuda":
-        return useful_blocks * per_block * mp_size
-    total = config.kv_cache_bytes if config.kv_cache_bytes is not None else config.cpu_kv_cache_bytes
-    return min((total // mp_size) // per_block, useful_blocks) * per_block * mp_size
+    budget = configured_kv_bytes_per_rank(config, mp_size)
+    if budget is None:
+        budget = per_block * config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
+    return plan_num_blocks(config, bytes_per_block=per_block, budget_bytes=budget, max_seq_len=max_seq_len) * per_block * mp_size
 
 
 def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | None = None) -> EngineClient:
