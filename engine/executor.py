@@ -19,6 +19,8 @@ import torch
 from engine.checkpoint import CheckpointSpec, check_parallel_size, load_rank_state_dict
 from engine.config import EngineConfig
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.cpu_kernels import load_cpu_kernels
+from engine.cpu_kernels import supports as supports_cpu_kernels
 from engine.quantization import check_quantization, pack_for_cpu, quantize_model
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError, EngineDead, InvalidRequest
@@ -82,6 +84,9 @@ class RankShard:
         if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype):
             log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
         model.init_rope(device, dtype)
+        if device.type == "cpu" and config.cpu_kernels and supports_cpu_kernels(dtype):
+            fused = model.use_cpu_kernels(load_cpu_kernels())
+            log.info("rank %d: fused CPU kernels %s", rank, "on" if fused else "unavailable; torch path")
         model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info(

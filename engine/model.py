@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 
 from engine.checkpoint import ModelArgs
 from engine.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, n_local_kv_heads, head_dim]
 
@@ -177,9 +181,10 @@ class AttentionMetadata:
     num_decode_blocks: int  # max_blocks: blocks gathered per decoding sequence
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
+    paged: "PagedDecodes | None" = None  # the decodes as the fused CPU kernel reads them (instead of the above)
 
     @classmethod
-    def build(cls, inputs: StepInputs, block_size: int) -> "AttentionMetadata":
+    def build(cls, inputs: StepInputs, block_size: int, *, paged: bool = False) -> "AttentionMetadata":
         starts = inputs.query_start_loc.tolist()
         seq_lens = inputs.seq_lens.tolist()
         device = inputs.block_tables.device
@@ -192,7 +197,26 @@ class AttentionMetadata:
         decodes = [i for i, n_new in enumerate(counts) if n_new == 1]
         if not decodes:
             return cls(inputs.slot_mapping, None, None, 0, None, prefills)
+        if paged:
+            return cls(inputs.slot_mapping, None, None, 0, None, prefills, PagedDecodes.build(inputs, decodes, starts))
         return cls(inputs.slot_mapping, *_decode_group(inputs, decodes, starts, seq_lens, block_size), prefills)
+
+
+@dataclass(slots=True)
+class PagedDecodes:
+    """The decoding sequences for engine.cpu_kernels.paged_decode_attention, read in place."""
+
+    rows: torch.Tensor  # [num_decodes] int64, flat-batch row of each decode token
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [num_decodes] int32, K/V length including this step's token
+
+    @classmethod
+    def build(cls, inputs: StepInputs, decodes: list[int], starts: list[int]) -> "PagedDecodes":
+        if len(decodes) == len(starts) - 1:  # every sequence decodes: the step's tensors as they are
+            return cls(inputs.query_start_loc[:-1].to(torch.int64), inputs.block_tables.contiguous(), inputs.seq_lens.contiguous())
+        index = torch.tensor(decodes, dtype=torch.int64)
+        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64)
+        return cls(rows, inputs.block_tables[index].contiguous(), inputs.seq_lens[index].contiguous())
 
 
 def _decode_group(inputs: StepInputs, decodes: list[int], starts: list[int], seq_lens: list[int], block_size: int):
@@ -217,6 +241,28 @@ def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: i
         query_pos = torch.arange(prefix, kv_len, device=device)[:, None]
         mask = torch.arange(kv_len, device=device)[None, :] <= query_pos
     return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks].to(torch.int64), kv_len, mask)
+
+
+@dataclass(slots=True)
+class FusedStep:
+    """Per-step constants of the fused CPU path, passed down to every layer."""
+
+    kernels: "CpuKernels"
+    threads: int  # OpenMP threads for the kernels' parallel loops (torch's setting)
+    positions: torch.Tensor  # [num_tokens] int64
+    rope: torch.Tensor  # [max_seq_len, head_dim // 2, 2] float32
+
+
+def _check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
+    """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
+    (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
+    ranges = [(inputs.positions, num_positions, "position"), (inputs.slot_mapping, num_blocks * block_size, "KV slot")]
+    if meta.paged is not None:
+        ranges.append((meta.paged.block_tables, num_blocks, "KV block id"))
+    for values, limit, what in ranges:
+        low, high = torch.aminmax(values)
+        if low < 0 or high >= limit:
+            raise ValueError(f"a {what} is outside [0, {limit}): {int(low)}..{int(high)}")
 
 
 # --------------------------------------------------------------------------- the transformer
@@ -261,6 +307,28 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             out[chunk.rows] = self._prefill(q[chunk.rows], k[chunk.rows], v[chunk.rows], k_cache, v_cache, chunk)
         return self.wo(out.view(num_tokens, -1))
+
+    def forward_fused(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata, step: "FusedStep") -> torch.Tensor:
+        """forward() through engine.cpu_kernels: RoPE and the cache write in one call, decodes
+        attended in place through their block tables; prefill chunks still go through SDPA."""
+        num_tokens, heads, kv_heads = x.shape[0], self.n_local_heads, self.n_local_kv_heads
+        qkv = self.wqkv(x)
+        k_cache, v_cache = cache
+        kernels, threads = step.kernels, step.threads
+        kernels.rope_and_cache_write(qkv, heads, kv_heads, self.head_dim, step.positions, step.rope, meta.slot_mapping, k_cache, v_cache, threads)
+        out = torch.empty(num_tokens, heads * self.head_dim, dtype=x.dtype)
+        if meta.paged is not None:
+            paged = meta.paged
+            kernels.paged_decode_attention(
+                qkv, out, paged.rows, k_cache, v_cache, paged.block_tables, paged.seq_lens, heads, kv_heads,
+                self.head_dim**-0.5, threads,
+            )  # fmt: skip
+        if meta.prefills:
+            q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, self.head_dim).split((heads, kv_heads, kv_heads), dim=1)
+            out_heads = out.view(num_tokens, heads, self.head_dim)
+            for chunk in meta.prefills:
+                out_heads[chunk.rows] = self._prefill(q[chunk.rows], k[chunk.rows], v[chunk.rows], k_cache, v_cache, chunk)
+        return self.wo(out)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence. Grouped query heads ride in SDPA's query-length dim (the n_rep
@@ -307,6 +375,12 @@ class FeedForward(nn.Module):
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate).mul_(up))
 
+    def forward_fused(self, x: torch.Tensor, step: "FusedStep") -> torch.Tensor:
+        gate_up = self.w13(x)
+        hidden = torch.empty(x.shape[0], gate_up.shape[1] // 2, dtype=x.dtype)
+        step.kernels.silu_mul(gate_up, hidden, step.threads)
+        return self.w2(hidden)
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs, mp_size: int) -> None:
@@ -339,6 +413,8 @@ class Transformer(nn.Module):
         self.freqs_cis: torch.Tensor | None = None
         # the tied output head in a faster layout than the embedding's (pack_for_cpu); same values
         self.tied_head: nn.Module | None = None
+        self.cpu_kernels: CpuKernels | None = None  # use_cpu_kernels()
+        self.rope_table: torch.Tensor | None = None  # freqs_cis as [max_seq_len, head_dim // 2, 2] (cos, sin)
 
     def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
         """The RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)."""
@@ -350,9 +426,26 @@ class Transformer(nn.Module):
         )  # fmt: skip
         self.freqs_cis = table.to(device)
 
+    def use_cpu_kernels(self, kernels: "CpuKernels | None") -> bool:
+        """Run forward() through the fused CPU kernels from now on, where this model can: float32
+        or bfloat16 weights on CPU with wq|wk|wv and w1|w3 fused (engine.quantization.pack_for_cpu)."""
+        from engine.cpu_kernels import supports
+
+        dtype = self.norm.weight.dtype
+        eligible = (
+            kernels is not None and supports(dtype) and self.norm.weight.device.type == "cpu"
+            and self.freqs_cis is not None and self.freqs_cis.dtype == torch.complex64
+            and all(layer.attention.wqkv is not None and layer.feed_forward.w13 is not None for layer in self.layers)
+        )  # fmt: skip
+        self.cpu_kernels = kernels if eligible else None
+        self.rope_table = torch.view_as_real(self.freqs_cis) if eligible else None
+        return eligible
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
         """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
+        if self.cpu_kernels is not None:
+            return self._forward_fused(inputs, kv_caches, self.cpu_kernels)
         meta = AttentionMetadata.build(inputs, block_size=kv_caches[0][0].shape[1])
         freqs_cis = self.freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
         h = self.tok_embeddings(inputs.input_ids)
@@ -360,8 +453,27 @@ class Transformer(nn.Module):
             h = layer(h, freqs_cis, cache, meta)
         return self.logits(h.index_select(0, inputs.logits_indices))
 
+    def _forward_fused(self, inputs: StepInputs, kv_caches: list[KVCache], kernels: "CpuKernels") -> torch.Tensor:
+        """forward() with each norm fused into the residual add before it: the residual stream h
+        is updated in place and x always holds the next sublayer's normalised input."""
+        k_cache = kv_caches[0][0]
+        meta = AttentionMetadata.build(inputs, block_size=k_cache.shape[1], paged=True)
+        _check_indices(inputs, meta, num_positions=self.rope_table.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+        step = FusedStep(kernels, torch.get_num_threads(), inputs.positions, self.rope_table)
+        h = self.tok_embeddings(inputs.input_ids)
+        x = torch.empty_like(h)
+        norms = [layer.attention_norm for layer in self.layers] + [self.norm]
+        kernels.add_rms_norm(h, None, norms[0].weight, x, norms[0].eps, step.threads)
+        for layer, cache, next_norm in zip(self.layers, kv_caches, norms[1:]):
+            kernels.add_rms_norm(h, layer.attention.forward_fused(x, cache, meta, step), layer.ffn_norm.weight, x, layer.ffn_norm.eps, step.threads)
+            kernels.add_rms_norm(h, layer.feed_forward.forward_fused(x, step), next_norm.weight, x, next_norm.eps, step.threads)
+        return self._project(x.index_select(0, inputs.logits_indices))  # x: h through the final norm
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h)
+        return self._project(self.norm(h))
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head over already-normalised rows."""
         if self.params.tie_word_embeddings:
             return self._tied_logits(h)
         return self.output(h).float()

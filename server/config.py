@@ -124,6 +124,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_waiting_requests", int, "engine", "queued requests beyond which the server answers 429"),
     Option("enable_prefix_caching", _bool, "engine", "reuse KV blocks of shared prompt prefixes"),
     Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed", meta_env="QUANTIZATION_TYPE"),
+    Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
+           "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
     Option("seed", int, "engine", "seed for random demo weights and unseeded sampling"),
 )

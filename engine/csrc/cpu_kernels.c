@@ -1,0 +1,249 @@
+/* Fused CPU kernels for the decode-heavy parts of a Llama step (engine/cpu_kernels.py builds and
+ * loads this file). What torch runs as 5-30 small ops per layer (RMSNorm, RoPE, the K/V cache
+ * write, paged attention through a gather, SiLU-and-multiply) is one call each here, with no
+ * intermediate tensors: at the demo model's size the per-op cost, not the arithmetic, is what a
+ * decode step spends outside its matmuls, and paged attention reads K/V in place instead of
+ * gathering every sequence's blocks into a padded copy first.
+ *
+ * Element types: float32 (dtype code 0) and bfloat16 (code 1), computed in float32 and rounded to
+ * the model dtype exactly where the torch path rounds (so bfloat16 results match it bit for bit
+ * except for summation order). OpenMP: linked against the libgomp torch already loaded, and run
+ * with the caller's thread count, so it shares the engine thread's team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const bf16_t *s = (const bf16_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        bf16_t *d = (bf16_t *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float round_to(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
+
+/* exp(x) to ~1e-7 relative error: 2^k * 2^f with Cephes' exp2f polynomial for f in [-0.5, 0.5].
+ * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float k = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float f = t - k;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)k + 127) << 23;
+    return p * scale.f;
+}
+
+/* Work below this many elements runs on the calling thread: a parallel region's fork and join
+ * costs more than the work saves. */
+#define PARALLEL_MIN_ELEMS 65536
+
+/* ------------------------------------------------------------------------------------------ RMSNorm
+ * residual [rows, dim] += delta (if given, rounded to the model dtype as torch's add is), then
+ * out = rms_norm(residual) * weight. float32: x * rsqrt(mean(x^2) + eps) * w in one rounding
+ * (F.rms_norm); bfloat16: normalised in float32, rounded, times the weight, rounded again (the
+ * torch path's `rms_norm(x.float()).type_as(x) * weight`). */
+void add_rms_norm(int bf16, void *residual, const void *delta, const void *weight, void *out, int64_t rows,
+                  int64_t dim, float eps, int num_threads) {
+    const size_t es = elem_size(bf16);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float x[dim], w[dim];
+        char *res = (char *)residual + (size_t)r * dim * es;
+        load_row(x, res, dim, bf16);
+        if (delta != NULL) {
+            float d[dim];
+            load_row(d, (const char *)delta + (size_t)r * dim * es, dim, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) x[i] = round_to(x[i] + d[i], bf16);
+            store_row(res, x, dim, bf16);
+        }
+        float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
+        const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        load_row(w, weight, dim, bf16);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) x[i] = round_to(round_to(x[i] * inv_rms, bf16) * w[i], bf16);
+        store_row((char *)out + (size_t)r * dim * es, x, dim, bf16);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ SiLU
+ * gate_up [rows, 2 * hidden] (w1 | w3 outputs) -> out [rows, hidden] = silu(gate) * up, each
+ * rounded to the model dtype as torch's silu and mul_ are. */
+void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hidden, int num_threads) {
+    const size_t es = elem_size(bf16);
+    enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[CHUNK], u[CHUNK];
+        const char *row = (const char *)gate_up + (size_t)r * 2 * hidden * es;
+        for (int64_t start = 0; start < hidden; start += CHUNK) {
+            const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
+            load_row(g, row + (size_t)start * es, n, bf16);
+            load_row(u, row + (size_t)(hidden + start) * es, n, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) g[i] = round_to(round_to(g[i] / (1.0f + exp_approx(-g[i])), bf16) * u[i], bf16);
+            store_row((char *)out + (size_t)(r * hidden + start) * es, g, n, bf16);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ RoPE + cache write
+ * qkv [tokens, (heads + 2 * kv_heads) * head_dim]: q and k heads rotated in place by the
+ * position's angles (adjacent pairs (x[2i], x[2i+1]) as complex numbers, the reference's layout),
+ * rope [max_pos, head_dim / 2, 2] float32 (cos, sin); then k and v copied to their cache slot:
+ * caches [num_slots, kv_heads, head_dim]. */
+void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          const int64_t *positions, const float *rope, const int64_t *slots, void *k_cache,
+                          void *v_cache, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t row_elems = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+    const size_t kv_bytes = (size_t)kv_heads * head_dim * es;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * row_elems >= PARALLEL_MIN_ELEMS && tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + (size_t)t * row_elems * es;
+        const float *angles = rope + positions[t] * half * 2;
+        float x[head_dim];
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            char *head = row + (size_t)h * head_dim * es;
+            load_row(x, head, head_dim, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float re = x[2 * i], im = x[2 * i + 1], c = angles[2 * i], s = angles[2 * i + 1];
+                x[2 * i] = re * c - im * s;
+                x[2 * i + 1] = re * s + im * c;
+            }
+            store_row(head, x, head_dim, bf16);
+        }
+        const char *k = row + (size_t)heads * head_dim * es;
+        memcpy((char *)k_cache + (size_t)slots[t] * kv_bytes, k, kv_bytes);
+        memcpy((char *)v_cache + (size_t)slots[t] * kv_bytes, k + kv_bytes, kv_bytes);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ paged decode attention
+ * One query token per sequence, attending to its seq_lens[b] cached keys read in place through
+ * its block table. q rows are rows[b] of q (row stride q_stride elements, heads * head_dim used),
+ * output rows are rows[b] of out [*, heads * head_dim]. Caches [num_blocks, block_size, kv_heads,
+ * head_dim]. One task per sequence, walking its blocks in order: a block's keys for all KV heads
+ * are one contiguous run of memory, streamed once per pass (scores, then the weighted sum of
+ * values), and the next block is prefetched while this one is used, since the cache was evicted
+ * by the layer's weights and a decode step is bound by how fast it is read back. */
+static inline void prefetch_block(const char *block, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 0);
+}
+
+void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                            const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                            int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t n_rep = heads / kv_heads, slot_elems = kv_heads * head_dim;
+    const size_t slot_bytes = (size_t)slot_elems * es, block_bytes = slot_bytes * block_size;
+    int64_t total_keys = 0;
+    for (int64_t b = 0; b < num_seqs; b++) total_keys += seq_lens[b];
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_seqs > 1 && total_keys * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t len = seq_lens[b], num_blocks = (len + block_size - 1) / block_size;
+        const int32_t *table = block_tables + b * max_blocks;
+        float *scores = malloc((size_t)(heads * len) * sizeof(float)); /* [heads][len] */
+        float qf[heads][head_dim], acc[heads][head_dim], conv[slot_elems];
+        const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
+        for (int64_t h = 0; h < heads; h++) {
+            load_row(qf[h], q_row + (size_t)h * head_dim * es, head_dim, bf16);
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) qf[h][i] *= scale;
+        }
+        for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
+            const char *cache = pass == 0 ? (const char *)k_cache : (const char *)v_cache;
+            if (pass == 1) {
+                for (int64_t h = 0; h < heads; h++) {
+                    float *s = scores + h * len, max = -INFINITY, sum = 0.0f;
+                    for (int64_t t = 0; t < len; t++) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t t = 0; t < len; t++) {
+                        /* below e^-46 a weight is < 1e-20 of the largest: dropping it changes no
+                         * float sum, and keeps denormal products (slow on x86) out of the loop */
+                        s[t] = s[t] - max < -46.0f ? 0.0f : exp_approx(s[t] - max);
+                        sum += s[t];
+                    }
+                    const float inv_sum = 1.0f / sum;
+#pragma omp simd
+                    for (int64_t t = 0; t < len; t++) s[t] *= inv_sum;
+                    memset(acc[h], 0, sizeof(acc[h]));
+                }
+            }
+            for (int64_t blk = 0; blk < num_blocks; blk++) {
+                const char *block = cache + (size_t)table[blk] * block_bytes;
+                if (blk + 1 < num_blocks) prefetch_block(cache + (size_t)table[blk + 1] * block_bytes, block_bytes);
+                const int64_t first = blk * block_size, n = len - first < block_size ? len - first : block_size;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *slot;
+                    if (bf16) {
+                        load_row(conv, block + (size_t)j * slot_bytes, slot_elems, 1);
+                        slot = conv;
+                    } else {
+                        slot = (const float *)(block + (size_t)j * slot_bytes);
+                    }
+                    for (int64_t h = 0; h < heads; h++) {
+                        const float *kv = slot + (h / n_rep) * head_dim;
+                        if (pass == 0) {
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t i = 0; i < head_dim; i++) dot += qf[h][i] * kv[i];
+                            scores[h * len + first + j] = dot;
+                        } else {
+                            const float p = scores[h * len + first + j];
+#pragma omp simd
+                            for (int64_t i = 0; i < head_dim; i++) acc[h][i] += p * kv[i];
+                        }
+                    }
+                }
+            }
+        }
+        char *out_row = (char *)out + (size_t)rows[b] * heads * head_dim * es;
+        for (int64_t h = 0; h < heads; h++) store_row(out_row + (size_t)h * head_dim * es, acc[h], head_dim, bf16);
+        free(scores);
+    }
+}
