@@ -1,0 +1,598 @@
+"""The fused CPU kernels (engine/cpu_kernels.py, engine/csrc/cpu_kernels.c) against plain torch.
+
+Each kernel is checked on its own against the torch maths it replaces (float32 tightly, bfloat16
+within bf16 rounding), then the fused Transformer forward against the same model's torch path
+(prefill, decode and mixed steps on a tiny checkpoint), then the guards: out-of-range indices
+raise before any kernel touches memory, a failed build falls back to the torch path, and the
+executor's `cpu_kernels` switch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import random
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels as ck
+from engine.checkpoint import load_rank_state_dict, resolve_checkpoint
+from engine.config import EngineConfig
+from engine.executor import ModelExecutor
+from engine.model import Transformer, allocate_kv_caches, apply_rotary_emb, precompute_freqs_cis
+from engine.quantization import cpu_packing_available, pack_for_cpu
+from engine.runner import build_step_inputs
+from engine.sequence import ScheduledBatch, Sequence
+from engine.step_inputs import StepInputs
+from engine.types import SamplingParams
+from tests.conftest import TINY_DESCRIPTOR
+
+DTYPES = [torch.float32, torch.bfloat16]
+THREADS = 2  # the kernels' OpenMP team; parallel branches need more than one thread to mean anything
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ck.CpuKernels:
+    loaded = ck.load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("fused CPU kernels could not be built here (no working C compiler?); torch path only")
+    return loaded
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: 1e-5 of the values' scale; bfloat16: a couple of bf16 ulps."""
+    scale = max(1.0, float(expected.abs().max()))
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2 * scale, rtol=1.6e-2)
+
+
+# =========================================================================== kernels one by one
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (dim,), weight, eps)
+    return F.rms_norm(x.float(), (dim,), None, eps).type_as(x) * weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True], ids=["no_delta", "delta"])
+@pytest.mark.parametrize(
+    "rows, dim",
+    [(1, 64), (1, 4096), (3, 100), (70, 1024)],  # 70 x 1024 >= 65536: the parallel branch
+)
+def test_add_rms_norm(kernels, dtype, with_delta, rows, dim):
+    g = gen(rows * 7919 + dim)
+    residual = (3 * torch.randn(rows, dim, generator=g)).to(dtype)
+    delta = torch.randn(rows, dim, generator=g).to(dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+    eps = 1e-5
+    expected_residual = residual + delta if with_delta else residual.clone()
+    expected = rms_norm_reference(expected_residual, weight, eps)
+
+    out = torch.full((rows, dim), 123.0, dtype=dtype)
+    residual_before, weight_before = residual.clone(), weight.clone()
+    kernels.add_rms_norm(residual, delta, weight, out, eps, THREADS)
+
+    # the add is one rounding to the model dtype, as torch's: bit for bit
+    assert torch.equal(residual, expected_residual if with_delta else residual_before)
+    assert torch.equal(weight, weight_before)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_leaves_delta_and_fills_out(kernels, dtype):
+    """residual updated in place, delta left as it was, out written whole."""
+    g = gen(5)
+    residual = torch.randn(4, 96, generator=g).to(dtype)
+    delta = torch.randn(4, 96, generator=g).to(dtype)
+    delta_before = delta.clone()
+    weight = torch.ones(96, dtype=dtype)
+    out = torch.full((4, 96), float("nan"), dtype=dtype)
+    kernels.add_rms_norm(residual, delta, weight, out, 1e-6, THREADS)
+    assert torch.equal(delta, delta_before)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows, hidden",
+    [(1, 5), (1, 700), (3, 1000), (2, 1536), (40, 2000)],  # not multiples of 512 (the C chunk); 40 x 2000: parallel
+)
+def test_silu_mul(kernels, dtype, rows, hidden):
+    g = gen(rows * 31 + hidden)
+    gate_up = (4 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, -90.0, 0.0])  # exp's clamps and zero
+    gate, up = gate_up[:, :hidden], gate_up[:, hidden:]
+    expected = F.silu(gate).mul(up)
+    before = gate_up.clone()
+    out = torch.full((rows, hidden), 123.0, dtype=dtype)
+    kernels.silu_mul(gate_up, out, THREADS)
+    assert torch.equal(gate_up, before)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, head_dim",
+    [(1, 4, 2, 16), (5, 8, 2, 64), (9, 9, 3, 128), (40, 8, 8, 128)],  # 40 x 3072 >= 65536: parallel
+)
+def test_rope_and_cache_write(kernels, dtype, tokens, heads, kv_heads, head_dim):
+    g = gen(tokens * 1000 + heads * 10 + head_dim)
+    max_pos, num_blocks, block_size = 300, 8, 16
+    freqs_cis = precompute_freqs_cis(head_dim, max_pos, 500000.0, True, scale_factor=32.0)
+    rope = torch.view_as_real(freqs_cis)
+    assert rope.shape == (max_pos, head_dim // 2, 2) and rope.is_contiguous()
+    positions = torch.randint(0, max_pos, (tokens,), generator=g, dtype=torch.int64)
+    positions[0] = max_pos - 1  # the table's last row
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(torch.int64)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+
+    # reference: the torch path's rotation and index_copy
+    split = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    fc = freqs_cis.index_select(0, positions).unsqueeze(1)
+    q_ref = apply_rotary_emb(split[:, :heads], fc)
+    k_ref = apply_rotary_emb(split[:, heads : heads + kv_heads], fc)
+    v_ref = split[:, heads + kv_heads :].clone()
+    k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
+    k_cache_ref.view(-1, kv_heads, head_dim).index_copy_(0, slots, k_ref)
+    v_cache_ref.view(-1, kv_heads, head_dim).index_copy_(0, slots, v_ref)
+
+    kernels.rope_and_cache_write(qkv, heads, kv_heads, head_dim, positions, rope, slots, k_cache, v_cache, THREADS)
+
+    out = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    assert_close(out[:, :heads], q_ref, dtype)
+    assert_close(out[:, heads : heads + kv_heads], k_ref, dtype)
+    assert torch.equal(out[:, heads + kv_heads :], v_ref)  # v is copied, never rotated
+    # the written slots hold exactly qkv's (rotated) k and v; every other slot is untouched
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], out[:, heads : heads + kv_heads])
+    assert torch.equal(flat_v[slots], v_ref)
+    assert_close(k_cache, k_cache_ref, dtype)
+    others = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(flat_k[others], k_cache_ref.view(-1, kv_heads, head_dim)[others])
+    assert torch.equal(flat_v[others], v_cache_ref.view(-1, kv_heads, head_dim)[others])
+
+
+def test_rope_position_zero_is_identity(kernels):
+    """Position 0 rotates by angle 0: q and k come back exactly as they were."""
+    heads, kv_heads, head_dim = 2, 1, 8
+    rope = torch.view_as_real(precompute_freqs_cis(head_dim, 4, 10000.0, False))
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, generator=gen(1))
+    before = qkv.clone()
+    caches = torch.zeros(2, 2, kv_heads, head_dim), torch.zeros(2, 2, kv_heads, head_dim)
+    kernels.rope_and_cache_write(qkv, heads, kv_heads, head_dim, torch.tensor([0]), rope, torch.tensor([3]), *caches, 1)
+    assert torch.equal(qkv, before)
+    assert torch.equal(caches[0][1, 1], before[0, heads * head_dim : (heads + 1) * head_dim].view(1, head_dim))
+    assert torch.equal(caches[1][1, 1], before[0, (heads + 1) * head_dim :].view(1, head_dim))
+
+
+SEQ_LENS = [1, 15, 16, 17, 100]
+DECODE_ROWS = [8, 2, 5, 0, 7]  # in an output of 9 rows, not in order; rows 1, 3, 4, 6 are no decode's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 2, 64), (9, 3, 128), (4, 4, 64), (8, 1, 128)], ids=lambda v: str(v)
+)
+def test_paged_decode_attention(kernels, dtype, heads, kv_heads, head_dim):
+    g = gen(heads * 100 + kv_heads * 10 + head_dim)
+    block_size, num_rows = 16, 9
+    blocks_per_seq = [-(-n // block_size) for n in SEQ_LENS]
+    max_blocks, num_blocks = max(blocks_per_seq), sum(blocks_per_seq) + 5
+    # shuffled block ids: no sequence's blocks are adjacent or in order
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in blocks_per_seq:
+        tables.append([pool.pop() for _ in range(n)] + [0] * (max_blocks - n))  # padded with 0, as the runner does
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    rows = torch.tensor(DECODE_ROWS, dtype=torch.int64)
+
+    # caches: NaN wherever no sequence has a key, so a read outside a sequence shows
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for table, n in zip(tables, SEQ_LENS):
+        for t in range(n):
+            k_cache[table[t // block_size], t % block_size] = (2 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
+            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    width = (heads + 2 * kv_heads) * head_dim  # q rows strided by the whole qkv row
+    qkv = torch.randn(num_rows, width, generator=g).to(dtype)
+    out = torch.full((num_rows, heads * head_dim), 123.0, dtype=dtype)
+    scale = head_dim**-0.5
+
+    kernels.paged_decode_attention(qkv, out, rows, k_cache, v_cache, block_tables, seq_lens, heads, kv_heads, scale, THREADS)
+
+    n_rep = heads // kv_heads
+    for b, (row, n) in enumerate(zip(DECODE_ROWS, SEQ_LENS)):
+        ids = torch.tensor(tables[b][: blocks_per_seq[b]])
+        keys = k_cache[ids].reshape(-1, kv_heads, head_dim)[:n].double().repeat_interleave(n_rep, dim=1)
+        values = v_cache[ids].reshape(-1, kv_heads, head_dim)[:n].double().repeat_interleave(n_rep, dim=1)
+        q = qkv[row, : heads * head_dim].double().view(heads, head_dim)
+        weights = (torch.einsum("hd,khd->hk", q, keys) * scale).softmax(-1)
+        expected = torch.einsum("hk,khd->hd", weights, values).reshape(-1)
+        assert_close(out[row].double(), expected, dtype)
+    untouched = [r for r in range(num_rows) if r not in DECODE_ROWS]
+    assert (out[untouched] == 123.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_single_sequence_and_threads(kernels, dtype):
+    """One sequence (the serial branch) and the same batch at 1 and 2 threads agree exactly."""
+    g = gen(3)
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    k_cache = torch.randn(10, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(10, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    tables = torch.tensor([[9, 3, 5, 1], [2, 0, 0, 0], [4, 6, 7, 8]], dtype=torch.int32)
+    seq_lens = torch.tensor([60, 3, 64], dtype=torch.int32)
+    rows = torch.arange(3, dtype=torch.int64)
+    outs = []
+    for threads in (1, 2):
+        out = torch.empty(3, heads * head_dim, dtype=dtype)
+        kernels.paged_decode_attention(qkv, out, rows, k_cache, v_cache, tables, seq_lens, heads, kv_heads, 0.125, threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])  # one sequence per task: no reduction order depends on threads
+    single = torch.empty(1, heads * head_dim, dtype=dtype)
+    kernels.paged_decode_attention(
+        qkv[2:], single, torch.zeros(1, dtype=torch.int64), k_cache, v_cache, tables[2:], seq_lens[2:], heads, kv_heads, 0.125, 2
+    )  # fmt: skip
+    assert torch.equal(single[0], outs[0][2])
+
+
+# =========================================================================== the fused model
+BLOCK_SIZE = 8
+MAX_SEQ_LEN = 64
+NUM_BLOCKS = 40
+
+
+def build_model(checkpoint: Path, dtype: torch.dtype) -> Transformer:
+    """What the executor builds on CPU: weights in dtype, packed (wq|wk|wv and w1|w3 fused), RoPE."""
+    if not cpu_packing_available(dtype):
+        pytest.skip(f"oneDNN packing of {dtype} unavailable here: the fused path needs the fused linears")
+    spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    state = {k: v.to(dtype).clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}
+    with torch.device("meta"):
+        model = Transformer(spec.model_args, max_seq_len=MAX_SEQ_LEN)
+    model.load_state_dict(state, strict=True, assign=True)
+    assert pack_for_cpu(model, 1, dtype)
+    model.init_rope(torch.device("cpu"), dtype)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["float32", "bfloat16"])
+def fused_model(request, kernels, tiny_checkpoint):
+    model = build_model(tiny_checkpoint, request.param)
+    assert model.use_cpu_kernels(kernels)
+    assert model.cpu_kernels is kernels and model.rope_table is not None
+    return model
+
+
+def new_caches(model: Transformer):
+    dtype = model.norm.weight.dtype
+    return allocate_kv_caches(model.params, 1, NUM_BLOCKS, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
+
+
+class Allocator:
+    """Block ids handed out shuffled, so no sequence's blocks are adjacent."""
+
+    def __init__(self, seed: int) -> None:
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        while len(seq.block_table) * BLOCK_SIZE < num_tokens:
+            seq.block_table.append(self.free.pop())
+
+
+def step_inputs(seqs: list[Sequence], counts: list[int]) -> StepInputs:
+    inputs, _ = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
+    return dataclasses.replace(inputs, logits_indices=torch.arange(inputs.num_tokens))  # every row's logits
+
+
+class TwoPaths:
+    """One model run through the fused kernels and through torch on two copies of the KV cache;
+    every step's logits and caches compared."""
+
+    def __init__(self, model: Transformer, kernels: ck.CpuKernels) -> None:
+        self.model, self.kernels = model, kernels
+        self.dtype = model.norm.weight.dtype
+        self.fused_caches, self.torch_caches = new_caches(model), new_caches(model)
+        self.alloc = Allocator(seed=1)
+
+    def step(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        for seq, count in zip(seqs, counts):
+            self.alloc.grow(seq, seq.num_computed_tokens + count)
+        inputs = step_inputs(seqs, counts)
+        try:
+            self.model.cpu_kernels = self.kernels
+            fused = self.model(inputs, self.fused_caches)
+            self.model.cpu_kernels = None
+            plain = self.model(inputs, self.torch_caches)
+        finally:
+            self.model.cpu_kernels = self.kernels
+        assert fused.shape == plain.shape == (inputs.num_tokens, self.model.vocab_size)
+        assert fused.isfinite().all()
+        if self.dtype == torch.float32:
+            torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+            for (kf, vf), (kt, vt) in zip(self.fused_caches, self.torch_caches):
+                torch.testing.assert_close(kf, kt, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(vf, vt, atol=1e-5, rtol=1e-5)
+        else:  # bf16: same roundings, other summation orders; a few ulps over two layers
+            scale = float(plain.abs().max())
+            assert float((fused - plain).abs().max()) < 0.03 * scale  # ~1% seen
+            agree = (fused.argmax(-1) == plain.argmax(-1)).float().mean()
+            assert agree >= 0.9, f"argmax agrees on {agree:.0%} of rows"  # 100% seen; near-ties may flip
+            for (kf, vf), (kt, vt) in zip(self.fused_caches, self.torch_caches):
+                assert_close(kf, kt, torch.bfloat16)
+                assert_close(vf, vt, torch.bfloat16)
+        # advance the sequences, appending the fused path's greedy token where a chunk completes one
+        row = 0
+        for seq, count in zip(seqs, counts):
+            row += count
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(int(fused[row - 1].argmax()))
+        return fused
+
+
+def make_seqs(vocab: int, lengths: list[int], seed: int) -> list[Sequence]:
+    g = gen(seed)
+    params = SamplingParams(temperature=0.0)
+    return [Sequence(i, f"r{i}", torch.randint(0, vocab, (n,), generator=g).tolist(), n, params) for i, n in enumerate(lengths)]
+
+
+def test_fused_forward_matches_torch_prefill_decode_mixed(fused_model, kernels):
+    paths = TwoPaths(fused_model, kernels)
+    seqs = make_seqs(fused_model.vocab_size, [1, 7, 8, 9, 20, 30], seed=2)
+    a, b, c, d, e, long = seqs
+
+    # (a) prefill of several sequences (the 1-token prompt is attended as a decode, in between)
+    paths.step([b, a, c, d, e], [7, 1, 8, 9, 20])
+    # the long prompt's first chunk, next to decodes
+    paths.step([a, long, c], [1, 12, 1])
+    # (b) decode steps: every sequence decodes (the PagedDecodes fast path)
+    for _ in range(3):
+        paths.step([a, b, c, d, e], [1] * 5)
+    # (c) mixed: decodes around a prefill chunk with a cached prefix of 12 tokens; the decode rows
+    # are 0, 19 and 20, not contiguous
+    paths.step([a, long, c, e], [1, 18, 1, 1])
+    assert long.num_computed_tokens == 30
+    paths.step([long, d, b], [1, 1, 1])  # the long sequence now decodes across its blocks too
+    # a last chunk crossing a block boundary of a partially filled block, plus a decode
+    more = make_seqs(fused_model.vocab_size, [13], seed=3)[0]
+    more.seq_id = 6
+    paths.step([more], [5])
+    paths.step([more, a], [8, 1])
+
+
+def test_use_cpu_kernels_needs_fused_linears(kernels, tiny_checkpoint):
+    """Without pack_for_cpu's wq|wk|wv and w1|w3 fusion the model keeps the torch path."""
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    with torch.device("meta"):
+        model = Transformer(spec.model_args, max_seq_len=MAX_SEQ_LEN)
+    model.load_state_dict({k: v.clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}, strict=True, assign=True)
+    model.init_rope(torch.device("cpu"), torch.float32)
+    assert model.use_cpu_kernels(kernels) is False
+    assert model.cpu_kernels is None and model.rope_table is None
+
+
+# =========================================================================== index guards
+@pytest.fixture(scope="module")
+def model32(kernels, tiny_checkpoint):
+    model = build_model(tiny_checkpoint, torch.float32)
+    assert model.use_cpu_kernels(kernels)
+    return model
+
+
+def decode_batch(vocab: int) -> tuple[list[Sequence], StepInputs]:
+    """Two sequences decoding their 11th and 13th token (two blocks each), shuffled blocks."""
+    seqs = make_seqs(vocab, [11, 13], seed=4)
+    alloc = Allocator(seed=5)
+    for seq in seqs:
+        alloc.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+    return seqs, step_inputs(seqs, [1, 1])
+
+
+def assert_rejected(model: Transformer, inputs: StepInputs, what: str) -> None:
+    caches = new_caches(model)
+    for k, v in caches:
+        k.normal_(generator=gen(6))
+        v.normal_(generator=gen(7))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    with pytest.raises(ValueError, match=what):
+        model(inputs, caches)
+    for (k, v), (k0, v0) in zip(caches, before):  # raised before any kernel wrote a slot
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_valid_decode_batch_runs(model32):
+    _, inputs = decode_batch(model32.vocab_size)
+    assert model32(inputs, new_caches(model32)).isfinite().all()
+
+
+@pytest.mark.parametrize("slot", [NUM_BLOCKS * BLOCK_SIZE, NUM_BLOCKS * BLOCK_SIZE + 1000, -1])
+def test_out_of_range_slot_raises(model32, slot):
+    _, inputs = decode_batch(model32.vocab_size)
+    slots = inputs.slot_mapping.clone()
+    slots[1] = slot
+    assert_rejected(model32, dataclasses.replace(inputs, slot_mapping=slots), "KV slot")
+
+
+@pytest.mark.parametrize("position", [MAX_SEQ_LEN, 10**6, -1])
+def test_out_of_range_position_raises(model32, position):
+    _, inputs = decode_batch(model32.vocab_size)
+    positions = inputs.positions.clone()
+    positions[0] = position
+    assert_rejected(model32, dataclasses.replace(inputs, positions=positions), "position")
+
+
+@pytest.mark.parametrize("block_id", [NUM_BLOCKS, -3])
+def test_out_of_range_block_id_raises(model32, block_id):
+    _, inputs = decode_batch(model32.vocab_size)
+    tables = inputs.block_tables.clone()
+    tables[1, 0] = block_id
+    assert_rejected(model32, dataclasses.replace(inputs, block_tables=tables), "KV block id")
+
+
+def test_out_of_range_slot_in_prefill_raises(model32):
+    seqs = make_seqs(model32.vocab_size, [6], seed=8)
+    Allocator(seed=9).grow(seqs[0], 6)
+    inputs = step_inputs(seqs, [6])
+    slots = inputs.slot_mapping.clone()
+    slots[-1] = NUM_BLOCKS * BLOCK_SIZE
+    assert_rejected(model32, dataclasses.replace(inputs, slot_mapping=slots), "KV slot")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: _check_indices does not bound seq_lens by the block table's width; the decode kernel "
+    "then reads block ids past the sequence's table row (here the next row's; for the last row, past "
+    "the tensor) and attends to another sequence's K/V instead of raising",
+)
+def test_seq_len_beyond_block_table_raises(model32, kernels):
+    """The torch path cannot run this batch (RuntimeError); the fused one must not read past the table."""
+    _, inputs = decode_batch(model32.vocab_size)
+    seq_lens = inputs.seq_lens.clone()
+    seq_lens[0] = 3 * BLOCK_SIZE  # the table row has 2 blocks
+    bad = dataclasses.replace(inputs, seq_lens=seq_lens)
+    caches = new_caches(model32)
+    model32.cpu_kernels = None
+    try:
+        with pytest.raises(RuntimeError):
+            model32(bad, caches)
+    finally:
+        model32.cpu_kernels = kernels
+    with pytest.raises((ValueError, RuntimeError)):
+        model32(bad, new_caches(model32))
+
+
+# =========================================================================== building and falling back
+def fake_compiler(tmp_path: Path, *, version_ok: bool = True) -> str:
+    """A `cc` that answers --version but fails every compile (or fails both)."""
+    script = tmp_path / "fake-cc"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = --version ]; then echo "fake-cc 1.0"; exit {0 if version_ok else 3}; fi\n'
+        'echo "fake-cc: error: cannot compile" >&2\nexit 1\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+@pytest.mark.parametrize("compiler", ["false", "/nonexistent/cc", "fake-fails-compile", "fake-fails-version"])
+def test_failed_build_returns_none_and_warns(tmp_path, monkeypatch, caplog, compiler):
+    if compiler.startswith("fake"):
+        compiler = fake_compiler(tmp_path, version_ok=compiler == "fake-fails-compile")
+    monkeypatch.setenv("CC", compiler)
+    cache_dir = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        assert ck.load_cpu_kernels.__wrapped__(cache_dir) is None
+    assert "fused CPU kernels unavailable" in caplog.text
+    if cache_dir.exists():  # made only once the key is known: no .so, and no temporary build dir left
+        assert list(cache_dir.iterdir()) == []
+
+
+def test_cached_loader_falls_back_through_env(tmp_path, monkeypatch, caplog):
+    """load_cpu_kernels() itself (functools.cache'd), with CC and the cache dir from the environment."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv(ck.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    ck.load_cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+            assert ck.load_cpu_kernels() is None
+        assert "fused CPU kernels unavailable" in caplog.text
+    finally:
+        ck.load_cpu_kernels.cache_clear()
+
+
+def test_no_kernels_keeps_the_torch_path(tiny_checkpoint):
+    model = build_model(tiny_checkpoint, torch.float32)
+    assert model.use_cpu_kernels(None) is False
+    assert model.cpu_kernels is None and model.rope_table is None
+    seqs = make_seqs(model.vocab_size, [5, 1], seed=10)
+    alloc = Allocator(seed=11)
+    for seq in seqs:
+        alloc.grow(seq, seq.num_tokens)
+    logits = model(step_inputs(seqs, [5, 1]), new_caches(model))
+    assert logits.shape == (6, model.vocab_size) and logits.isfinite().all()
+
+
+def test_build_reuses_the_cached_library(tmp_path, monkeypatch):
+    if ck.load_cpu_kernels() is None:
+        pytest.skip("no working C compiler here")
+    cache_dir = tmp_path / "cache"
+    first = ck._build(cache_dir)
+    assert first.parent == cache_dir and first.name.startswith("cpu_kernels-") and first.suffix == ".so"
+    mtime = first.stat().st_mtime_ns
+    assert [p.name for p in cache_dir.iterdir()] == [first.name]  # no temporary build dir left behind
+
+    calls: list[list[str]] = []
+    real_run = subprocess.run
+
+    def recording_run(cmd, *args, **kwargs):
+        calls.append(list(cmd))
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(ck.subprocess, "run", recording_run)
+    second = ck._build(cache_dir)
+    assert second == first and second.stat().st_mtime_ns == mtime
+    assert all("--version" in cmd for cmd in calls), f"recompiled: {calls}"  # only the key's version query
+    assert ck.CpuKernels(ctypes.CDLL(str(second))) is not None
+
+
+def test_build_key_depends_on_the_compiler(tmp_path):
+    if ck.load_cpu_kernels() is None:
+        pytest.skip("no working C compiler here")
+    assert ck._build_key(ck._compiler()) == ck._build_key(ck._compiler())
+    assert ck._build_key(fake_compiler(tmp_path)) != ck._build_key(ck._compiler())
+
+
+# =========================================================================== the executor's switch
+def make_executor(checkpoint: Path, dtype: str, **kw) -> ModelExecutor:
+    spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    config = EngineConfig(dtype=dtype, block_size_tokens=BLOCK_SIZE, max_batch_size=4, **kw)
+    return ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN)
+
+
+def test_executor_cpu_kernels_switch(kernels, tiny_checkpoint):
+    on = make_executor(tiny_checkpoint, "float32")
+    off = make_executor(tiny_checkpoint, "float32", cpu_kernels=False)
+    try:
+        assert EngineConfig().cpu_kernels is True
+        assert on._shard.model.cpu_kernels is not None
+        assert off._shard.model.cpu_kernels is None
+        seqs = make_seqs(on.vocab_size, [9, 1, 4], seed=12)
+        alloc = Allocator(seed=13)
+        for seq in seqs:
+            alloc.grow(seq, seq.num_tokens)
+        inputs = step_inputs(seqs, [9, 1, 4])
+        torch.testing.assert_close(on.execute(inputs), off.execute(inputs), atol=1e-4, rtol=1e-4)
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+def test_executor_float64_keeps_torch_path(kernels, tiny_checkpoint):
+    executor = make_executor(tiny_checkpoint, "float64")
+    try:
+        assert executor._shard.model.cpu_kernels is None
+    finally:
+        executor.shutdown()
