@@ -256,10 +256,17 @@ class FusedStep:
 def _check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
     """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
     (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
-    ranges = [(inputs.positions, num_positions, "position"), (inputs.slot_mapping, num_blocks * block_size, "KV slot")]
+    ranges = [(inputs.positions, num_positions, "position", torch.int64), (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64)]
     if meta.paged is not None:
-        ranges.append((meta.paged.block_tables, num_blocks, "KV block id"))
-    for values, limit, what in ranges:
+        paged = meta.paged
+        ranges += [
+            (paged.block_tables, num_blocks, "KV block id", torch.int32),
+            (paged.seq_lens - 1, paged.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
+            (paged.rows, inputs.num_tokens, "decode row", torch.int64),
+        ]  # fmt: skip
+    for values, limit, what, dtype in ranges:
+        if values.dtype != dtype or not values.is_contiguous():
+            raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
         low, high = torch.aminmax(values)
         if low < 0 or high >= limit:
             raise ValueError(f"a {what} is outside [0, {limit}): {int(low)}..{int(high)}")

@@ -461,12 +461,6 @@ def test_out_of_range_slot_in_prefill_raises(model32):
     assert_rejected(model32, dataclasses.replace(inputs, slot_mapping=slots), "KV slot")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _check_indices does not bound seq_lens by the block table's width; the decode kernel "
-    "then reads block ids past the sequence's table row (here the next row's; for the last row, past "
-    "the tensor) and attends to another sequence's K/V instead of raising",
-)
 def test_seq_len_beyond_block_table_raises(model32, kernels):
     """The torch path cannot run this batch (RuntimeError); the fused one must not read past the table."""
     _, inputs = decode_batch(model32.vocab_size)
@@ -480,7 +474,15 @@ def test_seq_len_beyond_block_table_raises(model32, kernels):
             model32(bad, caches)
     finally:
         model32.cpu_kernels = kernels
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(ValueError, match="decode length"):
+        model32(bad, new_caches(model32))
+
+
+def test_index_dtype_mismatch_raises(model32):
+    """The C kernels read positions as int64: int32 positions must be refused, not misread."""
+    _, inputs = decode_batch(model32.vocab_size)
+    bad = dataclasses.replace(inputs, positions=inputs.positions.to(torch.int32))
+    with pytest.raises(ValueError, match="contiguous torch.int64"):
         model32(bad, new_caches(model32))
 
 
