@@ -59,7 +59,7 @@ static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float t = x * 1.44269504088896341f;
-    float k = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float k = __builtin_rintf(t); /* to nearest (vectorizes as a round instruction) */
     float f = t - k;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
@@ -166,12 +166,97 @@ void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, in
  * One query token per sequence, attending to its seq_lens[b] cached keys read in place through
  * its block table. q rows are rows[b] of q (row stride q_stride elements, heads * head_dim used),
  * output rows are rows[b] of out [*, heads * head_dim]. Caches [num_blocks, block_size, kv_heads,
- * head_dim]. One task per sequence, walking its blocks in order: a block's keys for all KV heads
- * are one contiguous run of memory, streamed once per pass (scores, then the weighted sum of
- * values), and the next block is prefetched while this one is used, since the cache was evicted
- * by the layer's weights and a decode step is bound by how fast it is read back. */
+ * head_dim].
+ *
+ * Work is split into tasks of whole blocks: one per sequence, or with fewer sequences than twice
+ * the threads, a sequence's blocks in a few ranges (flash-decoding), merged afterwards with their
+ * softmax maxima and sums. A task walks its blocks in order: a slot's keys for all KV heads are one
+ * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched,
+ * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
+#define MIN_BLOCKS_PER_TASK 4
+
 static inline void prefetch_block(const char *block, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 0);
+}
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    const int32_t *table;
+    int64_t heads, n_rep, block_size, slot_elems; /* slot_elems = kv_heads * head_dim */
+    size_t slot_bytes;
+    int bf16;
+} AttendArgs;
+
+/* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
+ * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
+ * Loops run block outermost (a block is one contiguous run: read in order, the next one prefetched),
+ * then KV head, then the query heads sharing it: a block's keys (or values) of one KV head come from
+ * memory once and from L1 for the other query heads, and each head's running sum stays in
+ * registers over the block. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const AttendArgs *a, const float *qf, int64_t len, int64_t blk_begin, int64_t blk_end, const int64_t D,
+    float *scores, float *max_out, float *sum_out, float *acc) {
+    const int64_t heads = a->heads, n_rep = a->n_rep, bs = a->block_size, first_key = blk_begin * bs;
+    const int64_t last_key = blk_end * bs < len ? blk_end * bs : len, n_keys = last_key - first_key;
+    const int64_t kv_heads = heads / n_rep, es = a->bf16 ? 2 : 4;
+    const size_t block_bytes = a->slot_bytes * bs;
+    float conv[bs][D]; /* bfloat16: one block of one KV head in float32 */
+    for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
+        const char *cache = pass == 0 ? a->k_cache : a->v_cache;
+        if (pass == 1) {
+            for (int64_t h = 0; h < heads; h++) {
+                float *s = scores + h * n_keys, max = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < n_keys; t++) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n_keys; t++) {
+                    /* below e^-46 a weight is < 1e-20 of the largest: dropping it changes no float
+                     * sum, and keeps denormal products (slow on x86) out of the loop */
+                    s[t] = s[t] - max < -46.0f ? 0.0f : exp_approx(s[t] - max);
+                    sum += s[t];
+                }
+                max_out[h] = max;
+                sum_out[h] = sum;
+                memset(acc + h * D, 0, (size_t)D * sizeof(float));
+            }
+        }
+        for (int64_t blk = blk_begin; blk < blk_end; blk++) {
+            if (blk + 1 < blk_end) prefetch_block(cache + (size_t)a->table[blk + 1] * block_bytes, block_bytes);
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const char *block = cache + (size_t)a->table[blk] * block_bytes + (size_t)(g * D * es);
+                const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
+                const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
+                int64_t stride = a->slot_elems;
+                if (a->bf16) {
+                    for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
+                    rows_f32 = &conv[0][0];
+                    stride = D;
+                }
+                for (int64_t h = g * n_rep; h < (g + 1) * n_rep; h++) {
+                    if (pass == 0) {
+                        const float *qh = qf + h * D;
+                        float *s = scores + h * n_keys + t0;
+                        for (int64_t j = 0; j < n; j++) {
+                            const float *kv = rows_f32 + j * stride;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t i = 0; i < D; i++) dot += qh[i] * kv[i];
+                            s[j] = dot;
+                        }
+                    } else {
+                        const float *p = scores + h * n_keys + t0;
+                        float sum[D];
+                        memcpy(sum, acc + h * D, sizeof(sum));
+                        for (int64_t j = 0; j < n; j++) {
+                            const float *kv = rows_f32 + j * stride, w = p[j];
+#pragma omp simd
+                            for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
+                        }
+                        memcpy(acc + h * D, sum, sizeof(sum));
+                    }
+                }
+            }
+        }
+    }
 }
 
 void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
@@ -179,71 +264,69 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
                             int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     const size_t es = elem_size(bf16);
-    const int64_t n_rep = heads / kv_heads, slot_elems = kv_heads * head_dim;
-    const size_t slot_bytes = (size_t)slot_elems * es, block_bytes = slot_bytes * block_size;
+    const int64_t D = head_dim;
+    /* tasks: sequence b owns tasks [task_begin[b], task_begin[b + 1]), each a range of its blocks */
+    const int64_t want_splits = num_seqs < 2 * num_threads ? (2 * num_threads + num_seqs - 1) / num_seqs : 1;
+    int64_t *task_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
     int64_t total_keys = 0;
-    for (int64_t b = 0; b < num_seqs; b++) total_keys += seq_lens[b];
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_seqs > 1 && total_keys * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    task_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t len = seq_lens[b], num_blocks = (len + block_size - 1) / block_size;
-        const int32_t *table = block_tables + b * max_blocks;
-        float *scores = malloc((size_t)(heads * len) * sizeof(float)); /* [heads][len] */
-        float qf[heads][head_dim], acc[heads][head_dim], conv[slot_elems];
+        const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+        const int64_t most = (blocks + MIN_BLOCKS_PER_TASK - 1) / MIN_BLOCKS_PER_TASK;
+        task_begin[b + 1] = task_begin[b] + (want_splits < most ? want_splits : most);
+        total_keys += seq_lens[b];
+    }
+    const int64_t tasks = task_begin[num_seqs], part = heads * (D + 2); /* per task: max, sum, acc */
+    float *parts = malloc((size_t)(tasks * part) * sizeof(float));
+    const AttendArgs args = {(const char *)k_cache, (const char *)v_cache, NULL, heads, heads / kv_heads, block_size,
+                             kv_heads * D, (size_t)kv_heads * D * es, bf16};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = 0;
+        while (task_begin[b + 1] <= task) b++;
+        const int64_t splits = task_begin[b + 1] - task_begin[b], split = task - task_begin[b];
+        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
+        const int64_t blk_begin = blocks * split / splits, blk_end = blocks * (split + 1) / splits;
+        AttendArgs a = args;
+        a.table = block_tables + b * max_blocks;
+        float qf[heads * D];
         const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
-        for (int64_t h = 0; h < heads; h++) {
-            load_row(qf[h], q_row + (size_t)h * head_dim * es, head_dim, bf16);
+        load_row(qf, q_row, heads * D, bf16);
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; i++) qf[h][i] *= scale;
-        }
-        for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
-            const char *cache = pass == 0 ? (const char *)k_cache : (const char *)v_cache;
-            if (pass == 1) {
-                for (int64_t h = 0; h < heads; h++) {
-                    float *s = scores + h * len, max = -INFINITY, sum = 0.0f;
-                    for (int64_t t = 0; t < len; t++) max = s[t] > max ? s[t] : max;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t t = 0; t < len; t++) {
-                        /* below e^-46 a weight is < 1e-20 of the largest: dropping it changes no
-                         * float sum, and keeps denormal products (slow on x86) out of the loop */
-                        s[t] = s[t] - max < -46.0f ? 0.0f : exp_approx(s[t] - max);
-                        sum += s[t];
-                    }
-                    const float inv_sum = 1.0f / sum;
-#pragma omp simd
-                    for (int64_t t = 0; t < len; t++) s[t] *= inv_sum;
-                    memset(acc[h], 0, sizeof(acc[h]));
-                }
-            }
-            for (int64_t blk = 0; blk < num_blocks; blk++) {
-                const char *block = cache + (size_t)table[blk] * block_bytes;
-                if (blk + 1 < num_blocks) prefetch_block(cache + (size_t)table[blk + 1] * block_bytes, block_bytes);
-                const int64_t first = blk * block_size, n = len - first < block_size ? len - first : block_size;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *slot;
-                    if (bf16) {
-                        load_row(conv, block + (size_t)j * slot_bytes, slot_elems, 1);
-                        slot = conv;
-                    } else {
-                        slot = (const float *)(block + (size_t)j * slot_bytes);
-                    }
-                    for (int64_t h = 0; h < heads; h++) {
-                        const float *kv = slot + (h / n_rep) * head_dim;
-                        if (pass == 0) {
-                            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                            for (int64_t i = 0; i < head_dim; i++) dot += qf[h][i] * kv[i];
-                            scores[h * len + first + j] = dot;
-                        } else {
-                            const float p = scores[h * len + first + j];
-#pragma omp simd
-                            for (int64_t i = 0; i < head_dim; i++) acc[h][i] += p * kv[i];
-                        }
-                    }
-                }
-            }
-        }
-        char *out_row = (char *)out + (size_t)rows[b] * heads * head_dim * es;
-        for (int64_t h = 0; h < heads; h++) store_row(out_row + (size_t)h * head_dim * es, acc[h], head_dim, bf16);
+        for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
+        float *scores = malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+        float *mine = parts + task * part;
+        if (D == 64)
+            attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads);
+        else if (D == 128)
+            attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads);
+        else
+            attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads);
         free(scores);
     }
+    for (int64_t b = 0; b < num_seqs; b++) { /* merge each sequence's ranges; normalise */
+        char *out_row = (char *)out + (size_t)rows[b] * heads * D * es;
+        float merged[D];
+        for (int64_t h = 0; h < heads; h++) {
+            float max = -INFINITY, sum = 0.0f;
+            for (int64_t task = task_begin[b]; task < task_begin[b + 1]; task++) {
+                const float m = parts[task * part + h];
+                max = m > max ? m : max;
+            }
+            memset(merged, 0, sizeof(merged));
+            for (int64_t task = task_begin[b]; task < task_begin[b + 1]; task++) {
+                const float *p = parts + task * part;
+                const float weight = expf(p[h] - max), *acc = p + 2 * heads + h * D;
+                sum += weight * p[heads + h];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) merged[i] += weight * acc[i];
+            }
+            const float inv_sum = 1.0f / sum;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) merged[i] *= inv_sum;
+            store_row(out_row + (size_t)h * D * es, merged, D, bf16);
+        }
+    }
+    free(parts);
+    free(task_begin);
 }
