@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
 from engine.model import Transformer, allocate_kv_caches  # noqa: E402
-from engine.quantization import pack_for_cpu  # noqa: E402
+from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
+from engine.quantization import PackedCpuLinear, cpu_packing_available, pack_for_cpu  # noqa: E402
 from engine.runner import build_step_inputs  # noqa: E402
 from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
@@ -64,9 +65,15 @@ class Roofline:
 
 
 def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024) -> float:
+    """The machine's matmul rate: the better of torch.mm (MKL) and oneDNN on a pre-packed weight.
+    On AMD CPUs MKL takes a slower code path: here oneDNN runs fp32 at ~2.3x MKL's rate (430 vs
+    185 GFLOP/s on 2 cores), so a roofline from torch.mm alone would be one engines can beat."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     reps = 4
     seconds = best_of(lambda: [torch.mm(a, b) for _ in range(reps)], repeats=5)
+    if cpu_packing_available(dtype):
+        packed = PackedCpuLinear.pack(b, None)
+        seconds = min(seconds, best_of(lambda: [packed(a) for _ in range(reps)], repeats=5))
     return 2 * n**3 * reps / seconds
 
 
@@ -97,6 +104,8 @@ class Bench:
         if pack:  # what ModelExecutor does on CPU
             pack_for_cpu(model, 1, dtype)
         model.init_rope(torch.device("cpu"), dtype)
+        if pack:  # and the fused kernels, as the executor does
+            model.use_cpu_kernels(load_cpu_kernels())
         caches = allocate_kv_caches(args, 1, num_blocks, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
         return cls(args, dtype, model, caches)
 
@@ -143,12 +152,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of oneDNN packed weights")
+    parser.add_argument("--no-pack", action="store_true", help="the plain torch path: F.linear instead of oneDNN packed weights, no fused CPU kernels")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     batches = [int(b) for b in opts.batches.split(",")]
-    packing = "plain F.linear" if opts.no_pack else "oneDNN packed weights"
+    packing = "plain F.linear, torch ops" if opts.no_pack else "oneDNN packed weights, fused CPU kernels"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {packing}; shared machine: numbers are noisy")
     roofline = Roofline()
     results = []
