@@ -297,7 +297,7 @@ async def main_async(args: argparse.Namespace) -> int:
     roof = roofline(demo.checkpoint_dir)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (others' work on these cores skews both servers)")
     print(
-        f"roofline ({THREADS} threads): read bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {roof["flops"] / 1e9:.1f} GFLOP/s (best of MKL, oneDNN); "
+        f"roofline ({THREADS} threads): read bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {roof['flops'] / 1e9:.1f} GFLOP/s (best of MKL, oneDNN); "
         f"weights {roof['weight_bytes'] / 1e6:.0f} MB -> batch-1 decode bound {roof['bandwidth'] / roof['weight_bytes']:.1f} tok/s; "
         f"workload compute bound {workload_bound_tokens_per_s(roof, args.prompt_tokens, args.output_tokens):.1f} output tok/s"
     )
