@@ -1,7 +1,7 @@
 """The demo model (SmolLM2-135M-Instruct, float32) served by llamaserve and by llama.cpp's
 llama-server on the same weights, one server at a time, in one run (a script, not a test).
 
-    python bench/demo_vs_llamacpp.py [--streams 1,8,32] [--prompt-tokens 128] [--output-tokens 64]
+    python bench/demo_vs_llamacpp.py [--streams 1,8,32] [--prompt-tokens 128] [--output-tokens 64] [--rounds 3]
                                      [--llama-server PATH] [--f32-gguf PATH] [--skip-llamacpp] [--exact-check]
 
 Workload: N concurrent streaming /v1/completions requests, each a distinct prompt of
@@ -10,7 +10,10 @@ connection per request. Reported per server and N: total output tokens/s, time p
 (TPOT) and time to first token (TTFT) p50, each beside this machine's roofline measured in the same
 run: batch 1 decode against weight bytes / read bandwidth; the whole workload against its matmul
 FLOPs (2 x parameters per token, prompt tokens skipping the output head) / matmul FLOP/s. Then
-llamaserve / llama-server ratios. Targets (issue 9): at 32 streams >= 1.3x llama-server's output
+llamaserve / llama-server ratios. The two servers alternate for --rounds rounds (each started,
+measured at every N, stopped); figures are medians over rounds, and each ratio is taken within a
+round, then the median (with its range): this machine's speed drifts by tens of percent between
+minutes, so one back-to-back pair can be off either way. Targets (issue 9): at 32 streams >= 1.3x llama-server's output
 tokens/s; at 1 stream a TPOT within 1.1x of llama-server's. Also checked against llama-server: our
 tokenizer.json (its /tokenize) and, with --exact-check, greedy chat tokens in float32.
 
@@ -265,31 +268,67 @@ async def check_exact_tokens(binary: Path, gguf: Path, checkpoint_dir: Path, new
 
 
 # --------------------------------------------------------------------------- report
-def report(name: str, runs: dict[int, Run], roof: dict[str, float], prompt_tokens: int, output_tokens: int) -> None:
+Rounds = list[dict[int, Run]]  # per round: streams -> that round's run
+
+
+def report(name: str, rounds: Rounds, roof: dict[str, float], prompt_tokens: int, output_tokens: int) -> None:
+    """Medians over rounds of each round's figures."""
     decode_bound = roof["bandwidth"] / roof["weight_bytes"]
     workload_bound = workload_bound_tokens_per_s(roof, prompt_tokens, output_tokens)
-    print(f"\n{name}")
+    print(f"\n{name} (median of {len(rounds)} rounds)")
     print(f"  {'streams':>7} {'out tok/s':>10} {'of compute':>10} {'TPOT p50':>9} {'decode tok/s':>12} {'of bandwidth':>12} {'TTFT p50':>9}")
-    for n, run in runs.items():
-        tpot = statistics.median(run.tpot_s)
+    for n in rounds[0]:
+        tput = statistics.median(r[n].output_tokens_per_s for r in rounds)
+        tpot = statistics.median(statistics.median(r[n].tpot_s) for r in rounds)
+        ttft = statistics.median(statistics.median(r[n].ttft_s) for r in rounds)
         print(
-            f"  {n:>7} {run.output_tokens_per_s:>10.1f} {run.output_tokens_per_s / workload_bound:>10.1%} {tpot * 1e3:>7.1f}ms"
-            f" {1 / tpot:>12.1f} {1 / tpot / decode_bound:>12.1%} {statistics.median(run.ttft_s):>8.2f}s"
+            f"  {n:>7} {tput:>10.1f} {tput / workload_bound:>10.1%} {tpot * 1e3:>7.1f}ms"
+            f" {1 / tpot:>12.1f} {1 / tpot / decode_bound:>12.1%} {ttft:>8.2f}s"
         )
 
 
-def compare(ours: dict[int, Run], theirs: dict[int, Run]) -> None:
-    print("\nllamaserve / llama-server")
-    for n in ours:
-        if n in theirs:
-            tput = ours[n].output_tokens_per_s / theirs[n].output_tokens_per_s
-            tpot = statistics.median(ours[n].tpot_s) / statistics.median(theirs[n].tpot_s)
-            target = "  (target >= 1.3x)" if n == 32 else "  (target TPOT <= 1.1x)" if n == 1 else ""
-            print(f"  {n:>2} streams: output tok/s x{tput:.2f}, TPOT x{tpot:.2f}{target}")
+def compare(ours: Rounds, theirs: Rounds) -> None:
+    """Ratios within each round (the two servers measured back to back), then their median: the
+    machine's speed drifts by tens of percent from minute to minute, a ratio of neighbours less."""
+    print("\nllamaserve / llama-server (median over rounds, [min, max])")
+    for n in ours[0]:
+        if n not in theirs[0]:
+            continue
+        tputs = [o[n].output_tokens_per_s / t[n].output_tokens_per_s for o, t in zip(ours, theirs)]
+        tpots = [statistics.median(o[n].tpot_s) / statistics.median(t[n].tpot_s) for o, t in zip(ours, theirs)]
+        target = "  (target >= 1.3x)" if n == 32 else "  (target TPOT <= 1.1x)" if n == 1 else ""
+        print(
+            f"  {n:>2} streams: output tok/s x{statistics.median(tputs):.2f} [{min(tputs):.2f}, {max(tputs):.2f}], "
+            f"TPOT x{statistics.median(tpots):.2f} [{min(tpots):.2f}, {max(tpots):.2f}]{target}"
+        )
+
+
+async def measure_server(name: str, peer: Path | None, args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path,
+                         levels: list[int], *, check_tokens: bool) -> dict[int, Run] | None:
+    """Start one server, run every level against it, stop it."""
+    from engine.demo import DEMO_MODEL_ID
+
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False) as log:
+        if peer is None:
+            process, ready, model = start_ours(port, cache_dir, log), "/ready", DEMO_MODEL_ID
+        else:
+            gguf = Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir)
+            process, ready, model = start_llama_server(peer, gguf, port, log, args.peer_args.split()), "/health", "smollm2"
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", ready, process)
+            if check_tokens:
+                await check_tokenizer(f"http://127.0.0.1:{port}", checkpoint_dir)
+            return await bench_server(f"http://127.0.0.1:{port}", model, levels, args.prompt_tokens, args.output_tokens)
+        except RuntimeError as exc:
+            print(f"{name}: {exc} (log: {log.name})")
+            return None
+        finally:
+            stop(process)
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from engine.demo import DEMO_MODEL_ID, default_cache_dir, ensure_demo_checkpoint
+    from engine.demo import default_cache_dir, ensure_demo_checkpoint
 
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     demo = ensure_demo_checkpoint(cache_dir)
@@ -301,34 +340,24 @@ async def main_async(args: argparse.Namespace) -> int:
         f"weights {roof['weight_bytes'] / 1e6:.0f} MB -> batch-1 decode bound {roof['bandwidth'] / roof['weight_bytes']:.1f} tok/s; "
         f"workload compute bound {workload_bound_tokens_per_s(roof, args.prompt_tokens, args.output_tokens):.1f} output tok/s"
     )
-    results: dict[str, dict[int, Run]] = {}
-    servers = [("llamaserve", None)]
+    servers: list[tuple[str, Path | None]] = [("llamaserve", None)]
     binary = Path(args.llama_server or os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER).expanduser()
     if not args.skip_llamacpp:
         if binary.is_file():
             servers.append(("llama-server", binary))
         else:
             print(f"llama-server not found at {binary}: build it with ../shared/peers/build_llama_server.sh (or pass --skip-llamacpp)")
-    for name, peer in servers:
-        port = free_port()
-        with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False) as log:
-            if peer is None:
-                process, ready, model = start_ours(port, cache_dir, log), "/ready", DEMO_MODEL_ID
-            else:
-                gguf = Path(args.f32_gguf) if args.f32_gguf else make_f32_gguf(cache_dir)
-                process, ready, model = start_llama_server(peer, gguf, port, log, args.peer_args.split()), "/health", "smollm2"
-            try:
-                await wait_ready(f"http://127.0.0.1:{port}", ready, process)
-                if peer is not None:
-                    await check_tokenizer(f"http://127.0.0.1:{port}", demo.checkpoint_dir)
-                results[name] = await bench_server(f"http://127.0.0.1:{port}", model, levels, args.prompt_tokens, args.output_tokens)
-            except RuntimeError as exc:
-                print(f"{name}: {exc} (log: {log.name})")
-            finally:
-                stop(process)
-        if name in results:
-            report(name, results[name], roof, args.prompt_tokens, args.output_tokens)
-    if "llamaserve" in results and "llama-server" in results:
+    results: dict[str, Rounds] = {name: [] for name, _ in servers}
+    for round_index in range(args.rounds):  # the servers alternate, one at a time
+        for name, peer in servers:
+            runs = await measure_server(name, peer, args, cache_dir, demo.checkpoint_dir, levels,
+                                        check_tokens=peer is not None and round_index == 0)  # fmt: skip
+            if runs is None:
+                return 1
+            results[name].append(runs)
+    for name, rounds in results.items():
+        report(name, rounds, roof, args.prompt_tokens, args.output_tokens)
+    if len(results) == 2:
         compare(results["llamaserve"], results["llama-server"])
     print(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.exact_check and len(servers) > 1:
@@ -346,6 +375,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER or {DEFAULT_LLAMA_SERVER})")
     parser.add_argument("--f32-gguf", default=None, help="F32 GGUF of the demo weights (default: made once into the cache)")
     parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only")
+    parser.add_argument("--rounds", type=int, default=3, help="times each server is started and measured, alternating")
     parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. '--poll 0' on a busy machine")
     parser.add_argument("--exact-check", action="store_true", help="also compare greedy chat tokens with llama-server in float32")
     sys.exit(asyncio.run(main_async(parser.parse_args())))
