@@ -101,11 +101,12 @@ class Bench:
         with torch.device("meta"):
             model = Transformer(args, max_seq_len=CONTEXT_TOKENS + PREFILL_TOKENS + 64)
         model.load_state_dict(random_state_dict(args, seed=0, dtype=dtype), assign=True)
-        if pack:  # what ModelExecutor does on CPU
-            pack_for_cpu(model, 1, dtype)
+        kernels = load_cpu_kernels() if pack else None
+        if pack:  # what ModelExecutor does on CPU: packed weights and the fused kernels
+            pack_for_cpu(model, 1, dtype, kernels)
         model.init_rope(torch.device("cpu"), dtype)
-        if pack:  # and the fused kernels, as the executor does
-            model.use_cpu_kernels(load_cpu_kernels())
+        if pack:
+            model.use_cpu_kernels(kernels)
         caches = allocate_kv_caches(args, 1, num_blocks, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
         return cls(args, dtype, model, caches)
 

@@ -49,6 +49,8 @@ _SIGNATURES = {
     # dtype, q, q_stride, out, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
     # heads, kv_heads, head_dim, block_size, scale, threads
     "paged_decode_attention": (_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32),
+    # dtype, x, weight (interleaved), out, rows, n, k, threads
+    "interleaved_linear": (_i32, _p, _p, _p, _i64, _i64, _i64, _i32),
 }
 
 
@@ -102,6 +104,20 @@ class CpuKernels:
             v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.shape[0],
             heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
+
+
+    @staticmethod
+    def interleave(weight: torch.Tensor) -> torch.Tensor:
+        """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16)."""
+        n, k = weight.shape
+        return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
+
+    def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+        """x [rows, k] @ W^T with W as interleave() made it: [rows, n]."""
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0] * 16, dtype=x.dtype)
+        self._lib.interleaved_linear(_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
+        return out
 
 
 def default_cache_dir() -> Path:

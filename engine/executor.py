@@ -81,12 +81,13 @@ class RankShard:
             raise CheckpointError(f"{spec.checkpoint_dir}: {exc}") from None
         del state
         quantize_model(model, config.quantization, mp_size)
-        if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype):
+        kernels = load_cpu_kernels() if device.type == "cpu" and config.cpu_kernels and supports_cpu_kernels(dtype) else None
+        if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype, kernels):
             log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
         model.init_rope(device, dtype)
-        if device.type == "cpu" and config.cpu_kernels and supports_cpu_kernels(dtype):
-            fused = model.use_cpu_kernels(load_cpu_kernels())
-            log.info("rank %d: fused CPU kernels %s", rank, "on" if fused else "unavailable; torch path")
+        if kernels is not None:
+            fused = model.use_cpu_kernels(kernels)
+            log.info("rank %d: fused CPU kernels %s", rank, "on" if fused else "not usable by this model; torch path")
         model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info(

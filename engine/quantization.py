@@ -10,13 +10,18 @@ on the dequantised weight, with the per-row scale applied to the output, so it w
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.types import InvalidRequest
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
 
 SUPPORTED = ("fp8_mixed",)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -92,26 +97,47 @@ def quantize_model(model: nn.Module, name: str | None, mp_size: int) -> None:
 _PACK_BATCH_HINT = 16
 
 
+# Linears of at most this many weight bytes also keep a copy in engine.cpu_kernels' interleaved
+# layout for one-row inputs (decode at batch 1): oneDNN's fixed ~11 us per call is about a tenth of
+# streaming such a weight (the demo model's per-layer linears, 1.3-7 MiB); for larger weights the
+# copy would cost memory for little.
+_ONE_ROW_MAX_WEIGHT_BYTES = 8 << 20
+
+
 class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN with W reordered once into its blocked layout. On CPU this is
-    2-5x faster than F.linear at decode batch sizes, in float32 and bfloat16 alike (bench/forward.py)."""
+    2-5x faster than F.linear at decode batch sizes, in float32 and bfloat16 alike (bench/forward.py).
+    With the fused CPU kernels, small weights also get an interleaved copy for one-row inputs."""
 
-    def __init__(self, packed: torch.Tensor, out_features: int, collective: Collective) -> None:
+    def __init__(self, packed: torch.Tensor, out_features: int, collective: Collective, one_row: "OneRow | None" = None) -> None:
         super().__init__()
         self.register_buffer("packed_weight", packed, persistent=False)
         self.out_features = out_features
         self._collective = collective
+        self._one_row = one_row
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, collective: Collective) -> "PackedCpuLinear | None":
+    def pack(cls, weight: torch.Tensor, collective: Collective, *, kernels: "CpuKernels | None" = None) -> "PackedCpuLinear | None":
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
-        return cls(packed, weight.shape[0], collective)
+        one_row = None
+        if kernels is not None and weight.shape[0] % 16 == 0 and weight.numel() * weight.element_size() <= _ONE_ROW_MAX_WEIGHT_BYTES:
+            one_row = OneRow(kernels, kernels.interleave(weight))
+        return cls(packed, weight.shape[0], collective, one_row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        if self._one_row is not None and x.shape[0] == 1:
+            out = self._one_row.kernels.interleaved_linear(x.contiguous(), self._one_row.weight, torch.get_num_threads())
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
         return self._collective(out) if self._collective is not None else out
+
+
+@dataclass(frozen=True, slots=True)
+class OneRow:
+    kernels: "CpuKernels"
+    weight: torch.Tensor  # [out / 16, in, 16], CpuKernels.interleave
 
 
 def cpu_packing_available(dtype: torch.dtype) -> bool:
@@ -131,7 +157,7 @@ def cpu_packing_available(dtype: torch.dtype) -> bool:
 _FUSED = {"attention": ("wqkv", ("wq", "wk", "wv")), "feed_forward": ("w13", ("w1", "w3"))}
 
 
-def _fuse_column_linears(model: nn.Module) -> None:
+def _fuse_column_linears(model: nn.Module, pack: Callable[[torch.Tensor, Collective], "PackedCpuLinear | None"]) -> None:
     """Concatenate each block's wq/wk/wv and w1/w3 rows into one packed linear (wqkv, w13) and drop
     the parts. Exact: each output is the same dot product. fp8 layers are left apart."""
     for block in model.layers:
@@ -140,7 +166,7 @@ def _fuse_column_linears(model: nn.Module) -> None:
             weights = [getattr(parent, name).weight for name in parts]
             if any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights):
                 continue
-            fused = PackedCpuLinear.pack(torch.cat([w.detach() for w in weights]), None)
+            fused = pack(torch.cat([w.detach() for w in weights]), None)
             if fused is None:
                 continue
             setattr(parent, fused_name, fused)
@@ -148,15 +174,17 @@ def _fuse_column_linears(model: nn.Module) -> None:
                 setattr(parent, name, None)
 
 
-def pack_for_cpu(model: nn.Module, mp_size: int, dtype: torch.dtype) -> bool:
+def pack_for_cpu(model: nn.Module, mp_size: int, dtype: torch.dtype, kernels: "CpuKernels | None" = None) -> bool:
     """Pack every full-precision linear (fp8-quantized ones stay as they are), fusing the column
-    linears that share an input, and the tied output head; False if unavailable."""
+    linears that share an input, and the tied output head; False if unavailable. With kernels,
+    small linears also get the one-row path (PackedCpuLinear)."""
     if not cpu_packing_available(dtype):
         return False
-    _fuse_column_linears(model)
-    _replace_linears(model, mp_size, PackedCpuLinear.pack, include_head=True)
+    pack = functools.partial(PackedCpuLinear.pack, kernels=kernels)
+    _fuse_column_linears(model, pack)
+    _replace_linears(model, mp_size, pack, include_head=True)
     if model.params.tie_word_embeddings:
         # a packed copy of the embedding (which stays for the lookups): 3x faster than F.linear on
         # it at decode batch sizes, for one more copy of the vocab x dim weight in memory
-        model.tied_head = PackedCpuLinear.pack(model.tok_embeddings.weight, _collectives(mp_size)[1])
+        model.tied_head = pack(model.tok_embeddings.weight, _collectives(mp_size)[1])
     return True

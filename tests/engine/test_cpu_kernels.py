@@ -59,6 +59,38 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 # =========================================================================== kernels one by one
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 3), (1, 960, 576), (1, 4096, 256), (3, 48, 100)])  # 4096 x 256: parallel
+def test_interleaved_linear(kernels, dtype, rows, n, k):
+    g = gen(n * 31 + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    out = kernels.interleaved_linear(x, kernels.interleave(weight), THREADS)
+    expected = x.double() @ weight.double().T  # float32 accumulation in the kernel either way
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert_close(out.double(), expected.to(dtype).double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_one_row_path(kernels, dtype):
+    """With kernels, a small packed linear keeps an interleaved copy and answers one-row inputs
+    from it, more rows from oneDNN; both agree with F.linear. Large weights get no copy."""
+    from engine.quantization import PackedCpuLinear
+
+    if not cpu_packing_available(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} here")
+    g = gen(5)
+    weight = torch.randn(64, 32, generator=g).to(dtype)
+    layer = PackedCpuLinear.pack(weight, None, kernels=kernels)
+    assert layer._one_row is not None
+    for rows in (1, 3):
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        assert_close(layer(x).double(), F.linear(x.double(), weight.double()).to(dtype).double(), dtype)
+    assert PackedCpuLinear.pack(weight, None)._one_row is None  # no kernels: oneDNN only
+    big = torch.empty(16, (8 << 20) // (16 * weight.element_size()) + 16, dtype=dtype)
+    assert PackedCpuLinear.pack(big, None, kernels=kernels)._one_row is None
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     if x.dtype == torch.float32:
