@@ -82,49 +82,79 @@ static inline float exp_approx(float x) {
  * out = rms_norm(residual) * weight. float32: x * rsqrt(mean(x^2) + eps) * w in one rounding
  * (F.rms_norm); bfloat16: normalised in float32, rounded, times the weight, rounded again (the
  * torch path's `rms_norm(x.float()).type_as(x) * weight`). */
+static void add_rms_norm_f32(float *res, const float *delta, const float *w, float *out, int64_t dim, float eps) {
+    if (delta != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) res[i] += delta[i];
+    }
+    float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < dim; i++) sum_sq += res[i] * res[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = res[i] * inv_rms * w[i];
+}
+
+static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const bf16_t *weight, bf16_t *out, int64_t dim, float eps) {
+    float x[dim], w[dim];
+    load_row(x, res, dim, 1);
+    if (delta != NULL) {
+        float d[dim];
+        load_row(d, delta, dim, 1);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) x[i] = round_to(x[i] + d[i], 1);
+        store_row(res, x, dim, 1);
+    }
+    float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+    load_row(w, weight, dim, 1);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) x[i] = round_to(round_to(x[i] * inv_rms, 1) * w[i], 1);
+    store_row(out, x, dim, 1);
+}
+
 void add_rms_norm(int bf16, void *residual, const void *delta, const void *weight, void *out, int64_t rows,
                   int64_t dim, float eps, int num_threads) {
-    const size_t es = elem_size(bf16);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS && rows > 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS / 4 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
-        float x[dim], w[dim];
-        char *res = (char *)residual + (size_t)r * dim * es;
-        load_row(x, res, dim, bf16);
-        if (delta != NULL) {
-            float d[dim];
-            load_row(d, (const char *)delta + (size_t)r * dim * es, dim, bf16);
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) x[i] = round_to(x[i] + d[i], bf16);
-            store_row(res, x, dim, bf16);
+        if (bf16) {
+            add_rms_norm_bf16((bf16_t *)residual + r * dim, delta ? (const bf16_t *)delta + r * dim : NULL,
+                              (const bf16_t *)weight, (bf16_t *)out + r * dim, dim, eps);
+        } else {
+            add_rms_norm_f32((float *)residual + r * dim, delta ? (const float *)delta + r * dim : NULL,
+                             (const float *)weight, (float *)out + r * dim, dim, eps);
         }
-        float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-        for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
-        const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-        load_row(w, weight, dim, bf16);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) x[i] = round_to(round_to(x[i] * inv_rms, bf16) * w[i], bf16);
-        store_row((char *)out + (size_t)r * dim * es, x, dim, bf16);
     }
 }
 
 /* ------------------------------------------------------------------------------------------ SiLU
  * gate_up [rows, 2 * hidden] (w1 | w3 outputs) -> out [rows, hidden] = silu(gate) * up, each
  * rounded to the model dtype as torch's silu and mul_ are. */
+static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+
 void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hidden, int num_threads) {
     const size_t es = elem_size(bf16);
     enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMS && rows > 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMS / 4 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
-        float g[CHUNK], u[CHUNK];
         const char *row = (const char *)gate_up + (size_t)r * 2 * hidden * es;
+        if (!bf16) { /* straight from the input rows, no staging copies */
+            const float *g = (const float *)row, *u = g + hidden;
+            float *o = (float *)out + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) o[i] = silu(g[i]) * u[i];
+            continue;
+        }
+        float g[CHUNK], u[CHUNK];
         for (int64_t start = 0; start < hidden; start += CHUNK) {
             const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
-            load_row(g, row + (size_t)start * es, n, bf16);
-            load_row(u, row + (size_t)(hidden + start) * es, n, bf16);
+            load_row(g, row + (size_t)start * es, n, 1);
+            load_row(u, row + (size_t)(hidden + start) * es, n, 1);
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) g[i] = round_to(round_to(g[i] / (1.0f + exp_approx(-g[i])), bf16) * u[i], bf16);
-            store_row((char *)out + (size_t)(r * hidden + start) * es, g, n, bf16);
+            for (int64_t i = 0; i < n; i++) g[i] = round_to(round_to(silu(g[i]), 1) * u[i], 1);
+            store_row((char *)out + (size_t)(r * hidden + start) * es, g, n, 1);
         }
     }
 }
