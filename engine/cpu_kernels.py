@@ -105,7 +105,6 @@ class CpuKernels:
             heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
 
-
     @staticmethod
     def interleave(weight: torch.Tensor) -> torch.Tensor:
         """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16)."""
