@@ -196,11 +196,16 @@ class BatchChatCompletionRequest(ChatFields, kw_only=True):
     messages_batch: Annotated[list[Annotated[list[Message], Meta(min_length=1)]], Meta(min_length=1)]
 
 
+BatchPrompts = Annotated[list[str | list[TokenId]], Meta(min_length=1)]
+
+
 class BatchCompletionRequest(CompletionFields, kw_only=True):
-    """Many prompts with shared sampling parameters (meta-reference batch_completion)."""
+    """Many prompts with shared sampling parameters (meta-reference batch_completion); the prompts
+    come as `prompts` or, as meta-reference named them, `content_batch` (exactly one of the two)."""
 
     model: str
-    prompts: Annotated[list[str | list[TokenId]], Meta(min_length=1)]
+    prompts: BatchPrompts | UnsetType = UNSET
+    content_batch: BatchPrompts | UnsetType = UNSET
     max_tokens: NonNegativeInt | None = 16
 
 

@@ -161,6 +161,15 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     return CompletionPlan(requests, prompts_ids, texts, req.n)
 
 
+def batch_prompts(req: p.BatchCompletionRequest) -> tuple[list[str | list[int]], str]:
+    """A batch's prompts and the name they came under: `prompts`, or meta-reference's `content_batch`."""
+    if (req.prompts is msgspec.UNSET) == (req.content_batch is msgspec.UNSET):
+        raise InvalidRequest("send exactly one of 'prompts' or 'content_batch'", param="prompts")
+    if req.prompts is msgspec.UNSET:
+        return req.content_batch, "content_batch"
+    return req.prompts, "prompts"
+
+
 def check_completion_fields(req: p.CompletionFields) -> None:
     if req.suffix:
         raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")

@@ -45,6 +45,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
     from server import routes  # routes reads the keys above
+    from server.llama_stack_routes import add_llama_stack_routes
     from server.model_routes import add_model_routes
     from server.registry import REGISTRY_KEY, ModelRegistry
 
@@ -68,6 +69,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
     routes.add_routes(app)
     add_model_routes(app)
+    add_llama_stack_routes(app)  # Llama Stack's native inference API beside OpenAI's
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)

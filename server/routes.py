@@ -275,7 +275,8 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
 
 async def batch_completions(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.BATCH_COMPLETION_DECODER)
-    _check_batch_size(request, len(req.prompts), "prompts")
+    prompts, param = to_engine.batch_prompts(req)
+    _check_batch_size(request, len(prompts), param)
     async with _lease(request, req.model) as engine:
         batch_id = _response_id("batch")
 
@@ -286,7 +287,7 @@ async def batch_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), _completion_assembler(req, plan, engine, response_id)
             return build
 
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(req.prompts)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(prompts)))
         return _batch_response(batch_id, "batch.text_completion", req.model, list(items), request)
 
 
