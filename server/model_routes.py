@@ -58,7 +58,8 @@ class _Settings(msgspec.Struct, kw_only=True):
 class RegisterModelRequest(_Settings, kw_only=True, forbid_unknown_fields=True):
     model_id: ModelName | None = None
     model: ModelName | None = None  # OpenAI's name for the same thing
-    metadata: dict[str, Any] | str = {}  # llama-stack-client's CLI sends the --metadata JSON as a string
+    # llama-stack-client's CLI sends the --metadata JSON as a string, and null without the flag
+    metadata: dict[str, Any] | str | None = {}
     provider_model_id: ModelName | None = None  # Llama Stack: the base descriptor when it differs
     provider_id: str | None = None  # Llama Stack: accepted, there is one provider here
     model_type: str | None = None  # Llama Stack: only "llm" is served
@@ -129,8 +130,8 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
 
 
 def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> tuple[ModelSpec, bool]:
-    if isinstance(body.metadata, str):
-        body.metadata = _metadata_object(body.metadata)
+    if not isinstance(body.metadata, dict):
+        body.metadata = _metadata_object(body.metadata or "")
     meta = _decode(lambda m: msgspec.convert(m, MetadataSettings), body.metadata, prefix="metadata")
     if body.model_type is not None and body.model_type != "llm":
         raise ApiError(400, f"model_type {body.model_type!r} is not served here; only 'llm'", param="model_type",
