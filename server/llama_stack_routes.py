@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
 from compat import llama_stack as ls
-from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import token_text
 from engine.types import EngineClient, RequestOutput
@@ -25,8 +25,10 @@ from server import sse
 from server.routes import (
     Indexed,
     _chat_assembler,
+    _collect,
     _check_batch_size,
     _completion_assembler,
+    _decode as _decode_body,
     _lease,
     _log,
     _plan,
@@ -47,10 +49,9 @@ def add_llama_stack_routes(app: web.Application) -> None:
 
 
 async def _decode(request: web.Request, decoder: Any) -> tuple[Any, int]:
-    body = await request.read()
-    req = p.decode(decoder, body)
+    req, size = await _decode_body(request, decoder)
     _log(request, model=req.model_id)
-    return req, len(body)
+    return req, size
 
 
 class _StopTokens:
@@ -73,12 +74,6 @@ class _StopTokens:
                 yield index, out
 
 
-async def _collect(outputs: AsyncIterator[Indexed], assembler: Any) -> None:
-    async with aclosing(outputs):
-        async for index, out in outputs:
-            assembler.add(index, out)
-
-
 async def _stream(request: web.Request, events: AsyncIterator[dict], head: list[dict]) -> web.StreamResponse:
     async with aclosing(events):
         first = await anext(events, None)  # before headers: queue-full and similar keep their status
@@ -87,7 +82,7 @@ async def _stream(request: web.Request, events: AsyncIterator[dict], head: list[
         return await sse.stream(request, first, events, lambda event: event, head, list, done=b"")
 
 
-# --------------------------------------------------------------------------- chat
+# --------------------------------------------------------------------------- chat and completion
 def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
     chat, parser_tools = ls.chat_request(req, messages, engine.chat_format.family, param)
     plan = to_engine.chat_plan(chat, chat.messages, engine, response_id)
@@ -96,18 +91,9 @@ def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str,
     return chat, plan
 
 
-async def chat_completion(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, ls.CHAT_DECODER)
-    async with _lease(request, req.model_id) as engine:
-        response_id = _response_id("chatcmpl")
-        chat, plan = await _plan(size, _chat_plan, req, req.messages, engine, response_id, "messages")
-        assembler = _chat_assembler(chat, plan, engine, response_id)
-        stops = _StopTokens(engine)
-        outputs = stops.track(merged_outputs(engine, plan.requests))
-        if req.stream:
-            return await _stream(request, _chat_events(outputs, assembler, stops), [ls.ChatEvents.start()])
-        await _collect(outputs, assembler)
-        return json_response(ls.chat_response(assembler.response(), stops.by_index.get(0)))
+def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
+    completion_req = ls.completion_request(req, content, param)
+    return completion_req, to_engine.completion_plan(completion_req, completion_req.prompt, engine, response_id)
 
 
 async def _chat_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _StopTokens) -> AsyncIterator[dict]:
@@ -123,43 +109,6 @@ async def _chat_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _
                     yield event
 
 
-async def batch_chat_completion(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, ls.BATCH_CHAT_DECODER)
-    _check_batch_size(request, len(req.messages_batch), "messages_batch")
-    async with _lease(request, req.model_id) as engine:
-        batch_id = _response_id("batch")
-
-        async def one(k: int, messages: list) -> dict:
-            response_id = f"chatcmpl-{batch_id}-{k}"
-            chat, plan = _chat_plan(req, messages, engine, response_id, f"messages_batch[{k}]")
-            assembler = _chat_assembler(chat, plan, engine, response_id)
-            stops = _StopTokens(engine)
-            await _collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
-            return ls.chat_response(assembler.response(), stops.by_index.get(0))
-
-        return json_response({"batch": await _all(one, req.messages_batch)})
-
-
-# --------------------------------------------------------------------------- completion
-def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
-    completion_req = ls.completion_request(req, content, param)
-    return completion_req, to_engine.completion_plan(completion_req, completion_req.prompt, engine, response_id)
-
-
-async def completion(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, ls.COMPLETION_DECODER)
-    async with _lease(request, req.model_id) as engine:
-        response_id = _response_id("cmpl")
-        completion_req, plan = await _plan(size, _completion_plan, req, req.content, engine, response_id, "content")
-        assembler = _completion_assembler(completion_req, plan, engine, response_id)
-        stops = _StopTokens(engine)
-        outputs = stops.track(merged_outputs(engine, plan.requests))
-        if req.stream:
-            return await _stream(request, _completion_events(outputs, assembler, stops), [])
-        await _collect(outputs, assembler)
-        return json_response(ls.completion_response(assembler.response(), stops.by_index.get(0)))
-
-
 async def _completion_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _StopTokens) -> AsyncIterator[dict]:
     async with aclosing(outputs):
         async for index, out in outputs:
@@ -168,21 +117,49 @@ async def _completion_events(outputs: AsyncIterator[Indexed], assembler: Any, st
                 yield ls.completion_chunk(chunk, stops.by_index.get(index))
 
 
-async def batch_completion(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, ls.BATCH_COMPLETION_DECODER)
-    _check_batch_size(request, len(req.content_batch), "content_batch")
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What differs between chat and completion; the request flow around it is one."""
+
+    id_prefix: str
+    plan: Callable[..., tuple[Any, Any]]  # (ls request, item, engine, response id, param) -> (OpenAI request, plan)
+    assembler: Callable[..., Any]  # server.routes' assembler factory for the OpenAI request
+    respond: Callable[[Any, str | None], dict]  # OpenAI response, stop token -> Llama Stack response
+    events: Callable[..., AsyncIterator[dict]]  # (outputs, assembler, stops) -> Llama Stack stream events
+    head: Callable[[], list[dict]]  # stream events before any output
+
+
+CHAT = _Kind("chatcmpl", _chat_plan, _chat_assembler, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()])
+COMPLETION = _Kind("cmpl", _completion_plan, _completion_assembler, ls.completion_response, _completion_events, list)
+
+
+async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: int, param: str) -> web.StreamResponse:
+    async with _lease(request, req.model_id) as engine:
+        response_id = _response_id(kind.id_prefix)
+        converted, plan = await _plan(size, kind.plan, req, item, engine, response_id, param)
+        assembler = kind.assembler(converted, plan, engine, response_id)
+        stops = _StopTokens(engine)
+        outputs = stops.track(merged_outputs(engine, plan.requests))
+        if req.stream:
+            return await _stream(request, kind.events(outputs, assembler, stops), kind.head())
+        response = await _collect(outputs, assembler)
+        return json_response(kind.respond(response, stops.by_index.get(0)))
+
+
+async def _serve_batch(request: web.Request, kind: _Kind, req: Any, items: list, param: str) -> web.Response:
+    _check_batch_size(request, len(items), param)
     async with _lease(request, req.model_id) as engine:
         batch_id = _response_id("batch")
 
-        async def one(k: int, content: Any) -> dict:
-            response_id = f"cmpl-{batch_id}-{k}"
-            completion_req, plan = _completion_plan(req, content, engine, response_id, f"content_batch[{k}]")
-            assembler = _completion_assembler(completion_req, plan, engine, response_id)
+        async def one(k: int, item: Any) -> dict:
+            response_id = f"{kind.id_prefix}-{batch_id}-{k}"
+            converted, plan = kind.plan(req, item, engine, response_id, f"{param}[{k}]")
+            assembler = kind.assembler(converted, plan, engine, response_id)
             stops = _StopTokens(engine)
-            await _collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
-            return ls.completion_response(assembler.response(), stops.by_index.get(0))
+            response = await _collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
+            return kind.respond(response, stops.by_index.get(0))
 
-        return json_response({"batch": await _all(one, req.content_batch)})
+        return json_response({"batch": await _all(one, items)})
 
 
 async def _all(one: Callable[[int, Any], Any], items: list) -> list[dict]:
@@ -194,3 +171,24 @@ async def _all(one: Callable[[int, Any], Any], items: list) -> list[dict]:
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [task.result() for task in tasks]
+
+
+# --------------------------------------------------------------------------- handlers
+async def chat_completion(request: web.Request) -> web.StreamResponse:
+    req, size = await _decode(request, ls.CHAT_DECODER)
+    return await _serve(request, CHAT, req, req.messages, size, "messages")
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    req, size = await _decode(request, ls.COMPLETION_DECODER)
+    return await _serve(request, COMPLETION, req, req.content, size, "content")
+
+
+async def batch_chat_completion(request: web.Request) -> web.Response:
+    req, _ = await _decode(request, ls.BATCH_CHAT_DECODER)
+    return await _serve_batch(request, CHAT, req, req.messages_batch, "messages_batch")
+
+
+async def batch_completion(request: web.Request) -> web.Response:
+    req, _ = await _decode(request, ls.BATCH_COMPLETION_DECODER)
+    return await _serve_batch(request, COMPLETION, req, req.content_batch, "content_batch")

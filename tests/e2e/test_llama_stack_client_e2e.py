@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import BASE_DESCRIPTOR, E2E_PARAMS, ready_server
+from tests.server.test_llama_stack_api import NATIVE_TOOLS, OPENAI_TOOLS
 
 llama_stack_client = pytest.importorskip("llama_stack_client")
 pytestmark = pytest.mark.slow
@@ -48,23 +50,21 @@ def oai(server):
         yield client
 
 
-def cli(server, *args: str) -> str:
-    """`llama-stack-client --endpoint URL ARGS...`, as a user types it; its output without colours."""
+def run_cli(server, *args: str) -> tuple[int, str]:
+    """`llama-stack-client --endpoint URL ARGS...`, as a user types it: exit code and output without colours."""
     exe = shutil.which("llama-stack-client")
     command = [exe] if exe else [sys.executable, "-m", "llama_stack_client.lib.cli.llama_stack_client"]
     done = subprocess.run([*command, "--endpoint", server.url, *args], capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S, env={"NO_COLOR": "1", "COLUMNS": "200", "PATH": _path()},
-                          stdin=subprocess.DEVNULL)
-    output = ANSI.sub("", done.stdout + done.stderr)
-    assert done.returncode == 0, output
+                          timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "NO_COLOR": "1", "COLUMNS": "400"})
+    return done.returncode, ANSI.sub("", done.stdout + done.stderr)
+
+
+def cli(server, *args: str) -> str:
+    code, output = run_cli(server, *args)
+    assert code == 0, output
     assert "Failed to" not in output, output  # the CLI prints errors in a panel and still exits 0
     return output
-
-
-def _path() -> str:
-    import os
-
-    return os.environ.get("PATH", "")
 
 
 def openai_chat(oai, messages, max_tokens: int | None = 12, **kwargs) -> str:
@@ -114,13 +114,7 @@ def test_cli_register_list_and_chat(server, checkpoints, oai):
 
 
 def test_cli_prints_errors_it_can_read(server):
-    exe = shutil.which("llama-stack-client")
-    command = [exe] if exe else [sys.executable, "-m", "llama_stack_client.lib.cli.llama_stack_client"]
-    done = subprocess.run([*command, "--endpoint", server.url, "models", "register", "no-such-model"],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-                          env={"NO_COLOR": "1", "COLUMNS": "400", "PATH": _path()},
-                          stdin=subprocess.DEVNULL)
-    output = ANSI.sub("", done.stdout)
+    _, output = run_cli(server, "models", "register", "no-such-model")
     assert "Failed to register model" in output and "Error code: 400" in output
     assert "no checkpoint found for model 'no-such-model'" in output and "checkpoint_not_found" in output
 
@@ -190,13 +184,6 @@ def test_sdk_models_list_parses(sdk):
 
 
 # --------------------------------------------------------------------------- multi-turn tool calls
-NATIVE_TOOLS = [{"tool_name": "get_weather", "description": "Current weather",
-                 "parameters": {"city": {"param_type": "string", "description": "City name", "required": True}}}]
-OPENAI_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
-                   "required": ["city"]}}}]
-
 
 @contextlib.contextmanager
 def recorded_prompts(server, model_id: str):
