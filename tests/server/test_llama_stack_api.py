@@ -218,3 +218,14 @@ async def test_python_list_is_accepted_where_the_format_speaks_it(aiohttp_client
         "model_id": "llama", "messages": [{"role": "user", "content": "Weather?"}], "tools": NATIVE_TOOLS,
         "tool_config": {"tool_prompt_format": "python_list", "tool_choice": "auto"}})
     assert response.status == 200, await response.text()
+
+
+async def test_batch_completions_take_meta_reference_content_batch(aiohttp_client, tmp_path):
+    engine = engine_for("llama3_2", text_script(real_llama3(), "<|eot_id|>"))
+    client = await start(aiohttp_client, tmp_path, engine)
+    body = {"model": "llama", "max_tokens": 4}
+    named = await (await client.post("/v1/batch/completions", json={**body, "content_batch": ["a", "b"]})).json()
+    assert [item["response"]["choices"][0]["text"] for item in named["data"]] == ["It is sunny."] * 2
+    for wrong in ({"content_batch": ["a"], "prompts": ["a"]}, {}):
+        response = await client.post("/v1/batch/completions", json={**body, **wrong})
+        assert response.status == 400 and (await response.json())["error"]["param"] == "prompts"
