@@ -38,6 +38,7 @@ LsRepetitionPenalty = Annotated[float, Meta(ge=0.0, le=10.0)]
 EOM_TOKENS = frozenset(("<|eom_id|>", "<|eom|>"))  # Llama 3.x and Llama 4 end-of-message tokens
 PYTHON_LIST_FAMILIES = frozenset(("llama3_2", "llama3_3", "llama4"))
 FUNCTION_DEFINITIONS = "{{function_definitions}}"
+MAX_COMPLETION_TOP_K = 5  # OpenAI completions' logprobs bound, which the completion plan shares
 
 
 class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -323,11 +324,12 @@ def _replace_system_prompt(chat: p.ChatCompletionRequest, family: str) -> tuple[
 
 def completion_request(req: _Fields, content: Content, param: str = "content") -> p.CompletionRequest:
     _check_response_format(req)
-    fields = _sampling_fields(req.sampling_params, None)
-    fields.pop("top_logprobs", None)
     logprobs = req.logprobs.top_k if req.logprobs is not None else None
+    if logprobs is not None and logprobs > MAX_COMPLETION_TOP_K:
+        raise InvalidRequest(f"logprobs.top_k must be at most {MAX_COMPLETION_TOP_K} for completions",
+                             param="logprobs.top_k")
     return p.CompletionRequest(model=req.model_id, prompt=content_text(content, param), stream=getattr(req, "stream", False),
-                               logprobs=None if logprobs is None else max(1, min(logprobs, 5)), **fields)
+                               logprobs=logprobs, **_sampling_fields(req.sampling_params, None))
 
 
 # --------------------------------------------------------------------------- OpenAI responses -> Llama Stack

@@ -229,3 +229,14 @@ async def test_batch_completions_take_meta_reference_content_batch(aiohttp_clien
     for wrong in ({"content_batch": ["a"], "prompts": ["a"]}, {}):
         response = await client.post("/v1/batch/completions", json={**body, **wrong})
         assert response.status == 400 and (await response.json())["error"]["param"] == "prompts"
+
+
+async def test_completion_logprobs(aiohttp_client, tmp_path):
+    engine = engine_for("llama3_2", text_script(real_llama3(), "<|eot_id|>"))
+    client = await start(aiohttp_client, tmp_path, engine)
+    body = {"model_id": "llama", "content": "Once", "logprobs": {"top_k": 0}}
+    ok = await client.post("/v1/inference/completion", json=body)
+    assert ok.status == 200, await ok.text()
+    assert engine.requests[-1].params.logprobs == 0  # the sampled token's logprob only
+    too_many = await client.post("/v1/inference/completion", json={**body, "logprobs": {"top_k": 6}})
+    assert too_many.status == 400 and (await too_many.json())["error"]["param"] == "logprobs.top_k"
