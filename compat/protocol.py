@@ -1,8 +1,10 @@
 """OpenAI wire types: msgspec Structs, decoders built once, encoders for responses and chunks.
 
-Requests are decoded once at the edge with `forbid_unknown_fields=True`, so a parameter we do not
-support is a 400 naming it rather than silently ignored. Bounds live in `Meta`, roles and content
-part types are tagged unions, and `UNSET` tells "absent" from "null" where OpenAI does.
+Requests are decoded once at the edge with `forbid_unknown_fields=True`, so a name that is no field
+is a 400 naming it rather than silently ignored; compat/params.py classifies every field (honoured,
+accepted without effect, refused). Bounds live in `Meta`, roles and content part types are tagged
+unions, `UNSET` tells "absent" from "null" where OpenAI does, and null in a field with a default
+means that default (`_Request.__post_init__`).
 Response Structs mirror OpenAI's shapes field for field (order included): SDKs and eval harnesses
 parse them, so a renamed or missing key is a bug.
 """

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.hf_tokenizer import GENERATION_CONFIG_FILE
+from engine.hf_tokenizer import GENERATION_CONFIG_FILE, _read_json
 from engine.types import CheckpointError, SamplingDefaults, SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -23,15 +23,8 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 def read_sampling_defaults(checkpoint_dir: Path) -> SamplingDefaults:
     """The defaults of the checkpoint in `checkpoint_dir`; OpenAI's when it has no generation_config.json."""
     path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return SamplingDefaults()
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return sampling_defaults_from(config, source=str(path))
+    config = _read_json(path, required=False)  # the tokenizer reads its eos ids from the same file
+    return SamplingDefaults() if config is None else sampling_defaults_from(config, source=str(path))
 
 
 def sampling_defaults_from(config: dict[str, Any], *, source: str) -> SamplingDefaults:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+from typing import Any
 
 import openai
 import pytest
@@ -155,12 +158,34 @@ def echo_score(http, context: str, continuation: str) -> tuple[float, bool]:
     return sum(values), all(value == max(top.values()) for value, top in zip(values, tops))
 
 
-def test_lm_eval_local_completions_with_the_remote_tokenizer(server, http, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task reads a local file; nothing is fetched
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager
+def run_client(script: str, *args: str) -> Any:
+    """Run a client library in a child process (their imports and threads stay out of the test
+    process, whose memory other e2e tests measure); it prints its findings as JSON, last line."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",  # local files only
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # no fetch of litellm's price list
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
+
+LM_EVAL = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+url, model, task_dir = sys.argv[1:]
+results = lm_eval.simple_evaluate(
+    model="local-completions", model_args=f"base_url={url}/v1/completions,model={model},tokenizer_backend=remote",
+    tasks=["llamaserve_tiny_mc"], task_manager=TaskManager(include_path=task_dir), log_samples=True,
+)
+samples = results["samples"]["llamaserve_tiny_mc"]
+scored = [[*args, *resp] for s in samples for args, resp in zip(s["arguments"], s["filtered_resps"])]
+print(json.dumps({"scored": scored, "acc": results["results"]["llamaserve_tiny_mc"]["acc,none"]}))
+"""
+
+
+def test_lm_eval_local_completions_with_the_remote_tokenizer(server, http, tmp_path):
+    pytest.importorskip("lm_eval")
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
     (tmp_path / "tiny_mc.yaml").write_text(
         "task: llamaserve_tiny_mc\n"
@@ -173,28 +198,32 @@ def test_lm_eval_local_completions_with_the_remote_tokenizer(server, http, tmp_p
         "doc_to_target: answer\n"
         "metric_list:\n  - metric: acc\n"
     )
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=f"base_url={server.url}/v1/completions,model={MODEL},tokenizer_backend=remote",
-        tasks=["llamaserve_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
-    )
-    samples = results["samples"]["llamaserve_tiny_mc"]
-    assert len(samples) == len(DOCS)
-    for sample in samples:
-        for (context, continuation), (loglikelihood, is_greedy) in zip(sample["arguments"], sample["filtered_resps"]):
-            assert (loglikelihood, is_greedy) == pytest.approx(echo_score(http, context, continuation), abs=1e-9)
-    assert 0.0 <= results["results"]["llamaserve_tiny_mc"]["acc,none"] <= 1.0
+    found = run_client(LM_EVAL, server.url, MODEL, str(tmp_path))
+    assert len(found["scored"]) == sum(len(doc["choices"]) for doc in DOCS)
+    for context, continuation, loglikelihood, is_greedy in found["scored"]:
+        assert (loglikelihood, is_greedy) == pytest.approx(echo_score(http, context, continuation), abs=1e-9)
+    assert 0.0 <= found["acc"] <= 1.0
 
 
 # --------------------------------------------------------------------------- litellm
-def test_litellm_completion_plain_and_streamed(server, client, monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
-    litellm = pytest.importorskip("litellm")
-    kwargs = dict(model=f"openai/{MODEL}", api_base=server.url + "/v1", api_key="none", messages=MESSAGES,
-                  max_tokens=8, temperature=0)
+LITELLM = """
+import json, sys
+import litellm
+url, model, messages = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+kwargs = dict(model=f"openai/{model}", api_base=url + "/v1", api_key="none", messages=messages, max_tokens=8,
+              temperature=0)
+plain = litellm.completion(**kwargs)
+chunks = list(litellm.completion(**kwargs, stream=True, stream_options={"include_usage": True}))
+print(json.dumps({
+    "plain": plain.choices[0].message.content, "plain_tokens": plain.usage.completion_tokens,
+    "streamed": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+    "streamed_tokens": chunks[-1].usage.completion_tokens,
+}))
+"""
+
+
+def test_litellm_completion_plain_and_streamed(server, client):
+    pytest.importorskip("litellm")
+    found = run_client(LITELLM, server.url, MODEL, json.dumps(MESSAGES))
     expected = chat_text(client, temperature=0)
-    plain = litellm.completion(**kwargs)
-    assert plain.choices[0].message.content == expected and plain.usage.completion_tokens == 8
-    chunks = list(litellm.completion(**kwargs, stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-    assert chunks[-1].usage.completion_tokens == 8
+    assert found == {"plain": expected, "plain_tokens": 8, "streamed": expected, "streamed_tokens": 8}

@@ -6,18 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.types import SamplingDefaults
-from tests.server.fake_engine import BOS, EOS, EOT, FakeEngineFactory, fake_spec
-from tests.server.test_api import CHAT, error_of, make_config, start
-
-
-@pytest.fixture
-def factory() -> FakeEngineFactory:
-    return FakeEngineFactory()
-
-
-@pytest.fixture
-async def client(aiohttp_client, factory, tmp_path):
-    return await start(aiohttp_client, factory, make_config(tmp_path))
+from tests.server.fake_engine import BOS, EOS, EOT, fake_spec
+from tests.server.test_api import CHAT, client, error_of, factory, make_config, start  # noqa: F401 - fixtures
 
 
 @pytest.fixture
