@@ -1,9 +1,10 @@
 """Tokenizers for the Llama families: tiktoken BPE (Llama 3.x, Llama 4) and sentencepiece (Llama 2).
 
 Every tokenizer speaks the same `Tokenizer` protocol, so the detokenizer, the chat formats and the
-engine never ask which family they hold. Text from users is always encoded as text: a user who
-types `<|eot_id|>` gets the tokens of those characters, never the control token; only the chat
-format appends control tokens, by id.
+engine never ask which family they hold. Chat content from users is always encoded as text: a
+user who types `<|eot_id|>` gets the tokens of those characters, never the control token; only the
+chat format appends control tokens, by id. A completions text prompt is the one exception
+(`parse_special`): whoever sends it applied the template, as vLLM and llama.cpp assume.
 
 The family comes from the checkpoint's descriptor (`load_tokenizer(family, path)`), never from a
 guess at the file's size or contents; a file that does not fit its family is refused.
