@@ -25,6 +25,7 @@ from server import sse
 from server.app import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.tokenizer_info import model_or_only, tokenizer_info_body
 
 # Bodies above this are tokenized off the event loop, so one huge prompt can't stall every stream.
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
@@ -40,6 +41,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/batch/completions", batch_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -294,7 +296,7 @@ async def batch_completions(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- tokenizer endpoints
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
-    async with _lease(request, req.model) as engine:
+    async with _lease(request, model_or_only(request, req.model)) as engine:
         ids = await _plan(size, to_engine.tokenize, req, engine)
         strs = [token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
@@ -303,8 +305,14 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.DETOKENIZE_DECODER)
-    async with _lease(request, req.model) as engine:
+    async with _lease(request, model_or_only(request, req.model)) as engine:
         return json_response(p.DetokenizeResponse(prompt=to_engine.detokenize_ids(req, engine)))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's GET /tokenizer_info (lm-eval's remote tokenizer); `?model=` picks one of several."""
+    async with _lease(request, model_or_only(request, request.query.get("model"))) as engine:
+        return json_response(tokenizer_info_body(engine))
 
 
 # --------------------------------------------------------------------------- health, readiness, metrics
