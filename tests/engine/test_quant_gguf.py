@@ -97,3 +97,32 @@ def test_linear_on_gguf_numbers(type_name: str) -> None:
     layer = QuantLinear(gguf_blocks.from_gguf_blocks(raw, type_name, shape), load_quant_kernels())
     x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(layer(x).double(), x.double() @ dense.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_import_keep_quantized(tmp_path, qtype_name: str) -> None:
+    """`import-gguf --keep-quantized`: the no-pickle shard holds every GGUF matrix in its own blocks,
+    and its dequantized values are exactly the default import's float32 weights."""
+    from engine.gguf_import import QUANTIZED_WEIGHTS_FILE, WEIGHTS_FILE, import_gguf, main
+    from engine.quant.shard_file import load_shard
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_weights(seed=1, tied=False), qtype=gguf.GGMLQuantizationType[qtype_name])
+    dense_dir = import_gguf(path, tmp_path / "dense", progress=False)
+    assert main([str(path), str(tmp_path / "native"), "--keep-quantized", "--quiet"]) == 0
+    native_dir = tmp_path / "native"
+    assert not (native_dir / WEIGHTS_FILE).exists() and (native_dir / "params.json").exists()
+    quantized, plain = load_shard(native_dir / QUANTIZED_WEIGHTS_FILE)
+    dense = torch.load(dense_dir / WEIGHTS_FILE, weights_only=True)
+    assert {f"{k}.weight" for k in quantized} | set(plain) == set(dense)
+    assert "layers.0.attention.wq" in quantized and "tok_embeddings" in quantized and "norm.weight" in plain
+    expected_type = Int8Weight if qtype_name == "Q8_0" else Int4Weight
+    for key, weight in quantized.items():
+        assert isinstance(weight, expected_type)
+        assert torch.equal(weight.dequantize(), dense[f"{key}.weight"]), key
+    for name, tensor in plain.items():
+        assert torch.equal(tensor, dense[name]), name
+    # the default import again replaces the quantized file (one weights file per dir)
+    import_gguf(path, native_dir, progress=False)
+    assert (native_dir / WEIGHTS_FILE).exists() and not (native_dir / QUANTIZED_WEIGHTS_FILE).exists()
