@@ -155,6 +155,9 @@ static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t 
 }
 
 static AI float hsum(v16f v) {
+#ifdef QK_AVX512
+    return _mm512_reduce_add_ps((__m512)v); /* a shuffle tree: a scalar chain of 16 adds per row cost ~40% at k = 576 */
+#endif
     float lanes[16];
     memcpy(lanes, &v, sizeof(lanes));
     float s = 0.0f;

@@ -14,7 +14,6 @@ from engine.quant.linear import QuantLinear
 
 FORMATS = ["int8", "int4", "fp8"]
 DTYPES = [torch.float32, torch.bfloat16]
-THREADS = 2
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,6 @@ def layer_for(fmt: str, rows: int, cols: int, kernels, seed: int = 0, **kw) -> Q
 def test_paths_match_dequantized_reference(kernels, fmt: str, dtype: torch.dtype, path: str, rows: int) -> None:
     layer = layer_for(fmt, 80, 192, kernels, seed=rows)
     x = torch.randn(rows, 192, generator=gen(rows + 100)).to(dtype)
-    torch.set_num_threads(THREADS)
     assert_matches(layer.run(x, path), x, layer)
 
 
