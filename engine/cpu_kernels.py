@@ -139,6 +139,8 @@ def _compiler() -> str:
 
 def _build_key(compiler: str, source: Path = SOURCE) -> str:
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources #include
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest.update(version.encode())

@@ -19,12 +19,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QK_AVX512 1 /* the conversions below in intrinsics: GCC lowers vector-extension casts badly */
 #endif
 
-typedef uint16_t bf16_t;
 typedef float v16f __attribute__((vector_size(64)));
 
 #define AI inline __attribute__((always_inline))
@@ -34,19 +35,6 @@ typedef float v16f __attribute__((vector_size(64)));
 #define PARALLEL_MIN_ELEMS 65536
 
 enum { FMT_INT8 = 0, FMT_INT4 = 1, FMT_FP8 = 2 };
-
-static inline float bf16_to_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u);
-    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
 #ifdef __FLT16_MAX__

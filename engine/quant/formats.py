@@ -71,6 +71,13 @@ class QuantizedWeight:
         """Output rows [start, stop) (a column-parallel shard)."""
         return replace(self, **{role: t[start:stop] for role, t in self.tensors().items()})
 
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantized: [*ids.shape, in] (an embedding table kept quantized, e.g. GGUF
+        Q8_0 token embeddings; only the looked-up rows are dequantized)."""
+        flat = ids.reshape(-1)
+        picked = replace(self, **{role: t.index_select(0, flat) for role, t in self.tensors().items()})
+        return picked.dequantize(dtype).reshape(*ids.shape, self.in_features)
+
     def cols(self, start: int, stop: int) -> "QuantizedWeight":
         """Input columns [start, stop) (a row-parallel shard), at group boundaries."""
         per_row = self.group_size == self.in_features

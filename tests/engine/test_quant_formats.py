@@ -180,3 +180,12 @@ def test_from_tensors_checks_dtypes() -> None:
     assert isinstance(formats.from_tensors(q.header(), q.tensors()), Fp8Weight)
     assert isinstance(formats.from_tensors(quantize(weight(4, 64), "int8").header(), quantize(weight(4, 64), "int8").tensors()), Int8Weight)
     assert isinstance(formats.from_tensors(quantize(weight(4, 64), "int4").header(), quantize(weight(4, 64), "int4").tensors()), Int4Weight)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lookup_rows_as_embedding(fmt: str) -> None:
+    q = quantize(weight(50, 64), fmt)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    got = q.lookup(ids, torch.bfloat16)
+    assert got.shape == (2, 3, 64) and got.dtype == torch.bfloat16
+    assert torch.equal(got, q.dequantize(torch.bfloat16)[ids])

@@ -144,3 +144,31 @@ def test_resident_bytes_drop(kernels, fmt: str, factor_bf16: float) -> None:
 def test_empty_batch(kernels) -> None:
     layer = layer_for("int4", 32, 64, kernels)
     assert layer(torch.zeros(0, 64)).shape == (0, 32)
+
+
+def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch) -> None:
+    """No working compiler: load_quant_kernels() is None (logged) and the module runs its torch path."""
+    from engine.quant import kernels as qk
+
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc (fake) 1.0'\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    qk.load_quant_kernels.cache_clear()
+    try:
+        assert qk.load_quant_kernels(tmp_path / "cache") is None
+    finally:
+        qk.load_quant_kernels.cache_clear()
+    layer = layer_for("int4", 16, 64, None)
+    x = torch.randn(2, 64, generator=gen(0))
+    assert layer.path(2, torch.float32) == "torch"
+    assert_matches(layer(x), x, layer)
+
+
+def test_quant_kernel_build_key_covers_its_source() -> None:
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if qk.load_quant_kernels() is None:
+        pytest.skip("no working C compiler here")
+    assert ck._build_key(ck._compiler(), qk.SOURCE) != ck._build_key(ck._compiler())
