@@ -189,3 +189,13 @@ def test_lookup_rows_as_embedding(fmt: str) -> None:
     got = q.lookup(ids, torch.bfloat16)
     assert got.shape == (2, 3, 64) and got.dtype == torch.bfloat16
     assert torch.equal(got, q.dequantize(torch.bfloat16)[ids])
+
+
+def test_quantization_type_names() -> None:
+    """The configured names (QUANTIZATION_TYPE / metadata.quantization) name a format and group size."""
+    from engine.quant import QUANTIZATION_TYPES
+
+    assert set(QUANTIZATION_TYPES) == {"fp8_mixed", "int4_mixed", "int8"}
+    for name, qtype in QUANTIZATION_TYPES.items():
+        q = quantize(weight(8, 64), qtype.format, group_size=qtype.group_size)
+        assert q.format == qtype.format and q.group_size == (qtype.group_size or 64), name

@@ -172,3 +172,10 @@ def test_quant_kernel_build_key_covers_its_source() -> None:
     if qk.load_quant_kernels() is None:
         pytest.skip("no working C compiler here")
     assert ck._build_key(ck._compiler(), qk.SOURCE) != ck._build_key(ck._compiler())
+
+
+def test_kernel_same_bits_for_any_thread_count(kernels) -> None:
+    """Each output row is summed by one thread in a fixed order: the OpenMP team size changes nothing."""
+    layer = layer_for("int4", 512, 256, kernels)  # 512 x 256 reaches the parallel threshold
+    x = torch.randn(3, 256, generator=gen(12))
+    assert torch.equal(kernels.linear(x, layer.weight_q, 1), kernels.linear(x, layer.weight_q, 2))
