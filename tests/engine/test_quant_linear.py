@@ -179,3 +179,31 @@ def test_kernel_same_bits_for_any_thread_count(kernels) -> None:
     layer = layer_for("int4", 512, 256, kernels)  # 512 x 256 reaches the parallel threshold
     x = torch.randn(3, 256, generator=gen(12))
     assert torch.equal(kernels.linear(x, layer.weight_q, 1), kernels.linear(x, layer.weight_q, 2))
+
+
+def test_portable_build_without_avx512(kernels, tmp_path) -> None:
+    """The non-AVX-512 code (portable loops; what AVX2 machines run) computes the same numbers:
+    built here with AVX-512 switched off, and checked against the dequantized reference."""
+    import ctypes
+    import subprocess
+
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if " avx2 " not in f" {ck._cpu_flags()} ":
+        pytest.skip("this CPU has no AVX2 to run the variant on")
+    target = tmp_path / "quant_kernels_portable.so"
+    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]
+    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build an AVX2-only variant here: {built.stderr[-300:]}")
+    portable = qk.QuantKernels(ctypes.CDLL(str(target)))
+    for fmt in FORMATS:
+        for cols in (96, 100) if fmt != "int4" else (96,):
+            layer = QuantLinear(quantize(torch.randn(40, cols, generator=gen(cols)), fmt), portable)
+            for dtype in DTYPES:
+                x = torch.randn(5, cols, generator=gen(1)).to(dtype)
+                assert_matches(layer.run(x, "kernel"), x, layer)
+                tile = torch.empty(40, cols, dtype=dtype)
+                portable.dequantize(layer.weight_q, 0, 40, tile, 1)
+                assert torch.equal(tile, layer.weight_q.dequantize(dtype))
