@@ -109,9 +109,13 @@ static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t 
 #ifdef QK_AVX512
     const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
     if (fmt == FMT_INT4) {
+        /* the block's 16 possible values q * d + m in one register, then each code picks its value:
+         * vpermps reads only an index's low 4 bits, so the low nibble needs no mask (fewer uops
+         * than converting every code to float and scaling it) */
+        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vd, vm);
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
-        *lo = (v16f)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), vd, vm);
-        *hi = (v16f)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), vd, vm);
+        *lo = (v16f)_mm512_permutexvar_ps(v, table);
+        *hi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
     } else if (fmt == FMT_INT8) {
         *lo = (v16f)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src))), vd);
         *hi = (v16f)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)))), vd);
