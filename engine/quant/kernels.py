@@ -55,8 +55,11 @@ class QuantKernels:
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, threads: int) -> torch.Tensor:
         """x [rows, in] @ dequantize(weight)^T -> [rows, out] in x's dtype."""
-        rows = x.shape[0]
         n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"quantized linear takes contiguous float32/bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+        _check_contiguous(weight)
+        rows = x.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype)
         code, xp, wp, sp = _DTYPE_CODES[x.dtype], x.data_ptr(), weight.qweight.data_ptr(), weight.scales.data_ptr()
         if isinstance(weight, Int4Weight):
@@ -79,6 +82,7 @@ class QuantKernels:
         n, k = weight.shape
         if not (0 <= row0 <= row1 <= n) or out.shape != (row1 - row0, k) or not out.is_contiguous():
             raise ValueError(f"dequantize rows [{row0}, {row1}) of a [{n}, {k}] weight into {list(out.shape)}")
+        _check_contiguous(weight)
         code, wp, sp = _DTYPE_CODES[out.dtype], weight.qweight.data_ptr(), weight.scales.data_ptr()
         if isinstance(weight, Int4Weight):
             mins = None if weight.mins is None else weight.mins.data_ptr()
@@ -91,6 +95,12 @@ class QuantKernels:
         else:
             raise TypeError(f"no kernel for {type(weight).__name__}")
         return out
+
+
+def _check_contiguous(weight: QuantizedWeight) -> None:
+    """The C code walks the codes and scales as dense row-major arrays."""
+    if not all(t.is_contiguous() for t in weight.tensors().values()):
+        raise ValueError(f"{weight.format} weight tensors must be contiguous (QuantizedWeight.contiguous())")
 
 
 @functools.cache

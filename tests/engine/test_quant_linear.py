@@ -207,3 +207,15 @@ def test_portable_build_without_avx512(kernels, tmp_path) -> None:
                 tile = torch.empty(40, cols, dtype=dtype)
                 portable.dequantize(layer.weight_q, 0, 40, tile, 1)
                 assert torch.equal(tile, layer.weight_q.dequantize(dtype))
+
+
+def test_kernel_entry_points_check_layouts(kernels) -> None:
+    q = quantize(torch.randn(16, 64), "int4")
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.linear(torch.randn(64, 2).t(), q, 1)
+    with pytest.raises(ValueError, match=r"x \[rows, 64\]"):
+        kernels.linear(torch.randn(2, 32), q, 1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.linear(torch.randn(2, 32), q.cols(0, 32), 1)
+    with pytest.raises(ValueError, match="dequantize rows"):
+        kernels.dequantize(q, 0, 17, torch.empty(17, 64), 1)
