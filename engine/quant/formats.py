@@ -154,6 +154,16 @@ class Int4Weight(QuantizedWeight):
         )  # fmt: skip
 
 
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose output rows are the weights' rows in order (fusing wq|wk|wv or w1|w3, which
+    read the same input); they must share format, width, group size, scale dtype and mins."""
+    first = weights[0]
+    same = {(type(w), w.in_features, w.group_size, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
+    if len(same) != 1:
+        raise ValueError(f"cannot fuse weights of different formats or layouts: {sorted(map(str, same))}")
+    return replace(first, **{role: torch.cat([w.tensors()[role] for w in weights]) for role in first.tensors()})
+
+
 FORMATS: dict[str, type[QuantizedWeight]] = {cls.format: cls for cls in (Int8Weight, Int4Weight, Fp8Weight)}
 
 

@@ -199,3 +199,13 @@ def test_quantization_type_names() -> None:
     for name, qtype in QUANTIZATION_TYPES.items():
         q = quantize(weight(8, 64), qtype.format, group_size=qtype.group_size)
         assert q.format == qtype.format and q.group_size == (qtype.group_size or 64), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_concat_rows_fuses_exactly(fmt: str) -> None:
+    parts = [quantize(weight(r, 64, seed=r), fmt) for r in (8, 4, 4)]
+    fused = formats.concat_rows(parts)
+    assert fused.shape == (16, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    with pytest.raises(ValueError, match="different formats"):
+        formats.concat_rows([parts[0], quantize(weight(8, 64), "int8" if fmt != "int8" else "fp8")])
