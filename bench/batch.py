@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -376,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup: stop the server we started
     if args.url:
         asyncio.run(run(args.url.rstrip("/"), args.model or DEMO_MODEL, args))
     else:

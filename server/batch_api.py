@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 
 import structlog
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from compat import batch_protocol as bp
 from compat.protocol import decode
@@ -137,24 +138,27 @@ async def create_file(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'",
                        code="invalid_request")
-    reader = await request.multipart()
     purpose: str | None = None
     upload: tuple[Path, str, int] | None = None
     try:
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                raise ApiError(400, "nested multipart bodies are not accepted", code="invalid_request")
-            if part.name == "file":
-                if upload is not None:
-                    raise ApiError(400, "send one file per upload", param="file", code="invalid_request")
-                upload = await _receive_file(part, store)
-            elif part.name == "purpose":
-                purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()[:_MAX_FIELD_BYTES]
-            elif part.name in _IGNORED_FIELDS:
-                await part.read()
-            else:
-                raise ApiError(400, f"Unrecognized request argument supplied: {part.name}", param=part.name,
-                               code="invalid_request")
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise ApiError(400, "nested multipart bodies are not accepted", code="invalid_request")
+                if part.name == "file":
+                    if upload is not None:
+                        raise ApiError(400, "send one file per upload", param="file", code="invalid_request")
+                    upload = await _receive_file(part, store)
+                elif part.name == "purpose":
+                    purpose = (await _small_field(part)).decode("utf-8", "replace").strip()
+                elif part.name in _IGNORED_FIELDS:
+                    await _small_field(part)
+                else:
+                    raise ApiError(400, f"Unrecognized request argument supplied: {part.name}", param=part.name,
+                                   code="invalid_request")
+        except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
+            raise ApiError(400, f"the multipart body is malformed: {exc}", code="invalid_request") from None
         if upload is None:
             raise ApiError(400, "Missing required parameter: 'file'", param="file", code="invalid_request")
         if purpose != "batch":
@@ -167,6 +171,16 @@ async def create_file(request: web.Request) -> web.Response:
     finally:
         if upload is not None:
             upload[0].unlink(missing_ok=True)
+
+
+async def _small_field(part: BodyPartReader) -> bytes:
+    data = b""
+    while chunk := await part.read_chunk(_MAX_FIELD_BYTES):
+        data += chunk
+        if len(data) > _MAX_FIELD_BYTES:
+            raise ApiError(400, f"form field {part.name!r} is longer than {_MAX_FIELD_BYTES} bytes", param=part.name,
+                           code="invalid_value")
+    return data
 
 
 async def _receive_file(part: BodyPartReader, store: BatchStore) -> tuple[Path, str, int]:

@@ -92,9 +92,10 @@ class LineChecker:
         try:
             line = bp.INPUT_LINE_DECODER.decode(raw)
         except msgspec.ValidationError as exc:
-            message, param = p.validation_param(str(exc))
-            return CheckedLine(_loose_custom_id(raw), error_result=line_error(
-                _loose_custom_id(raw), "invalid_request", f"Line {line_no}: {message}"))
+            custom_id = _loose_custom_id(raw)
+            message = p.validation_param(str(exc))[0]
+            return CheckedLine(custom_id, error_result=line_error(custom_id, "invalid_request",
+                                                                  f"Line {line_no}: {message}"))
         except msgspec.DecodeError as exc:
             return CheckedLine(None, error_result=line_error(None, "invalid_json_line",
                                                              f"Line {line_no} is not valid JSON: {exc}"))

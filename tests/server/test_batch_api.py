@@ -153,6 +153,14 @@ async def test_request_errors(aiohttp_client, factory, tmp_path):
     assert (await error_of(await upload(client, b"{}\n" * 4), 400))["code"] == "too_many_requests"
     assert (await error_of(await upload(client, b""), 400))["code"] == "empty_file"
     assert (await error_of(await client.post("/v1/files", json={}), 400))["code"] == "invalid_request"
+    for content_type, data in (("multipart/form-data", b"x"), ("multipart/form-data; boundary=b", b"garbage"),
+                               ("multipart/form-data; boundary=b", b"--b\r\nbroken")):
+        malformed = await client.post("/v1/files", data=data, headers={"Content-Type": content_type})
+        assert malformed.status == 400, await malformed.text()
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch" * 1000)
+    form.add_field("file", b"{}\n", filename="in.jsonl")
+    assert (await error_of(await client.post("/v1/files", data=form), 400))["param"] == "purpose"
     assert (await error_of(await client.get("/v1/files/file-nope"), 404))["code"] == "file_not_found"
     assert (await error_of(await client.get("/v1/batches/batch_nope"), 404))["code"] == "batch_not_found"
     file = await (await upload(client, jsonl([chat_line("a")]))).json()
@@ -255,3 +263,16 @@ async def _when(client, batch_id: str, predicate: Callable[[dict], bool]) -> dic
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_batch_past_its_window_expires_with_its_items_in_the_error_file(aiohttp_client, factory, tmp_path,
+                                                                                 monkeypatch):
+    from compat import batch_protocol
+
+    monkeypatch.setitem(batch_protocol.COMPLETION_WINDOWS_S, "24h", 0)  # expires the moment it is created
+    client = await start(aiohttp_client, factory, tmp_path)
+    done = await batch_when(client, (await create(client, [chat_line("x"), chat_line("y")]))["id"])
+    assert done["status"] == "expired" and done["expired_at"] and done["output_file_id"] is None
+    errors = await content_lines(client, done["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("x", "batch_expired"), ("y", "batch_expired")]
+    assert factory.engines["fake"].requests == []
