@@ -339,6 +339,8 @@ async def with_server(args: argparse.Namespace) -> None:
         port = free_port()
         command, model = server_command(args, port, work)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
+        if args.threads is not None:
+            env["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the server
         with open(work / "server.log", "wb") as log:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
@@ -365,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent requests in flight")
     parser.add_argument("--ttft-probes", type=int, help="online TTFT samples per condition (default 40; --tiny 3)")
     parser.add_argument("--batch-max-in-flight", type=int, help="the started server's --batch-max-in-flight")
+    parser.add_argument("--threads", type=int, help="the started server's torch threads (default: torch's choice); "
+                        "1 keeps numbers sane on a machine other processes load")
     args = parser.parse_args(argv)
     small = args.tiny
     for name, full, tiny in (("prompts", 256, 6), ("max_tokens", 32, 4), ("sequential_limit", 64, 3),
