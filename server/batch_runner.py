@@ -252,36 +252,41 @@ class BatchRunner:
 
     async def _run_items(self, batch: BatchRow) -> None:
         tasks: set[asyncio.Task] = set()
+        failures: list[BaseException] = []
         page_size = max(64, 4 * self.max_in_flight)
         after_line = 0
         try:
-            while not self._stopping(batch):
+            while not self._stopping(batch) and not failures:
                 page = await self.store.io(lambda: self.store.pending_items(batch.id, after_line=after_line,
                                                                              limit=page_size))
                 if not page:
                     break
                 for item in page:
-                    while len(tasks) >= self.max_in_flight and not self._stopping(batch):
+                    while len(tasks) >= self.max_in_flight and not self._stopping(batch) and not failures:
                         self._wake.clear()
                         await self._wake.wait()
-                    if self._stopping(batch):
+                    if self._stopping(batch) or failures:
                         break
                     task = asyncio.create_task(self._item(batch, item))
                     tasks.add(task)
-                    task.add_done_callback(self._item_done(tasks))
+                    task.add_done_callback(self._item_done(tasks, failures))
                 after_line = page[-1].line
-            while tasks and not self._stopping(batch):
+            while tasks and not self._stopping(batch) and not failures:
                 self._wake.clear()
                 await self._wake.wait()
         finally:
             for task in tasks:
                 task.cancel()  # closing its output iterator aborts the engine request and frees its blocks
             await asyncio.gather(*tasks, return_exceptions=True)
+        if failures:
+            raise failures[0]  # the runner fails this batch as a whole
         await self._after_items(batch)
 
-    def _item_done(self, tasks: set[asyncio.Task]) -> Any:
+    def _item_done(self, tasks: set[asyncio.Task], failures: list[BaseException]) -> Any:
         def done(task: asyncio.Task) -> None:
             tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # e.g. the store could not write: stop, do not spin
             self._wake.set()
         return done
 

@@ -276,3 +276,21 @@ async def test_a_batch_past_its_window_expires_with_its_items_in_the_error_file(
     errors = await content_lines(client, done["error_file_id"])
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("x", "batch_expired"), ("y", "batch_expired")]
     assert factory.engines["fake"].requests == []
+
+
+async def test_a_store_that_cannot_write_fails_the_batch_instead_of_spinning(aiohttp_client, factory, tmp_path,
+                                                                             monkeypatch):
+    import sqlite3
+
+    from server.batch_api import BATCH_KEY
+
+    client = await start(aiohttp_client, factory, tmp_path)
+    store = await client.app[BATCH_KEY].store()
+
+    def disk_full(*args: Any, **kwargs: Any) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "finish_item", disk_full)
+    failed = await batch_when(client, (await create(client, [chat_line("x"), chat_line("y")]))["id"])
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "internal_error"
+    assert "disk is full" in failed["errors"]["data"][0]["message"]
