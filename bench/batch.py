@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -249,7 +248,7 @@ def report(results: list[Result], ttfts: dict[str, list[float]]) -> None:
     for r in results:
         print(f"{r.name:44} {r.num_prompts:7d} {r.wall_s:8.2f} {r.tokens_per_s:10.1f} "
               f"{r.tokens_per_s / baseline.tokens_per_s:7.2f}x")
-    idle = statistics.median(ttfts["idle server"])
+    idle = percentile(ttfts["idle server"], 50)
     print(f"\n{'online TTFT':44} {'p50 ms':>8} {'p99 ms':>8} {'p50 vs idle':>12}")
     for label, values in ttfts.items():
         print(f"{label:44} {1000 * percentile(values, 50):8.1f} {1000 * percentile(values, 99):8.1f} "
