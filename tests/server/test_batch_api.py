@@ -294,3 +294,23 @@ async def test_a_store_that_cannot_write_fails_the_batch_instead_of_spinning(aio
     failed = await batch_when(client, (await create(client, [chat_line("x"), chat_line("y")]))["id"])
     assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "internal_error"
     assert "disk is full" in failed["errors"]["data"][0]["message"]
+
+
+def test_settings_from_flags_env_and_yaml(tmp_path, monkeypatch):
+    from server.__main__ import make_parser, with_batch_dir
+    from server.config import ConfigError, build_config
+
+    env = {"LLAMASERVE_BATCH_DIR": str(tmp_path / "env"), "LLAMASERVE_BATCH_MAX_FILE_BYTES": "1MiB"}
+    config = build_config(make_parser().parse_args(["--batch-max-in-flight", "3", "--batch-max-requests", "10"]), env)
+    assert (config.batch_dir, config.batch_max_file_bytes, config.batch_max_in_flight, config.batch_max_requests) == (
+        tmp_path / "env", 1 << 20, 3, 10)
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("server: {batch_dir: /data/batches, batch_max_requests: 7}\n")
+    from_yaml = build_config(make_parser().parse_args(["--config", str(run_yaml)]), {})
+    assert from_yaml.batch_dir == Path("/data/batches") and from_yaml.batch_max_requests == 7
+    with pytest.raises(ConfigError):
+        build_config(make_parser().parse_args(["--batch-max-in-flight", "-1"]), {})
+    # The CLI keeps batches under the cache dir unless told otherwise; a bare ServerConfig keeps none.
+    monkeypatch.setenv("LLAMASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert with_batch_dir(build_config(make_parser().parse_args([]), {})).batch_dir == tmp_path / "cache" / "batches"
+    assert ServerConfig().batch_dir is None
