@@ -46,6 +46,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
     from server import routes  # routes reads the keys above
     from server.llama_stack_routes import add_llama_stack_routes
+    from server.batch_api import add_batch_routes
     from server.model_routes import add_model_routes
     from server.registry import REGISTRY_KEY, ModelRegistry
 
@@ -73,6 +74,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)
+    add_batch_routes(app)  # after the registry's context: the batch runner stops before the engines do
     return app
 
 
