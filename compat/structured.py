@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 
@@ -89,7 +89,7 @@ def json_spec(schema: dict[str, Any] | str | bool, param: str) -> GrammarSpec:
             raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", param=param) from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest("a JSON schema must be an object", param=param)
-    return GrammarSpec("json", json.dumps(schema, sort_keys=True, ensure_ascii=False), param)
+    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), param)
 
 
 def choice_spec(choices: list[str], param: str) -> GrammarSpec:
@@ -122,8 +122,7 @@ def tool_plan(fields: p.ChatFields, *, supports_tools: bool) -> ToolPlan:
         tool = tools[names.index(name)]
         return ToolPlan(tools, json_spec(_call_schema([tool]), choice_param), forced=True, max_calls=1)
     if choice == "required":
-        call = _call_schema(tools)
-        schema = call if single else {"type": "array", "items": call, "minItems": 1}
+        schema = _calls_schema(_call_schema(tools), single)
         return ToolPlan(tools, json_spec(schema, choice_param), forced=True, max_calls=1 if single else None)
     strict = [tool for tool, given in zip(tools, _given_tools(fields)) if given.strict]
     grammar = _auto_strict_grammar(tools, strict, single) if strict else None
@@ -172,41 +171,56 @@ def _tool_choice(fields: p.ChatFields) -> tuple[str | dict[str, str], str]:
     return {"name": function["name"]}, param
 
 
-def _arguments_schema(tool: ToolDefinition) -> dict[str, Any]:
-    return tool.parameters or ANY_OBJECT
+def _rebased(value: Any, base: str) -> Any:
+    """A schema moved under `base` (a JSON pointer): its local `$ref`s ("#/$defs/X", "#") follow it."""
+    if isinstance(value, dict):
+        out = {k: _rebased(v, base) for k, v in value.items()}
+        ref = value.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = "#" + base + ref[1:]
+        return out
+    if isinstance(value, list):
+        return [_rebased(v, base) for v in value]
+    return value
 
 
-def _call_schema(tools: tuple[ToolDefinition, ...] | list[ToolDefinition]) -> dict[str, Any]:
-    """One call of any of the tools: {"name": <its name>, "arguments": <its parameters>}."""
-    options = [
-        {
+def _call_schema(tools: Sequence[ToolDefinition], constrained: Sequence[ToolDefinition] | None = None) -> dict[str, Any]:
+    """One call of any of the tools: {"name": <its name>, "arguments": <its parameters>}. Each
+    tool's parameters live under $defs (their own $refs rebased), so pydantic's nested models
+    resolve. Tools outside `constrained` (default: all) take any object."""
+    constrained = tools if constrained is None else constrained
+    defs: dict[str, Any] = {}
+    options = []
+    for k, tool in enumerate(tools):
+        arguments: dict[str, Any] = ANY_OBJECT
+        if tool in constrained and tool.parameters:
+            defs[f"tool{k}"] = _rebased(tool.parameters, f"/$defs/tool{k}")
+            arguments = {"$ref": f"#/$defs/tool{k}"}
+        options.append({
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": _arguments_schema(tool)},
+            "properties": {"name": {"const": tool.name}, "arguments": arguments},
             "required": ["name", "arguments"],
             "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+        })
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _calls_schema(call: dict[str, Any], single: bool, *, either: bool = False) -> dict[str, Any]:
+    """One call, or a non-empty list of calls (either: one or a list); $defs stay at the root."""
+    if single:
+        return call
+    defs = call.get("$defs")
+    item = {k: v for k, v in call.items() if k != "$defs"}
+    many: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    schema = {"anyOf": [item, many]} if either else many
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _auto_strict_grammar(tools: tuple[ToolDefinition, ...], strict: list[ToolDefinition], single: bool) -> GrammarSpec:
     """Text that does not open a JSON value, or calls whose arguments follow their schemas (the
     schemas of strict tools; any object for the others)."""
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.name},
-                "arguments": _arguments_schema(tool) if tool in strict else ANY_OBJECT,
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    call = options[0] if len(options) == 1 else {"anyOf": options}
-    calls = call if single else {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}
+    calls = _calls_schema(_call_schema(tools, strict), single, either=True)
     schema = json.dumps(calls, sort_keys=True, ensure_ascii=False)
     lark = f"start: calls | text\ncalls: %json {schema}\ntext: /([^\\[{{\\s][\\s\\S]*)?/\n"
     return GrammarSpec("lark", lark, "tools")

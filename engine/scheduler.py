@@ -251,8 +251,8 @@ class Scheduler:
             if is_family_stop or token_id in params.stop_token_ids:
                 event.finish_reason, event.stop_reason = "stop", token_id
                 return
-        if seq.grammar is not None and seq.grammar.terminated:  # the grammar took its end token
-            event.finish_reason, event.stop_reason = "stop", token_id
+        if seq.grammar is not None and seq.grammar.terminated:  # complete, and nothing may follow: the text ends
+            event.finish_reason = "stop"  # the token is text (a stop token returned above)
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             event.finish_reason = "length"
         elif seq.num_tokens >= self.max_seq_len:
