@@ -22,6 +22,7 @@ from compat import protocol as p
 from engine.types import GrammarSpec, InvalidRequest, ToolDefinition
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as engine/structured.py
 
 
 @dataclass(slots=True)
@@ -221,6 +222,7 @@ def _auto_strict_grammar(tools: tuple[ToolDefinition, ...], strict: list[ToolDef
     """Text that does not open a JSON value, or calls whose arguments follow their schemas (the
     schemas of strict tools; any object for the others)."""
     calls = _calls_schema(_call_schema(tools, strict), single, either=True)
-    schema = json.dumps(calls, sort_keys=True, ensure_ascii=False)
+    # %json takes its layout options from the schema (the engine's JSON_OPTIONS apply to "json" specs only)
+    schema = json.dumps({**calls, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
     lark = f"start: calls | text\ncalls: %json {schema}\ntext: /([^\\[{{\\s][\\s\\S]*)?/\n"
     return GrammarSpec("lark", lark, "tools")
