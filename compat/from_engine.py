@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from msgspec import UNSET
 
 from compat import protocol as p
-from engine.tool_parser import make_output_parser
+from engine.tool_parser import JsonCallStreamParser
 from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
@@ -158,9 +158,9 @@ class ChatAssembler:
         forced_tools: bool = False,
         max_tool_calls: int | None = None,
     ) -> None:
-        """forced_tools: the output was constrained to a JSON call (tool_choice required or named),
-        parsed by the JSON call parser whatever the chat format; max_tool_calls: calls past it are
-        dropped (parallel_tool_calls=false)."""
+        """forced_tools: the output was constrained to JSON calls (tool_choice required or named),
+        streamed argument piece by argument piece whatever the chat format; max_tool_calls: calls
+        past it are dropped (parallel_tool_calls=false)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -173,7 +173,7 @@ class ChatAssembler:
         def parser() -> Any:
             if not tools:
                 return None
-            return make_output_parser(tools) if forced_tools else chat_format.output_parser(tools)
+            return JsonCallStreamParser() if forced_tools else chat_format.output_parser(tools)
 
         self.choices = [_ChatChoice(parser=parser()) for _ in range(n)]
 

@@ -105,3 +105,24 @@ def test_strict_tools_under_auto_constrain_calls_only():
 def test_response_format_type_is_checked_at_decode():
     with pytest.raises(msgspec.ValidationError):
         p.CHAT_DECODER.decode(json.dumps({**ASK, "response_format": {"type": "xml"}}).encode())
+
+
+def test_forced_calls_stream_their_arguments_in_pieces():
+    from engine.tool_parser import JsonCallStreamParser
+
+    text = '[{"name": "weather", "arguments": {"city": "x}\\"{", "days": [1, {"n": 2}]}}, {"name": "time", "arguments": {}}]'
+    ids = iter(f"call_{i}" for i in range(100))
+    parser = JsonCallStreamParser(new_call_id=lambda: next(ids))
+    deltas = [d for ch in text for d in parser.push(ch).tool_calls]
+    parsed = parser.finish(stop_token_id=7)
+    assert [(c.call_id, c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("call_0", "weather", '{"city": "x}\\"{", "days": [1, {"n": 2}]}'), ("call_1", "time", "{}")]
+    assert parsed.finish_reason == "tool_calls" and parsed.content is None
+    firsts = [d for d in deltas if d.name is not None]
+    assert [(d.index, d.call_id, d.name, d.arguments) for d in firsts] == [(0, "call_0", "weather", ""), (1, "call_1", "time", "")]
+    assert "".join(d.arguments for d in deltas if d.index == 0) == parsed.tool_calls[0].arguments
+    assert sum(1 for d in deltas if d.index == 0 and d.arguments) > 10  # piece by piece, as generated
+    cut = JsonCallStreamParser()
+    cut.push(text[:40])
+    [partial] = cut.finish(stop_token_id=None).tool_calls  # finish_reason length: the partial call stays
+    assert partial.name == "weather" and text[:40].endswith(partial.arguments)

@@ -217,6 +217,7 @@ def test_stream_helper_reassembles_the_non_streamed_answer(llama3):
         first_deltas = [c.chunk.choices[0].delta.tool_calls[0] for c in chunks
                         if c.chunk.choices and c.chunk.choices[0].delta.tool_calls]
         assert first_deltas[0].id and first_deltas[0].type == "function" and first_deltas[0].function.name == "GetWeather"
+        assert sum(1 for d in first_deltas if d.index == 0 and d.function.arguments) > 1  # arguments stream in pieces
         assert chunks[-1].chunk.choices[0].finish_reason == "tool_calls"
         got = [(c.function.name, c.function.arguments, c.function.parsed_arguments) for c in streamed.choices[0].message.tool_calls]
         want = [(c.function.name, c.function.arguments, c.function.parsed_arguments) for c in plain.choices[0].message.tool_calls]
