@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from msgspec import UNSET
 
 from compat import protocol as p
+from engine.tool_parser import JsonCallStreamParser
 from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
@@ -161,7 +162,12 @@ class ChatAssembler:
         num_prompt_tokens: int,
         want_logprobs: bool,
         include_usage: bool = False,
+        forced_tools: bool = False,
+        max_tool_calls: int | None = None,
     ) -> None:
+        """forced_tools: the output was constrained to JSON calls (tool_choice required or named),
+        streamed argument piece by argument piece whatever the chat format; max_tool_calls: calls
+        past it are dropped (parallel_tool_calls=false)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -169,7 +175,14 @@ class ChatAssembler:
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.num_prompt_tokens = num_prompt_tokens
-        self.choices = [_ChatChoice(parser=chat_format.output_parser(tools) if tools else None) for _ in range(n)]
+        self.max_tool_calls = max_tool_calls
+
+        def parser() -> Any:
+            if not tools:
+                return None
+            return JsonCallStreamParser() if forced_tools else chat_format.output_parser(tools)
+
+        self.choices = [_ChatChoice(parser=parser()) for _ in range(n)]
 
     # ---- streaming
     def _chunk(self, choices: list[p.ChatChunkChoice]) -> p.ChatCompletionChunk:
@@ -194,7 +207,7 @@ class ChatAssembler:
             content, tool_deltas = out.text_delta, []
         else:
             parsed = choice.parser.push(out.text_delta)
-            content, tool_deltas = parsed.content, [self._tool_delta(choice, d) for d in parsed.tool_calls]
+            content, tool_deltas = parsed.content, [self._tool_delta(choice, d) for d in parsed.tool_calls if self._keeps(d.index)]
             choice.content.append(content)
         if out.finished:
             tail, late_calls = self._finish(choice, out)
@@ -204,6 +217,9 @@ class ChatAssembler:
             return None
         delta = p.ChatDelta(content=content if content or logprobs else UNSET, tool_calls=tool_deltas or UNSET)
         return self._chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=choice.finish_reason)])
+
+    def _keeps(self, call_index: int) -> bool:
+        return self.max_tool_calls is None or call_index < self.max_tool_calls
 
     def usage_chunk(self) -> p.ChatCompletionChunk:
         chunk = self._chunk([])
@@ -239,7 +255,7 @@ class ChatAssembler:
         stop_token = out.stop_reason if isinstance(out.stop_reason, int) else None
         parsed = choice.parser.finish(stop_token)
         choice.tool_calls = [ToolCall(choice.tool_ids.get(i) or c.call_id or _call_id(), c.name, c.arguments)
-                             for i, c in enumerate(parsed.tool_calls)]
+                             for i, c in enumerate(parsed.tool_calls) if self._keeps(i)]
         streamed = "".join(choice.content)
         tail = ""
         if parsed.content and parsed.content.startswith(streamed):

@@ -306,13 +306,13 @@ def chat_request(req: _ChatFields, messages: Sequence[Message], family: str, par
 
 
 def _replace_system_prompt(chat: p.ChatCompletionRequest, family: str) -> tuple[p.ChatCompletionRequest, tuple[ToolDefinition, ...]]:
-    from compat.to_engine import chat_tools
+    from compat.structured import tool_plan
     from engine.chat_formats.common import tool_definitions_json
 
     if family not in PYTHON_LIST_FAMILIES:
         raise InvalidRequest(f"system_message_behavior 'replace' is served for python_list tool formats, not {family}",
                              param="tool_config.system_message_behavior")
-    parser_tools = chat_tools(chat)
+    parser_tools = tool_plan(chat, supports_tools=True).tools
     definitions = tool_definitions_json(parser_tools)
     messages = [msgspec.structs.replace(m, content=m.content.replace(FUNCTION_DEFINITIONS, definitions))
                 if isinstance(m, p.SystemMessage) and isinstance(m.content, str) else m for m in chat.messages]

@@ -123,7 +123,7 @@ class FunctionDefinition(_Request, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str = ""
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
-    strict: bool | None = None  # true is refused in to_engine: nothing here enforces the schema
+    strict: bool | None = None  # true: calls of this function are constrained to `parameters`
 
 
 class Tool(_Request, kw_only=True):
@@ -136,13 +136,40 @@ class StreamOptions(_Request, kw_only=True):
     include_obfuscation: bool | None = None  # no effect: nothing is obfuscated (compat/params.py)
 
 
+class JsonSchemaFormat(_Request, kw_only=True):
+    name: Annotated[str, Meta(max_length=64)] = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # the schema is enforced either way (a token mask)
+
+
 class ResponseFormat(_Request, kw_only=True):
-    type: str
-    json_schema: dict[str, Any] | UnsetType = UNSET
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | UnsetType = UNSET
+
+
+class StructuredOutputs(_Request, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class GuidedFields(_Request, kw_only=True):
+    """Constrained decoding as vLLM spells it (compat/structured.py reads these)."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # the older vLLM names
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 # --------------------------------------------------------------------------- requests
-class SamplingFields(_Request, kw_only=True):
+class SamplingFields(GuidedFields, kw_only=True):
     """The sampling knobs chat, completions and the batch endpoints share (OpenAI + vLLM extras)."""
 
     max_tokens: PositiveInt | None = None
@@ -187,9 +214,11 @@ class ChatFields(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # only "auto" and "none" are served; checked in to_engine
+    tool_choice: str | dict[str, Any] | None = None  # checked in compat/structured.py
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    functions: list[FunctionDefinition] | None = None  # deprecated OpenAI names of tools / tool_choice
+    function_call: str | dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(ChatFields, kw_only=True):

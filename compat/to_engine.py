@@ -15,6 +15,7 @@ import msgspec
 
 from compat import params as policy
 from compat import protocol as p
+from compat.structured import grammar_spec, tool_plan
 from engine.types import (
     ChatMessage,
     ContextLengthExceeded,
@@ -33,6 +34,8 @@ class ChatPlan:
     requests: list[EngineRequest]  # [n]; choice i is requests[i]
     prompt_token_ids: list[int]
     tools: tuple[ToolDefinition, ...]  # what the output parser looks for; empty: plain text
+    forced_tools: bool = False  # tool_choice required / named: the output is a JSON call
+    max_tool_calls: int | None = None  # parallel_tool_calls=false: 1
 
 
 @dataclass(slots=True)
@@ -46,7 +49,12 @@ class CompletionPlan:
 # --------------------------------------------------------------------------- chat
 def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str) -> ChatPlan:
     policy.check_request(fields, "chat")
-    tools = chat_tools(fields)
+    plan = tool_plan(fields, supports_tools=engine.chat_format.supports_tools)
+    tools = plan.tools
+    grammar = grammar_spec(fields)
+    if grammar is not None and plan.grammar is not None:
+        raise InvalidRequest(f"{grammar.param} cannot be combined with tool_choice {fields.tool_choice!r} or strict tools",
+                             param=grammar.param)
     dialog = chat_messages(messages)
     prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
@@ -59,34 +67,8 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     skip_special = fields.skip_special_tokens and not tools
     params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
                              engine.sampling_defaults)
-    return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools)
-
-
-def chat_tools(fields: p.ChatFields) -> tuple[ToolDefinition, ...]:
-    choice = fields.tool_choice
-    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-        raise InvalidRequest(
-            f"tool_choice {msgspec.json.encode(choice).decode()} is not supported; use 'auto' or 'none'",
-            param="tool_choice",
-        )
-    if fields.parallel_tool_calls is False:
-        raise InvalidRequest("parallel_tool_calls=false is not supported", param="parallel_tool_calls")
-    if fields.response_format is not None and fields.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format type '{fields.response_format.type}' is not supported", param="response_format.type"
-        )
-    if not fields.tools or choice == "none":
-        return ()
-    for i, tool in enumerate(fields.tools):
-        if tool.function.strict:
-            raise InvalidRequest("strict function schemas are not supported (no constrained decoding)",
-                                 param=f"tools[{i}].function.strict")
-    names = [tool.function.name for tool in fields.tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("tool names must be unique", param="tools")
-    return tuple(
-        ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in fields.tools
-    )
+    params = dataclasses.replace(params, grammar=grammar or plan.grammar)
+    return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools, plan.forced, plan.max_calls)
 
 
 def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
@@ -142,6 +124,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     """`prompt` is CompletionRequest.prompt (str | list[str] | list[int] | list[list[int]])."""
     policy.check_request(req, "completions")
     check_completion_fields(req)
+    grammar = grammar_spec(req)
     tokenizer = engine.tokenizer
     prompts_ids: list[list[int]] = []
     texts: list[str] = []
@@ -160,7 +143,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
         max_tokens = checked_max_tokens(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
         params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size,
                                  engine.sampling_defaults)
-        params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs))
+        params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs, grammar=grammar))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
         requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n))

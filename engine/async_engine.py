@@ -156,6 +156,9 @@ class AsyncEngine:
     async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
         self._check_can_add(request)  # again: time may have passed since generate()
+        if request.params.grammar is not None:  # compile here, off the engine thread, under a time limit
+            await self.core.grammars.prepare(request.params.grammar)
+            self._check_can_add(request)
         slot = _Slot(asyncio.get_running_loop())
         self._active[request_id] = slot
         with self._cond:

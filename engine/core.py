@@ -17,6 +17,7 @@ from engine.kv_blocks import BlockPool
 from engine.output import DetokenizerFactory, OutputProcessor, decode_for_log
 from engine.scheduler import Scheduler
 from engine.sequence import ModelRunner, Sequence
+from engine.structured import GrammarCompiler
 from engine.types import ContextLengthExceeded, EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class EngineCore:
             tokenizer, detokenizer_factory=detokenizer_factory, debug_log_io=config.debug_log_io
         )
         self.timing = StepTiming()
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)  # llguidance loads on first use
         self._next_seq_id = 0
 
     # ------------------------------------------------------------------ requests
@@ -107,6 +109,8 @@ class EngineCore:
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
         )
+        if request.params.grammar is not None:  # compiled already by AsyncEngine.prepare: a cache hit
+            seq.grammar = self.grammars.new_state(request.params.grammar)
         self.output.add(seq)
         try:
             self.scheduler.add(seq)  # QueueFull

@@ -4,6 +4,7 @@ Order of work on each row (vLLM's and HF's order, so behaviour matches what user
   1. penalties on the model's logits: repetition (CTRL/HF, prompt + output tokens), then
      frequency and presence (OpenAI, output tokens only);
   2. logit_bias is added; stop tokens are masked to -inf while fewer than min_tokens were generated;
+     constrained rows (params.grammar) mask every token their grammar does not allow next;
   3. greedy rows (temperature 0) take the argmax;
   4. sampled rows divide by temperature, drop tokens under min_p * max_prob, keep the top_k best,
      then the smallest best-first set whose mass (renormalised over what is left) reaches top_p,
@@ -37,9 +38,11 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sequence import Sequence
+from engine.structured import GrammarState
 from engine.types import SamplingParams, TokenLogprob
 
 _MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would overflow float32
@@ -107,7 +110,9 @@ class Sampler:
         return _is_greedy(p) and p.logprobs is None and not self._modifies_logits(seq)
 
     def _modifies_logits(self, seq: Sequence) -> bool:
-        return _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq)
+        return (
+            _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq) or seq.grammar is not None
+        )
 
     def _stops_masked(self, seq: Sequence) -> bool:
         return seq.num_output_tokens < seq.params.min_tokens
@@ -125,6 +130,8 @@ class Sampler:
             _apply_penalties(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
             _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
             self._mask_stop_tokens(x, [(row, seqs[row]) for row in live if self._stops_masked(seqs[row])])
+            constrained = [row for row in live if seqs[row].grammar is not None]
+            _apply_grammar_masks(x, constrained, [seqs[row].grammar for row in constrained])
 
         tokens = [-1] * len(seqs)
         greedy = [row for row in live if _is_greedy(seqs[row].params)]
@@ -133,8 +140,8 @@ class Sampler:
             for row, token, value in zip(rows, chosen, row_max):
                 if math.isfinite(value):
                     tokens[row] = token
-                else:  # bias and min_tokens masked every token, or a bias was infinite
-                    errors[seqs[row].seq_id] = "no token left to sample: logit_bias or min_tokens masked them all"
+                else:  # bias, min_tokens or the grammar masked every token, or a bias was infinite
+                    errors[seqs[row].seq_id] = "no token left to sample: logit_bias, min_tokens or the grammar masked them all"
         want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
         return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
 
@@ -263,6 +270,25 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -
     index_tokens = torch.tensor([t for _, p in rows for t, _ in p.logit_bias], device=device)
     bias = torch.tensor([b for _, p in rows for _, b in p.logit_bias], dtype=x.dtype, device=device)
     x.index_put_((index_rows, index_tokens), bias, accumulate=True)
+
+
+def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """Set to -inf, in x (float32 [num_rows, vocab], modified in place), every token that rows[i]'s
+    grammar does not allow next. All masks are computed in one call into one bitmask."""
+    if not rows:
+        return
+    vocab = x.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = np.zeros((len(rows), words), dtype=np.int32)
+    states[0].executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.ctypes.data,
+                                               words * 4, len(rows))
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+    blocked = torch.from_numpy(~allowed)
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        x.masked_fill_(blocked.to(x.device), -torch.inf)
+        return
+    index = torch.tensor(rows, device=x.device)
+    x[index] = x[index].masked_fill_(blocked.to(x.device), -torch.inf)
 
 
 def _pick_greedy(x: torch.Tensor, rows: list[int]) -> _Picks:

@@ -202,6 +202,11 @@ class Scheduler:
             seq.token_ids.append(token_id)
             event = SeqEvent(seq, token_id, output.logprobs[j] if j < len(output.logprobs) else None)
             event.prompt_logprobs = prompt_logprobs
+            if seq.grammar is not None and not seq.grammar.accept(token_id):  # the mask should make this impossible
+                event.finish_reason, event.error = "error", f"token {token_id} broke the grammar: {seq.grammar.error}"
+                self.finish(seq)
+                events.append(event)
+                continue
             self._check_stop(event)
             if event.finish_reason is not None:
                 self.finish(seq)
@@ -246,7 +251,9 @@ class Scheduler:
             if is_family_stop or token_id in params.stop_token_ids:
                 event.finish_reason, event.stop_reason = "stop", token_id
                 return
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if seq.grammar is not None and seq.grammar.terminated:  # complete, and nothing may follow: the text ends
+            event.finish_reason = "stop"  # the token is text (a stop token returned above)
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             event.finish_reason = "length"
         elif seq.num_tokens >= self.max_seq_len:
             event.finish_reason = "length"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.types import SamplingParams, TokenLogprob
 
@@ -40,6 +40,9 @@ class Sequence:
     # computed, handed out once with the first output; after that a recompute (preemption) skips them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_delivered: bool = False
+    # Constrained decoding (engine/structured.py GrammarState), None when unconstrained. It advances
+    # only on sampled tokens, so it stays valid through preemption and prefix-cache hits.
+    grammar: Any = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

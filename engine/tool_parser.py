@@ -630,3 +630,76 @@ def parse_output(
     parser = make_output_parser(tools, new_call_id=new_call_id)
     parser.push(text)
     return parser.finish(stop_token_id)
+
+
+_FORCED_CALL_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')  # the layout compat/structured.py fixes
+
+
+class JsonCallStreamParser:
+    """Output constrained to JSON calls (tool_choice required or named: compat/structured.py's
+    grammar): `{"name": "f", "arguments": {...}}`, or a list of them. The grammar guarantees the
+    shape, so arguments stream as they are generated: a call's first delta carries its id and name,
+    later ones pieces of its arguments' text, which is the generated JSON itself (the same text in
+    the stream and in the final ParsedOutput). An answer cut short keeps its partial last call."""
+
+    def __init__(self, *, new_call_id: Callable[[], str] = new_call_id) -> None:
+        self._new_call_id = new_call_id
+        self._text = ""
+        self._pos = 0  # next character to scan
+        self._calls: list[ToolCall] = []
+        self._in_arguments = False
+        self._depth = 0
+        self._quote = False
+        self._escape = False
+
+    def push(self, text_delta: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._text += text_delta
+        while self._pos < len(self._text):
+            if self._in_arguments:
+                self._scan_arguments(out)
+            elif not self._open_call(out):
+                break
+        return out
+
+    def finish(self, stop_token_id: int | None) -> ParsedOutput:
+        reason: Literal["stop", "tool_calls"] | None = None
+        if stop_token_id is not None:
+            reason = "tool_calls" if self._calls else "stop"
+        return ParsedOutput(None if self._calls else self._text, list(self._calls), reason)
+
+    def _open_call(self, out: ParsedDelta) -> bool:
+        """Find the next call's name and the start of its arguments; False until they are in."""
+        match = _FORCED_CALL_HEAD.search(self._text, self._pos)
+        if match is None:
+            return False
+        call = ToolCall(self._new_call_id(), json.loads(match.group(1)), "")
+        self._calls.append(call)
+        out.tool_calls.append(ToolCallDelta(len(self._calls) - 1, call.call_id, call.name, ""))
+        self._pos, self._in_arguments, self._depth = match.end(), True, 0
+        return True
+
+    def _scan_arguments(self, out: ParsedDelta) -> None:
+        start = self._pos
+        while self._pos < len(self._text) and self._in_arguments:
+            ch = self._text[self._pos]
+            self._pos += 1
+            if self._quote:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._quote = False
+            elif ch == '"':
+                self._quote = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                self._in_arguments = self._depth > 0
+        piece = self._text[start : self._pos]
+        if piece:
+            call = self._calls[-1]
+            call.arguments += piece
+            out.tool_calls.append(ToolCallDelta(len(self._calls) - 1, None, None, piece))

@@ -22,6 +22,23 @@ Family = Literal["llama2", "llama3", "llama3_1", "llama3_2", "llama3_3", "llama4
 
 
 # --------------------------------------------------------------------------- sampling
+GrammarKind = Literal["json", "regex", "choice", "grammar", "lark"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the generated text, enforced by a token mask (engine/structured.py).
+
+    kind "json": `source` is a JSON schema as canonical JSON text; "regex": a regular expression;
+    "choice": a JSON list of the allowed strings; "grammar": a Lark or GBNF grammar as users send it;
+    "lark": a Lark grammar the server built itself (tool calls). Equal specs share one compiled
+    grammar, so `param` (which request field it came from, for errors) is not part of the key."""
+
+    kind: GrammarKind
+    source: str
+    param: str | None = field(default=None, compare=False, hash=False)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens for one sequence. Validated at the edge (compat); the engine re-checks
@@ -46,6 +63,7 @@ class SamplingParams:
     # Such a request computes its whole prompt (no prefix-cache hit) the first time through.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    grammar: GrammarSpec | None = None  # constrained decoding: only tokens the grammar allows
 
     @property
     def greedy(self) -> bool:

@@ -183,7 +183,7 @@ def _chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str,
     return ChatAssembler(
         response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
         tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
-        include_usage=include_usage,
+        include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
     )
 
 

@@ -16,11 +16,6 @@ from engine.types import InvalidRequest, SamplingDefaults
 from tests.server.fake_engine import BOS, EOT, FakeEngine
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-# Honoured rows whose Struct fields (and decoding) come with constrained decoding and tools
-# (issue 14 sections 1 and 2, another branch): until that merges, these names are not fields yet.
-AWAITING_CONSTRAINED_DECODING = frozenset(
-    {"functions", "function_call", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-)
 REQUESTS: dict[policy.Endpoint, type] = {"chat": p.ChatCompletionRequest, "completions": p.CompletionRequest}
 
 
@@ -58,7 +53,7 @@ def test_every_struct_field_is_classified(endpoint):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_every_row_is_a_struct_field(endpoint):
     rows = {row.name for row in policy.rows(endpoint)}
-    assert rows - struct_fields(REQUESTS[endpoint]) <= AWAITING_CONSTRAINED_DECODING
+    assert rows - struct_fields(REQUESTS[endpoint]) == set()
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

@@ -125,6 +125,8 @@ class FakeOutputParser:
 
 
 class FakeChatFormat:
+    supports_tools = True  # as the ChatFormat protocol has it
+
     def __init__(self, tokenizer: FakeTokenizer) -> None:
         self.tokenizer = tokenizer
         self.dialogs: list[tuple[list[ChatMessage], tuple[ToolDefinition, ...]]] = []

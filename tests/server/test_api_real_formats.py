@@ -9,6 +9,7 @@ from typing import AsyncIterator, Callable
 
 import pytest
 
+from compat.structured import tool_plan
 from compat import protocol as p
 from compat import to_engine
 from engine.types import EngineRequest, EngineStats, RequestOutput, SamplingDefaults
@@ -109,7 +110,7 @@ async def test_tool_call_through_the_real_parser(aiohttp_client, tmp_path, token
     request = engine.requests[0]
     assert request.params.skip_special_tokens is False
     req = p.CHAT_DECODER.decode(json.dumps({**ASK, "tools": TOOLS}).encode())
-    expected = engine.chat_format.encode_dialog(to_engine.chat_messages(req.messages), tools=to_engine.chat_tools(req))
+    expected = engine.chat_format.encode_dialog(to_engine.chat_messages(req.messages), tools=tool_plan(req, supports_tools=True).tools)
     assert request.prompt_token_ids == expected
 
 
