@@ -169,7 +169,9 @@ class HFTokenizer(ByteTableTokenizer):
 
     # ------------------------------------------------------------------ the Tokenizer protocol
     def _encode_text(self, text: str) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized
+        # on a worker thread does not stall the event loop's other streams
+        return self._tk.encode_batch([text], add_special_tokens=False)[0].ids
 
     def first_token_bytes(self, token_id: int) -> bytes:
         """Sentencepiece-style vocabularies drop the dummy-prefix space of the first piece."""

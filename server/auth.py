@@ -25,7 +25,8 @@ def bearer_token(request: web.Request) -> bytes | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    # aiohttp decodes header bytes with surrogateescape: a non-UTF-8 key compares as its raw bytes
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 def _matches(token: bytes | None, key: str | None) -> bool:

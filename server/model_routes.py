@@ -20,7 +20,9 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from compat import limits
 from compat.protocol import validation_param
+from engine.types import InvalidRequest
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
@@ -175,7 +177,9 @@ def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
     """Decode with msgspec; a ValidationError becomes a 400 whose param is the field's path
     (under `prefix` for the metadata object, which is converted on its own)."""
     try:
-        return decode(data)
+        decoded = decode(data)
+    except RecursionError:
+        raise ApiError(400, limits.too_deep().args[0], code="invalid_json") from None
     except msgspec.ValidationError as exc:
         message, path = validation_param(str(exc))
         param = ".".join(p for p in (prefix, path) if p) or None
@@ -184,6 +188,11 @@ def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
         raise ApiError(400, message, param=param, code="invalid_value") from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    try:
+        limits.check_nesting(decoded)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=prefix or None, code="invalid_json") from None
+    return decoded
 
 
 def _json(body: Any) -> web.Response:

@@ -96,7 +96,7 @@ async def test_chat_sampling_params_mapping(client, factory):
     params = engine_of(factory).requests[0].params
     assert (params.top_p, params.top_k, params.min_p, params.presence_penalty, params.frequency_penalty) == (0.5, 0, 0.1, 0.5, -0.5)
     assert params.repetition_penalty == 1.2 and params.logit_bias == ((65, 5.0),) and params.seed == 7
-    assert params.stop == ("x",) and params.stop_token_ids == (EOT,) and params.ignore_eos and params.min_tokens == 2
+    assert params.stop == ("x",) and params.stop_token_ids == frozenset({EOT}) and params.ignore_eos and params.min_tokens == 2
     assert params.max_tokens == 20 and params.logprobs is None and params.skip_special_tokens
     dialog, tools = engine_of(factory).chat_format.dialogs[0]
     assert [(m.role, m.content, m.name) for m in dialog] == [("system", "be brief", None), ("user", "hi", "bob")]

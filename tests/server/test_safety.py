@@ -1,0 +1,132 @@
+"""Hostile and oversized client input (issue 16): every one is a 4xx in OpenAI's error shape, refused
+before the work it would cause (encoding, building engine requests), never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from compat import limits
+from tests.server.fake_engine import FakeEngineFactory
+from tests.server.test_api import CHAT, error_of, make_config, start
+
+
+@pytest.fixture
+def factory() -> FakeEngineFactory:
+    return FakeEngineFactory()
+
+
+@pytest.fixture
+async def client(aiohttp_client, factory, tmp_path):
+    return await start(aiohttp_client, factory, make_config(tmp_path))
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def chat_body_with_parameters(parameters_json: str) -> bytes:
+    return (
+        b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": {"a": ' + parameters_json.encode() + b"}}}]}"
+    )
+
+
+@pytest.mark.parametrize("depth", [limits.MAX_JSON_DEPTH + 1, 1_000, 100_000])
+async def test_deeply_nested_json_in_the_body_is_a_400(client, depth):
+    response = await client.post("/v1/chat/completions", data=chat_body_with_parameters(nested(depth)),
+                                 headers={"Content-Type": "application/json"})
+    error = await error_of(response, 400)
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+
+
+async def test_nesting_within_the_limit_is_served(client):
+    response = await client.post("/v1/chat/completions", data=chat_body_with_parameters(nested(10)),
+                                 headers={"Content-Type": "application/json"})
+    assert response.status == 200, await response.text()
+
+
+@pytest.mark.parametrize("depth", [limits.MAX_JSON_DEPTH + 1, 5_000])
+async def test_deeply_nested_tool_call_arguments_are_a_400(client, depth):
+    arguments = '{"a": ' + nested(depth) + "}"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                               "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    response = await client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    error = await error_of(response, 400)
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+async def test_deeply_nested_register_metadata_is_a_400(client):
+    body = b'{"model_id": "x", "metadata": {"a": ' + nested(2_000).encode() + b"}}"
+    error = await error_of(await client.post("/v1/models", data=body), 400)
+    assert error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "9" * 5_000, "-1", "1e3", ""])
+async def test_logit_bias_keys_must_be_short_ascii_digits(client, key):
+    response = await client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {key: 1.0}})
+    error = await error_of(response, 400)
+    assert error["param"] == "logit_bias"
+
+
+async def test_non_utf8_authorization_header_is_a_401(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, make_config(tmp_path, api_key="secret"))
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\x80\r\n"
+                 b"Connection: close\r\n\r\n")
+    await writer.drain()
+    response = await reader.read()
+    writer.close()
+    assert response.startswith(b"HTTP/1.1 401"), response[:200]
+    assert b'"invalid_api_key"' in response
+
+
+async def test_stop_string_length_is_bounded(client):
+    too_long = "x" * (limits.MAX_STOP_CHARS + 1)
+    for stop in (too_long, [too_long]):
+        error = await error_of(await client.post("/v1/chat/completions", json={**CHAT, "stop": stop}), 400)
+        assert error["param"].startswith("stop")
+
+
+async def test_stop_token_ids_are_bounded_and_kept_as_a_set(client, factory):
+    body = {**CHAT, "stop_token_ids": [1] * (limits.MAX_STOP_TOKEN_IDS + 1)}
+    error = await error_of(await client.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "stop_token_ids"
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": [5, 5, 7]})
+    assert response.status == 200
+    assert factory.engines["fake"].requests[-1].params.stop_token_ids == frozenset({5, 7})
+
+
+async def test_prompts_times_n_is_bounded_before_requests_are_built(client, factory):
+    prompts = [[1]] * (limits.MAX_REQUEST_SEQUENCES // 2 + 1)
+    response = await client.post("/v1/completions", json={"model": "fake", "prompt": prompts, "n": 2})
+    error = await error_of(response, 400)
+    assert error["code"] == "too_many_sequences" and error["param"] == "prompt"
+    assert factory.engines["fake"].requests == []
+
+
+async def test_text_far_past_the_context_is_refused_before_encoding(client, factory, monkeypatch):
+    engine = factory.engines["fake"]
+    encoded: list[int] = []
+    original = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or original(text, **kw))
+    huge = "a" * (limits.CHARS_PER_TOKEN_LIMIT * engine.max_seq_len + 1)
+    for path, body in [
+        ("/v1/completions", {"model": "fake", "prompt": huge}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}),
+        ("/tokenize", {"model": "fake", "prompt": huge}),
+    ]:
+        error = await error_of(await client.post(path, json=body), 400)
+        assert error["code"] == "context_length_exceeded", path
+    assert encoded == []
+
+
+async def test_a_huge_token_id_prompt_is_a_context_error(client):
+    response = await client.post("/v1/completions", json={"model": "fake", "prompt": [1] * 100_000})
+    error = await error_of(response, 400)
+    assert error["code"] == "context_length_exceeded"
