@@ -34,10 +34,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # another address without an api key logs a warning (server/safety.py)
     port: int = 8000
     api_key: str | None = None
     admin_api_key: str | None = None
+    allow_remote_admin: bool = False  # with no key, registry routes still accept non-loopback clients
     models: list[ModelSpec] = field(default_factory=list)
     checkpoint_roots: list[Path] = field(default_factory=lambda: [Path(DEFAULT_CHECKPOINT_ROOT).expanduser()])
     memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
@@ -98,6 +99,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, "server", "port to listen on"),
     Option("api_key", str, "auth", "require 'Authorization: Bearer KEY' on every route but /health"),
     Option("admin_api_key", str, "auth", "key for POST/DELETE /v1/models (default: the api key)"),
+    Option("allow_remote_admin", _bool, "auth", "without an admin key, let non-loopback clients register, "
+           "switch and delete models (default: loopback only)"),
     Option("checkpoint_roots", _paths, "server", "where checkpoints live (colon-separated in env/yaml string; "
            "the flag --checkpoint-root repeats)"),
     Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),

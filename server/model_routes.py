@@ -23,9 +23,11 @@ from aiohttp import web
 from compat import limits
 from compat.protocol import validation_param
 from engine.types import InvalidRequest
+from server.app import CONFIG_KEY
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
+from server.safety import check_registration_bounds
 
 _T = TypeVar("_T")
 
@@ -101,6 +103,8 @@ async def register_model(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY_KEY]
     body = _decode(_REQUEST_DECODER.decode, await request.read(), prefix="")
     spec, load = _spec_from_request(body, registry)
+    config = request.app.get(CONFIG_KEY)
+    check_registration_bounds(spec, config.engine.device if config is not None else "cpu")
     info = await registry.register(spec, load=load)
     return _json(model_object(info))
 

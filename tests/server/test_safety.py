@@ -130,3 +130,56 @@ async def test_a_huge_token_id_prompt_is_a_context_error(client):
     response = await client.post("/v1/completions", json={"model": "fake", "prompt": [1] * 100_000})
     error = await error_of(response, 400)
     assert error["code"] == "context_length_exceeded"
+
+
+# --------------------------------------------------------------------------- exposure
+def test_default_host_is_loopback_and_other_hosts_warn_without_a_key():
+    from server.config import ServerConfig
+    from server.safety import exposure_warning, is_loopback
+
+    assert ServerConfig().host == "127.0.0.1" and exposure_warning(ServerConfig()) is None
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "localhost", "0.0.0.0", "10.0.0.1", "::", "")] \
+        == [True, True, True, True, False, False, False, False]
+    warning = exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert warning is not None and "without an API key" in warning
+    assert exposure_warning(ServerConfig(host="0.0.0.0", api_key="k")) is None
+
+
+def admin_request(method: str, path: str, remote: str):
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (remote, 5555) if name == "peername" else default
+    return make_mocked_request(method, path, transport=transport)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/models"), ("DELETE", "/v1/models/m")])
+def test_registry_routes_refuse_remote_clients_without_an_admin_key(method, path):
+    from server import auth
+    from server.errors import ApiError
+
+    with pytest.raises(ApiError) as raised:
+        auth.check(admin_request(method, path, "10.1.2.3"), None, None)
+    assert raised.value.status == 403 and raised.value.code == "admin_requires_loopback"
+    auth.check(admin_request(method, path, "127.0.0.1"), None, None)  # the operator's own machine
+    auth.check(admin_request(method, path, "10.1.2.3"), None, None, allow_remote_admin=True)
+    auth.check(admin_request("GET", "/v1/models", "10.1.2.3"), None, None)  # listing stays open
+    with pytest.raises(ApiError) as raised:  # with a key, the key decides, wherever the client is
+        auth.check(admin_request(method, path, "127.0.0.1"), "k", None)
+    assert raised.value.status == 401
+
+
+async def test_registration_bounds_model_parallel_size_and_max_seq_len_by_the_machine(client, tmp_path):
+    import os
+
+    (tmp_path / "fake").mkdir()
+    from server.safety import MAX_REGISTERED_SEQ_LEN
+
+    too_many = (os.cpu_count() or 1) + 1
+    response = await client.post("/v1/models", json={"model_id": "fake", "model_parallel_size": too_many})
+    error = await error_of(response, 400)
+    assert error["param"] == "model_parallel_size" and "CPU cores" in error["message"]
+    response = await client.post("/v1/models", json={"model_id": "fake", "max_seq_len": MAX_REGISTERED_SEQ_LEN + 1})
+    assert (await error_of(response, 400))["param"] == "max_seq_len"
