@@ -47,6 +47,8 @@ class ServerConfig:
     max_batch_request_items: int = 256  # prompts in one /v1/batch/* call
     max_body_bytes: int = 32 << 20
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    stream_write_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
+    max_stream_duration_s: float = 3600.0  # a stream ends with an error event after this long
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
@@ -109,6 +111,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_batch_request_items", int, "server", "most prompts in one /v1/batch/* request"),
     Option("max_body_bytes", parse_bytes, "server", "largest request body (413 beyond)"),
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
+    Option("stream_write_timeout_s", float, "server", "drop a streaming client that takes no data for this long"),
+    Option("max_stream_duration_s", float, "server", "end any stream (with an error event) after this long"),
     Option("log_format", str, "server", "json or console"),
     Option("log_level", str, "server", "debug, info, warning, error"),
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
@@ -344,6 +348,8 @@ def _validate(config: ServerConfig) -> None:
         (config.max_batch_request_items >= 1, "max_batch_request_items must be >= 1"),
         (config.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
         (config.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
+        (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
+        (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
     ]

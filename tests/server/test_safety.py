@@ -183,3 +183,58 @@ async def test_registration_bounds_model_parallel_size_and_max_seq_len_by_the_ma
     assert error["param"] == "model_parallel_size" and "CPU cores" in error["message"]
     response = await client.post("/v1/models", json={"model_id": "fake", "max_seq_len": MAX_REGISTERED_SEQ_LEN + 1})
     assert (await error_of(response, 400))["param"] == "max_seq_len"
+
+
+# --------------------------------------------------------------------------- slow readers
+async def test_a_reader_that_stops_taking_data_is_dropped_and_releases_its_lease(aiohttp_client, factory, tmp_path,
+                                                                                monkeypatch):
+    from aiohttp import web
+
+    client = await start(aiohttp_client, factory, make_config(tmp_path, stream_write_timeout_s=0.2))
+    engine = factory.engines["fake"]
+    original_write = web.StreamResponse.write
+    stalled = asyncio.Event()
+
+    async def write_then_stall(self, data):  # the socket's buffers are full: the second write never drains
+        if not stalled.is_set():
+            stalled.set()
+            return await original_write(self, data)
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_then_stall)
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status == 200
+    await asyncio.wait_for(engine.abort_seen.wait(), 10)  # dropped: the engine request is aborted
+    assert engine.aborted == [engine.requests[0].request_id]
+    monkeypatch.setattr(web.StreamResponse, "write", original_write)
+    delete = await asyncio.wait_for(client.delete("/v1/models/fake"), 10)  # the lease is free
+    assert delete.status == 200
+
+
+async def test_a_stream_ends_at_its_maximum_duration(aiohttp_client, factory, tmp_path):
+    from tests.server.fake_engine import Hold
+    from tests.server.test_api import sse_events
+
+    client = await start(aiohttp_client, factory, make_config(tmp_path, max_stream_duration_s=0.3))
+    engine = factory.engines["fake"]
+    engine.hold = Hold(after=1)  # the engine produces one delta, then nothing
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = sse_events(await asyncio.wait_for(response.text(), 10))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "stream_timeout"
+    assert engine.aborted == [engine.requests[0].request_id]
+
+
+def test_a_lagging_slot_keeps_deltas_as_a_list_and_joins_them_once():
+    from engine.async_engine import _Slot
+    from engine.types import RequestOutput
+
+    async def scenario():
+        slot = _Slot(asyncio.get_running_loop())
+        for i in range(3):
+            slot.put(RequestOutput("r", [i], f"<{i}>", num_output_tokens=i + 1))
+        assert [out.text_delta for out in slot.pending] == ["<0>", "<1>", "<2>"]
+        merged = await slot.get()
+        assert (merged.new_token_ids, merged.text_delta, merged.num_output_tokens) == ([0, 1, 2], "<0><1><2>", 3)
+        assert slot.pending == []
+
+    asyncio.run(scenario())
