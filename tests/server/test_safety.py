@@ -238,3 +238,33 @@ def test_a_lagging_slot_keeps_deltas_as_a_list_and_joins_them_once():
         assert slot.pending == []
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------- the event loop
+@pytest.mark.parametrize("path,body", [
+    ("/v1/batch/completions", {"model": "fake", "prompts": ["x" * 40_000, "y" * 40_000], "max_tokens": 1}),
+    ("/v1/batch/chat/completions", {"model": "fake", "messages_batch": [[{"role": "user", "content": "x" * 70_000}]],
+                                    "max_tokens": 1}),
+    ("/tokenize", {"model": "fake", "prompt": "x" * 70_000, "return_token_strs": True}),
+    ("/detokenize", {"model": "fake", "tokens": [120] * 30_000}),
+])
+async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp_path, monkeypatch, path, body):
+    import threading
+
+    factory = FakeEngineFactory(max_seq_len=1 << 17)
+    client = await start(aiohttp_client, factory, make_config(tmp_path))
+    tokenizer = factory.engines["fake"].tokenizer
+    threads: set[str] = set()
+    for name in ("encode", "decode", *(("token_bytes",) if path == "/tokenize" else ())):  # return_token_strs
+        original = getattr(tokenizer, name)
+
+        def recording(arg, *args, _original=original, **kwargs):
+            if not isinstance(arg, (str, list)) or len(arg) > 1_000:  # the request's text, not the fake's replies
+                threads.add(threading.current_thread().name)
+            return _original(arg, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, recording)
+    response = await client.post(path, json=body)
+    assert response.status == 200, await response.text()
+    loop_thread = threading.current_thread().name  # the test's event loop runs the server too
+    assert threads and loop_thread not in threads
