@@ -169,10 +169,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # noqa: BLE001 - nothing escapes as a traceback
         error = from_exception(exc)
         if error.status >= 500:
-            structlog.get_logger("llamaserve.errors").exception(
-                "unhandled error", request_id=request[REQUEST_ID], path=request.path
+            structlog.get_logger("llamaserve.errors").error(
+                "request failed", request_id=request[REQUEST_ID], path=request.path, error=str(exc),
+                exc_info=error.code == "internal_error",
             )
-    if error.status >= 500 and error.code == "internal_error":
+    if error.status >= 500:
         error.message += f" (request id {request[REQUEST_ID]})"
     request[LOG_FIELDS]["error_code"] = error.code
     return web.Response(body=error.to_json(), status=error.status, headers=error.headers,

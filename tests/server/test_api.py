@@ -380,7 +380,7 @@ async def test_engine_dead_is_503(client, factory):
     engine_of(factory).raise_on_generate = EngineDead("worker 1 exited")
     response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
     error = await error_of(response, 503)
-    assert "worker 1 exited" in error["message"]
+    assert "worker 1 exited" not in error["message"] and "request id" in error["message"]  # the reason is logged
 
 
 async def test_dead_engine_is_reloaded_on_the_next_request(client, factory):
@@ -401,7 +401,7 @@ async def test_engine_failure_mid_stream_is_an_in_band_error(client, factory):
     engine_of(factory).fail_after = 2
     events = sse_events(await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text())
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["message"].endswith("fake engine failure") and events[-2]["error"]["code"] == "engine_error"
+    assert "fake engine failure" not in events[-2]["error"]["message"] and events[-2]["error"]["code"] == "engine_error"
 
 
 async def test_engine_failure_without_stream_is_500(client, factory):
