@@ -251,7 +251,8 @@ class ModelRegistry:
         if spec.llama_model is not None:
             self._resolve_descriptor(spec.llama_model)
         checkpoint_dir = check_checkpoint_dir(spec.checkpoint_dir, self.checkpoint_roots, trusted=spec.trusted)
-        return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir)
+        allowed_roots = () if spec.trusted else tuple(self.checkpoint_roots)  # re-checked as files are opened
+        return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir, allowed_roots=allowed_roots)
 
     def _resolve_descriptor(self, name: str) -> Any:
         resolver = self._descriptor_resolver
