@@ -135,6 +135,8 @@ OPTIONS: tuple[Option, ...] = (
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
     Option("seed", int, "engine", "seed for random demo weights and unseeded sampling"),
+    Option("mp_step_timeout_s", float, "engine", "model parallel: once loaded, the longest wait in one collective "
+           "(a hung worker then fails the model instead of stalling it)"),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
