@@ -46,6 +46,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
     from server import routes  # routes reads the keys above
     from server.model_routes import add_model_routes
+    from server.openapi import add_openapi_route
     from server.registry import REGISTRY_KEY, ModelRegistry
 
     app = web.Application(
@@ -68,6 +69,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
     routes.add_routes(app)
     add_model_routes(app)
+    add_openapi_route(app)
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)
