@@ -70,3 +70,105 @@ def test_disconnect_storm_leaves_no_request_and_no_kv_block_behind(base_checkpoi
         # and the engine still serves
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200, response.text
+
+
+# --------------------------------------------------------------------------- graceful shutdown under load
+def children_of(pid: int) -> list[int]:
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+            except OSError:
+                continue
+            if int(fields.get("PPid", "0").strip()) == pid and "Z" not in fields.get("State", ""):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow  # starts the server process with a model-parallel worker
+def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(base_checkpoint, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import httpx
+
+    from tests.e2e.test_cli_e2e import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
+    env.update(MODEL_PARALLEL_SIZE="2", PYTHONUNBUFFERED="1")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", MODEL, "--checkpoint-dir", str(base_checkpoint), "--port",
+             str(port), "--dtype", "float32", "--max-seq-len", "512", "--cpu-kv-cache-bytes", "64MiB",
+             "--drain-timeout-s", "60", "--log-format", "console"],
+            cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            def ready() -> bool:
+                assert process.poll() is None, log_path.read_text()[-4000:]
+                try:
+                    return http.get("/ready").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_until(ready, timeout_s=180, interval_s=0.2, what="/ready")
+            workers = children_of(process.pid)
+            assert workers, "MODEL_PARALLEL_SIZE=2 spawns a worker process"
+            endings: list[str] = []
+            started = threading.Barrier(5)
+
+            def stream(k: int) -> None:
+                body = {"model": MODEL, "prompt": PROMPTS[k % 4], "temperature": 0, "max_tokens": 48, "stream": True}
+                with httpx.Client(base_url=url, timeout=120) as own, own.stream("POST", "/v1/completions",
+                                                                                 json=body) as response:
+                    lines = (line for line in response.iter_lines() if line.startswith("data: "))
+                    next(lines)
+                    started.wait(60)
+                    endings.append(list(lines)[-1])
+
+            threads = [threading.Thread(target=stream, args=(k,)) for k in range(4)]
+            for thread in threads:
+                thread.start()
+            started.wait(60)  # four streams are generating
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: new_request_refused(url), timeout_s=30, what="new work to be refused while draining")
+            for thread in threads:
+                thread.join(120)
+        assert endings == ["data: [DONE]"] * 4  # every in-flight stream ran to its end
+        assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
+        wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=30, what="the workers to exit")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
+def new_request_refused(url: str) -> bool:
+    import httpx
+
+    try:
+        with httpx.Client(base_url=url, timeout=10) as fresh:
+            response = fresh.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    except httpx.TransportError:
+        return True  # aiohttp closed the listener: new connections are refused
+    return response.status_code == 503  # a connection accepted before the close: the registry is draining
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line for line in status)
+    except OSError:
+        return False
