@@ -4,6 +4,7 @@ the engine idle with every KV block free, read from /metrics as an operator woul
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import aiohttp
@@ -172,3 +173,33 @@ def _alive(pid: int) -> bool:
             return not any(line.startswith("State:") and "Z" in line for line in status)
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------- worker death
+@pytest.mark.slow  # model parallel: a spawned worker per load
+def test_a_worker_killed_mid_generation_fails_in_flight_requests_clearly_and_the_model_recovers(base_checkpoint,
+                                                                                                checkpoints):
+    import multiprocessing
+    import os
+    import signal
+
+    import httpx
+
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, model_parallel_size=2) as server, \
+            server.http() as http:
+        (worker,) = [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")]
+        body = {"model": MODEL, "prompt": PROMPTS[1] * 4, "temperature": 0, "max_tokens": 300, "stream": True}
+        with server.http() as own, own.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            next(lines)
+            os.kill(worker.pid, signal.SIGKILL)
+            rest = list(lines)
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert rest[-1] == "data: [DONE]" and error["code"] in ("engine_unavailable", "engine_error"), rest[-2:]
+        assert "gloo" not in error["message"] and "rank" not in error["message"]  # the details stay in the log
+        worker.join(30)
+        # As documented: a dead engine is retired and the next request loads the model again.
+        recovered = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                      "temperature": 0}, timeout=httpx.Timeout(180))
+        assert recovered.status_code == 200, recovered.text
+        assert [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")] != [worker]
