@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from compat import limits
 from engine.types import InvalidRequest
 
 # --------------------------------------------------------------------------- shared bounds
@@ -32,7 +33,8 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-StopList = Annotated[list[str], Meta(max_length=16)]
+StopString = Annotated[str, Meta(max_length=limits.MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Meta(max_length=16)]
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=4096)]
 
 
@@ -176,7 +178,7 @@ class SamplingFields(GuidedFields, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: NumChoices | None = 1
-    stop: str | StopList | None = None
+    stop: StopString | StopList | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -187,7 +189,7 @@ class SamplingFields(GuidedFields, kw_only=True):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
     min_tokens: NonNegativeInt | None = 0
     skip_special_tokens: bool | None = True
 
@@ -301,12 +303,16 @@ _MISSING_FIELD = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 def decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     """Decode a request body; every failure is an InvalidRequest naming the offending `param`."""
     try:
-        return decoder.decode(body)
+        request = decoder.decode(body)
+    except RecursionError:
+        raise limits.too_deep() from None
     except msgspec.ValidationError as exc:
         message, param = validation_param(str(exc))
         raise InvalidRequest(message, param=param, code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    limits.check_nesting(request)
+    return request
 
 
 def validation_param(message: str) -> tuple[str, str | None]:

@@ -14,6 +14,7 @@ from typing import Sequence
 import msgspec
 
 from compat import params as policy
+from compat import limits
 from compat import protocol as p
 from compat.structured import grammar_spec, tool_plan
 from engine.types import (
@@ -56,6 +57,7 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
         raise InvalidRequest(f"{grammar.param} cannot be combined with tool_choice {fields.tool_choice!r} or strict tools",
                              param=grammar.param)
     dialog = chat_messages(messages)
+    check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
     prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     param = "max_completion_tokens" if fields.max_completion_tokens is not None else "max_tokens"
@@ -111,9 +113,11 @@ def _text(content: p.Content | None, param: str) -> str:
 
 def _tool_call(call: p.ToolCallIn, param: str) -> ToolCall:
     try:
-        arguments = msgspec.json.decode(call.function.arguments)
+        arguments = limits.decode_json_bounded(call.function.arguments)
     except msgspec.DecodeError:
         arguments = None
+    except InvalidRequest as exc:  # nested too deeply
+        raise InvalidRequest(str(exc), param=f"{param}.function.arguments", code=exc.code) from None
     if not isinstance(arguments, dict):
         raise InvalidRequest("tool call arguments must be a JSON object", param=f"{param}.function.arguments")
     return ToolCall(call.id, call.function.name, call.function.arguments)
@@ -128,11 +132,17 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     tokenizer = engine.tokenizer
     prompts_ids: list[list[int]] = []
     texts: list[str] = []
-    for prompt_item in completion_prompts(prompt):
+    prompt_items = completion_prompts(prompt)
+    check_num_sequences(len(prompt_items) * req.n, "prompt")
+    for prompt_item in prompt_items:
         if isinstance(prompt_item, str):
+            check_text_fits(len(prompt_item), engine, "prompt")
             ids = encode_text_prompt(engine, prompt_item, bos=True)
             texts.append(prompt_item)
         else:
+            if len(prompt_item) >= engine.max_seq_len:  # refused below; don't scan a huge list first
+                checked_max_tokens(len(prompt_item), req.max_tokens, engine.max_seq_len, param="max_tokens",
+                                   prompt_param="prompt")
             _check_token_ids(prompt_item, tokenizer.vocab_size, "prompt")
             ids = list(prompt_item)
             texts.append(tokenizer.decode(ids) if req.echo else "")
@@ -202,6 +212,25 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
     )
 
 
+def check_num_sequences(count: int, param: str) -> None:
+    """Prompts x n of one request, bounded before any of them is built."""
+    if count > limits.MAX_REQUEST_SEQUENCES:
+        raise InvalidRequest(f"this request asks for {count} sequences (prompts x n); the limit is "
+                             f"{limits.MAX_REQUEST_SEQUENCES}", param=param, code="too_many_sequences")
+
+
+def check_text_fits(num_chars: int, engine: EngineClient, param: str) -> None:
+    """Refuse text that cannot fit the context before spending time encoding it: no token spans
+    more than `limits.CHARS_PER_TOKEN_LIMIT` characters of real text."""
+    limit = limits.CHARS_PER_TOKEN_LIMIT * engine.max_seq_len
+    if num_chars > limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {engine.max_seq_len} tokens; the {num_chars} characters "
+            f"of {param} cannot fit (the limit is {limit} characters). Please reduce the length of the prompt.",
+            param=param,
+        )
+
+
 def _check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
     for token_id in ids:
         if token_id >= vocab_size:
@@ -253,7 +282,7 @@ def sampling_params(
         max_tokens=max_tokens,
         min_tokens=fields.min_tokens,
         stop=tuple(s for s in stop if s),  # OpenAI ignores empty stop strings
-        stop_token_ids=tuple(fields.stop_token_ids or ()),
+        stop_token_ids=frozenset(fields.stop_token_ids or ()),
         ignore_eos=fields.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=skip_special_tokens,
@@ -273,9 +302,11 @@ _PARAM_NAMES = ("logit_bias", "stop_token_ids", "temperature", "top_p", "top_k",
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():
-            raise InvalidRequest(f"logit_bias keys must be token ids, got '{key}'", param="logit_bias")
-        pairs.append((int(key), value))
+        token_id = limits.token_id_key(key)
+        if token_id is None:
+            raise InvalidRequest(f"logit_bias keys must be token ids (ASCII digits), got '{key[:32]}'",
+                                 param="logit_bias")
+        pairs.append((token_id, value))
     return tuple(pairs)
 
 
@@ -299,13 +330,14 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
     if has_prompt == has_messages:
         raise InvalidRequest("send exactly one of 'prompt' or 'messages'", param="prompt")
     if has_prompt:  # as the completions endpoint reads a text prompt, so the ids agree
+        check_text_fits(len(req.prompt), engine, "prompt")
         return encode_text_prompt(engine, req.prompt, bos=req.add_special_tokens)
     tools = ()
     if req.tools:
         tools = tuple(ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in req.tools)
-    return engine.chat_format.encode_dialog(
-        chat_messages(req.messages), tools=tools, add_generation_prompt=req.add_generation_prompt
-    )
+    dialog = chat_messages(req.messages)
+    check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
+    return engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=req.add_generation_prompt)
 
 
 def detokenize_ids(req: p.DetokenizeRequest, engine: EngineClient) -> str:

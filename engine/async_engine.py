@@ -25,23 +25,27 @@ from engine.types import SamplingDefaults
 log = logging.getLogger(__name__)
 
 
-def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one."""
+def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
+    """Consecutive deltas of one request as one, joined once (linear in their total size)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
     logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    if any(out.logprobs is not None for out in outputs):
+        logprobs = [lp for out in outputs for lp in out.logprobs or ()]
+    prompt_logprobs = next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None)
     return RequestOutput(
-        request_id=then.request_id,
-        new_token_ids=first.new_token_ids + then.new_token_ids,
-        text_delta=first.text_delta + then.text_delta,
+        request_id=last.request_id,
+        new_token_ids=[t for out in outputs for t in out.new_token_ids],
+        text_delta="".join(out.text_delta for out in outputs),
         logprobs=logprobs,
-        finish_reason=then.finish_reason,
-        stop_reason=then.stop_reason,
-        num_prompt_tokens=then.num_prompt_tokens,
-        num_output_tokens=then.num_output_tokens,
-        num_cached_tokens=then.num_cached_tokens,
-        error=then.error,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        error=last.error,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -52,7 +56,7 @@ class _Slot:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pending: RequestOutput | None = None
+        self.pending: list[RequestOutput] = []  # deltas not taken yet, merged once on get()
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
@@ -60,16 +64,16 @@ class _Slot:
         if isinstance(item, BaseException):
             self.error = item
         else:
-            self.pending = item if self.pending is None else merge_outputs(self.pending, item)
+            self.pending.append(item)
         self.ready.set()
 
     async def get(self) -> RequestOutput:
-        while self.pending is None and self.error is None:
+        while not self.pending and self.error is None:
             self.ready.clear()
             await self.ready.wait()
-        if self.pending is not None:  # deltas that came before an error are still delivered
-            output, self.pending = self.pending, None
-            return output
+        if self.pending:  # deltas that came before an error are still delivered
+            pending, self.pending = self.pending, []
+            return merge_outputs(*pending)
         raise self.error  # type: ignore[misc]
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from engine.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
+from engine.file_guard import guard_tree, guarded
 from engine.types import CheckpointError, Family, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class CheckpointSpec:
     shard_paths: tuple[Path, ...]  # [K] in model-parallel rank order
     tokenizer_path: Path | None  # tokenizer.model (llama families) or tokenizer.json ("hf")
     max_seq_len: int  # the family's default context length in tokens
+    allowed_roots: tuple[Path, ...] = ()  # non-empty: every file must resolve inside these when opened
 
 
 _CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")
@@ -197,11 +199,15 @@ def _log_mismatch(spec_dir: Path, descriptor: Descriptor, args: ModelArgs) -> No
         log.warning("%s: params.json differs from %s: %s", spec_dir, descriptor.name, ", ".join(diffs))
 
 
-def resolve_checkpoint(checkpoint_dir: Path, *, model_id: str, llama_model: str | None = None) -> CheckpointSpec:
-    """Describe a checkpoint dir without reading weights: architecture, family, shards, tokenizer."""
+def resolve_checkpoint(
+    checkpoint_dir: Path, *, model_id: str, llama_model: str | None = None, allowed_roots: tuple[Path, ...] = ()
+) -> CheckpointSpec:
+    """Describe a checkpoint dir without reading weights: architecture, family, shards, tokenizer.
+    With `allowed_roots`, every file in the dir must resolve inside them (engine/file_guard.py)."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"{checkpoint_dir}: checkpoint directory does not exist")
+    guard_tree(checkpoint_dir, allowed_roots)
     # HF repos of Meta models keep the Meta-format files under original/.
     original = checkpoint_dir / "original"
     if not (checkpoint_dir / PARAMS_FILE).exists() and (original / PARAMS_FILE).exists():
@@ -244,7 +250,7 @@ def resolve_checkpoint(checkpoint_dir: Path, *, model_id: str, llama_model: str 
         args = dataclasses.replace(args, vocab_size=vocab)
     tokenizer_name = "tokenizer.json" if family == "hf" else "tokenizer.model"
     tokenizer_path = checkpoint_dir / tokenizer_name
-    max_seq_len = descriptor.max_seq_len if descriptor else int(dict(args.extra).get("max_seq_len", 4096))
+    max_seq_len = descriptor.max_seq_len if descriptor else _checkpoint_max_seq_len(dict(args.extra), params_path)
     return CheckpointSpec(
         model_id=model_id,
         descriptor=descriptor,
@@ -254,7 +260,19 @@ def resolve_checkpoint(checkpoint_dir: Path, *, model_id: str, llama_model: str 
         shard_paths=find_shards(checkpoint_dir),
         tokenizer_path=tokenizer_path if tokenizer_path.exists() else None,
         max_seq_len=max_seq_len,
+        allowed_roots=tuple(allowed_roots),
     )
+
+
+MAX_CHECKPOINT_SEQ_LEN = 1 << 21  # tokens; a params.json claiming more is refused, not allocated for
+
+
+def _checkpoint_max_seq_len(extra: dict[str, Any], params_path: Path) -> int:
+    value = extra.get("max_seq_len", 4096)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHECKPOINT_SEQ_LEN:
+        raise CheckpointError(f"{params_path.name}: max_seq_len must be an integer in 1..{MAX_CHECKPOINT_SEQ_LEN}, "
+                              f"got {str(value)[:32]}")
+    return value
 
 
 def check_tokenizer_vocab(spec: CheckpointSpec, tokenizer_vocab_size: int) -> None:
@@ -346,7 +364,7 @@ class _Shards:
 
     def get(self, old_rank: int) -> dict[str, torch.Tensor]:
         if old_rank not in self._open:
-            path = self._spec.shard_paths[old_rank]
+            path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = _torch_load(path)
             self._validate(path, state, old_rank)
             self._open[old_rank] = state

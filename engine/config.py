@@ -27,6 +27,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/cpu_kernels.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
+    mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective
 
     def resolved_dtype(self) -> DType:
         if self.dtype is not None:

@@ -6,8 +6,9 @@ torch must gather every sequence's blocks into a padded copy before SDPA. The C 
 those in one call with no intermediate tensors, and reads K/V in place through the block tables.
 
 Built with the system C compiler (`$CC`, else `cc`) at first use into a cache dir keyed by the
-source, the flags, the compiler and this CPU's flags (`-march=native`), atomically, so parallel
-processes can race. No compiler, a failed build or an unsupported dtype: the model runs its torch
+source, the flags, the compiler and this CPU's feature line (`-march=native`), atomically, so
+parallel processes can race. The cache dir is made 0700; a dir or library that another user owns
+or that others may write is refused (the torch path runs instead). No compiler, a failed build or an unsupported dtype: the model runs its torch
 path, which computes the same thing (tests check the two agree). The library links the libgomp
 torch already loaded, so its parallel loops share the calling thread's OpenMP team.
 """
@@ -19,6 +20,8 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -144,15 +147,43 @@ def _build_key(compiler: str, source: Path = SOURCE) -> str:
     digest.update(" ".join((compiler, *_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest.update(version.encode())
+    digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())  # -march=native code only runs on this kind of CPU
     return digest.hexdigest()[:16]
 
 
 def _cpu_flags() -> str:
     try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        return cpu_feature_line(Path("/proc/cpuinfo").read_text())
     except OSError:
         return ""
+
+
+# The line naming the CPU's instruction-set extensions: x86 "flags", Arm "Features", RISC-V "isa".
+_FEATURE_KEYS = ("flags", "Features", "isa")
+_VOLATILE_KEYS = ("processor", "cpu MHz", "BogoMIPS", "bogomips", "core id", "apicid", "initial apicid")
+
+
+def cpu_feature_line(cpuinfo: str) -> str:
+    """What -march=native code depends on: the feature line, or on an architecture without one, the
+    first processor's description without its per-core and clock fields."""
+    first_block = cpuinfo.strip().split("\n\n", 1)[0].splitlines()
+    for line in first_block:
+        if line.split(":", 1)[0].strip() in _FEATURE_KEYS:
+            return line
+    return "\n".join(line for line in first_block if line.split(":", 1)[0].strip() not in _VOLATILE_KEYS)
+
+
+def _check_owned_private(path: Path, what: str) -> None:
+    """Refuse a cache dir or library that another user owns or that others may write: loading a
+    library runs its code, so whoever can replace it can run code in the server."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(f"kernel cache {what} {path} is a symlink; refusing it")
+    if st.st_uid != os.getuid():
+        raise OSError(f"kernel cache {what} {path} is owned by uid {st.st_uid}, not this user; refusing it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OSError(f"kernel cache {what} {path} is group- or world-writable; refusing it")
 
 
 def _build(cache_dir: Path, source: Path = SOURCE) -> Path:
@@ -160,9 +191,11 @@ def _build(cache_dir: Path, source: Path = SOURCE) -> Path:
     the cache dir once per source, flags, compiler and CPU; the path of the shared library."""
     compiler = _compiler()
     target = cache_dir / f"{source.stem}-{_build_key(compiler, source)}.so"
-    if target.exists():
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_owned_private(cache_dir, "dir")
+    if os.path.lexists(target):
+        _check_owned_private(target, "library")
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(

@@ -6,8 +6,9 @@ Three things are held back, and only for as long as they must be:
 - nothing else. Concatenating every `push` and the final `finish` gives exactly
   `tokenizer.decode(all_ids, skip_special_tokens=...)`, cut before the first stop string.
 
-Work per push is proportional to the new tokens (plus the longest stop string), never to the text
-generated so far.
+Work per push is proportional to the new text times the number of stop strings, never to the text
+generated so far nor to the square of a stop string's length: each stop string keeps a KMP state
+(how much of it the text ends with), advanced one character at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = tuple(s for s in dict.fromkeys(stop) if s)  # unique, non-empty, in order
-        self._max_stop_chars = max((len(s) for s in self._stops), default=0)
+        self._matchers = [_PrefixMatcher(s) for s in self._stops]
         # codecs' incremental decoder holds back an incomplete UTF-8 sequence and replaces invalid
         # bytes exactly as a one-shot bytes.decode(errors="replace") would
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -36,7 +37,10 @@ class IncrementalDetokenizer:
         """Text that is safe to emit after these tokens; "" once a stop string matched."""
         if self.stop_matched is not None or self._finished:
             return ""
-        self._pending += self._utf8.decode(self._bytes_of(token_ids))
+        new_text = self._utf8.decode(self._bytes_of(token_ids))
+        self._pending += new_text
+        for matcher in self._matchers:
+            matcher.feed(new_text)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -74,7 +78,7 @@ class IncrementalDetokenizer:
         if cut is not None:
             self._pending = ""
             return pending[:cut]
-        keep = 0 if final else self._partial_stop_len(pending)
+        keep = 0 if final else min(len(pending), max(m.matched for m in self._matchers))
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
 
@@ -87,10 +91,31 @@ class IncrementalDetokenizer:
                 best, self.stop_matched = at, stop
         return best
 
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        for length in range(min(len(text), self._max_stop_chars - 1), 0, -1):
-            tail = text[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0
+
+class _PrefixMatcher:
+    """How long a prefix of `pattern` the text fed so far ends with (Knuth-Morris-Pratt)."""
+
+    __slots__ = ("pattern", "failure", "matched")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.failure = [0] * len(pattern)  # [i]: longest proper border of pattern[: i + 1]
+        k = 0
+        for i in range(1, len(pattern)):
+            while k and pattern[i] != pattern[k]:
+                k = self.failure[k - 1]
+            if pattern[i] == pattern[k]:
+                k += 1
+            self.failure[i] = k
+        self.matched = 0
+
+    def feed(self, text: str) -> None:
+        pattern, failure, k = self.pattern, self.failure, self.matched
+        for char in text:
+            if k == len(pattern):  # a full match (the caller stops at it); keep scanning past it
+                k = failure[k - 1]
+            while k and char != pattern[k]:
+                k = failure[k - 1]
+            if char == pattern[k]:
+                k += 1
+        self.matched = k

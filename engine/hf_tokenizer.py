@@ -36,6 +36,9 @@ END_OF_GENERATION_SPELLINGS = frozenset(
 _SP_SPACE = "\u2581"  # sentencepiece's visible space, "▁"
 
 
+MAX_VOCAB_SIZE = 1 << 22  # the largest Llama vocabulary is 202,048; ids far past it are hostile
+
+
 def gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed: the printable character each byte was mapped to -> byte."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -86,6 +89,11 @@ class HFTokenizer(ByteTableTokenizer):
         self._added_bytes = {i: t["content"].encode("utf-8") for i, t in added.items()}
         # ids may have holes (unused rows in the embedding): the vocabulary spans up to the largest id
         self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        bad_ids = [i for i in added if not 0 <= i < self.vocab_size]  # the byte table is vocab_size long
+        if self.vocab_size > MAX_VOCAB_SIZE or bad_ids:
+            worst = max([self.vocab_size - 1, *bad_ids], key=abs)
+            raise CheckpointError(f"{source}: token ids must lie in 0..{min(self.vocab_size, MAX_VOCAB_SIZE) - 1}; "
+                                  f"this tokenizer.json uses id {worst}")
         self._strip_first_space = False  # set by _build_token_bytes for sentencepiece-style vocabularies
         self._bytes = self._build_token_bytes(spec)
         self.eos_id = self._eos_id(config, generation_config)
@@ -169,7 +177,9 @@ class HFTokenizer(ByteTableTokenizer):
 
     # ------------------------------------------------------------------ the Tokenizer protocol
     def _encode_text(self, text: str) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized
+        # on a worker thread does not stall the event loop's other streams
+        return self._tk.encode_batch([text], add_special_tokens=False)[0].ids
 
     def first_token_bytes(self, token_id: int) -> bytes:
         """Sentencepiece-style vocabularies drop the dummy-prefix space of the first piece."""

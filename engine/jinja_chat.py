@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -30,6 +32,43 @@ if TYPE_CHECKING:
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 MAX_RENDERED_CHARS = 8_000_000  # a template that loops into megabytes of text is stopped there
+MAX_RANGE_ITEMS_PER_RENDER = 1_000_000  # all `range()` loops of one render together (nested loops multiply)
+MAX_RENDER_S = 5.0  # checked as the template yields text
+MAX_REPEAT_ITEMS = 1_000_000  # `"x" * n` and `[..] * n` in a template; `a ** b` exponents likewise bounded
+
+
+class _RangeBudget:
+    """`range` for one render: every range() call draws its length from a shared budget, so nested
+    loops that produce no text still end."""
+
+    def __init__(self) -> None:
+        self.left = MAX_RANGE_ITEMS_PER_RENDER
+
+    def __call__(self, *args: int) -> range:
+        items = range(*args)
+        self.left -= len(items)
+        if self.left < 0:
+            raise _TemplateLimit(f"the chat template looped over more than {MAX_RANGE_ITEMS_PER_RENDER} items")
+        return items
+
+
+class _TemplateLimit(Exception):
+    """A template exceeded a render bound (time, text, loop items, repetition)."""
+
+
+def _deadline_tracer(deadline_s: float) -> Any:
+    """A trace function that stops template code (compiled from "<template>") past the deadline,
+    even in loops that yield no text; other code runs untraced."""
+
+    def in_template(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline_s:
+            raise _TemplateLimit(f"the chat template rendered for more than {MAX_RENDER_S:g} s")
+        return in_template
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return in_template if frame.f_code.co_filename == "<template>" else None
+
+    return on_call
 _ESCAPE = "\ue000"  # private use: marks a special-token spelling (or itself) that came from the user
 # Special-token look-alikes, for tokenizers that cannot list their special tokens.
 _CANDIDATES = r"<\|[^<>|\s]{0,64}\|>|<[^<>\s]{1,64}>|\[/?[A-Z_]{1,32}\]"
@@ -70,6 +109,19 @@ def _environment():
             return nodes.Scope(body, lineno=lineno)
 
     class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            """`"x" * 10**9` and `9 ** 9 ** 9` would allocate or compute before any size check."""
+            if operator == "*" and any(isinstance(v, (str, list, tuple)) for v in (left, right)):
+                count = right if isinstance(left, (str, list, tuple)) else left
+                size = len(left if isinstance(left, (str, list, tuple)) else right)
+                if isinstance(count, int) and count * max(size, 1) > MAX_REPEAT_ITEMS:
+                    raise _TemplateLimit(f"the chat template repeats a value more than {MAX_REPEAT_ITEMS} times")
+            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                raise _TemplateLimit("the chat template raises a number to a power above 1024")
+            return super().call_binop(context, operator, left, right)
+
         def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
             return not attr.startswith("_") and super().is_safe_attribute(obj, attr, value)
 
@@ -256,19 +308,31 @@ class JinjaChatFormat:
             "tools": [self._tool(t) for t in tools] or None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
+            "range": _RangeBudget(),  # shadows the sandbox's range for this render only
         }
         parts: list[str] = []
         size = 0
+        deadline_s = time.monotonic() + MAX_RENDER_S
+        previous_tracer = sys.gettrace()
+        if previous_tracer is None:  # (under a debugger or coverage, only the text-yield check applies)
+            sys.settrace(_deadline_tracer(deadline_s))
         try:
             for part in self._template.generate(**context):
                 size += len(part)
                 if size > MAX_RENDERED_CHARS:
                     raise InvalidRequest(f"the chat template produced more than {MAX_RENDERED_CHARS} characters", param="messages")
+                if time.monotonic() > deadline_s:
+                    raise _TemplateLimit(f"the chat template rendered for more than {MAX_RENDER_S:g} s")
                 parts.append(part)
+        except _TemplateLimit as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
         except _TemplateRaised as exc:
             raise InvalidRequest(f"the chat template refused these messages: {exc}", param="messages") from None
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
             raise InvalidRequest(f"the chat template ({self._source}) failed on these messages: {type(exc).__name__}: {exc}", param="messages") from None
+        finally:
+            if previous_tracer is None:
+                sys.settrace(None)
         return "".join(parts)
 
     def encode_dialog(

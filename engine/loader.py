@@ -34,7 +34,8 @@ def _resolve(spec: Any):
     from engine.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(
-        Path(spec.checkpoint_dir), model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None)
+        Path(spec.checkpoint_dir), model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None),
+        allowed_roots=tuple(getattr(spec, "allowed_roots", ())),
     )
 
 
@@ -97,11 +98,13 @@ def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | N
     with --chat-template) render the checkpoint's Jinja template."""
     from engine.chat_format import make_chat_format
     from engine.checkpoint import check_tokenizer_vocab
+    from engine.file_guard import guard_tree
     from engine.tokenizer import load_tokenizer
 
     tokenizer_path = checkpoint.checkpoint_dir if checkpoint.family == "hf" else checkpoint.tokenizer_path
     if tokenizer_path is None:
         raise CheckpointError(f"{checkpoint.checkpoint_dir}: no tokenizer.model found")
+    guard_tree(checkpoint.checkpoint_dir, checkpoint.allowed_roots)  # again: the tokenizer and template are read now
     tokenizer = load_tokenizer(checkpoint.family, tokenizer_path)
     check_tokenizer_vocab(checkpoint, tokenizer.vocab_size)
     if checkpoint.family == "hf" or chat_template_path is not None:

@@ -56,7 +56,7 @@ class SamplingParams:
     max_tokens: int | None = None  # None: until the context ends; 0: finish "length" after the prompt pass (scoring)
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     stop: tuple[str, ...] = ()  # stop strings; text is never emitted past one
-    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens beside the family's
+    stop_token_ids: frozenset[int] = frozenset()  # extra stop tokens beside the family's (a set: checked per token)
     ignore_eos: bool = False  # keep generating past the family's stop tokens
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob + top k
     # None: off; k >= 0: each prompt token's logprob given the tokens before it, plus the top k.

@@ -16,7 +16,13 @@ Two ways to start:
 
 Liveness: rank 0 checks its spawned processes before every step; a follower that dies mid-step
 breaks the gloo/nccl connection, which raises on rank 0 instead of hanging. Either becomes
-EngineDead. fairscale's model-parallel group is process-global: one group per process at a time.
+EngineDead. Once the group is loaded, rank 0 waits at most `config.mp_step_timeout_s` in any one
+collective, so a hung (not dead) follower also ends in EngineDead, not a 30-minute stall.
+fairscale's model-parallel group is process-global: one group per process at a time.
+
+Exposure: spawned groups meet through a FileStore in a fresh 0700 temporary dir (its random name
+is the token), so no rendezvous port is ever opened; spawned followers poll their parent and exit
+when it is gone. Under torchrun the launcher's rendezvous (--rdzv-endpoint) is the operator's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +56,7 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 FOLLOWER_TIMEOUT_S = 365 * 24 * 3600.0
 STARTUP_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 10.0
+PARENT_POLL_S = 0.5  # how often a spawned follower checks that the server process still exists
 
 
 def backend_for(device: torch.device) -> str:
@@ -120,6 +128,8 @@ class ParallelGroup:
     device: torch.device
     processes: list[Any]  # spawned followers (empty under torchrun)
     dead_reason: str | None = None
+    step_timeout_s: float | None = None  # set once loaded: the bound on each later collective
+    store_dir: str | None = None  # the spawned group's private rendezvous dir, removed at shutdown
 
     @classmethod
     def spawn(cls, config: EngineConfig, spec: Any, *, max_seq_len: int) -> "ParallelGroup":
@@ -128,19 +138,20 @@ class ParallelGroup:
 
         world_size = config.model_parallel_size
         device = rank_device(config, 0)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        store_dir = tempfile.mkdtemp(prefix="llamaserve-mp-")  # 0700, random name: only we can meet there
+        init_method = f"file://{os.path.join(store_dir, 'rendezvous')}"
         ctx = mp.get_context("spawn")
         processes = []
         for rank in range(1, world_size):
             proc = ctx.Process(
                 target=_spawned_main,
-                args=(rank, world_size, init_method, spec, config, max_seq_len, logging.getLogger().level),
+                args=(rank, world_size, init_method, spec, config, max_seq_len, logging.getLogger().level, os.getpid()),
                 name=f"llamaserve-mp{rank}",
                 daemon=True,
             )
             proc.start()
             processes.append(proc)
-        group = cls(world_size, device, processes)
+        group = cls(world_size, device, processes, step_timeout_s=config.mp_step_timeout_s, store_dir=store_dir)
         try:
             group._init_rank0(init_method)
         except BaseException:
@@ -156,7 +167,7 @@ class ParallelGroup:
             raise ValueError(f"torchrun WORLD_SIZE {world_size} != model_parallel_size {config.model_parallel_size}")
         device = rank_device(config, int(os.environ.get("LOCAL_RANK", "0")))
         init_group(device, rank=0, world_size=world_size, init_method="env://", timeout_s=COLLECTIVE_TIMEOUT_S)
-        return cls(world_size, device, [])
+        return cls(world_size, device, [], step_timeout_s=config.mp_step_timeout_s)
 
     def _init_rank0(self, init_method: str) -> None:
         # init_process_group blocks until every rank connects; run it aside so a follower that
@@ -210,7 +221,15 @@ class ParallelGroup:
         """The smallest value over all ranks (KV blocks: every rank must hold the same count)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._bound_step_waits()  # every rank has loaded its weights: no wait need be long from here on
         return int(t.item())
+
+    def _bound_step_waits(self) -> None:
+        """Lower this rank's collective timeout from the load-time bound to the per-step one."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        if self.step_timeout_s is not None:
+            _set_pg_timeout(datetime.timedelta(seconds=self.step_timeout_s))
 
     def shutdown(self) -> None:
         """Tell followers to stop, wait for them, and free the process-global group."""
@@ -230,6 +249,8 @@ class ParallelGroup:
                 proc.kill()
                 proc.join(JOIN_TIMEOUT_S)
         destroy_group()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 def group_in_use() -> bool:
@@ -263,12 +284,6 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- followers
 def follow(spec: Any, config: EngineConfig, *, max_seq_len: int) -> None:
     """Entry for ranks > 0 under torchrun: load this rank's weights, serve steps until STOP.
@@ -282,14 +297,26 @@ def follow(spec: Any, config: EngineConfig, *, max_seq_len: int) -> None:
         destroy_group()
 
 
-def _spawned_main(rank: int, world_size: int, init_method: str, spec: Any, config: EngineConfig, max_seq_len: int, log_level: int) -> None:
+def _spawned_main(
+    rank: int, world_size: int, init_method: str, spec: Any, config: EngineConfig, max_seq_len: int, log_level: int,
+    parent_pid: int,
+) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s mp{rank} %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="llamaserve-parent-watch", daemon=True).start()
     device = rank_device(config, rank)
     init_group(device, rank=rank, world_size=world_size, init_method=init_method, timeout_s=FOLLOWER_TIMEOUT_S)
     try:
         _serve(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
     finally:
         destroy_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A follower whose server died (SIGKILL, OOM) would wait in a collective forever: once the
+    parent is gone (this process re-parented), exit at once."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(3)
 
 
 def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> None:

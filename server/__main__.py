@@ -124,7 +124,12 @@ def serve(config: ServerConfig) -> None:
 
     from engine.loader import LocalEngineFactory
     from server.app import create_app
+    from server.safety import exposure_warning
+    import structlog
 
+    warning = exposure_warning(config)
+    if warning:
+        structlog.get_logger("llamaserve.startup").warning(f"SECURITY WARNING: {warning}")
     factory = LocalEngineFactory(config.engine, chat_template_path=config.chat_template)
     app = create_app(config, factory)
     web.run_app(

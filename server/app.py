@@ -48,6 +48,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     from server.llama_stack_routes import add_llama_stack_routes
     from server.batch_api import add_batch_routes
     from server.model_routes import add_model_routes
+    from server.openapi import add_openapi_route
     from server.registry import REGISTRY_KEY, ModelRegistry
 
     app = web.Application(
@@ -71,6 +72,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     routes.add_routes(app)
     add_model_routes(app)
     add_llama_stack_routes(app)  # Llama Stack's native inference API beside OpenAI's
+    add_openapi_route(app)
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)
@@ -173,10 +175,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # noqa: BLE001 - nothing escapes as a traceback
         error = from_exception(exc)
         if error.status >= 500:
-            structlog.get_logger("llamaserve.errors").exception(
-                "unhandled error", request_id=request[REQUEST_ID], path=request.path
+            structlog.get_logger("llamaserve.errors").error(
+                "request failed", request_id=request[REQUEST_ID], path=request.path, error=str(exc),
+                exc_info=error.code == "internal_error",
             )
-    if error.status >= 500 and error.code == "internal_error":
+    if error.status >= 500:
         error.message += f" (request id {request[REQUEST_ID]})"
     request[LOG_FIELDS]["error_code"] = error.code
     return web.Response(body=error.to_json(), status=error.status, headers=error.headers,
@@ -199,5 +202,5 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
-    auth.check(request, config.api_key, config.admin_api_key)
+    auth.check(request, config.api_key, config.admin_api_key, allow_remote_admin=config.allow_remote_admin)
     return await handler(request)

@@ -11,6 +11,7 @@ import hmac
 from aiohttp import web
 
 from server.errors import ApiError
+from server.safety import is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
 _ADMIN_METHODS = frozenset({"POST", "DELETE", "PUT", "PATCH"})
@@ -25,16 +26,24 @@ def bearer_token(request: web.Request) -> bytes | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    # aiohttp decodes header bytes with surrogateescape: a non-UTF-8 key compares as its raw bytes
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 def _matches(token: bytes | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token, key.encode())
 
 
-def check(request: web.Request, api_key: str | None, admin_api_key: str | None) -> None:
-    """Raise ApiError 401/403 unless the request carries the key its route needs."""
-    if request.path in OPEN_PATHS or (api_key is None and admin_api_key is None):
+def check(request: web.Request, api_key: str | None, admin_api_key: str | None, *,
+          allow_remote_admin: bool = False) -> None:
+    """Raise ApiError 401/403 unless the request carries the key its route needs; with no key at
+    all, registry routes are for loopback clients only (server/safety.py)."""
+    if request.path in OPEN_PATHS:
+        return
+    if api_key is None and admin_api_key is None:
+        if is_admin_route(request) and not allow_remote_admin and not is_loopback(request.remote):
+            raise ApiError(403, "Registering, switching and deleting models is open to loopback clients only on "
+                           "a server without an admin API key.", code="admin_requires_loopback")
         return
     token = bearer_token(request)
     is_admin = _matches(token, admin_api_key)

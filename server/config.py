@@ -34,10 +34,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # another address without an api key logs a warning (server/safety.py)
     port: int = 8000
     api_key: str | None = None
     admin_api_key: str | None = None
+    allow_remote_admin: bool = False  # with no key, registry routes still accept non-loopback clients
     models: list[ModelSpec] = field(default_factory=list)
     checkpoint_roots: list[Path] = field(default_factory=lambda: [Path(DEFAULT_CHECKPOINT_ROOT).expanduser()])
     memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
@@ -46,6 +47,8 @@ class ServerConfig:
     max_batch_request_items: int = 256  # prompts in one /v1/batch/* call
     max_body_bytes: int = 32 << 20
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    stream_write_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
+    max_stream_duration_s: float = 3600.0  # a stream ends with an error event after this long
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
@@ -102,6 +105,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, "server", "port to listen on"),
     Option("api_key", str, "auth", "require 'Authorization: Bearer KEY' on every route but /health"),
     Option("admin_api_key", str, "auth", "key for POST/DELETE /v1/models (default: the api key)"),
+    Option("allow_remote_admin", _bool, "auth", "without an admin key, let non-loopback clients register, "
+           "switch and delete models (default: loopback only)"),
     Option("checkpoint_roots", _paths, "server", "where checkpoints live (colon-separated in env/yaml string; "
            "the flag --checkpoint-root repeats)"),
     Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),
@@ -110,6 +115,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_batch_request_items", int, "server", "most prompts in one /v1/batch/* request"),
     Option("max_body_bytes", parse_bytes, "server", "largest request body (413 beyond)"),
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
+    Option("stream_write_timeout_s", float, "server", "drop a streaming client that takes no data for this long"),
+    Option("max_stream_duration_s", float, "server", "end any stream (with an error event) after this long"),
     Option("log_format", str, "server", "json or console"),
     Option("log_level", str, "server", "debug, info, warning, error"),
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
@@ -138,6 +145,8 @@ OPTIONS: tuple[Option, ...] = (
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
     Option("seed", int, "engine", "seed for random demo weights and unseeded sampling"),
+    Option("mp_step_timeout_s", float, "engine", "model parallel: once loaded, the longest wait in one collective "
+           "(a hung worker then fails the model instead of stalling it)"),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -354,6 +363,8 @@ def _validate(config: ServerConfig) -> None:
         (config.batch_max_requests >= 1 and config.batch_max_file_bytes >= 1,
          "batch_max_requests and batch_max_file_bytes must be >= 1"),
         (config.batch_max_in_flight >= 0, "batch_max_in_flight must be >= 0"),
+        (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
+        (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
     ]

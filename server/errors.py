@@ -63,10 +63,12 @@ def from_exception(exc: BaseException) -> ApiError:
         retry_after_s = max(1, math.ceil(exc.retry_after_s))
         return ApiError(429, str(exc) or "The server is busy; retry later.", code="queue_full",
                         headers={"Retry-After": str(retry_after_s)})
+    # The engine's own text (crash reasons, file paths) goes to the log, never to clients.
     if isinstance(exc, EngineDead):
-        return ApiError(503, f"The model is unavailable: {exc}", code="engine_unavailable", headers={"Retry-After": "5"})
+        return ApiError(503, "The model is unavailable; retry shortly.", code="engine_unavailable",
+                        headers={"Retry-After": "5"})
     if isinstance(exc, CheckpointError):
-        return ApiError(500, f"The model failed to load: {exc}", code="model_load_failed")
+        return ApiError(500, "The model failed to load.", code="model_load_failed")
     if isinstance(exc, EngineError):
-        return ApiError(500, f"The engine failed: {exc}", code="engine_error")
+        return ApiError(500, "The engine failed while processing your request.", code="engine_error")
     return ApiError(500, "The server had an error while processing your request.", code="internal_error")

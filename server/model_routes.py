@@ -21,10 +21,14 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from compat import limits
 from compat.protocol import validation_param
+from engine.types import InvalidRequest
+from server.app import CONFIG_KEY
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
+from server.safety import check_registration_bounds
 
 _T = TypeVar("_T")
 
@@ -101,6 +105,8 @@ async def register_model(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY_KEY]
     body = _decode(_REQUEST_DECODER.decode, await request.read(), prefix="")
     spec, load = _spec_from_request(body, registry)
+    config = request.app.get(CONFIG_KEY)
+    check_registration_bounds(spec, config.engine.device if config is not None else "cpu")
     info = await registry.register(spec, load=load)
     return _json(model_object(info))
 
@@ -190,7 +196,9 @@ def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
     """Decode with msgspec; a ValidationError becomes a 400 whose param is the field's path
     (under `prefix` for the metadata object, which is converted on its own)."""
     try:
-        return decode(data)
+        decoded = decode(data)
+    except RecursionError:
+        raise ApiError(400, limits.too_deep().args[0], code="invalid_json") from None
     except msgspec.ValidationError as exc:
         message, path = validation_param(str(exc))
         param = ".".join(p for p in (prefix, path) if p) or None
@@ -199,6 +207,11 @@ def _decode(decode: Any, data: Any, *, prefix: str) -> Any:
         raise ApiError(400, message, param=param, code="invalid_value") from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    try:
+        limits.check_nesting(decoded)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=prefix or None, code="invalid_json") from None
+    return decoded
 
 
 def _json(body: Any) -> web.Response:

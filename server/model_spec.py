@@ -19,6 +19,8 @@ class ModelSpec:
     max_seq_len: int | None = None
     quantization: str | None = None
     trusted: bool = False  # named by the server's own config/env, so outside the checkpoint roots is fine
+    # untrusted dirs: the roots every file must still resolve into when the loader opens it
+    allowed_roots: tuple[Path, ...] = field(default=(), compare=False)
 
 
 class EngineFactory(Protocol):

@@ -57,11 +57,11 @@ def _check_symlinks_inside(directory: Path, real_roots: list[Path]) -> None:
             for entry in entries:
                 seen += 1
                 if seen > _MAX_SCAN_ENTRIES:
-                    raise _error(f"checkpoint dir {directory} has too many files", "invalid_checkpoint_dir")
+                    raise _error(f"checkpoint dir {directory.name!r} has too many files", "invalid_checkpoint_dir")
                 if entry.is_symlink():
                     if not _inside(Path(os.path.realpath(entry.path)), real_roots):
                         raise _error(
-                            f"checkpoint dir {directory} contains {entry.name!r}, a symlink that leaves the "
+                            f"checkpoint dir {directory.name!r} contains {entry.name!r}, a symlink that leaves the "
                             "checkpoint roots",
                             "checkpoint_dir_outside_roots",
                         )
@@ -127,7 +127,7 @@ def find_checkpoint_dir(
             continue  # not a folder name; only an explicit checkpoint_dir may say where to look
         for root in real_roots:
             candidate = root / name
-            tried.append(str(candidate))
+            tried.append(name)
             if not os.path.lexists(candidate):
                 continue
             if trusted:
@@ -135,8 +135,9 @@ def find_checkpoint_dir(
                 if real.is_dir():
                     return real
                 continue
-            return _checked_untrusted(candidate, real_roots, str(candidate))
-    where = ", ".join(tried) if tried else f"no usable folder name in the roots ({_roots_text(roots)})"
+            return _checked_untrusted(candidate, real_roots, name)
+    where = (f"{', '.join(dict.fromkeys(tried))} in the checkpoint roots" if tried
+             else f"no usable folder name in the roots ({_roots_text(roots)})")
     raise _error(
         f"no checkpoint found for model {model_id!r}: looked for {where}; pass checkpoint_dir",
         "checkpoint_not_found",
@@ -144,4 +145,23 @@ def find_checkpoint_dir(
 
 
 def _roots_text(roots: Sequence[Path]) -> str:
-    return ", ".join(str(root) for root in roots) or "none"
+    return f"{len(roots)} configured" if roots else "none"
+
+
+def shown_path(path: Path | str, roots: Sequence[Path]) -> str:
+    """A checkpoint dir as clients see it: relative to the root it is in, else only its folder name,
+    so that listings and errors never reveal the server's file system layout."""
+    real = Path(os.path.realpath(path))
+    for root in _real_roots(roots):
+        if real.is_relative_to(root):
+            return str(real.relative_to(root)) or "."
+    return real.name
+
+
+def redact_paths(text: str, paths: Sequence[Path | str], roots: Sequence[Path]) -> str:
+    """`text` with every absolute path below `paths` and the roots replaced by its shown form."""
+    prefixes = {str(p) for p in paths} | {str(os.path.realpath(p)) for p in paths}
+    prefixes |= {str(r) for r in roots} | {str(r) for r in _real_roots(roots)}
+    for prefix in sorted((p for p in prefixes if p not in ("", "/")), key=len, reverse=True):
+        text = text.replace(prefix, shown_path(prefix, roots))
+    return text

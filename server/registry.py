@@ -35,6 +35,7 @@ import itertools
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal
@@ -45,7 +46,7 @@ from aiohttp import web
 from engine.types import CheckpointError, EngineClient, InvalidRequest
 from server.errors import ApiError
 from server.model_spec import EngineFactory, ModelSpec
-from server.paths import check_checkpoint_dir, find_checkpoint_dir
+from server.paths import check_checkpoint_dir, find_checkpoint_dir, redact_paths, shown_path
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class ModelRegistry:
             if entry.removed:
                 raise _not_found(spec.model_id)
             if not task.cancelled() and task.exception() is not None and entry.load is None:
-                raise _error_of(task.exception(), spec.model_id)
+                raise _error_of(task.exception(), spec, self.checkpoint_roots)
         return self.get(spec.model_id)
 
     def register_background(self, spec: ModelSpec) -> asyncio.Task | None:
@@ -251,7 +252,8 @@ class ModelRegistry:
         if spec.llama_model is not None:
             self._resolve_descriptor(spec.llama_model)
         checkpoint_dir = check_checkpoint_dir(spec.checkpoint_dir, self.checkpoint_roots, trusted=spec.trusted)
-        return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir)
+        allowed_roots = () if spec.trusted else tuple(self.checkpoint_roots)  # re-checked as files are opened
+        return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir, allowed_roots=allowed_roots)
 
     def _resolve_descriptor(self, name: str) -> Any:
         resolver = self._descriptor_resolver
@@ -367,11 +369,9 @@ class ModelRegistry:
 
     def _on_load_failed(self, entry: _Entry, spec: ModelSpec, exc: Exception) -> None:
         self._load_failures_total += 1
-        error = _error_of(exc, spec.model_id)
-        if isinstance(exc, (CheckpointError, InvalidRequest, _BudgetExceeded)):
+        error = _error_of(exc, spec, self.checkpoint_roots)
+        if isinstance(exc, (CheckpointError, InvalidRequest, _BudgetExceeded)):  # others: logged by _error_of
             log.warning("model %s failed to load from %s: %s", spec.model_id, spec.checkpoint_dir, exc)
-        else:
-            log.error("model %s failed to load from %s", spec.model_id, spec.checkpoint_dir, exc_info=exc)
         entry.load = None
         if entry.active is not None:
             # A hot switch that failed: the old engine keeps serving under its own spec.
@@ -570,10 +570,10 @@ class ModelRegistry:
         entry = self._entries.get(model_id)
         if entry is None:
             raise _not_found(model_id)
-        return _info(entry)
+        return _info(entry, self.checkpoint_roots)
 
     def list(self) -> list[ModelInfo]:
-        return [_info(entry) for entry in self._entries.values()]
+        return [_info(entry, self.checkpoint_roots) for entry in self._entries.values()]
 
     def engines(self) -> list[tuple[str, EngineClient]]:
         return [(e.model_id, e.active.engine) for e in self._entries.values() if e.active is not None]
@@ -639,7 +639,7 @@ def _consume_exception(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _info(entry: _Entry) -> ModelInfo:
+def _info(entry: _Entry, roots: list[Path]) -> ModelInfo:
     slot = entry.active
     spec = slot.spec if slot is not None else entry.spec
     reserved = None
@@ -651,7 +651,7 @@ def _info(entry: _Entry) -> ModelInfo:
         status=entry.status,
         llama_model=spec.llama_model,
         max_seq_len=slot.engine.max_seq_len if slot is not None else spec.max_seq_len,
-        checkpoint_dir=str(spec.checkpoint_dir),
+        checkpoint_dir=shown_path(spec.checkpoint_dir, roots),  # never the absolute path
         metadata=dict(entry.metadata),
         error=entry.failure.error.message if entry.failure is not None and slot is None else None,
         load_time_s=round(slot.load_time_s, 3) if slot is not None else None,
@@ -674,18 +674,24 @@ def _not_found(model_id: str) -> ApiError:
     )
 
 
-def _error_of(exc: BaseException, model_id: str) -> ApiError:
-    """The error a registering caller sees for a failed load."""
+def _error_of(exc: BaseException, spec: ModelSpec, roots: list[Path]) -> ApiError:
+    """The error a registering caller sees for a failed load: what is wrong with the checkpoint,
+    without the server's absolute paths; an unexpected failure only says where to look."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, _BudgetExceeded):
         return ApiError(507, str(exc), code="memory_budget_exceeded")
-    message = f"cannot load model {model_id!r}: {exc}"
-    if isinstance(exc, CheckpointError):
-        return ApiError(400, message, param="checkpoint_dir", code="invalid_checkpoint")
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, (CheckpointError, InvalidRequest)):
+        message = f"cannot load model {spec.model_id!r}: {redact_paths(str(exc), [spec.checkpoint_dir], roots)}"
+        if isinstance(exc, CheckpointError):
+            return ApiError(400, message, param="checkpoint_dir", code="invalid_checkpoint")
         return ApiError(400, message, param=exc.param, code=exc.code or "invalid_model")
-    return ApiError(500, f"{message} ({type(exc).__name__})", code="model_load_failed")
+    incident = getattr(exc, "llamaserve_incident", None)
+    if incident is None:  # the same failure reaches the registering caller and the model's entry
+        incident = exc.llamaserve_incident = uuid.uuid4().hex[:12]  # type: ignore[attr-defined]
+        log.error("model %s failed to load (incident %s)", spec.model_id, incident, exc_info=exc)
+    return ApiError(500, f"cannot load model {spec.model_id!r}: an internal error occurred; the server log has "
+                    f"the details under incident {incident}", code="model_load_failed")
 
 
 def _lease_failure(entry: _Entry) -> ApiError:

@@ -27,7 +27,8 @@ from server.errors import ApiError, from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.tokenizer_info import model_or_only, tokenizer_info_body
 
-# Bodies above this are tokenized off the event loop, so one huge prompt can't stall every stream.
+# Bodies above this are tokenized (and detokenized, and batch items planned) off the event loop, so
+# one huge prompt can't stall every stream; the tokenizers release the GIL while they encode.
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
 
 Indexed = tuple[int, RequestOutput]
@@ -229,11 +230,11 @@ async def _collect(outputs: AsyncIterator[Indexed], assembler: Any) -> Any:
 
 
 async def _batch_item(
-    request: web.Request, index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]]
+    request: web.Request, index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]], body_bytes: int
 ) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
-        outputs, assembler = make()
+        outputs, assembler = await _plan(body_bytes, make)
         return p.BatchItem(index=index, response=await _collect(outputs, assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
         request[DEAD_ENGINE_REPORTER](exc)
@@ -259,7 +260,7 @@ def _batch_response(response_id: str, kind: str, model: str, items: list[p.Batch
 
 
 async def batch_chat_completions(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, p.BATCH_CHAT_DECODER)
+    req, size = await _decode(request, p.BATCH_CHAT_DECODER)
     _check_batch_size(request, len(req.messages_batch), "messages_batch")
     async with _lease(request, req.model) as engine:
         batch_id = _response_id("batch")
@@ -271,12 +272,12 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), _chat_assembler(req, plan, engine, response_id)
             return build
 
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, m)) for k, m in enumerate(req.messages_batch)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, m), size) for k, m in enumerate(req.messages_batch)))
         return _batch_response(batch_id, "batch.chat.completion", req.model, list(items), request)
 
 
 async def batch_completions(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, p.BATCH_COMPLETION_DECODER)
+    req, size = await _decode(request, p.BATCH_COMPLETION_DECODER)
     prompts, param = to_engine.batch_prompts(req)
     _check_batch_size(request, len(prompts), param)
     async with _lease(request, req.model) as engine:
@@ -289,7 +290,7 @@ async def batch_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), _completion_assembler(req, plan, engine, response_id)
             return build
 
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(prompts)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr), size) for k, pr in enumerate(prompts)))
         return _batch_response(batch_id, "batch.text_completion", req.model, list(items), request)
 
 
@@ -298,15 +299,19 @@ async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
     async with _lease(request, model_or_only(request, req.model)) as engine:
         ids = await _plan(size, to_engine.tokenize, req, engine)
-        strs = [token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else p.UNSET
+        strs = await _plan(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                                 token_strs=strs))
 
 
+def _token_strs(engine: EngineClient, ids: list[int]) -> list[str]:
+    return [token_text(engine.tokenizer, i)[0] for i in ids]
+
+
 async def detokenize(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, p.DETOKENIZE_DECODER)
+    req, size = await _decode(request, p.DETOKENIZE_DECODER)
     async with _lease(request, model_or_only(request, req.model)) as engine:
-        return json_response(p.DetokenizeResponse(prompt=to_engine.detokenize_ids(req, engine)))
+        return json_response(p.DetokenizeResponse(prompt=await _plan(size, to_engine.detokenize_ids, req, engine)))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:

@@ -1,12 +1,16 @@
 """Server-sent events: `data:` frames, an in-band error event, `data: [DONE]`.
 
 Writes are awaited, so a slow reader holds the generator back (the engine's per-request output
-slot then merges deltas) instead of buffering without bound. The caller owns the output iterator
-and closes it in its `finally`, which aborts the request in the engine when the client leaves.
+slot then merges deltas) instead of buffering without bound. A reader that takes nothing for
+`stream_write_timeout_s` is dropped (its connection aborted), and no stream outlives
+`max_stream_duration_s`: either way the model lease is released, so DELETE and hot switches never
+wait on a client. The caller owns the output iterator and closes it in its `finally`, which aborts
+the request in the engine when the client leaves.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Callable, Iterable
 
 import structlog
@@ -44,21 +48,42 @@ async def stream(
 
     `first` was awaited before this call, so errors raised before any output (queue full, invalid
     request) still get a proper HTTP status instead of an in-band error."""
+    from server.app import CONFIG_KEY
+
+    config = request.app[CONFIG_KEY]
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+
+    async def write(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
+        except asyncio.TimeoutError:
+            raise _SlowReader() from None
+
     try:
-        body = b"".join(frame(chunk) for chunk in head)
-        chunk = render(first)
-        if chunk is not None:
-            body += frame(chunk)
-        await response.write(body)
-        async for item in items:
-            chunk = render(item)
+        async with asyncio.timeout(config.max_stream_duration_s):
+            body = b"".join(frame(chunk) for chunk in head)
+            chunk = render(first)
             if chunk is not None:
-                await response.write(frame(chunk))
-        await response.write(b"".join(frame(chunk) for chunk in tail()) + done)
-    except ConnectionError:  # the client left; the caller's finally aborts the request
+                body += frame(chunk)
+            await write(body)
+            async for item in items:
+                chunk = render(item)
+                if chunk is not None:
+                    await write(frame(chunk))
+            await write(b"".join(frame(chunk) for chunk in tail()) + done)
+    except (ConnectionError, _SlowReader):  # the client left or stopped reading; the caller's finally aborts
+        _drop(request)
         return response
+    except TimeoutError:  # the stream's lifetime is over: tell the client, then end
+        log.warning("stream ended at its maximum duration", max_stream_duration_s=config.max_stream_duration_s)
+        error = ApiError(408, f"The stream reached this server's maximum duration of "
+                         f"{config.max_stream_duration_s:g} s.", code="stream_timeout", error_type="timeout_error")
+        try:
+            await write(b"data: " + error.to_json() + b"\n\n" + done)
+        except (ConnectionError, _SlowReader):
+            _drop(request)
+            return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
         if on_error is not None:
             on_error(exc)
@@ -66,8 +91,19 @@ async def stream(
         if error.status >= 500 and not isinstance(exc, ApiError):
             log.error("stream failed", error=str(exc), exc_info=not error.code)
         try:
-            await response.write(b"data: " + error.to_json() + b"\n\n" + done)
-        except ConnectionError:
+            await write(b"data: " + error.to_json() + b"\n\n" + done)
+        except (ConnectionError, _SlowReader):
+            _drop(request)
             return response
     await response.write_eof()
     return response
+
+
+class _SlowReader(Exception):
+    """The client took no data for stream_write_timeout_s."""
+
+
+def _drop(request: web.Request) -> None:
+    """Abort the connection, so that aiohttp does not wait on it again to finish the response."""
+    if request.transport is not None:
+        request.transport.abort()

@@ -98,8 +98,9 @@ def unregister_all(http: httpx.Client, *ids: str) -> None:
     assert not model_ids(http) & set(ids)
 
 
-def real(path: Path) -> str:
-    return os.path.realpath(path)
+def shown(path: Path) -> str:
+    """A checkpoint dir as listings show it: relative to its root (these all sit directly in it)."""
+    return Path(os.path.realpath(path)).name
 
 
 # --------------------------------------------------------------------------- lazy loading
@@ -110,7 +111,7 @@ def test_starts_empty_then_skip_initialize_registers_without_loading(server, htt
         response = register(http, model_id=BASE_DESCRIPTOR, skip_initialize=True)
         assert response.status_code == 200, response.text
         info = response.json()
-        assert info["status"] == "registered" and info["checkpoint_dir"] == real(base_checkpoint)
+        assert info["status"] == "registered" and info["checkpoint_dir"] == shown(base_checkpoint)
         assert info["load_time_s"] is None and info["memory_bytes"] is None
         assert gauge(http, "models_loaded") == 0 and gauge(http, "model_memory_reserved_bytes") == 0
         assert server.registry.engines() == []  # no weights in memory
@@ -182,7 +183,7 @@ def test_custom_id_serves_a_finetune_of_the_base(server, http, checkpoints, base
         assert response.status_code == 200, response.text
         info = response.json()
         assert info["status"] == "ready" and info["llama_model"] == BASE_DESCRIPTOR
-        assert info["checkpoint_dir"] == real(finetune) and info["metadata"] == {"llama_model": BASE_DESCRIPTOR}
+        assert info["checkpoint_dir"] == shown(finetune) and info["metadata"] == {"llama_model": BASE_DESCRIPTOR}
         text = completion_text(http, FINETUNE)
         assert text == expected(finetune)
         assert text != expected(base_checkpoint)  # the finetune's weights, not the base's
@@ -236,7 +237,7 @@ def test_hot_switch_under_load_drops_nothing(server, http, checkpoints, base_che
             switch_done = time.monotonic()
             long_text += "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
         assert response.status_code == 200, response.text
-        assert response.json()["status"] == "ready" and response.json()["checkpoint_dir"] == real(second)
+        assert response.json()["status"] == "ready" and response.json()["checkpoint_dir"] == shown(second)
         wait_until(lambda: count_after(switch_done) >= 6, timeout_s=60, what="traffic after the switch")
     finally:
         stop.set()
@@ -318,7 +319,7 @@ def test_corrupt_shard_fails_with_reason_and_the_server_keeps_serving(server, ht
         response = register(http, model_id="good", checkpoint_dir=str(broken), llama_model=BASE_DESCRIPTOR)
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_checkpoint"
         info = http.get("/v1/models/good").json()
-        assert info["status"] == "ready" and info["checkpoint_dir"] == real(base_checkpoint)
+        assert info["status"] == "ready" and info["checkpoint_dir"] == shown(base_checkpoint)
         assert chat(http, "good").status_code == 200
     finally:
         unregister_all(http, "good", "broken")
@@ -359,7 +360,7 @@ def test_hf_style_id_finds_the_descriptor_folder(server, http, base_checkpoint):
         # No checkpoint_dir: not at <root>/meta-llama/..., so <root>/<its descriptor>, as `llama model download` names it.
         response = register(http, model_id=hf_id)
         assert response.status_code == 200, response.text
-        assert response.json()["status"] == "ready" and response.json()["checkpoint_dir"] == real(base_checkpoint)
+        assert response.json()["status"] == "ready" and response.json()["checkpoint_dir"] == shown(base_checkpoint)
         assert http.get(f"/v1/models/{hf_id}").json()["id"] == hf_id  # ids with '/' route
         with server.openai() as sdk:
             assert sdk.models.retrieve(hf_id).id == hf_id
@@ -441,7 +442,7 @@ def test_llama_stack_register_body_and_per_model_max_seq_len(server, http, base_
         assert response.status_code == 200, response.text
         info = response.json()
         assert info["status"] == "ready" and info["llama_model"] == BASE_DESCRIPTOR and info["max_seq_len"] == 64
-        assert info["checkpoint_dir"] == real(base_checkpoint) and info["identifier"] == "stack-ft"
+        assert info["checkpoint_dir"] == shown(base_checkpoint) and info["identifier"] == "stack-ft"
         too_long = http.post("/v1/completions", json={"model": "stack-ft", "prompt": "hi", "max_tokens": 100})
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
         assert "64" in too_long.json()["error"]["message"]

@@ -187,7 +187,7 @@ async def test_slow_consumer_does_not_block_others(engine: AsyncEngine):
     fast = await collect(engine, request("fast", "xyz", max_tokens=20))  # completes while slow reads nothing
     assert fast[-1].finish_reason == "length"
     slot = engine._active["slow"]
-    await wait_until(lambda: slot.pending is not None and slot.pending.finished)
+    await wait_until(lambda: bool(slot.pending) and slot.pending[-1].finished)
     rest = [out async for out in slow]
     assert len(rest) == 1  # everything that piled up arrives merged
     assert first.new_token_ids + rest[0].new_token_ids == reference("abc", 20)

@@ -27,7 +27,8 @@ from tests.conftest import TINY_DESCRIPTOR
 
 
 def resolve(path, **kw):
-    return resolve_checkpoint(path, model_id=kw.pop("model_id", "tiny"), llama_model=kw.pop("llama_model", TINY_DESCRIPTOR))
+    return resolve_checkpoint(path, model_id=kw.pop("model_id", "tiny"), llama_model=kw.pop("llama_model", TINY_DESCRIPTOR),
+                              **kw)
 
 
 def load(path, rank=0, size=1, **kw):
@@ -330,3 +331,49 @@ def test_model_args_round_trip(tiny_model_args):
     assert ModelArgs.from_params(params, source="x") == tiny_model_args
     tied = dataclasses.replace(tiny_model_args, tie_word_embeddings=True, n_kv_heads=None)
     assert ModelArgs.from_params(tied.to_params(), source="x") == tied
+
+
+# --------------------------------------------------------------------------- hostile checkpoints (issue 16)
+@pytest.mark.parametrize("value", [10**12, 0, -5, "4096", True])
+def test_params_max_seq_len_is_bounded(ckpt, value):
+    (ckpt / "tokenizer.json").write_text("{}")  # an "hf" checkpoint: its max_seq_len comes from params.json
+    params = json.loads((ckpt / "params.json").read_text())
+    (ckpt / "params.json").write_text(json.dumps({**params, "max_seq_len": value}))
+    with pytest.raises(CheckpointError, match="max_seq_len must be an integer"):
+        resolve_checkpoint(ckpt, model_id="my-finetune")
+
+
+def test_files_are_rechecked_at_open_time_inside_symlinked_dirs(tmp_path, tiny_checkpoint):
+    """Registration scans the dir without entering symlinked dirs; at load every file's real path
+    must still be inside the roots, and a shard swapped for a link out after resolving is refused
+    when it is opened."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    model = Path(shutil.copytree(tiny_checkpoint, root / "m"))
+    (root / "shared").mkdir()
+    (root / "shared" / "secret").symlink_to(outside / "secret.txt")
+    (outside / "secret.txt").write_text("x")
+    (model / "extras").symlink_to(root / "shared", target_is_directory=True)  # a link that stays in the root
+    with pytest.raises(CheckpointError, match="secret: resolves outside the checkpoint roots"):
+        resolve(model, allowed_roots=(root,))
+    (model / "extras").unlink()
+    spec = resolve(model, allowed_roots=(root,))
+    shard = spec.shard_paths[0]
+    moved = outside / shard.name
+    shutil.move(shard, moved)
+    shard.symlink_to(moved)  # swapped after the checks that ran at resolve time
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint roots"):
+        load_rank_state_dict(spec, 0, 1)
+    assert resolve(model).shard_paths == spec.shard_paths  # trusted (no roots): not checked
+
+
+def test_tokenizer_json_with_hostile_token_ids_is_refused(tmp_path):
+    from engine.hf_tokenizer import MAX_VOCAB_SIZE, load_hf_tokenizer
+    from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_level_tokenizer_json, write_checkpoint_tokenizer
+
+    spec = json.loads(byte_level_tokenizer_json())
+    spec["added_tokens"].append({"id": MAX_VOCAB_SIZE + 10, "content": "<evil>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    directory = write_checkpoint_tokenizer(tmp_path / "t", json.dumps(spec), CHATML_CONFIG)
+    with pytest.raises(CheckpointError, match="token ids must lie in"):
+        load_hf_tokenizer(directory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import os
 import random
 import stat
 import subprocess
@@ -630,3 +631,46 @@ def test_executor_float64_keeps_torch_path(kernels, tiny_checkpoint):
         assert executor._shard.model.cpu_kernels is None
     finally:
         executor.shutdown()
+
+
+# =========================================================================== the kernel cache's safety (issue 16)
+def test_cache_dir_is_created_private(tmp_path):
+    if ck.load_cpu_kernels() is None:
+        pytest.skip("no working C compiler here")
+    cache_dir = tmp_path / "fresh" / "kernels"
+    ck._build(cache_dir)
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("what", ["dir", "library"])
+def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what):
+    monkeypatch.setattr(ck, "_build_key", lambda compiler: "fixedkey")
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(mode=0o700)
+    planted = cache_dir / "cpu_kernels-fixedkey.so"
+    planted.write_bytes(b"not a library")  # whoever could write here could run code in the server
+    (cache_dir if what == "dir" else planted).chmod(0o777 if what == "dir" else 0o666)
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        assert ck.load_cpu_kernels.__wrapped__(cache_dir) is None
+    assert "group- or world-writable" in caplog.text
+
+
+def test_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "_build_key", lambda compiler: "fixedkey")
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(mode=0o700)
+    (cache_dir / "cpu_kernels-fixedkey.so").write_bytes(b"x")
+    real_getuid = os.getuid()
+    monkeypatch.setattr(ck.os, "getuid", lambda: real_getuid + 1)  # as if another user had made them
+    with pytest.raises(OSError, match="owned by uid"):
+        ck._build(cache_dir)
+
+
+@pytest.mark.parametrize("cpuinfo,expected", [
+    ("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n", "flags\t\t: fpu avx2"),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU part\t: 0xd0c\n", "Features\t: fp asimd sve"),
+    ("processor\t: 0\nhart\t\t: 1\nisa\t\t: rv64imafdc\n", "isa\t\t: rv64imafdc"),
+    ("processor\t: 0\ncpu\t\t: POWER9\nclock\t\t: 2.2GHz\ncpu MHz\t: 2200\n", "cpu\t\t: POWER9\nclock\t\t: 2.2GHz"),
+])
+def test_build_key_reads_the_cpu_feature_line_on_every_architecture(cpuinfo, expected):
+    assert ck.cpu_feature_line(cpuinfo) == expected

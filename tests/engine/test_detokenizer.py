@@ -171,3 +171,25 @@ def _byte_token(tokenizer, data: bytes) -> int:
     if sp is not None:  # sentencepiece byte-fallback pieces
         return sp.piece_to_id(f"<0x{data[0]:02X}>")
     return tokenizer._encoding.encode_single_token(data)
+
+
+# --------------------------------------------------------------------------- incremental stop matching (issue 16)
+def test_kmp_prefix_matcher_agrees_with_brute_force():
+    import random
+
+    from engine.detokenizer import _PrefixMatcher
+
+    def brute(text: str, pattern: str) -> int:
+        return max((k for k in range(len(pattern) + 1) if text.endswith(pattern[:k])), default=0)
+
+    rng = random.Random(16)
+    for _ in range(300):
+        pattern = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+        matcher = _PrefixMatcher(pattern)
+        text = ""
+        for _ in range(rng.randint(1, 6)):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 5)))
+            text += piece
+            matcher.feed(piece)
+            if pattern not in text:  # the detokenizer stops at a full match; before it, states agree
+                assert matcher.matched == brute(text, pattern), (pattern, text)

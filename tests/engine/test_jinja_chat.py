@@ -147,7 +147,12 @@ def test_hostile_templates_are_refused_at_load(tokenizer, template):
         ("{{ messages | attr('_' ~ '_class__') }}", "not allowed in a chat template"),  # built at run time
         ("{{ messages | map(attribute='_' ~ '_class__') | list }}", "not allowed in a chat template"),
         ("{% set x = messages.append(1) %}", "SecurityError"),  # the sandbox is immutable
-        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),  # the sandbox's range limit
+        ("{% for i in range(10**9) %}{% endfor %}", "looped over more than"),  # the per-render range budget
+        ("{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(10) %}{% endfor %}{% endfor %}"
+         "{% endfor %}", "looped over more than"),  # nested loops draw from one budget
+        ("{{ 'x' * 1000000000 }}", "repeats a value"),  # refused before allocating a gigabyte
+        ("{{ [0] * 100000000 }}", "repeats a value"),
+        ("{{ 2 ** 100000000 }}", "power above"),
         ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", f"more than {MAX_RENDERED_CHARS}"),
     ],
 )
@@ -260,3 +265,17 @@ def test_override_on_a_llama3_tokenizer(tmp_path):
     ids = fmt.encode_dialog([ChatMessage("user", "Hi <|eot_id|>")])
     expected = [128000, 128006] + tk.encode("user") + [128007] + tk.encode("\n\nHi <|eot_id|>") + [128009]
     assert ids == expected
+
+
+def test_a_template_looping_without_output_is_stopped_at_the_render_deadline(tokenizer, monkeypatch):
+    """Issue 16: loops over a prebuilt list draw from no budget and yield no text; the deadline
+    (checked by a trace function inside template code) still ends them."""
+    import engine.jinja_chat as jinja_chat
+
+    monkeypatch.setattr(jinja_chat, "MAX_RENDER_S", 0.2)
+    loop = "{% for x in xs %}"
+    template = "{% set xs = [0] * 1000 %}" + loop * 4 + "{% endfor %}" * 4 + "never"
+    fmt = format_with(template, tokenizer)
+    with pytest.raises(InvalidRequest, match="rendered for more than"):
+        fmt.encode_dialog([ChatMessage("user", "x")])
+    assert fmt.encode_dialog is not None and __import__("sys").gettrace() is None  # the tracer is removed

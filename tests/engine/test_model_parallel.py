@@ -69,3 +69,95 @@ def test_dead_worker_is_reported(tiny_checkpoint):
     finally:
         executor.shutdown()  # must not hang on the dead follower
     assert not follower.is_alive()
+
+
+# --------------------------------------------------------------------------- hardening (issue 16)
+def test_spawned_group_meets_in_a_private_dir_and_removes_it(tiny_checkpoint):
+    import stat
+
+    executor = make_executor(tiny_checkpoint, mp_size=2)
+    store_dir = executor._group.store_dir
+    try:
+        assert store_dir is not None and stat.S_IMODE(os.stat(store_dir).st_mode) == 0o700  # no rendezvous port
+    finally:
+        executor.shutdown()
+    assert not os.path.exists(store_dir)
+
+
+def test_a_hung_worker_ends_in_an_error_not_a_hang(tiny_checkpoint):
+    """SIGSTOP leaves the follower alive but silent: rank 0's next collective times out after
+    mp_step_timeout_s instead of the 30-minute load-time bound."""
+    executor = make_executor(tiny_checkpoint, mp_size=2, mp_step_timeout_s=3.0)
+    follower = executor._group.processes[0]
+    try:
+        run_random_schedule(executor, random_prompts(256, [5], seed=1), seed=1, max_new=1)  # healthy first
+        os.kill(follower.pid, signal.SIGSTOP)
+        with pytest.raises((EngineDead, RuntimeError)):
+            run_random_schedule(executor, random_prompts(256, [5], seed=2), seed=2, max_new=2)
+    finally:
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(30)
+        executor.shutdown()
+
+
+def test_spawned_workers_exit_when_the_server_process_dies(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import wait_until
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import time\n"
+        "from tests.engine.test_model import make_executor\n"
+        "if __name__ == '__main__':  # spawned followers re-import this file\n"
+        f"    executor = make_executor({str(tiny_checkpoint)!r}, mp_size=2)\n"
+        "    print('follower', executor._group.processes[0].pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=repo, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": repo})
+    try:
+        follower_pid = int(next(line for line in parent.stdout if line.startswith("follower ")).split()[1])
+        assert _running(follower_pid)
+        parent.kill()  # SIGKILL: no shutdown, no STOP broadcast
+        parent.wait(30)
+        wait_until(lambda: not _running(follower_pid), timeout_s=30, what="the orphaned follower to exit")
+    finally:
+        parent.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may linger where PID 1 does not reap)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+def test_the_parent_watch_exits_an_orphan_that_is_not_in_a_collective(tmp_path):
+    """gloo also breaks a follower waiting in a broadcast when its peer dies; the parent watch covers
+    the rest (a follower still loading weights, NCCL): here a process that only runs the watch."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import wait_until
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = ("import os; from engine.workers import _exit_with_parent; print(os.getpid(), flush=True); "
+             "_exit_with_parent(os.getppid())")
+    middle = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(600)"],
+        cwd=repo, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": repo},
+    )
+    try:
+        orphan_pid = int(middle.stdout.readline())
+        assert _running(orphan_pid)
+        middle.kill()
+        middle.wait(30)
+        wait_until(lambda: not _running(orphan_pid), timeout_s=30, what="the orphan to notice its parent is gone")
+    finally:
+        middle.kill()

@@ -96,7 +96,7 @@ async def test_chat_sampling_params_mapping(client, factory):
     params = engine_of(factory).requests[0].params
     assert (params.top_p, params.top_k, params.min_p, params.presence_penalty, params.frequency_penalty) == (0.5, 0, 0.1, 0.5, -0.5)
     assert params.repetition_penalty == 1.2 and params.logit_bias == ((65, 5.0),) and params.seed == 7
-    assert params.stop == ("x",) and params.stop_token_ids == (EOT,) and params.ignore_eos and params.min_tokens == 2
+    assert params.stop == ("x",) and params.stop_token_ids == frozenset({EOT}) and params.ignore_eos and params.min_tokens == 2
     assert params.max_tokens == 20 and params.logprobs is None and params.skip_special_tokens
     dialog, tools = engine_of(factory).chat_format.dialogs[0]
     assert [(m.role, m.content, m.name) for m in dialog] == [("system", "be brief", None), ("user", "hi", "bob")]
@@ -385,7 +385,7 @@ async def test_engine_dead_is_503(client, factory):
     engine_of(factory).raise_on_generate = EngineDead("worker 1 exited")
     response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
     error = await error_of(response, 503)
-    assert "worker 1 exited" in error["message"]
+    assert "worker 1 exited" not in error["message"] and "request id" in error["message"]  # the reason is logged
 
 
 async def test_dead_engine_is_reloaded_on_the_next_request(client, factory):
@@ -406,7 +406,7 @@ async def test_engine_failure_mid_stream_is_an_in_band_error(client, factory):
     engine_of(factory).fail_after = 2
     events = sse_events(await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text())
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["message"].endswith("fake engine failure") and events[-2]["error"]["code"] == "engine_error"
+    assert "fake engine failure" not in events[-2]["error"]["message"] and events[-2]["error"]["code"] == "engine_error"
 
 
 async def test_engine_failure_without_stream_is_500(client, factory):

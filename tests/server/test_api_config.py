@@ -48,7 +48,7 @@ models:
 
 def test_defaults():
     config = config_from([])
-    assert (config.host, config.port, config.api_key, config.models) == ("0.0.0.0", 8000, None, [])
+    assert (config.host, config.port, config.api_key, config.models) == ("127.0.0.1", 8000, None, [])
     assert config.engine.max_batch_size == 32 and config.checkpoint_roots == [Path("~/.llama/checkpoints").expanduser()]
 
 
