@@ -32,9 +32,16 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 
 
 def request_types() -> dict[tuple[str, str], type]:
+    from compat import batch_protocol as bp
+    from compat import llama_stack as ls
     from server.model_routes import RegisterModelRequest
 
     return {
+        ("POST", "/v1/inference/chat-completion"): ls.ChatCompletionRequest,
+        ("POST", "/v1/inference/completion"): ls.CompletionRequest,
+        ("POST", "/v1/inference/batch-chat-completion"): ls.BatchChatCompletionRequest,
+        ("POST", "/v1/inference/batch-completion"): ls.BatchCompletionRequest,
+        ("POST", "/v1/batches"): bp.CreateBatchRequest,
         ("POST", "/v1/chat/completions"): p.ChatCompletionRequest,
         ("POST", "/v1/completions"): p.CompletionRequest,
         ("POST", "/v1/batch/chat/completions"): p.BatchChatCompletionRequest,
@@ -51,6 +58,15 @@ RESPONSE_TYPES: dict[tuple[str, str], type] = {
     # (BatchResponse's items hold an untagged union of two response Structs: no schema for it)
     ("POST", "/tokenize"): p.TokenizeResponse,
     ("POST", "/detokenize"): p.DetokenizeResponse,
+}
+# Bodies that are not one JSON Struct: the Batch API's upload (OpenAI's multipart form) and cancel (no body).
+_OTHER_BODIES: dict[tuple[str, str], dict[str, Any]] = {
+    ("POST", "/v1/files"): {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
+    }}}},
+    ("POST", "/v1/batches/{batch_id}/cancel"): {"required": False, "content": {"application/json": {"schema": {
+        "type": "object"}}}},
 }
 _STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "403": "not allowed",
              "404": "unknown model or route", "413": "body too large", "429": "queue full (Retry-After)",
@@ -71,8 +87,10 @@ def openapi_path(canonical: str) -> tuple[str, list[str]]:
 
 def build_document(app: web.Application) -> dict[str, Any]:
     requests = request_types()
-    bodies = {*requests.values(), *RESPONSE_TYPES.values(), ErrorResponse}
-    _, components = msgspec.json.schema_components(sorted(bodies, key=lambda t: t.__name__), ref_template=_REF)
+    bodies = sorted({*requests.values(), *RESPONSE_TYPES.values(), ErrorResponse}, key=lambda t: t.__qualname__)
+    # msgspec names each component (module-qualified where two Structs share a name): keep its refs.
+    refs, components = msgspec.json.schema_components(bodies, ref_template=_REF)
+    ref_of = dict(zip(bodies, refs))
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
         if route.method == "HEAD" or route.resource is None:
@@ -80,13 +98,14 @@ def build_document(app: web.Application) -> dict[str, Any]:
         path, params = openapi_path(route.resource.canonical)
         key = (route.method, path)
         operation: dict[str, Any] = {"operationId": f"{route.method.lower()}_{path.strip('/').replace('/', '_')}",
-                                     "responses": _responses(key)}
+                                     "responses": _responses(key, ref_of)}
         if params:
             operation["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for n in params]
         if key in requests:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": _REF.format(name=requests[key].__name__)}}}}
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref_of[requests[key]]}}}
+        elif key in _OTHER_BODIES:
+            operation["requestBody"] = _OTHER_BODIES[key]
         paths.setdefault(path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
@@ -98,11 +117,11 @@ def build_document(app: web.Application) -> dict[str, Any]:
     }
 
 
-def _responses(key: tuple[str, str]) -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": {"$ref": _REF.format(name="ErrorResponse")}}}}
+def _responses(key: tuple[str, str], ref_of: dict[type, dict[str, Any]]) -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": ref_of[ErrorResponse]}}}
     ok: dict[str, Any] = {"description": "success"}
     if key in RESPONSE_TYPES:
-        ok["content"] = {"application/json": {"schema": {"$ref": _REF.format(name=RESPONSE_TYPES[key].__name__)}},
+        ok["content"] = {"application/json": {"schema": ref_of[RESPONSE_TYPES[key]]},
                          "text/event-stream": {"schema": {"type": "string"}}}
     return {"200": ok, **{status: {"description": text, **error} for status, text in _STATUSES.items()}}
 
