@@ -644,7 +644,7 @@ def test_cache_dir_is_created_private(tmp_path):
 
 @pytest.mark.parametrize("what", ["dir", "library"])
 def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what):
-    monkeypatch.setattr(ck, "_build_key", lambda compiler: "fixedkey")
+    monkeypatch.setattr(ck, "_build_key", lambda compiler, source=None: "fixedkey")
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     planted = cache_dir / "cpu_kernels-fixedkey.so"
@@ -656,7 +656,7 @@ def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what
 
 
 def test_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_build_key", lambda compiler: "fixedkey")
+    monkeypatch.setattr(ck, "_build_key", lambda compiler, source=None: "fixedkey")
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     (cache_dir / "cpu_kernels-fixedkey.so").write_bytes(b"x")
