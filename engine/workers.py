@@ -293,7 +293,7 @@ def _spawned_main(rank: int, world_size: int, init_method: str, spec: Any, confi
 
 
 def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> None:
-    from engine.executor import RankShard
+    from engine.rank_shard import RankShard
 
     shard = RankShard.load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
     num_blocks = torch.tensor([shard.plan_num_blocks(config)], dtype=torch.int64, device=device)
