@@ -13,11 +13,11 @@ Randomness: each row draws from its own 64-bit splitmix stream, started from (se
 tokens generated so far) for seeded requests and from the sampler's generator otherwise. So a
 seeded draw is a pure function of the seed, the step and the row's own logits: the same whatever
 else is in the batch, and the same after preemption (recompute). Inverse CDF needs one uniform
-per row instead of the exponential race's one per vocabulary entry (that noise alone cost 85-130 ms
-per step at batch 32, vocab 128256 on this CPU). Cumulative sums run in float64 so the tail of a
+per row instead of the exponential race's one per vocabulary entry (that noise alone cost tens
+of milliseconds per step at batch 32 over a 128k vocabulary: bench/NOTES.md). Cumulative sums run in float64 so the tail of a
 128k vocabulary is not rounded away.
 
-top_p without top_k never sorts the vocabulary (a full sort costs ~200 ms at batch 32 on CPU):
+top_p without top_k never sorts the vocabulary (a full sort is slow on CPU, bench/NOTES.md):
 it draws from the row, accepts the token if the mass strictly better than it is < top_p, and
 otherwise redraws among strictly better tokens. Each round accepts with probability >= top_p and
 the accepted token is distributed exactly as the renormalised top_p set.
