@@ -22,7 +22,7 @@ from compat import to_engine
 from compat.from_engine import ChatAssembler, CompletionAssembler, token_text
 from engine.types import EngineClient, EngineDead, EngineRequest, RequestOutput
 from server import sse
-from server.app import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
+from server.app_keys import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
 
