@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import ChatAssembler, CompletionAssembler, token_text
-from engine.types import EngineClient, EngineDead, EngineRequest, RequestOutput
+from engine.types import EngineClient, EngineRequest, RequestOutput
 from server import sse
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
@@ -30,7 +30,6 @@ from server.registry import REGISTRY_KEY, ModelRegistry
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
 
 Indexed = tuple[int, RequestOutput]
-DEAD_ENGINE_REPORTER = web.RequestKey("dead_engine_reporter", Callable)
 
 
 def add_routes(app: web.Application) -> None:
@@ -49,23 +48,9 @@ def _registry(request: web.Request) -> ModelRegistry:
     return request.app[REGISTRY_KEY]
 
 
-@contextlib.asynccontextmanager
-async def _lease(request: web.Request, model_id: str) -> AsyncIterator[EngineClient]:
-    """The model's engine for the whole request; an engine found dead is reported to the registry
-    so that the next request reloads it."""
-    registry = _registry(request)
-    async with registry.lease(model_id) as engine:
-        request[DEAD_ENGINE_REPORTER] = lambda exc: _report_dead(registry, model_id, engine, exc)
-        try:
-            yield engine
-        except EngineDead as exc:
-            _report_dead(registry, model_id, engine, exc)
-            raise
-
-
-def _report_dead(registry: Any, model_id: str, engine: EngineClient, exc: Exception) -> None:
-    if isinstance(exc, EngineDead):
-        registry.report_dead(model_id, engine, str(exc))
+def _lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
+    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
+    return _registry(request).lease(model_id)
 
 
 def _log(request: web.Request, **fields: Any) -> None:
@@ -163,7 +148,7 @@ async def _respond(
 
         if first is None:
             return await sse.stream(request, None, outputs, lambda _: None, head(), tail)
-        return await sse.stream(request, first, outputs, render, head(), tail, request.get(DEAD_ENGINE_REPORTER))
+        return await sse.stream(request, first, outputs, render, head(), tail)
     finally:
         await outputs.aclose()
         usage = assembler.usage()
@@ -234,7 +219,6 @@ async def _batch_item(
         outputs, assembler = make()
         return p.BatchItem(index=index, response=await _collect(outputs, assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
-        request[DEAD_ENGINE_REPORTER](exc)
         error = from_exception(exc)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))

@@ -36,7 +36,6 @@ async def stream(
     render: Callable[[object], object | None],
     head: Iterable[object],
     tail: Callable[[], Iterable[object]],
-    on_error: Callable[[Exception], None] | None = None,
 ) -> web.StreamResponse:
     """Send head chunks, one chunk per item (`first`, then the rest), tail chunks, [DONE].
 
@@ -58,8 +57,6 @@ async def stream(
     except ConnectionError:  # the client left; the caller's finally aborts the request
         return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
-        if on_error is not None:
-            on_error(exc)
         error = from_exception(exc)
         if error.status >= 500 and not isinstance(exc, ApiError):
             log.error("stream failed", error=str(exc), exc_info=not error.code)
