@@ -81,7 +81,7 @@ class EngineCore:
         self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching)
         # A sequence must fit in the pool alone, or preempting everyone else could not make room for it.
         self.max_seq_len = min(max_seq_len, runner.num_blocks * runner.block_size)
-        stop_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()))
+        stop_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()))  # the one source of the family's stop ids
         self.scheduler = Scheduler(config, self.pool, max_seq_len=self.max_seq_len, stop_token_ids=stop_ids)
         self.output = OutputProcessor(
             tokenizer, detokenizer_factory=detokenizer_factory, debug_log_io=config.debug_log_io

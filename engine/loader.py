@@ -65,7 +65,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     """Blocking: resolve, load weights, start workers, return a ready AsyncEngine."""
     from engine.async_engine import AsyncEngine
     from engine.executor import ModelExecutor
-    from engine.runner import ModelRunnerImpl
+    from engine.runner import ExecutorRunner
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
@@ -73,7 +73,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
     try:
-        runner = ModelRunnerImpl(executor, stop_token_ids=tokenizer.stop_token_ids, seed=config.seed)
+        runner = ExecutorRunner(executor, seed=config.seed)
         engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len)
     except BaseException:
         executor.shutdown()

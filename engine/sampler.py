@@ -86,8 +86,7 @@ def _has_penalties(params: SamplingParams) -> bool:
 class Sampler:
     """Stateless across steps except for the generator of unseeded rows."""
 
-    def __init__(self, *, stop_token_ids: frozenset[int] = frozenset(), seed: int = 0) -> None:
-        self._stop_token_ids = stop_token_ids  # the family's EOS/EOT/EOM ids, masked under min_tokens
+    def __init__(self, *, seed: int = 0) -> None:
         self._rng = random.Random(seed)  # unseeded rows share it
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -143,11 +142,7 @@ class Sampler:
         index_rows: list[int] = []
         index_tokens: list[int] = []
         for row, seq in rows:
-            # with ignore_eos the family's stop tokens do not stop, so there is nothing to hold back
-            stops = set(seq.params.stop_token_ids)
-            if not seq.params.ignore_eos:
-                stops |= self._stop_token_ids
-            valid = [t for t in stops if 0 <= t < vocab]
+            valid = [t for t in seq.stop_token_ids if 0 <= t < vocab]  # Scheduler.add set them
             index_rows += [row] * len(valid)
             index_tokens += valid
         if index_rows:

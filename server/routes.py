@@ -68,7 +68,8 @@ async def _decode(request: web.Request, decoder: Any) -> Any:
     return req, len(body)
 
 
-async def _plan(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+async def _off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) (rendering and tokenizing a prompt), in a thread when the body is large."""
     if body_bytes > _INLINE_TOKENIZE_MAX_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
@@ -185,7 +186,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.CHAT_DECODER)
     async with _lease(request, req.model) as engine:
         response_id = _response_id("chatcmpl")
-        plan = await _plan(size, to_engine.chat_plan, req, req.messages, engine, response_id)
+        plan = await _off_loop_if_large(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         assembler = _chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
@@ -196,7 +197,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.COMPLETION_DECODER)
     async with _lease(request, req.model) as engine:
         response_id = _response_id("cmpl")
-        plan = await _plan(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
+        plan = await _off_loop_if_large(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         assembler = _completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
@@ -278,7 +279,7 @@ async def batch_completions(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
     async with _lease(request, req.model) as engine:
-        ids = await _plan(size, to_engine.tokenize, req, engine)
+        ids = await _off_loop_if_large(size, to_engine.tokenize, req, engine)
         strs = [token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                                 token_strs=strs))
