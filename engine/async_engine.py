@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import DetokenizerFactory
 from engine.sequence import ModelRunner
-from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, InvalidRequest, QueueFull, RequestOutput
+from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput, request_id_in_use
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class AsyncEngine:
             raise EngineDead(f"model {self.model_id!r} is shutting down")
         self.core.check(request)  # pure: reads only immutable limits
         if request.request_id in self._active:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+            raise request_id_in_use(request.request_id)
         num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
         if num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
