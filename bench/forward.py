@@ -23,9 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
+from engine.backends import select_backend  # noqa: E402
+from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available  # noqa: E402
+from engine.backends.torch_ops import TorchBackend  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.model import Transformer, allocate_kv_caches  # noqa: E402
-from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
-from engine.quantization import PackedCpuLinear, cpu_packing_available, pack_for_cpu  # noqa: E402
 from engine.runner import build_step_inputs  # noqa: E402
 from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
@@ -71,8 +73,8 @@ def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     reps = 4
     seconds = best_of(lambda: [torch.mm(a, b) for _ in range(reps)], repeats=5)
-    if cpu_packing_available(dtype):
-        packed = PackedCpuLinear.pack(b, None)
+    if packing_available(dtype):
+        packed = PackedCpuLinear(pack_weight(b))
         seconds = min(seconds, best_of(lambda: [packed(a) for _ in range(reps)], repeats=5))
     return 2 * n**3 * reps / seconds
 
@@ -98,15 +100,13 @@ class Bench:
 
     @classmethod
     def build(cls, args: ModelArgs, dtype: torch.dtype, num_blocks: int, *, pack: bool) -> "Bench":
-        with torch.device("meta"):
-            model = Transformer(args, max_seq_len=CONTEXT_TOKENS + PREFILL_TOKENS + 64)
-        model.load_state_dict(random_state_dict(args, seed=0, dtype=dtype), assign=True)
-        kernels = load_cpu_kernels() if pack else None
+        cpu = torch.device("cpu")
         if pack:  # what ModelExecutor does on CPU: packed weights and the fused kernels
-            pack_for_cpu(model, 1, dtype, kernels)
-        model.init_rope(torch.device("cpu"), dtype)
-        if pack:
-            model.use_cpu_kernels(kernels)
+            backend = select_backend(EngineConfig(dtype=str(dtype).removeprefix("torch.")), cpu)
+        else:
+            backend = TorchBackend(cpu, dtype)
+        state = random_state_dict(args, seed=0, dtype=dtype)
+        model = Transformer.from_state_dict(args, state, backend, max_seq_len=CONTEXT_TOKENS + PREFILL_TOKENS + 64)
         caches = allocate_kv_caches(args, 1, num_blocks, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
         return cls(args, dtype, model, caches)
 

@@ -34,7 +34,7 @@ from engine.checkpoint import estimate_weight_bytes, resolve_checkpoint, write_r
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.executor import ModelExecutor  # noqa: E402
-from engine.runner import ModelRunnerImpl  # noqa: E402
+from engine.runner import ExecutorRunner  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
 from forward import CONFIGS, matmul_flops_per_s, memory_bytes_per_s, weight_counts  # noqa: E402  (bench/forward.py: the same configs and roofline)
 
@@ -92,7 +92,7 @@ def make_core(spec, tokenizer, *, max_batch_size: int) -> EngineCore:
     config = EngineConfig(
         dtype="float32", max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
     )
-    runner = ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN), stop_token_ids=tokenizer.stop_token_ids)
+    runner = ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
     return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
 
 

@@ -27,6 +27,8 @@ from engine.types import (
     SamplingParams,
     ToolCall,
     ToolDefinition,
+    check_context_length,
+    check_token_ids,
 )
 
 
@@ -61,7 +63,7 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     param = "max_completion_tokens" if fields.max_completion_tokens is not None else "max_tokens"
-    max_tokens = checked_max_tokens(len(prompt), max_tokens, engine.max_seq_len, param=param, prompt_param="messages")
+    max_tokens = check_context_length(len(prompt), max_tokens, engine.max_seq_len, param=param, prompt_param="messages")
     if fields.top_logprobs is not None and not fields.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
@@ -141,16 +143,16 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
             texts.append(prompt_item)
         else:
             if len(prompt_item) >= engine.max_seq_len:  # refused below; don't scan a huge list first
-                checked_max_tokens(len(prompt_item), req.max_tokens, engine.max_seq_len, param="max_tokens",
-                                   prompt_param="prompt")
-            _check_token_ids(prompt_item, tokenizer.vocab_size, "prompt")
+                check_context_length(len(prompt_item), req.max_tokens, engine.max_seq_len, param="max_tokens",
+                                     prompt_param="prompt")
+            check_token_ids(prompt_item, tokenizer.vocab_size, "prompt")
             ids = list(prompt_item)
             texts.append(tokenizer.decode(ids) if req.echo else "")
         prompts_ids.append(ids)
     params_by_prompt = []
     prompt_logprobs = completion_prompt_logprobs(req)
     for ids in prompts_ids:
-        max_tokens = checked_max_tokens(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
+        max_tokens = check_context_length(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
         params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size,
                                  engine.sampling_defaults)
         params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs, grammar=grammar))
@@ -231,36 +233,7 @@ def check_text_fits(num_chars: int, engine: EngineClient, param: str) -> None:
         )
 
 
-def _check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    for token_id in ids:
-        if token_id >= vocab_size:
-            raise InvalidRequest(f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
-
-
 # --------------------------------------------------------------------------- shared
-def checked_max_tokens(
-    num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, *, param: str, prompt_param: str
-) -> int:
-    """The completion budget; a prompt that leaves no room, or a request past the context, is 400."""
-    if num_prompt_tokens >= max_seq_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_seq_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length "
-            "of the prompt.",
-            param=prompt_param,
-        )
-    if max_tokens is None:
-        return max_seq_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_seq_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the length of the prompt or {param}.",
-            param=param,
-        )
-    return max_tokens
-
-
 def sampling_params(
     fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, vocab_size: int,
     defaults: SamplingDefaults,
@@ -341,5 +314,5 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
 
 
 def detokenize_ids(req: p.DetokenizeRequest, engine: EngineClient) -> str:
-    _check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
+    check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
     return engine.tokenizer.decode(req.tokens)

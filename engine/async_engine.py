@@ -19,8 +19,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import DetokenizerFactory
 from engine.sequence import ModelRunner
-from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, InvalidRequest, QueueFull, RequestOutput
-from engine.types import SamplingDefaults
+from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput
+from engine.types import SamplingDefaults, request_id_in_use
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
     )
 
 
-class _Slot:
+class _Mailbox:
     """One request's mailbox, living on the event loop that awaits it."""
 
     __slots__ = ("loop", "pending", "error", "ready")
@@ -77,7 +77,7 @@ class _Slot:
         raise self.error  # type: ignore[misc]
 
 
-def _deliver(items: list[tuple[_Slot, RequestOutput | BaseException]]) -> None:
+def _deliver(items: list[tuple[_Mailbox, RequestOutput | BaseException]]) -> None:
     for slot, item in items:
         slot.put(item)
 
@@ -107,12 +107,12 @@ class AsyncEngine:
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
         self._cond = threading.Condition()
         # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
-        self._inbox: list[tuple[str, Any, _Slot | None]] = []  # guarded by _cond
+        self._inbox: list[tuple[str, Any, _Mailbox | None]] = []  # guarded by _cond
         self._num_adds_posted = 0  # adds in the inbox, for the queue bound
         self._dead: EngineDead | None = None  # guarded by _cond
         self._stopping = False  # guarded by _cond
-        self._active: dict[str, _Slot] = {}  # event-loop side: requests whose generator is open
-        self._slots: dict[str, _Slot] = {}  # engine-thread side: where each request's deltas go
+        self._active: dict[str, _Mailbox] = {}  # event-loop side: requests whose generator is open
+        self._slots: dict[str, _Mailbox] = {}  # engine-thread side: where each request's deltas go
         self._runner_shut_down = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
         self._thread.start()
@@ -131,6 +131,11 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._post_abort(request_id)
+
+    @property
+    def is_dead(self) -> bool:
+        """A step failed (a worker died, a bug) or the engine was shut down: it serves nothing more."""
+        return self._dead is not None
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -152,7 +157,7 @@ class AsyncEngine:
             raise EngineDead(f"model {self.model_id!r} is shutting down")
         self.core.check(request)  # pure: reads only immutable limits
         if request.request_id in self._active:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+            raise request_id_in_use(request.request_id)
         num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
         if num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
@@ -163,7 +168,7 @@ class AsyncEngine:
         if request.params.grammar is not None:  # compile here, off the engine thread, under a time limit
             await self.core.grammars.prepare(request.params.grammar)
             self._check_can_add(request)
-        slot = _Slot(asyncio.get_running_loop())
+        slot = _Mailbox(asyncio.get_running_loop())
         self._active[request_id] = slot
         with self._cond:
             if self._dead is not None or self._stopping:
@@ -200,7 +205,7 @@ class AsyncEngine:
             if stopping:
                 self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), inbox)
                 return
-            items: list[tuple[_Slot, Any]] = []
+            items: list[tuple[_Mailbox, Any]] = []
             steps_before = self.core.timing.num_steps
             try:
                 items = self._apply(inbox)
@@ -216,9 +221,9 @@ class AsyncEngine:
                 with self._cond:  # nothing could be scheduled (should not happen): wait for news, not spin
                     self._cond.wait(timeout=0.01)
 
-    def _apply(self, inbox: list[tuple[str, Any, _Slot | None]]) -> list[tuple[_Slot, Any]]:
+    def _apply(self, inbox: list[tuple[str, Any, _Mailbox | None]]) -> list[tuple[_Mailbox, Any]]:
         """Adds and aborts, in the order they were posted."""
-        items: list[tuple[_Slot, Any]] = []
+        items: list[tuple[_Mailbox, Any]] = []
         for kind, payload, slot in inbox:
             if kind == "add":
                 try:
@@ -231,17 +236,17 @@ class AsyncEngine:
                 items += self._route([output])
         return items
 
-    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Slot, Any]]:
-        items: list[tuple[_Slot, Any]] = []
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Mailbox, Any]]:
+        items: list[tuple[_Mailbox, Any]] = []
         for output in outputs:
             slot = self._slots.pop(output.request_id) if output.finished else self._slots.get(output.request_id)
             if slot is not None:
                 items.append((slot, output))
         return items
 
-    def _send(self, items: list[tuple[_Slot, Any]]) -> None:
+    def _send(self, items: list[tuple[_Mailbox, Any]]) -> None:
         """One call_soon_threadsafe per event loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Slot, Any]]] = defaultdict(list)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]] = defaultdict(list)
         for slot, item in items:
             by_loop[slot.loop].append((slot, item))
         for loop, loop_items in by_loop.items():
@@ -250,7 +255,7 @@ class AsyncEngine:
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
 
-    def _fail_everything(self, error: EngineDead, inbox: list[tuple[str, Any, _Slot | None]]) -> None:
+    def _fail_everything(self, error: EngineDead, inbox: list[tuple[str, Any, _Mailbox | None]]) -> None:
         with self._cond:
             self._dead = self._dead or error
             inbox = inbox + self._inbox

@@ -12,7 +12,7 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     device: Device = "cpu"
-    dtype: DType | None = None  # None: bfloat16 on CUDA; on CPU bfloat16 where oneDNN runs it, else float32
+    dtype: DType | None = None  # None: the backend decides (engine.backends.resolve_dtype)
     model_parallel_size: int = 1
     max_batch_size: int = 32  # sequences per step (MAX_BATCH_SIZE)
     max_seq_len: int | None = None  # None: the family's default, capped by the checkpoint (MAX_SEQ_LEN)
@@ -28,16 +28,3 @@ class EngineConfig:
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
     mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective
-
-    def resolved_dtype(self) -> DType:
-        if self.dtype is not None:
-            return self.dtype
-        if self.device == "cuda":
-            return "bfloat16"
-        # bench/forward.py: with oneDNN's bfloat16 kernels (AVX-512 BF16 / AMX CPUs) decode runs
-        # 2-3x faster than float32 (half the weight bytes per token); without them float32 wins.
-        from engine.quantization import cpu_packing_available
-
-        import torch
-
-        return "bfloat16" if cpu_packing_available(torch.bfloat16) else "float32"

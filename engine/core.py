@@ -18,7 +18,10 @@ from engine.output import DetokenizerFactory, OutputProcessor, decode_for_log
 from engine.scheduler import Scheduler
 from engine.sequence import ModelRunner, Sequence
 from engine.structured import GrammarCompiler
-from engine.types import ContextLengthExceeded, EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput
+from engine.types import (
+    EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput, check_context_length,
+    check_token_ids, request_id_in_use,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,30 +42,17 @@ class StepTiming:
 
 
 def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) -> None:
-    """Raise InvalidRequest / ContextLengthExceeded for a request the engine cannot serve.
-    Cheap and side-effect free, so the async engine runs it on the caller's side before queueing."""
-    num_prompt = len(request.prompt_token_ids)
-    if num_prompt == 0:
+    """The engine's guard against a request it cannot serve (InvalidRequest / ContextLengthExceeded):
+    compat has checked the request already, with the same functions (engine.types). Cheap and side
+    effect free, so the async engine runs it on the caller's side before queueing."""
+    if not request.prompt_token_ids:
         raise InvalidRequest("the prompt is empty: at least one token is needed", param="prompt")
-    bad = next((t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
-    if bad is not None:
-        raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    check_token_ids(request.prompt_token_ids, vocab_size, "prompt")
     try:
         request.params.validate(vocab_size)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    if num_prompt >= max_seq_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_seq_len} tokens. However, your prompt has "
-            f"{num_prompt} tokens, which leaves no room for the completion. Please reduce the length of the prompt."
-        )
-    max_tokens = request.params.max_tokens
-    if max_tokens is not None and num_prompt + max_tokens > max_seq_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or completion."
-        )
+    check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
 
 
 class EngineCore:
@@ -82,7 +72,7 @@ class EngineCore:
         self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching)
         # A sequence must fit in the pool alone, or preempting everyone else could not make room for it.
         self.max_seq_len = min(max_seq_len, runner.num_blocks * runner.block_size)
-        stop_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()))
+        stop_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()))  # the one source of the family's stop ids
         self.scheduler = Scheduler(config, self.pool, max_seq_len=self.max_seq_len, stop_token_ids=stop_ids)
         self.output = OutputProcessor(
             tokenizer, detokenizer_factory=detokenizer_factory, debug_log_io=config.debug_log_io
@@ -99,7 +89,7 @@ class EngineCore:
         """Queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull."""
         self.check(request)
         if self.scheduler.get(request.request_id) is not None:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+            raise request_id_in_use(request.request_id)
         seq = Sequence(
             seq_id=self._next_seq_id,
             request_id=request.request_id,

@@ -1,175 +1,25 @@
 """The model side of the engine: weights, the paged KV cache and model-parallel workers.
 
 ModelExecutor runs on rank 0 and is what the runner drives: execute(StepInputs) -> logits.
-RankShard is one rank's share (weights + KV cache + forward), the same code on rank 0 and on
-every follower (engine/workers.py). dtype and device are read from EngineConfig here, once.
+It holds rank 0's RankShard (engine/rank_shard.py: weights + KV cache + forward, the same code
+every follower runs, engine/workers.py) and drives the followers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
-from engine.checkpoint import CheckpointSpec, check_parallel_size, load_rank_state_dict
+from engine.checkpoint import CheckpointSpec, check_parallel_size
 from engine.config import EngineConfig
-from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
-from engine.cpu_kernels import load_cpu_kernels
-from engine.cpu_kernels import supports as supports_cpu_kernels
-from engine.quantization import check_quantization, pack_for_cpu, quantize_model
+from engine.quantization import check_quantization
+from engine.rank_shard import RankShard, without_omp_team
 from engine.step_inputs import StepInputs
-from engine.types import CheckpointError, EngineDead, InvalidRequest
+from engine.types import EngineDead, InvalidRequest
 from engine.workers import ParallelGroup, group_in_use, launched_by_torchrun, rank_device
 
 log = logging.getLogger(__name__)
-
-
-def torch_dtype(config: EngineConfig) -> torch.dtype:
-    return getattr(torch, config.resolved_dtype())
-
-
-def configured_kv_bytes_per_rank(config: EngineConfig, mp_size: int) -> int | None:
-    """The KV cache bytes config fixes per rank; None on CUDA without kv_cache_bytes, where the
-    executor takes a fraction of the memory free once the weights are loaded."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes // mp_size
-    if config.device == "cuda":
-        return None
-    return config.cpu_kv_cache_bytes // mp_size
-
-
-def plan_num_blocks(config: EngineConfig, *, bytes_per_block: int, budget_bytes: int, max_seq_len: int) -> int:
-    """Blocks that fit the budget, never more than a full batch of full-length sequences uses."""
-    useful = config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
-    return min(budget_bytes // bytes_per_block, useful)
-
-
-@dataclass
-class RankShard:
-    """One model-parallel rank: its weights, its KV cache, its forward pass."""
-
-    model: Transformer
-    mp_size: int
-    device: torch.device
-    dtype: torch.dtype
-    block_size: int
-    max_seq_len: int
-    weight_bytes: int  # this rank's weights in memory
-    kv_caches: list[KVCache] | None = None
-
-    @classmethod
-    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
-        with _without_omp_team(device):
-            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
-
-    @classmethod
-    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
-        mp_size = config.model_parallel_size
-        dtype = torch_dtype(config)
-        started_s = time.monotonic()
-        with torch.device("meta"):
-            model = Transformer(spec.model_args, mp_size=mp_size, max_seq_len=max_seq_len)
-        state = _materialise(load_rank_state_dict(spec, rank, mp_size), device, dtype, rank)
-        try:
-            model.load_state_dict(state, strict=True, assign=True)
-        except RuntimeError as exc:  # shapes were checked against params.json; this is a bug guard
-            raise CheckpointError(f"{spec.checkpoint_dir}: {exc}") from None
-        del state
-        quantize_model(model, config.quantization, mp_size)
-        kernels = load_cpu_kernels() if device.type == "cpu" and config.cpu_kernels and supports_cpu_kernels(dtype) else None
-        if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype, kernels):
-            log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
-        model.init_rope(device, dtype)
-        if kernels is not None:
-            fused = model.use_cpu_kernels(kernels)
-            log.info("rank %d: fused CPU kernels %s", rank, "on" if fused else "not usable by this model; torch path")
-        model.eval()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        log.info(
-            "rank %d: %.1f MiB of weights on %s as %s%s in %.2f s",
-            rank, weight_bytes / 2**20, device, dtype, f" ({config.quantization})" if config.quantization else "",
-            time.monotonic() - started_s,
-        )  # fmt: skip
-        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model.params, self.mp_size, self.block_size, self.dtype)
-
-    def plan_num_blocks(self, config: EngineConfig) -> int:
-        """KV blocks this rank can hold: the configured bytes (split over the ranks), or a fraction
-        of free accelerator memory, never more than a full batch of full-length sequences uses."""
-        budget = configured_kv_bytes_per_rank(config, self.mp_size)
-        if budget is None:  # CUDA: a fraction of what the weights left free
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * config.kv_cache_memory_fraction)
-        num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
-                                     max_seq_len=self.max_seq_len)
-        if num_blocks < 1:
-            raise CheckpointError(
-                f"KV cache budget of {budget} bytes per rank holds no block of {self.bytes_per_block} bytes; "
-                "raise kv_cache_bytes"
-            )
-        return num_blocks
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(
-            self.model.params, self.mp_size, num_blocks, self.block_size, dtype=self.dtype, device=self.device
-        )
-        blocks_per_seq = math.ceil(self.max_seq_len / self.block_size)
-        if num_blocks < blocks_per_seq:
-            log.warning(
-                "KV cache holds %d tokens, less than one sequence of max_seq_len %d",
-                num_blocks * self.block_size, self.max_seq_len,
-            )  # fmt: skip
-
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        assert self.kv_caches is not None, "allocate_kv_cache first"
-        return self.model(inputs.to(self.device), self.kv_caches)
-
-
-@contextlib.contextmanager
-def _without_omp_team(device: torch.device) -> Iterator[None]:
-    """Run CPU loading work single-threaded, so the loading thread never starts an OpenMP team.
-
-    The forward runs on the engine thread, usually not the thread that loaded the model. libgomp
-    keeps a thread team per thread that ever ran a parallel region; once its managed threads
-    outnumber the cores, every team spins only ~100 iterations before sleeping on a futex, and each
-    of the ~120 parallel regions of a decode step pays a wake-up: the demo model's batch-1 step
-    took 34-40 ms on the engine thread against 20 ms on the loading thread (2 cores). Loading
-    single-threaded costs a little load time; the engine thread's team is then the only one."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
-    """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
-    ~10%. Views of the shards stay zero-copy when dtype and device already match."""
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    done, next_report, started_s = 0, 0.1, time.monotonic()
-    out = {}
-    for key, value in state.items():
-        out[key] = value.to(device=device, dtype=dtype).contiguous()
-        done += value.numel() * value.element_size()
-        if total and done / total >= next_report:
-            log.info(
-                "rank %d: read %.0f/%.0f MiB of weights (%.0f%%) in %.1f s",
-                rank, done / 2**20, total / 2**20, 100 * done / total, time.monotonic() - started_s,
-            )  # fmt: skip
-            next_report = done / total + 0.1
-    return out
 
 
 class ModelExecutor:
@@ -199,7 +49,7 @@ class ModelExecutor:
                 self._group = ParallelGroup.spawn(config, spec, max_seq_len=max_seq_len)
         try:
             device = self._group.device if self._group else rank_device(config, 0)
-            with _without_omp_team(device):  # the KV cache's zero fill too
+            with without_omp_team(device):  # the KV cache's zero fill too
                 self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
                 num_blocks = self._shard.plan_num_blocks(config)
                 if self._group is not None:

@@ -50,11 +50,12 @@ def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: i
     """Bytes of KV cache the executor will allocate over all ranks, known before loading. On CUDA
     without kv_cache_bytes the executor takes a fraction of free memory, which cannot be known in
     advance, so this counts one full batch of full-length sequences."""
-    from engine.executor import configured_kv_bytes_per_rank, plan_num_blocks, torch_dtype
+    from engine.backends import resolve_dtype
+    from engine.rank_shard import configured_kv_bytes_per_rank, plan_num_blocks
     from engine.model import kv_cache_bytes_per_block
 
     mp_size = config.model_parallel_size
-    per_block = kv_cache_bytes_per_block(model_args, mp_size, config.block_size_tokens, torch_dtype(config))
+    per_block = kv_cache_bytes_per_block(model_args, mp_size, config.block_size_tokens, resolve_dtype(config))
     budget = configured_kv_bytes_per_rank(config, mp_size)
     if budget is None:
         budget = per_block * config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
@@ -66,7 +67,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     from engine.async_engine import AsyncEngine
     from engine.executor import ModelExecutor
     from engine.generation_config import read_sampling_defaults
-    from engine.runner import ModelRunnerImpl
+    from engine.runner import ExecutorRunner
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
@@ -75,7 +76,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
     executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
     try:
-        runner = ModelRunnerImpl(executor, stop_token_ids=tokenizer.stop_token_ids, seed=config.seed)
+        runner = ExecutorRunner(executor, seed=config.seed)
         engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len,
                              sampling_defaults=sampling_defaults)
     except BaseException:
@@ -131,11 +132,12 @@ class LocalEngineFactory:
         self._chat_template_path = chat_template_path
 
     def estimate_memory_bytes(self, spec: Any) -> int:
+        from engine.backends import resolve_dtype
         from engine.checkpoint import estimate_weight_bytes
 
         config = _effective_config(self._config, spec)
         checkpoint = _resolve(spec)
-        weights = estimate_weight_bytes(checkpoint.model_args, config.resolved_dtype())
+        weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config))
         kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
         return weights + kv
 

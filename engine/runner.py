@@ -128,15 +128,15 @@ def prompt_logprobs(logits: torch.Tensor, batch: ScheduledBatch, spans: list[Pro
     return out
 
 
-class ModelRunnerImpl:
+class ExecutorRunner:
     """engine.sequence.ModelRunner over a model executor and the sampler."""
 
-    def __init__(self, executor: Executor, *, stop_token_ids: frozenset[int], seed: int = 0) -> None:
+    def __init__(self, executor: Executor, *, seed: int = 0) -> None:
         self._executor = executor
         self.vocab_size: int = executor.vocab_size
         self.num_blocks: int = executor.num_blocks
         self.block_size: int = executor.block_size
-        self._sampler = Sampler(stop_token_ids=stop_token_ids, seed=seed)
+        self._sampler = Sampler(seed=seed)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step. Executor exceptions propagate (the core fails the batch's requests); a

@@ -14,11 +14,11 @@ Randomness: each row draws from its own 64-bit splitmix stream, started from (se
 tokens generated so far) for seeded requests and from the sampler's generator otherwise. So a
 seeded draw is a pure function of the seed, the step and the row's own logits: the same whatever
 else is in the batch, and the same after preemption (recompute). Inverse CDF needs one uniform
-per row instead of the exponential race's one per vocabulary entry (that noise alone cost 85-130 ms
-per step at batch 32, vocab 128256 on this CPU). Cumulative sums run in float64 so the tail of a
+per row instead of the exponential race's one per vocabulary entry (that noise alone cost tens
+of milliseconds per step at batch 32 over a 128k vocabulary: bench/NOTES.md). Cumulative sums run in float64 so the tail of a
 128k vocabulary is not rounded away.
 
-top_p without top_k never sorts the vocabulary (a full sort costs ~200 ms at batch 32 on CPU):
+top_p without top_k never sorts the vocabulary (a full sort is slow on CPU, bench/NOTES.md):
 it draws from the row, accepts the token if the mass strictly better than it is < top_p, and
 otherwise redraws among strictly better tokens. Each round accepts with probability >= top_p and
 the accepted token is distributed exactly as the renormalised top_p set.
@@ -89,8 +89,7 @@ def _has_penalties(params: SamplingParams) -> bool:
 class Sampler:
     """Stateless across steps except for the generator of unseeded rows."""
 
-    def __init__(self, *, stop_token_ids: frozenset[int] = frozenset(), seed: int = 0) -> None:
-        self._stop_token_ids = stop_token_ids  # the family's EOS/EOT/EOM ids, masked under min_tokens
+    def __init__(self, *, seed: int = 0) -> None:
         self._rng = random.Random(seed)  # unseeded rows share it
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -150,11 +149,7 @@ class Sampler:
         index_rows: list[int] = []
         index_tokens: list[int] = []
         for row, seq in rows:
-            # with ignore_eos the family's stop tokens do not stop, so there is nothing to hold back
-            stops = set(seq.params.stop_token_ids)
-            if not seq.params.ignore_eos:
-                stops |= self._stop_token_ids
-            valid = [t for t in stops if 0 <= t < vocab]
+            valid = [t for t in seq.stop_token_ids if 0 <= t < vocab]  # Scheduler.add set them
             index_rows += [row] * len(valid)
             index_tokens += valid
         if index_rows:

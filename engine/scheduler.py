@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_blocks import BlockPool
-from engine.sequence import ScheduledBatch, Sequence, SequenceStatus, StepOutput
+from engine.sequence import ScheduledBatch, Sequence, SequenceStatus, StepOutput, ending_token_ids
 from engine.types import FinishReason, QueueFull, TokenLogprob
 
 
@@ -73,6 +73,7 @@ class Scheduler:
         if seq.request_id in self._by_request:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         seq.status = SequenceStatus.WAITING
+        seq.stop_token_ids = ending_token_ids(seq.params, self.stop_token_ids)
         bisect.insort(self.waiting, seq, key=_order)
         self._by_request[seq.request_id] = seq
 
@@ -246,11 +247,9 @@ class Scheduler:
 
     def _check_stop(self, event: SeqEvent) -> None:
         seq, token_id, params = event.seq, event.new_token_id, event.seq.params
-        if seq.num_output_tokens > params.min_tokens:  # stop tokens count only past min_tokens
-            is_family_stop = token_id in self.stop_token_ids and not params.ignore_eos
-            if is_family_stop or token_id in params.stop_token_ids:
-                event.finish_reason, event.stop_reason = "stop", token_id
-                return
+        if seq.num_output_tokens > params.min_tokens and token_id in seq.stop_token_ids:  # only past min_tokens
+            event.finish_reason, event.stop_reason = "stop", token_id
+            return
         if seq.grammar is not None and seq.grammar.terminated:  # complete, and nothing may follow: the text ends
             event.finish_reason = "stop"  # the token is text (a stop token returned above)
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:

@@ -43,6 +43,9 @@ class Sequence:
     # Constrained decoding (engine/structured.py GrammarState), None when unconstrained. It advances
     # only on sampled tokens, so it stays valid through preemption and prefix-cache hits.
     grammar: Any = None
+    # The tokens that end this sequence past min_tokens (and that the sampler holds back before):
+    # set once by the scheduler on admission (ending_token_ids), read by the scheduler and the sampler.
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -64,6 +67,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+def ending_token_ids(params: SamplingParams, family_stop_ids: frozenset[int]) -> frozenset[int]:
+    """The request's stop_token_ids plus the family's EOS/EOT/EOM ids, unless ignore_eos."""
+    requested = frozenset(params.stop_token_ids)
+    return requested if params.ignore_eos else requested | family_stop_ids
 
 
 @dataclass(slots=True)

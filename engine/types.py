@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Literal, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Iterable, Literal, Protocol
 
 if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of engine internals
     from engine.chat_format import ChatFormat
@@ -208,6 +208,42 @@ class CheckpointError(EngineError):
     """A checkpoint that cannot be loaded; the message names the file, key and shapes."""
 
 
+# --------------------------------------------------------------------------- request checks
+# compat checks every request once, naming the user's parameters; the engine core's guard
+# (engine.core.check_request) calls the same functions, so each message exists once.
+def check_context_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, *, param: str = "max_tokens", prompt_param: str = "prompt"
+) -> int:
+    """The completion budget; a prompt that leaves no room, or a request past the context, is 400."""
+    if num_prompt_tokens >= max_seq_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_seq_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length "
+            "of the prompt.",
+            param=prompt_param,
+        )
+    if max_tokens is None:
+        return max_seq_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_seq_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the length of the prompt or {param}.",
+            param=param,
+        )
+    return max_tokens
+
+
+def check_token_ids(ids: "Iterable[int]", vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def request_id_in_use(request_id: str) -> InvalidRequest:
+    return InvalidRequest(f"request id {request_id!r} is already in use")
+
+
 # --------------------------------------------------------------------------- stats
 @dataclass(slots=True)
 class EngineStats:
@@ -248,6 +284,12 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    @property
+    def is_dead(self) -> bool:
+        """The engine failed (a worker exited, a step crashed) and will serve nothing more: the
+        registry retires it on its next lease and loads the model again."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

@@ -320,7 +320,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> None:
-    from engine.executor import RankShard
+    from engine.rank_shard import RankShard
 
     shard = RankShard.load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
     num_blocks = torch.tensor([shard.plan_num_blocks(config)], dtype=torch.int64, device=device)

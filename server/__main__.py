@@ -35,7 +35,7 @@ def make_parser() -> argparse.ArgumentParser:
 # Before torch allocates anything: its CPU allocator then backs large tensors (weights, KV cache)
 # with 2 MiB transparent huge pages where the kernel allows them (THP "madvise" mode included).
 # A decode step streams every weight once; with 4 KiB pages that is a TLB miss every 4 KiB, costly
-# under virtualisation: reading a 512 MiB buffer went from 39-41 to 42-46 GB/s here.
+# under virtualisation (bench/NOTES.md).
 HUGE_PAGES_ENV = ("THP_MEM_ALLOC_ENABLE", "1")
 
 

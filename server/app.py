@@ -10,43 +10,25 @@ import asyncio
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
-from server import auth
+from server import auth, routes
+from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.config import ServerConfig, should_load
 from server.errors import ApiError, from_exception
 from server.metrics import ServerMetrics
 from server.model_spec import EngineFactory
-
-
-@dataclass(slots=True)
-class ServerState:
-    started: bool = False  # configured models registered (and loaded unless skip_initialize)
-    draining: bool = False  # SIGTERM seen: /ready says 503 so balancers stop sending
-    startup_errors: list[str] = field(default_factory=list)
-    startup_task: asyncio.Task | None = None
-
-
-CONFIG_KEY = web.AppKey("config", ServerConfig)
-STATE_KEY = web.AppKey("state", ServerState)
-METRICS_KEY = web.AppKey("metrics", ServerMetrics)
-LOGGER_KEY = web.AppKey("access_logger", structlog.typing.FilteringBoundLogger)
-# Request-scoped fields for the access log line (model, token counts, TTFT).
-LOG_FIELDS = web.RequestKey("log_fields", dict)
-REQUEST_ID = web.RequestKey("request_id", str)
 
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
-    from server import routes  # routes reads the keys above
-    from server.llama_stack_routes import add_llama_stack_routes
     from server.batch_api import add_batch_routes
+    from server.llama_stack_routes import add_llama_stack_routes
     from server.model_routes import add_model_routes
     from server.openapi import add_openapi_route
     from server.registry import REGISTRY_KEY, ModelRegistry

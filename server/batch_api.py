@@ -23,7 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from compat import batch_protocol as bp
 from compat.protocol import decode
-from server.app import CONFIG_KEY
+from server.app_keys import CONFIG_KEY
 from server.batch_runner import BatchRunner
 from server.batch_store import BatchRow, BatchStore, FileRow, StoreBusy, StoreError
 from server.config import ServerConfig

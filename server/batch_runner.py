@@ -25,7 +25,6 @@ import msgspec
 from compat import batch_protocol as bp
 from compat import protocol as p
 from compat import to_engine
-from engine.types import EngineDead
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
 from server.errors import ApiError, from_exception
 from server.registry import ModelRegistry
@@ -33,8 +32,7 @@ from server.routes import (  # the online handlers' own pieces: one request path
     _chat_assembler,
     _collect,
     _completion_assembler,
-    _plan,
-    _report_dead,
+    _off_loop_if_large,
     _response_id,
     merged_outputs,
 )
@@ -150,11 +148,7 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
     try:
         req = p.decode(p.CHAT_DECODER if chat else p.COMPLETION_DECODER, item.body)
         async with registry.lease(req.model) as engine:
-            try:
-                response = await _generate(req, chat, engine, len(item.body))
-            except EngineDead as exc:
-                _report_dead(registry, req.model, engine, exc)
-                raise
+            response = await _generate(req, chat, engine, len(item.body))
     except Exception as exc:  # noqa: BLE001 - the item's own error line
         error = from_exception(exc)
         if error.code in _RETRY_CODES:
@@ -169,11 +163,11 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
 async def _generate(req: Any, chat: bool, engine: Any, body_bytes: int) -> Any:
     if chat:
         response_id = _response_id("chatcmpl")
-        plan = await _plan(body_bytes, to_engine.chat_plan, req, req.messages, engine, response_id)
+        plan = await _off_loop_if_large(body_bytes, to_engine.chat_plan, req, req.messages, engine, response_id)
         assembler = _chat_assembler(req, plan, engine, response_id)
     else:
         response_id = _response_id("cmpl")
-        plan = await _plan(body_bytes, to_engine.completion_plan, req, req.prompt, engine, response_id)
+        plan = await _off_loop_if_large(body_bytes, to_engine.completion_plan, req, req.prompt, engine, response_id)
         assembler = _completion_assembler(req, plan, engine, response_id)
     for request in plan.requests:
         request.priority = BATCH_PRIORITY

@@ -31,7 +31,7 @@ from server.routes import (
     _decode as _decode_body,
     _lease,
     _log,
-    _plan,
+    _off_loop_if_large,
     _response_id,
     health,
     json_response,
@@ -136,7 +136,7 @@ COMPLETION = _Kind("cmpl", _completion_plan, _completion_assembler, ls.completio
 async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: int, param: str) -> web.StreamResponse:
     async with _lease(request, req.model_id) as engine:
         response_id = _response_id(kind.id_prefix)
-        converted, plan = await _plan(size, kind.plan, req, item, engine, response_id, param)
+        converted, plan = await _off_loop_if_large(size, kind.plan, req, item, engine, response_id, param)
         assembler = kind.assembler(converted, plan, engine, response_id)
         stops = _StopTokens(engine)
         outputs = stops.track(merged_outputs(engine, plan.requests))

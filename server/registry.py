@@ -2,13 +2,13 @@
 
 Lifecycle of one model id: registered -> loading -> ready (or failed). A registered model loads
 on its first lease; concurrent first leases share one load task. Every request holds a lease on
-one loaded engine (a `_Slot`) for as long as it runs, so that:
+one loaded engine (a `_LoadedEngine`) for as long as it runs, so that:
 
 - hot switch (re-registering an id with another checkpoint) loads the new engine while the old
   one keeps serving, then points new leases at it; the old one serves the leases it has and shuts
   down when the last one ends. If the new load fails, the old engine stays;
-- unregister, eviction and `report_dead` never cut a running request: a retired slot shuts down
-  when drained.
+- unregister, eviction and a dead engine (`EngineClient.is_dead`, retired by the next lease)
+  never cut a running request: a retired engine shuts down when drained.
 
 Memory: with a budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it
 starts and gives it back only once its engine has shut down. A load that does not fit waits for
@@ -108,7 +108,7 @@ class _Reservation:
 
 
 @dataclass(eq=False, slots=True)
-class _Slot:
+class _LoadedEngine:
     """One loaded engine and the leases on it."""
 
     owner: _Entry
@@ -140,14 +140,14 @@ class _Entry:
     spec: ModelSpec  # the latest registered spec; the active slot may still run an older one
     created: int
     metadata: dict[str, Any]
-    active: _Slot | None = None
+    active: _LoadedEngine | None = None
     load: _Load | None = None
     failure: _Failure | None = None
     required: bool = False  # loaded at start by the server's own config: /ready waits for it
     removed: bool = False
     last_used: int = 0  # a tick of the registry's use counter, for LRU order
     last_load_time_s: float | None = None
-    retiring: set[_Slot] = field(default_factory=set)
+    retiring: set[_LoadedEngine] = field(default_factory=set)
     cleanups: set[asyncio.Task] = field(default_factory=set)  # shutdowns of loads given up on
 
     @property
@@ -329,7 +329,7 @@ class ModelRegistry:
             reservation.release()
             return
         load_time_s = time.monotonic() - started_s
-        slot = _Slot(entry, engine, spec, reservation, load_time_s)
+        slot = _LoadedEngine(entry, engine, spec, reservation, load_time_s)
         entry.load = None
         self._loads_total += 1
         self._load_seconds_total += load_time_s
@@ -401,7 +401,7 @@ class ModelRegistry:
         covered = budget - self._reserved_bytes() + sum(r.num_bytes for r in self._reservations if r.draining)
         if need_bytes <= covered:
             return  # draining engines will free enough: just wait
-        victims: list[tuple[_Entry, _Slot]] = []
+        victims: list[tuple[_Entry, _LoadedEngine]] = []
         own = entry.active
         if own is not None and not _same_model(own.spec, entry.spec):
             victims.append((entry, own))  # a hot switch that fits only in place
@@ -460,7 +460,7 @@ class ModelRegistry:
         finally:
             self._release(slot)
 
-    async def _acquire(self, model_id: str) -> _Slot:
+    async def _acquire(self, model_id: str) -> _LoadedEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._load_wait_timeout_s
         while True:
@@ -469,6 +469,9 @@ class ModelRegistry:
             entry = self._entries.get(model_id)
             if entry is None:
                 raise _not_found(model_id)
+            if entry.active is not None and entry.active.engine.is_dead:
+                log.error("model %s: engine died; reloading it", model_id)
+                self._retire(entry, entry.active)  # requests still holding it end with their own errors
             if entry.active is not None:
                 entry.active.leases += 1
                 entry.last_used = self._next_tick()
@@ -504,23 +507,14 @@ class ModelRegistry:
             headers={"Retry-After": str(retry_after_s)},
         )
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: _LoadedEngine) -> None:
         slot.leases -= 1
         if slot.owner.active is slot:
             slot.owner.last_used = self._next_tick()
         if slot.retired and slot.leases == 0:
             self._start_shutdown(slot)
 
-    def report_dead(self, model_id: str, engine: EngineClient, reason: str) -> None:
-        """An engine stopped working (EngineDead): retire it, so that the next lease reloads the model.
-        Requests still holding it end with their own errors; a stale report is ignored."""
-        entry = self._entries.get(model_id)
-        if entry is None or entry.active is None or entry.active.engine is not engine:
-            return
-        log.error("model %s: engine died (%s); it reloads on the next request", model_id, reason)
-        self._retire(entry, entry.active)
-
-    def _retire(self, entry: _Entry, slot: _Slot) -> None:
+    def _retire(self, entry: _Entry, slot: _LoadedEngine) -> None:
         """No new leases for `slot`; it shuts down once the ones it has end."""
         if entry.active is slot:
             entry.active = None
@@ -530,12 +524,12 @@ class ModelRegistry:
         if slot.leases == 0:
             self._start_shutdown(slot)
 
-    def _start_shutdown(self, slot: _Slot) -> None:
+    def _start_shutdown(self, slot: _LoadedEngine) -> None:
         task = asyncio.ensure_future(self._shutdown_slot(slot))
         self._shutdowns.add(task)
         task.add_done_callback(self._shutdowns.discard)
 
-    async def _shutdown_slot(self, slot: _Slot) -> None:
+    async def _shutdown_slot(self, slot: _LoadedEngine) -> None:
         await self._shutdown_engine(slot.engine)
         slot.reservation.release()
         self._unloads_total += 1

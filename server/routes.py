@@ -20,9 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import ChatAssembler, CompletionAssembler, token_text
-from engine.types import EngineClient, EngineDead, EngineRequest, RequestOutput
+from engine.types import EngineClient, EngineRequest, RequestOutput
 from server import sse
-from server.app import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
+from server.app_keys import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.tokenizer_info import model_or_only, tokenizer_info_body
@@ -32,7 +32,6 @@ from server.tokenizer_info import model_or_only, tokenizer_info_body
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
 
 Indexed = tuple[int, RequestOutput]
-DEAD_ENGINE_REPORTER = web.RequestKey("dead_engine_reporter", Callable)
 
 
 def add_routes(app: web.Application) -> None:
@@ -52,23 +51,9 @@ def _registry(request: web.Request) -> ModelRegistry:
     return request.app[REGISTRY_KEY]
 
 
-@contextlib.asynccontextmanager
-async def _lease(request: web.Request, model_id: str) -> AsyncIterator[EngineClient]:
-    """The model's engine for the whole request; an engine found dead is reported to the registry
-    so that the next request reloads it."""
-    registry = _registry(request)
-    async with registry.lease(model_id) as engine:
-        request[DEAD_ENGINE_REPORTER] = lambda exc: _report_dead(registry, model_id, engine, exc)
-        try:
-            yield engine
-        except EngineDead as exc:
-            _report_dead(registry, model_id, engine, exc)
-            raise
-
-
-def _report_dead(registry: Any, model_id: str, engine: EngineClient, exc: Exception) -> None:
-    if isinstance(exc, EngineDead):
-        registry.report_dead(model_id, engine, str(exc))
+def _lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
+    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
+    return _registry(request).lease(model_id)
 
 
 def _log(request: web.Request, **fields: Any) -> None:
@@ -86,7 +71,8 @@ async def _decode(request: web.Request, decoder: Any) -> Any:
     return req, len(body)
 
 
-async def _plan(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+async def _off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) (rendering and tokenizing a prompt), in a thread when the body is large."""
     if body_bytes > _INLINE_TOKENIZE_MAX_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
@@ -166,7 +152,7 @@ async def _respond(
 
         if first is None:
             return await sse.stream(request, None, outputs, lambda _: None, head(), tail)
-        return await sse.stream(request, first, outputs, render, head(), tail, request.get(DEAD_ENGINE_REPORTER))
+        return await sse.stream(request, first, outputs, render, head(), tail)
     finally:
         await outputs.aclose()
         usage = assembler.usage()
@@ -203,7 +189,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.CHAT_DECODER)
     async with _lease(request, req.model) as engine:
         response_id = _response_id("chatcmpl")
-        plan = await _plan(size, to_engine.chat_plan, req, req.messages, engine, response_id)
+        plan = await _off_loop_if_large(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         assembler = _chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
@@ -214,7 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req, size = await _decode(request, p.COMPLETION_DECODER)
     async with _lease(request, req.model) as engine:
         response_id = _response_id("cmpl")
-        plan = await _plan(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
+        plan = await _off_loop_if_large(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         assembler = _completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
@@ -234,10 +220,9 @@ async def _batch_item(
 ) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
-        outputs, assembler = await _plan(body_bytes, make)
+        outputs, assembler = await _off_loop_if_large(body_bytes, make)
         return p.BatchItem(index=index, response=await _collect(outputs, assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
-        request[DEAD_ENGINE_REPORTER](exc)
         error = from_exception(exc)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))
@@ -298,8 +283,8 @@ async def batch_completions(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
     async with _lease(request, model_or_only(request, req.model)) as engine:
-        ids = await _plan(size, to_engine.tokenize, req, engine)
-        strs = await _plan(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
+        ids = await _off_loop_if_large(size, to_engine.tokenize, req, engine)
+        strs = await _off_loop_if_large(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                                 token_strs=strs))
 
@@ -311,7 +296,7 @@ def _token_strs(engine: EngineClient, ids: list[int]) -> list[str]:
 async def detokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.DETOKENIZE_DECODER)
     async with _lease(request, model_or_only(request, req.model)) as engine:
-        return json_response(p.DetokenizeResponse(prompt=await _plan(size, to_engine.detokenize_ids, req, engine)))
+        return json_response(p.DetokenizeResponse(prompt=await _off_loop_if_large(size, to_engine.detokenize_ids, req, engine)))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:

@@ -40,7 +40,6 @@ async def stream(
     render: Callable[[object], object | None],
     head: Iterable[object],
     tail: Callable[[], Iterable[object]],
-    on_error: Callable[[Exception], None] | None = None,
     done: bytes = DONE,
 ) -> web.StreamResponse:
     """Send head chunks, one chunk per item (`first`, then the rest), tail chunks, [DONE]
@@ -48,7 +47,7 @@ async def stream(
 
     `first` was awaited before this call, so errors raised before any output (queue full, invalid
     request) still get a proper HTTP status instead of an in-band error."""
-    from server.app import CONFIG_KEY
+    from server.app_keys import CONFIG_KEY
 
     config = request.app[CONFIG_KEY]
     response = web.StreamResponse(headers=SSE_HEADERS)
@@ -85,8 +84,6 @@ async def stream(
             _drop(request)
             return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
-        if on_error is not None:
-            on_error(exc)
         error = from_exception(exc)
         if error.status >= 500 and not isinstance(exc, ApiError):
             log.error("stream failed", error=str(exc), exc_info=not error.code)

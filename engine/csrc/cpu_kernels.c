@@ -64,7 +64,7 @@ static inline float exp_approx(float x) {
  * costs more than the work saves. */
 #define PARALLEL_MIN_ELEMS 65536
 /* Row-wise elementwise kernels (norm, SiLU) split sooner: at 32 decode rows x 1536, 49K elements,
- * two threads already beat one (SiLU: 8 vs 42 us). */
+ * two threads already beat one (bench/NOTES.md). */
 #define ROWWISE_PARALLEL_MIN_ELEMS (PARALLEL_MIN_ELEMS / 4)
 
 /* ------------------------------------------------------------------------------------------ RMSNorm
@@ -355,7 +355,7 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
  * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
  * each step of k is one contiguous 16-wide load and a vertical multiply-add: the weight streams
  * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
- * are short enough that oneDNN's fixed ~11 us per call is a tenth of the step; any rows work, but
+ * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
  * oneDNN wins from a few rows up. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));

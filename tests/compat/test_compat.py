@@ -8,7 +8,7 @@ import pytest
 from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import ChatAssembler, CompletionAssembler, GenerationFailed, token_text
-from engine.types import ContextLengthExceeded, InvalidRequest, RequestOutput, TokenLogprob, ToolCall
+from engine.types import ContextLengthExceeded, InvalidRequest, RequestOutput, TokenLogprob, ToolCall, check_context_length
 from tests.server.fake_engine import BOS, EOT, FakeEngine, FakeTokenizer, ParsedDelta, ParsedOutput
 
 
@@ -86,12 +86,12 @@ def test_completion_plan_indexes_prompt_major():
 
 
 def test_length_checks():
-    assert to_engine.checked_max_tokens(10, None, 64, param="max_tokens", prompt_param="prompt") == 54
+    assert check_context_length(10, None, 64, param="max_tokens", prompt_param="prompt") == 54
     with pytest.raises(ContextLengthExceeded) as info:
-        to_engine.checked_max_tokens(64, None, 64, param="max_tokens", prompt_param="messages")
+        check_context_length(64, None, 64, param="max_tokens", prompt_param="messages")
     assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
     with pytest.raises(ContextLengthExceeded, match=r"you requested 70 tokens \(10 in the prompt, 60"):
-        to_engine.checked_max_tokens(10, 60, 64, param="max_tokens", prompt_param="prompt")
+        check_context_length(10, 60, 64, param="max_tokens", prompt_param="prompt")
 
 
 def test_logit_bias_keys_must_be_token_ids():

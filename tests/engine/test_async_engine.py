@@ -212,18 +212,21 @@ async def test_per_request_error_and_batch_exception():
     assert good[-1].finish_reason in ("length", "error")
     again = await collect(eng, request("after", "abe"))  # the engine keeps serving
     assert again[-1].finish_reason == "length"
+    assert not eng.is_dead
     await assert_clean(eng)
     await eng.shutdown()
 
 
 async def test_dead_runner_fails_all_and_later_generate_raises():
     eng = make_engine(GatedRunner(64, 4, dead_on_step=3))
+    assert not eng.is_dead
     results = await asyncio.gather(
         collect(eng, request("a", "abc", max_tokens=50)), collect(eng, request("b", "abd", max_tokens=50)),
         return_exceptions=True,
     )
     assert all(isinstance(r, EngineDead) for r in results)
     assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    assert eng.is_dead  # what the server's registry reads to reload the model
     with pytest.raises(EngineDead):
         eng.generate(request("c", "abc"))
     await eng.shutdown()

@@ -78,7 +78,7 @@ def test_admission_limits():
         core.add_request(request("e", []))
     with pytest.raises(ContextLengthExceeded, match="maximum context length is 16"):
         core.add_request(request("long", "a" * 16))
-    with pytest.raises(ContextLengthExceeded, match="12 in the prompt, 5 in the completion"):
+    with pytest.raises(ContextLengthExceeded, match="12 in the prompt, 5 for the completion"):
         core.add_request(request("sum", "a" * 12, max_tokens=5))
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         core.add_request(request("vocab", [3, 999]))

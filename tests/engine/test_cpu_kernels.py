@@ -26,8 +26,12 @@ from engine import cpu_kernels as ck
 from engine.checkpoint import load_rank_state_dict, resolve_checkpoint
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
+from engine.backends import select_backend
+from engine.backends.base import Backend
+from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, PackedCpuLinear, pack_weight
+from engine.backends.cpu import packing_available as cpu_packing_available
+from engine.backends.torch_ops import TorchBackend
 from engine.model import Transformer, allocate_kv_caches, apply_rotary_emb, precompute_freqs_cis
-from engine.quantization import cpu_packing_available, pack_for_cpu
 from engine.runner import build_step_inputs
 from engine.sequence import ScheduledBatch, Sequence
 from engine.step_inputs import StepInputs
@@ -76,20 +80,18 @@ def test_interleaved_linear(kernels, dtype, rows, n, k):
 def test_packed_linear_one_row_path(kernels, dtype):
     """With kernels, a small packed linear keeps an interleaved copy and answers one-row inputs
     from it, more rows from oneDNN; both agree with F.linear. Large weights get no copy."""
-    from engine.quantization import PackedCpuLinear
-
     if not cpu_packing_available(dtype):
         pytest.skip(f"oneDNN cannot run {dtype} here")
     g = gen(5)
     weight = torch.randn(64, 32, generator=g).to(dtype)
-    layer = PackedCpuLinear.pack(weight, None, kernels=kernels)
-    assert layer._one_row is not None
+    layer = PackedCpuLinear(pack_weight(weight, kernels), kernels)
+    assert layer.interleaved is not None
     for rows in (1, 3):
         x = torch.randn(rows, 32, generator=g).to(dtype)
         assert_close(layer(x).double(), F.linear(x.double(), weight.double()).to(dtype).double(), dtype)
-    assert PackedCpuLinear.pack(weight, None)._one_row is None  # no kernels: oneDNN only
+    assert PackedCpuLinear(pack_weight(weight)).interleaved is None  # no kernels: oneDNN only
     big = torch.empty(16, (8 << 20) // (16 * weight.element_size()) + 16, dtype=dtype)
-    assert PackedCpuLinear.pack(big, None, kernels=kernels)._one_row is None
+    assert PackedCpuLinear(pack_weight(big, kernels), kernels).interleaved is None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,30 +297,32 @@ MAX_SEQ_LEN = 64
 NUM_BLOCKS = 40
 
 
-def build_model(checkpoint: Path, dtype: torch.dtype) -> Transformer:
-    """What the executor builds on CPU: weights in dtype, packed (wq|wk|wv and w1|w3 fused), RoPE."""
+def build_model(checkpoint: Path, dtype: torch.dtype, kernels: ck.CpuKernels | None) -> Transformer:
+    """What the executor builds on CPU: weights in dtype, packed (wq|wk|wv and w1|w3 fused), over
+    the fused kernels (CpuKernelBackend) or, without kernels, torch ops (OneDnnBackend)."""
     if not cpu_packing_available(dtype):
-        pytest.skip(f"oneDNN packing of {dtype} unavailable here: the fused path needs the fused linears")
+        pytest.skip(f"oneDNN packing of {dtype} unavailable here: the CPU backends need it")
+    cpu = torch.device("cpu")
+    backend = OneDnnBackend(cpu, dtype) if kernels is None else CpuKernelBackend(cpu, dtype, kernels)
+    return build_with(checkpoint, dtype, backend)
+
+
+def build_with(checkpoint: Path, dtype: torch.dtype, backend: Backend) -> Transformer:
     spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     state = {k: v.to(dtype).clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}
-    with torch.device("meta"):
-        model = Transformer(spec.model_args, max_seq_len=MAX_SEQ_LEN)
-    model.load_state_dict(state, strict=True, assign=True)
-    assert pack_for_cpu(model, 1, dtype)
-    model.init_rope(torch.device("cpu"), dtype)
-    return model.eval()
+    return Transformer.from_state_dict(spec.model_args, state, backend, max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["float32", "bfloat16"])
 def fused_model(request, kernels, tiny_checkpoint):
-    model = build_model(tiny_checkpoint, request.param)
-    assert model.use_cpu_kernels(kernels)
-    assert model.cpu_kernels is kernels and model.rope_table is not None
-    return model
+    """(the model over the fused kernels, the same weights over torch ops)"""
+    fused = build_model(tiny_checkpoint, request.param, kernels)
+    assert isinstance(fused.backend, CpuKernelBackend) and fused.backend.kernels is kernels
+    return fused, build_model(tiny_checkpoint, request.param, None)
 
 
 def new_caches(model: Transformer):
-    dtype = model.norm.weight.dtype
+    dtype = model.backend.dtype
     return allocate_kv_caches(model.params, 1, NUM_BLOCKS, BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
 
 
@@ -340,26 +344,21 @@ def step_inputs(seqs: list[Sequence], counts: list[int]) -> StepInputs:
 
 
 class TwoPaths:
-    """One model run through the fused kernels and through torch on two copies of the KV cache;
-    every step's logits and caches compared."""
+    """One model's weights run through the fused kernels and through torch on two copies of the
+    KV cache; every step's logits and caches compared."""
 
-    def __init__(self, model: Transformer, kernels: ck.CpuKernels) -> None:
-        self.model, self.kernels = model, kernels
-        self.dtype = model.norm.weight.dtype
-        self.fused_caches, self.torch_caches = new_caches(model), new_caches(model)
+    def __init__(self, models: tuple[Transformer, Transformer]) -> None:
+        self.model, self.torch_model = models
+        self.dtype = self.model.backend.dtype
+        self.fused_caches, self.torch_caches = new_caches(self.model), new_caches(self.model)
         self.alloc = Allocator(seed=1)
 
     def step(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
         for seq, count in zip(seqs, counts):
             self.alloc.grow(seq, seq.num_computed_tokens + count)
         inputs = step_inputs(seqs, counts)
-        try:
-            self.model.cpu_kernels = self.kernels
-            fused = self.model(inputs, self.fused_caches)
-            self.model.cpu_kernels = None
-            plain = self.model(inputs, self.torch_caches)
-        finally:
-            self.model.cpu_kernels = self.kernels
+        fused = self.model(inputs, self.fused_caches)
+        plain = self.torch_model(inputs, self.torch_caches)
         assert fused.shape == plain.shape == (inputs.num_tokens, self.model.vocab_size)
         assert fused.isfinite().all()
         if self.dtype == torch.float32:
@@ -391,9 +390,10 @@ def make_seqs(vocab: int, lengths: list[int], seed: int) -> list[Sequence]:
     return [Sequence(i, f"r{i}", torch.randint(0, vocab, (n,), generator=g).tolist(), n, params) for i, n in enumerate(lengths)]
 
 
-def test_fused_forward_matches_torch_prefill_decode_mixed(fused_model, kernels):
-    paths = TwoPaths(fused_model, kernels)
-    seqs = make_seqs(fused_model.vocab_size, [1, 7, 8, 9, 20, 30], seed=2)
+def test_fused_forward_matches_torch_prefill_decode_mixed(fused_model):
+    paths = TwoPaths(fused_model)
+    vocab = fused_model[0].vocab_size
+    seqs = make_seqs(vocab, [1, 7, 8, 9, 20, 30], seed=2)
     a, b, c, d, e, long = seqs
 
     # (a) prefill of several sequences (the 1-token prompt is attended as a decode, in between)
@@ -409,29 +409,29 @@ def test_fused_forward_matches_torch_prefill_decode_mixed(fused_model, kernels):
     assert long.num_computed_tokens == 30
     paths.step([long, d, b], [1, 1, 1])  # the long sequence now decodes across its blocks too
     # a last chunk crossing a block boundary of a partially filled block, plus a decode
-    more = make_seqs(fused_model.vocab_size, [13], seed=3)[0]
+    more = make_seqs(vocab, [13], seed=3)[0]
     more.seq_id = 6
     paths.step([more], [5])
     paths.step([more, a], [8, 1])
 
 
-def test_use_cpu_kernels_needs_fused_linears(kernels, tiny_checkpoint):
-    """Without pack_for_cpu's wq|wk|wv and w1|w3 fusion the model keeps the torch path."""
-    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
-    with torch.device("meta"):
-        model = Transformer(spec.model_args, max_seq_len=MAX_SEQ_LEN)
-    model.load_state_dict({k: v.clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}, strict=True, assign=True)
-    model.init_rope(torch.device("cpu"), torch.float32)
-    assert model.use_cpu_kernels(kernels) is False
-    assert model.cpu_kernels is None and model.rope_table is None
+@pytest.mark.parametrize(
+    "dtype, cpu_kernels, expected",
+    [("float32", True, CpuKernelBackend), ("float32", False, OneDnnBackend), ("float64", True, TorchBackend)],
+)
+def test_backend_selection(kernels, dtype, cpu_kernels, expected):
+    """The fused kernels where they build and the dtype has them; oneDNN alone when they are off;
+    torch ops for what neither runs (float64)."""
+    if expected is not TorchBackend and not cpu_packing_available(getattr(torch, dtype)):
+        pytest.skip("oneDNN cannot run this dtype here")
+    backend = select_backend(EngineConfig(dtype=dtype, cpu_kernels=cpu_kernels), torch.device("cpu"))
+    assert type(backend) is expected and backend.dtype == getattr(torch, dtype)
 
 
 # =========================================================================== index guards
 @pytest.fixture(scope="module")
 def model32(kernels, tiny_checkpoint):
-    model = build_model(tiny_checkpoint, torch.float32)
-    assert model.use_cpu_kernels(kernels)
-    return model
+    return build_model(tiny_checkpoint, torch.float32, kernels)
 
 
 def decode_batch(vocab: int) -> tuple[list[Sequence], StepInputs]:
@@ -494,19 +494,15 @@ def test_out_of_range_slot_in_prefill_raises(model32):
     assert_rejected(model32, dataclasses.replace(inputs, slot_mapping=slots), "KV slot")
 
 
-def test_seq_len_beyond_block_table_raises(model32, kernels):
+def test_seq_len_beyond_block_table_raises(model32, tiny_checkpoint):
     """The torch path cannot run this batch (RuntimeError); the fused one must not read past the table."""
     _, inputs = decode_batch(model32.vocab_size)
     seq_lens = inputs.seq_lens.clone()
     seq_lens[0] = 3 * BLOCK_SIZE  # the table row has 2 blocks
     bad = dataclasses.replace(inputs, seq_lens=seq_lens)
-    caches = new_caches(model32)
-    model32.cpu_kernels = None
-    try:
-        with pytest.raises(RuntimeError):
-            model32(bad, caches)
-    finally:
-        model32.cpu_kernels = kernels
+    torch_model = build_model(tiny_checkpoint, torch.float32, None)
+    with pytest.raises(RuntimeError):
+        torch_model(bad, new_caches(torch_model))
     with pytest.raises(ValueError, match="decode length"):
         model32(bad, new_caches(model32))
 
@@ -559,9 +555,8 @@ def test_cached_loader_falls_back_through_env(tmp_path, monkeypatch, caplog):
 
 
 def test_no_kernels_keeps_the_torch_path(tiny_checkpoint):
-    model = build_model(tiny_checkpoint, torch.float32)
-    assert model.use_cpu_kernels(None) is False
-    assert model.cpu_kernels is None and model.rope_table is None
+    model = build_model(tiny_checkpoint, torch.float32, None)
+    assert type(model.backend) is OneDnnBackend
     seqs = make_seqs(model.vocab_size, [5, 1], seed=10)
     alloc = Allocator(seed=11)
     for seq in seqs:
@@ -612,8 +607,8 @@ def test_executor_cpu_kernels_switch(kernels, tiny_checkpoint):
     off = make_executor(tiny_checkpoint, "float32", cpu_kernels=False)
     try:
         assert EngineConfig().cpu_kernels is True
-        assert on._shard.model.cpu_kernels is not None
-        assert off._shard.model.cpu_kernels is None
+        assert type(on._shard.model.backend) is CpuKernelBackend
+        assert type(off._shard.model.backend) is OneDnnBackend
         seqs = make_seqs(on.vocab_size, [9, 1, 4], seed=12)
         alloc = Allocator(seed=13)
         for seq in seqs:
@@ -628,7 +623,7 @@ def test_executor_cpu_kernels_switch(kernels, tiny_checkpoint):
 def test_executor_float64_keeps_torch_path(kernels, tiny_checkpoint):
     executor = make_executor(tiny_checkpoint, "float64")
     try:
-        assert executor._shard.model.cpu_kernels is None
+        assert type(executor._shard.model.backend) is TorchBackend
     finally:
         executor.shutdown()
 

@@ -30,9 +30,9 @@ def spec(tiny_checkpoint):
 
 def make_runner(spec, config: EngineConfig):
     from engine.executor import ModelExecutor
-    from engine.runner import ModelRunnerImpl
+    from engine.runner import ExecutorRunner
 
-    return ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN), stop_token_ids=TOK.stop_token_ids)
+    return ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
 
 
 def config(spec, *, num_blocks: int = 256, **overrides) -> EngineConfig:

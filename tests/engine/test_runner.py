@@ -1,11 +1,11 @@
-"""ModelRunnerImpl over a fake executor: the StepInputs it builds and the StepOutput it returns."""
+"""ExecutorRunner over a fake executor: the StepInputs it builds and the StepOutput it returns."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.runner import ModelRunnerImpl, build_step_inputs
+from engine.runner import ExecutorRunner, build_step_inputs
 from engine.sequence import ScheduledBatch, Sequence
 from engine.step_inputs import StepInputs
 from engine.types import SamplingParams
@@ -81,7 +81,7 @@ def test_step_inputs_for_mixed_prefill_chunks_and_decodes():
 
 def test_execute_returns_sampling_sequences_in_batch_order():
     executor = FakeExecutor()
-    runner = ModelRunnerImpl(executor, stop_token_ids=frozenset({31}))
+    runner = ExecutorRunner(executor)
     assert (runner.vocab_size, runner.num_blocks, runner.block_size) == (VOCAB, 64, BLOCK_SIZE)
     out = runner.execute(mixed_batch())
     assert out.seq_ids == [0, 1, 3]
@@ -95,7 +95,7 @@ def test_execute_returns_sampling_sequences_in_batch_order():
 def test_only_partial_chunks_still_run_the_forward_and_sample_nothing():
     executor = FakeExecutor()
     seq = make_seq(0, list(range(10)), 10, 0, [1, 2, 3])
-    out = ModelRunnerImpl(executor, stop_token_ids=frozenset()).execute(ScheduledBatch([seq], [8]))
+    out = ExecutorRunner(executor).execute(ScheduledBatch([seq], [8]))
     assert out.seq_ids == [] and out.sampled_token_ids == []
     assert executor.calls[0].logits_indices.tolist() == []
     assert executor.calls[0].slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -103,7 +103,7 @@ def test_only_partial_chunks_still_run_the_forward_and_sample_nothing():
 
 def test_empty_batch_does_not_call_the_executor():
     executor = FakeExecutor()
-    out = ModelRunnerImpl(executor, stop_token_ids=frozenset()).execute(ScheduledBatch([], []))
+    out = ExecutorRunner(executor).execute(ScheduledBatch([], []))
     assert out.seq_ids == [] and executor.calls == []
 
 
@@ -111,14 +111,14 @@ def test_logprobs_and_row_errors_flow_into_step_output():
     executor = FakeExecutor()
     ok = make_seq(0, [1, 2], 2, 1, [0], logprobs=2)
     bad = make_seq(1, [3, 4], 2, 1, [1], logit_bias=((VOCAB, 1.0),))
-    out = ModelRunnerImpl(executor, stop_token_ids=frozenset()).execute(ScheduledBatch([ok, bad], [1, 1]))
+    out = ExecutorRunner(executor).execute(ScheduledBatch([ok, bad], [1, 1]))
     assert out.seq_ids == [0] and out.sampled_token_ids == [3]
     assert out.logprobs[0].token_id == 3 and [t for t, _ in out.logprobs[0].top][0] == 3
     assert list(out.errors) == [1]
 
 
 def test_executor_errors_propagate():
-    runner = ModelRunnerImpl(FakeExecutor(fail=True), stop_token_ids=frozenset())
+    runner = ExecutorRunner(FakeExecutor(fail=True))
     with pytest.raises(RuntimeError, match="exploded"):
         runner.execute(mixed_batch())
 
@@ -143,7 +143,7 @@ def real_runner(tiny_checkpoint):
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=4)
-    runner = ModelRunnerImpl(ModelExecutor(spec, config, max_seq_len=64), stop_token_ids=frozenset())
+    runner = ExecutorRunner(ModelExecutor(spec, config, max_seq_len=64))
     yield runner
     runner.shutdown()
 

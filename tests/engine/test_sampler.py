@@ -10,7 +10,7 @@ import torch
 
 from engine import sampler as sampler_mod
 from engine.sampler import Sampler, SampleResult
-from engine.sequence import Sequence
+from engine.sequence import Sequence, ending_token_ids
 from engine.types import SamplingParams
 
 VOCAB = 64
@@ -51,7 +51,10 @@ def logits_for(num_rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], *, stop_token_ids: frozenset[int] = frozenset()) -> SampleResult:
-    return Sampler(stop_token_ids=stop_token_ids, seed=1234).sample(logits, seqs)
+    """Sample as the runner does, with each sequence's stop ids set as Scheduler.add sets them."""
+    for s in seqs:
+        s.stop_token_ids = ending_token_ids(s.params, stop_token_ids)
+    return Sampler(seed=1234).sample(logits, seqs)
 
 
 # ---------------------------------------------------------------------- greedy

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from engine.types import (
     ChatMessage,
+    EngineDead,
     EngineRequest,
     EngineStats,
     InvalidRequest,
@@ -184,10 +185,12 @@ class FakeEngine:
         self.hold: Hold | None = None
         self.cached_tokens = 0
         self.is_shut_down = False
+        self.is_dead = False
         self._stats = EngineStats()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.raise_on_generate is not None:
+            self.is_dead = isinstance(self.raise_on_generate, EngineDead)  # as the real engine: dead from then on
             raise self.raise_on_generate
         self.requests.append(request)
         pieces = list(self.script(request))

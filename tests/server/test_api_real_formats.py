@@ -64,6 +64,8 @@ class ScriptedTokenEngine:
     async def abort(self, request_id: str) -> None:
         pass
 
+    is_dead = False
+
     def stats(self) -> EngineStats:
         return EngineStats()
 

@@ -45,6 +45,7 @@ class FakeEngine:
         self.chat_format = None
         self.sampling_defaults = SamplingDefaults()
         self.closed = asyncio.Event()
+        self.is_dead = False
         self._events = events
 
     async def shutdown(self) -> None:
@@ -548,14 +549,15 @@ async def test_unknown_llama_model_lists_close_matches(registry, root) -> None:
 
 async def test_dead_engine_is_reloaded_on_the_next_lease(registry, root, factory) -> None:
     await registry.register(spec_for(root, "m"), load=True)
-    async with registry.lease("m") as dead:
-        registry.report_dead("m", dead, "worker 1 exited")
-        registry.report_dead("m", dead, "reported twice")  # stale: ignored
-        assert registry.get("m").status == "registered"
+    async with registry.lease("m") as dead, registry.lease("m") as in_flight:
+        dead.is_dead = True  # say a model-parallel worker exited
+        async with registry.lease("m") as fresh:  # the next lease retires it and loads again
+            assert fresh is not dead and in_flight is dead
+            assert not dead.closed.is_set()  # leases still held on the dead engine are never cut
     await within(dead.closed.wait())
-    async with registry.lease("m") as fresh:
-        assert fresh is not dead
-    assert factory.events == ["load m", "shutdown m", "load m"]
+    async with registry.lease("m") as again:
+        assert again is fresh
+    assert factory.events == ["load m", "load m", "shutdown m"]
 
 
 async def test_real_descriptor_table_resolves_and_suggests(root, factory) -> None:

@@ -1,0 +1,46 @@
+"""Backends: the operations engine/model.py runs, chosen once per model from device and dtype.
+
+select_backend() is the one place that choice is made (docs/backends.md):
+- CPU, float32/bfloat16, oneDNN able to run the dtype: CpuKernelBackend (oneDNN packed linears +
+  the fused C kernels), or OneDnnBackend when the kernels are off or cannot be built;
+- anything else (CUDA, float64, float16, no oneDNN): TorchBackend, plain torch ops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.backends.base import Backend
+    from engine.config import EngineConfig
+
+
+def resolve_dtype(config: "EngineConfig") -> torch.dtype:
+    """The model dtype: the configured one, else bfloat16 on CUDA, and on CPU bfloat16 where
+    oneDNN runs it (half the weight bytes per token: faster decode, bench/NOTES.md), else float32."""
+    if config.dtype is not None:
+        return getattr(torch, config.dtype)
+    if config.device == "cuda":
+        return torch.bfloat16
+    from engine.backends.cpu import packing_available
+
+    return torch.bfloat16 if packing_available(torch.bfloat16) else torch.float32
+
+
+def select_backend(config: "EngineConfig", device: torch.device) -> "Backend":
+    """The backend for a model loaded on `device` under `config` (dtype, cpu_kernels, quantization)."""
+    from engine.backends.torch_ops import TorchBackend
+
+    dtype = resolve_dtype(config)
+    if device.type == "cpu":
+        from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, packing_available
+        from engine.cpu_kernels import load_cpu_kernels, supports
+
+        if packing_available(dtype):
+            kernels = load_cpu_kernels() if config.cpu_kernels and supports(dtype) else None
+            if kernels is not None:
+                return CpuKernelBackend(device, dtype, kernels, quantization=config.quantization)
+            return OneDnnBackend(device, dtype, quantization=config.quantization)
+    return TorchBackend(device, dtype, quantization=config.quantization)

@@ -1,0 +1,240 @@
+"""The seam between the model (engine/model.py) and the hardware: the Backend and Linear contracts.
+
+engine/model.py is one forward in the shape of llama-models' reference; every operation whose
+best implementation depends on the device and dtype goes through a Backend chosen once per model
+(engine.backends.select_backend). A backend provides:
+
+- prepare(weights, linears): run once at load, turns each linear's weight tensor into the form
+  the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
+- linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
+- add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
+- attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
+  (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
+
+The Linear contract (what a quantized linear implements, see docs/backends.md): a module or
+callable mapping x [..., in_features] -> y [..., out_features] in x's dtype, over this rank's
+model-parallel shard only; collectives (all-reduce of row-parallel outputs, all-gather of the
+output head) are applied around it by the backend (ParallelLinear), never inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.step_inputs import StepInputs
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, n_local_kv_heads, head_dim]
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class Linear(Protocol):
+    """y = x @ W^T over the local model-parallel shard: x [..., in_features] -> [..., out_features],
+    in x's dtype. resident_bytes(): the memory its weights hold (packed copies included)."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def resident_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class PreparedWeight(Protocol):
+    """A weight in a form other than a dense tensor (a quantized format, say): it names its Linear.
+    Backends call make_linear(backend) for any prepared weight type they do not handle themselves,
+    so a new format is a new class, never an edit to model.py or to an existing backend."""
+
+    def make_linear(self, backend: "Backend") -> Linear: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """This rank's attention heads; qkv rows are [heads | kv_heads | kv_heads] x head_dim."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def n_rep(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class LinearNames:
+    """Which state-dict entries are linear weights, for prepare(): the transformer's blocks (which
+    a quantization applies to) and the output head (kept in the model dtype: fp8 "mixed")."""
+
+    blocks: tuple[str, ...]
+    head: str
+
+
+# --------------------------------------------------------------------------- attention metadata
+@dataclass(slots=True)
+class PrefillChunk:
+    rows: slice  # rows of the flat batch holding this sequence's new tokens
+    block_ids: torch.Tensor  # [ceil(kv_len / block_size)] the sequence's blocks covering its K/V
+    kv_len: int  # K/V length after this step (cached prefix + new tokens)
+    mask: torch.Tensor | None  # [n_new, kv_len] bool, True = attend; None: no prefix, plain causal
+
+
+@dataclass(slots=True)
+class GatheredDecodes:
+    """The decoding sequences as torch SDPA reads them: their blocks gathered into one padded batch."""
+
+    rows: slice | torch.Tensor  # rows of the decode tokens (a slice when contiguous)
+    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, the decode block tables flattened
+    num_blocks: int  # max_blocks: blocks gathered per decoding sequence
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
+class PagedDecodes:
+    """The decoding sequences as a paged-attention kernel reads them, in place through the tables."""
+
+    rows: torch.Tensor  # [num_decodes] int64, flat-batch row of each decode token
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [num_decodes] int32, K/V length including this step's token
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's batch, built once per step for all layers by
+    the backend (Backend.attention_metadata). Prefill chunks are attended one at a time; the
+    decodes (sequences with one new token) together, in the layout the backend's kernel reads."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token's K/V
+    prefills: list[PrefillChunk]
+    decodes: GatheredDecodes | PagedDecodes | None
+    rope: torch.Tensor  # torch: [num_tokens, 1, head_dim // 2] complex rotations; kernels: the whole table
+
+    @staticmethod
+    def split(inputs: StepInputs, block_size: int) -> tuple[list[int], list[int], list[PrefillChunk], list[int]]:
+        """(row starts, K/V lengths, prefill chunks, indices of the decoding sequences)."""
+        starts = inputs.query_start_loc.tolist()
+        seq_lens = inputs.seq_lens.tolist()
+        counts = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+        prefills = [
+            _prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size)
+            for i, n_new in enumerate(counts)
+            if n_new > 1
+        ]
+        return starts, seq_lens, prefills, [i for i, n_new in enumerate(counts) if n_new == 1]
+
+
+def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int) -> PrefillChunk:
+    device = inputs.block_tables.device
+    num_blocks = -(-kv_len // block_size)
+    prefix = kv_len - n_new
+    mask = None
+    if prefix > 0:  # query j sits at position prefix + j and sees keys 0..prefix + j
+        query_pos = torch.arange(prefix, kv_len, device=device)[:, None]
+        mask = torch.arange(kv_len, device=device)[None, :] <= query_pos
+    return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks].to(torch.int64), kv_len, mask)
+
+
+# --------------------------------------------------------------------------- the backend
+class ParallelLinear(nn.Module):
+    """A local Linear with its model-parallel collective applied to the output (all-reduce for a
+    row-parallel layer, all-gather for the output head)."""
+
+    def __init__(self, local: Linear, collective: Collective) -> None:
+        super().__init__()
+        self.local = local
+        self.in_features, self.out_features = local.in_features, local.out_features
+        self._collective = collective
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._collective(self.local(x))
+
+    def resident_bytes(self) -> int:
+        return self.local.resident_bytes()
+
+
+class Backend:
+    """The operations engine/model.py's forward runs, for one device and dtype. This base class
+    holds what every backend shares (the load-time preparation of the weights, the linear
+    dispatch); engine.backends.torch_ops is the reference implementation of the operations."""
+
+    name = "base"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, quantization: str | None = None) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.quantization = quantization
+
+    # ----------------------------------------------------------------- load time
+    def prepare(self, weights: Mapping[str, torch.Tensor], linears: LinearNames) -> dict[str, Any]:
+        """Once at load: each linear weight in the form linear() takes (quantized, then packed by
+        the backend). Other entries (embeddings, norms) pass through as tensors."""
+        from engine.quantization import quantize_weight
+
+        out: dict[str, Any] = dict(weights)
+        for name in linears.blocks:
+            out[name] = self.prepare_linear(quantize_weight(out[name], self.quantization))
+        out[linears.head] = self.prepare_linear(out[linears.head])
+        return out
+
+    def prepare_linear(self, weight: Any) -> Any:
+        """One linear weight in this backend's preferred form (identity: a dense tensor)."""
+        return weight
+
+    def linear(self, weight: Any, collective: Collective | None = None) -> Linear:
+        """The Linear for one prepared weight, by its type; wrapped with its collective if any."""
+        local = self.dense_linear(weight) if isinstance(weight, torch.Tensor) else self.special_linear(weight)
+        return local if collective is None else ParallelLinear(local, collective)
+
+    def dense_linear(self, weight: torch.Tensor) -> Linear:
+        return DenseLinear(weight)
+
+    def special_linear(self, weight: Any) -> Linear:
+        """A prepared weight (not a dense tensor): a backend overrides this for the formats it has
+        its own Linear for, then defers here, where the weight names its Linear."""
+        if isinstance(weight, PreparedWeight):
+            return weight.make_linear(self)
+        raise TypeError(f"{self.name} backend: no linear for a weight of type {type(weight).__name__}")
+
+    # ----------------------------------------------------------------- per step (see torch_ops)
+    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, rms_norm(residual + delta) * weight); residual may be updated in place."""
+        raise NotImplementedError
+
+    def rope_and_cache_write(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> None:
+        """Rotate qkv's q and k heads in place ([tokens, (heads + 2 kv_heads) * head_dim]) and write
+        each token's k and v to its cache slot."""
+        raise NotImplementedError
+
+    def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """[tokens, heads * head_dim]: each token's queries over its sequence's cached K/V (causal)."""
+        raise NotImplementedError
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] silu(gate) * up, gate_up = [gate | up] [rows, 2 * hidden]."""
+        raise NotImplementedError
+
+
+class DenseLinear(nn.Module):
+    """y = x @ W^T with W as loaded (F.linear): the reference linear."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def resident_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()

@@ -1,0 +1,179 @@
+"""CPU backends: oneDNN pre-packed linears, and on top of them the fused C kernels.
+
+OneDnnBackend: the torch backend's operations with every dense linear's weight reordered once, at
+load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
+bfloat16 alike; bench/NOTES.md).
+
+CpuKernelBackend: also norms, RoPE + cache write, paged decode attention and SiLU-mul through
+engine.cpu_kernels (one call each, no intermediate tensors, K/V read in place through the block
+tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
+(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.backends.base import AttentionMetadata, HeadLayout, KVCache, Linear, PagedDecodes
+from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
+from engine.cpu_kernels import CpuKernels
+from engine.step_inputs import StepInputs
+
+# The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
+# (bench/NOTES.md).
+PACK_BATCH_HINT = 16
+
+# Linears of at most this many weight bytes also keep a copy in engine.cpu_kernels' interleaved
+# layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
+# for larger weights the copy would cost memory for little (bench/NOTES.md).
+INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear weight in oneDNN's blocked layout, plus (small weights, with the kernels) a copy in
+    the layout CpuKernels.interleaved_linear reads for one-row inputs."""
+
+    packed: torch.Tensor  # opaque oneDNN layout of the [out, in] weight
+    out_features: int
+    in_features: int
+    interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
+
+
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None) -> PackedWeight:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    interleaved = None
+    if kernels is not None and weight.shape[0] % 16 == 0 and weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
+        interleaved = kernels.interleave(weight)
+    return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
+
+
+class PackedCpuLinear(nn.Module):
+    """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
+    when there is one."""
+
+    def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        self.register_buffer("packed_weight", weight.packed, persistent=False)
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved is not None and x.shape[0] == 1:
+            return self._kernels.interleaved_linear(x.contiguous(), self.interleaved, torch.get_num_threads())
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+
+    def resident_bytes(self) -> int:
+        copies = [self.packed_weight] + ([self.interleaved] if self.interleaved is not None else [])
+        return sum(t.numel() * t.element_size() for t in copies)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """oneDNN present and able to run this dtype here (bfloat16 needs AVX-512 class CPUs)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        layer = PackedCpuLinear(pack_weight(torch.ones(8, 16, dtype=dtype)))
+        return bool(torch.equal(layer(torch.ones(2, 16, dtype=dtype)), torch.full((2, 8), 16.0, dtype=dtype)))
+    except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype / build
+        return False
+
+
+class OneDnnBackend(TorchBackend):
+    """torch ops, with dense linears packed for oneDNN at load (quantized ones stay as they are)."""
+
+    name = "onednn"
+    kernels: CpuKernels | None = None
+
+    def prepare_linear(self, weight):
+        return pack_weight(weight, self.kernels) if isinstance(weight, torch.Tensor) else weight
+
+    def special_linear(self, weight) -> Linear:
+        if isinstance(weight, PackedWeight):
+            return PackedCpuLinear(weight, self.kernels)
+        return super().special_linear(weight)
+
+
+class CpuKernelBackend(OneDnnBackend):
+    """OneDnnBackend with the norms, RoPE + cache write, decode attention and SiLU-mul in C.
+    The residual stream is updated in place by add_rms_norm."""
+
+    name = "cpu_kernels"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, kernels: CpuKernels, *, quantization: str | None = None) -> None:
+        super().__init__(device, dtype, quantization=quantization)
+        self.kernels = kernels
+
+    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache) -> AttentionMetadata:
+        k_cache = cache[0]
+        starts, _, prefills, decodes = AttentionMetadata.split(inputs, k_cache.shape[1])
+        paged = _paged_decodes(inputs, decodes, starts) if decodes else None
+        rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
+        meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
+        check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+        return meta
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty_like(residual)
+        self.kernels.add_rms_norm(residual, delta, weight, out, eps, torch.get_num_threads())
+        return residual, out
+
+    def rope_and_cache_write(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> None:
+        k_cache, v_cache = cache
+        self.kernels.rope_and_cache_write(
+            qkv, heads.heads, heads.kv_heads, heads.head_dim, meta.positions, meta.rope, meta.slot_mapping,
+            k_cache, v_cache, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = qkv.shape[0]
+        out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
+        k_cache, v_cache = cache
+        if meta.decodes is not None:
+            paged = meta.decodes
+            self.kernels.paged_decode_attention(
+                qkv, out, paged.rows, k_cache, v_cache, paged.block_tables, paged.seq_lens, heads.heads,
+                heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
+            )  # fmt: skip
+        if meta.prefills:
+            q, k, v = split_heads(qkv, heads)
+            out_heads = out.view(num_tokens, heads.heads, heads.head_dim)
+            for chunk in meta.prefills:
+                out_heads[chunk.rows] = prefill_attention(q[chunk.rows], k[chunk.rows], v[chunk.rows], cache, chunk, heads)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        hidden = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+        self.kernels.silu_mul(gate_up, hidden, torch.get_num_threads())
+        return hidden
+
+
+def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
+    if len(decodes) == len(starts) - 1:  # every sequence decodes: the step's tensors as they are
+        return PagedDecodes(inputs.query_start_loc[:-1].to(torch.int64), inputs.block_tables.contiguous(), inputs.seq_lens.contiguous())
+    index = torch.tensor(decodes, dtype=torch.int64)
+    rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64)
+    return PagedDecodes(rows, inputs.block_tables[index].contiguous(), inputs.seq_lens[index].contiguous())
+
+
+def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
+    """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
+    (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
+    ranges = [(inputs.positions, num_positions, "position", torch.int64), (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64)]
+    if meta.decodes is not None:
+        paged = meta.decodes
+        ranges += [
+            (paged.block_tables, num_blocks, "KV block id", torch.int32),
+            (paged.seq_lens - 1, paged.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
+            (paged.rows, inputs.num_tokens, "decode row", torch.int64),
+        ]  # fmt: skip
+    for values, limit, what, dtype in ranges:
+        if values.dtype != dtype or not values.is_contiguous():
+            raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
+        low, high = torch.aminmax(values)
+        if low < 0 or high >= limit:
+            raise ValueError(f"a {what} is outside [0, {limit}): {int(low)}..{int(high)}")
