@@ -50,8 +50,9 @@ TOKENIZERS = {"tiktoken": real_llama3, "sentencepiece": tiny_llama2, "tokenizer.
 def generate(tokenizer, compiler: GrammarCompiler, spec: GrammarSpec, seed: int, max_steps: int = 300) -> tuple[str, bool]:
     """Sample at temperature 1 from random logits through the grammar; (text, ended on its own)."""
     stops = set(tokenizer.stop_token_ids)
-    sampler = Sampler(stop_token_ids=frozenset(stops))
+    sampler = Sampler()
     seq = Sequence(0, "r", [1], 1, SamplingParams(temperature=1.0, seed=seed, grammar=spec))
+    seq.stop_token_ids = frozenset(stops)  # as Scheduler.add sets them
     seq.grammar = compiler.new_state(spec)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(max_steps):
@@ -84,7 +85,7 @@ def test_masks_make_random_logits_follow_the_grammar(kind):
 def test_unconstrained_rows_are_untouched():
     tokenizer = real_llama3()
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, sorted(tokenizer.stop_token_ids))
-    sampler = Sampler(stop_token_ids=frozenset(tokenizer.stop_token_ids))
+    sampler = Sampler()
     logits = torch.randn(3, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
     free = [Sequence(i, f"f{i}", [1], 1, SamplingParams(temperature=1.0, seed=i, logprobs=2)) for i in range(2)]
     constrained = Sequence(9, "c", [1], 1, SamplingParams(temperature=1.0, seed=5, grammar=JSON_SPEC))
@@ -103,7 +104,7 @@ class RandomLogitsRunner(FakeRunner):
 
     def __init__(self, num_blocks: int, block_size: int = 4) -> None:
         super().__init__(num_blocks, block_size)
-        self.sampler = Sampler(stop_token_ids=FakeTokenizer.stop_token_ids)
+        self.sampler = Sampler()
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         self.num_steps += 1
