@@ -1,0 +1,59 @@
+"""Tiny random Llama 4 checkpoints in Meta's shipped format (fused wqkv, 2-D expert tensors, renamed
+norms: engine/llama4/checkpoint.py), for tests and demos.
+
+write_tiny_llama4_checkpoint(out_dir) writes params.json + consolidated.NN.pth (+ tokenizer.model
+when given): every Llama 4 feature on (MoE with several experts and top_k > 1 interleaved with
+dense layers, a NoPE layer, chunked attention with a chunk smaller than test prompts, qk-norm,
+temperature tuning that changes at short positions, Llama 4 RoPE scaling with a smooth band).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_LLAMA4_PARAMS: dict[str, Any] = dict(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    multiple_of=16,
+    ffn_dim_multiplier=1.3,
+    ffn_exp=4.0,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    use_scaled_rope=True,
+    rope_scaling_factor=8.0,
+    rope_high_freq_factor=4.0,  # head_dim 16: one frequency falls in the smooth band
+    nope_layer_interval=3,  # layer 2 has no RoPE
+    attention_chunk_size=8,
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=4.0,  # the NoPE temperature changes every 4 positions (8192 in Scout)
+    attn_scale=0.1,
+    moe_args=dict(num_experts=4, top_k=2, capacity_factor=1.0, auto_scale_F=True, interleave_moe_layer_step=2),
+)
+TINY_LLAMA4_DESCRIPTOR = "Llama-4-Scout-17B-16E-Instruct"  # the family (tokenizer, chat format)
+
+
+def tiny_llama4_args(**overrides: Any):
+    from engine.checkpoint import ModelArgs
+
+    params = {**TINY_LLAMA4_PARAMS, **overrides}
+    return ModelArgs.from_params(params, source="tiny Llama 4 params")
+
+
+def write_tiny_llama4_checkpoint(
+    out_dir: Path, *, num_shards: int = 1, seed: int = 0, tokenizer_path: Path | None = None,
+    dtype: torch.dtype = torch.float32, **overrides: Any,
+) -> Path:  # fmt: skip
+    """A complete tiny Llama 4 checkpoint (params.json, weights, optional tokenizer.model) in
+    out_dir; `overrides` replace params.json fields (vocab_size=202048 for the real tokenizer)."""
+    from engine.checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(
+        Path(out_dir), tiny_llama4_args(**overrides), num_shards=num_shards, seed=seed, tokenizer_path=tokenizer_path, dtype=dtype
+    )
