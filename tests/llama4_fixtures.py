@@ -9,6 +9,7 @@ temperature tuning that changes at short positions, Llama 4 RoPE scaling with a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,35 @@ def write_tiny_llama4_checkpoint(
     return write_random_checkpoint(
         Path(out_dir), tiny_llama4_args(**overrides), num_shards=num_shards, seed=seed, tokenizer_path=tokenizer_path, dtype=dtype
     )
+
+
+LLAMA4_VOCAB_SIZE = 202048  # the real Llama 4 tokenizer's
+
+
+def write_chained_llama4_checkpoint(out_dir: Path, chain: list[int], *, tokenizer_path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny Llama 4 checkpoint (real vocabulary) whose greedy continuation of token chain[i] is
+    chain[i + 1]: a way to make random weights emit a chosen reply (a tool call, say) through the
+    whole forward. Every layer's output projections are scaled down 100x (the residual stream stays
+    near the current token's embedding), the final norm is 1, and each output row chain[i + 1]
+    points along token chain[i]'s normalised embedding (logit ~80 against ~N(0, 1) for the rest).
+    Each token of chain[:-1] must be distinct (one successor each)."""
+    from engine.checkpoint import PARAMS_FILE, random_state_dict
+    from engine.llama4.checkpoint import to_meta_layout
+
+    if len(set(chain[:-1])) != len(chain) - 1:
+        raise ValueError("every token of the chain but the last must be distinct")
+    args = tiny_llama4_args(vocab_size=LLAMA4_VOCAB_SIZE, **overrides)
+    state = random_state_dict(args, seed=seed, dtype=torch.float32)
+    for key, tensor in state.items():
+        if key.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
+            tensor.mul_(0.01)
+    state["norm.weight"].fill_(1.0)
+    emb, out = state["tok_embeddings.weight"], state["output.weight"]
+    for src, dst in zip(chain, chain[1:]):
+        out[dst] += 10.0 * emb[src] / emb[src].norm()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(to_meta_layout(state, args), out_dir / "consolidated.00.pth")
+    (out_dir / PARAMS_FILE).write_text(json.dumps(args.to_params(), indent=2))
+    (out_dir / Path(tokenizer_path).name).write_bytes(Path(tokenizer_path).read_bytes())
+    return out_dir
