@@ -35,7 +35,7 @@ def server(checkpoints):
     tokenizer_path = llama_models_file("llama4/tokenizer.model")
     tok = llama4_tokenizer(tokenizer_path)
     chain = [*tok.encode("\n\n"), *tok.encode(CALL), EOM]  # after the assistant header: the call, then <|eom|>
-    out = checkpoints.root / MODEL
+    out = checkpoints.root / "llama4-chained-tool-call"  # served as MODEL; the folder name is free for a plain tiny Llama 4
     if not out.exists():
         write_chained_llama4_checkpoint(out, chain, tokenizer_path=tokenizer_path)
     with ready_server(MODEL, out, checkpoints.root) as live:

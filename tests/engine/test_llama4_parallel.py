@@ -45,3 +45,30 @@ def test_expert_shards_split_hidden_size(llama4_checkpoint_2shards):
     assert shard["layers.1.feed_forward.experts.moe_w_out_eF_D"].shape == (e * 56, d)
     assert shard["layers.1.feed_forward.router_DE"].shape == (d, e)  # replicated
     assert kv_cache_shape(args, 2, 3, 4) == (3, 4, 1, 16)
+
+
+def test_vision_weights_are_skipped_with_one_log_line(tmp_path, caplog):
+    """A Llama 4 checkpoint as Meta ships it carries vision_args and vision weights: the text model loads."""
+    import json
+    import logging
+
+    from engine.checkpoint import load_rank_state_dict, resolve_checkpoint
+    from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR
+
+    ckpt = write_tiny_llama4_checkpoint(tmp_path, num_shards=2)
+    params = json.loads((ckpt / "params.json").read_text())
+    params["vision_args"] = {"image_size": {"height": 336, "width": 336}, "patch_size": {"height": 14, "width": 14}}
+    (ckpt / "params.json").write_text(json.dumps(params))
+    for rank in range(2):
+        path = ckpt / f"consolidated.{rank:02d}.pth"
+        shard = torch.load(path, weights_only=True)
+        shard["vision_embeddings.patch_embedding.weight"] = torch.zeros(8, 4)
+        shard["vision_projection.weight"] = torch.zeros(4, 8)
+        torch.save(shard, path)
+    spec = resolve_checkpoint(ckpt, model_id="x", llama_model=TINY_LLAMA4_DESCRIPTOR)
+    with caplog.at_level(logging.INFO, logger="engine.llama4.checkpoint"):
+        state = load_rank_state_dict(spec, 0, 1)
+    assert not any(k.startswith("vision") for k in state)
+    assert [r.getMessage() for r in caplog.records if "vision" in r.getMessage()] == [
+        "skipping 2 vision weights (vision_embeddings, vision_projection): text only"
+    ]
