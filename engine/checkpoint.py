@@ -37,11 +37,41 @@ _INCOMPATIBLE_FIELDS = {
     "lora_args": "checkpoints with unmerged LoRA adapters are not supported",
     "vision_chunk_size": "Llama 3.2 Vision checkpoints are not supported",
     "vision_args": "vision checkpoints are not supported",
-    "moe_args": "mixture-of-experts (Llama 4) checkpoints are not supported yet",
 }
+# Llama 4's params.json has vision_args: its text weights load, the vision weights are skipped.
+_LLAMA4_ALLOWED = frozenset({"vision_args"})
 
 
 # --------------------------------------------------------------------------- architecture
+@dataclass(frozen=True, slots=True)
+class MoEArgs:
+    """params.json's moe_args (llama-models' llama4 MoEArgs, same defaults)."""
+
+    num_experts: int = -1
+    capacity_factor: float = 1.0
+    auto_scale_F: bool = True  # noqa: N815 (Meta's name) hidden size scaled so active params match a dense layer
+    top_k: int = 1
+    interleave_moe_layer_step: int = 1  # every n-th layer is MoE (Maverick 2, Scout 1)
+
+    @classmethod
+    def from_params(cls, params: Any, *, source: str) -> "MoEArgs":
+        if isinstance(params, MoEArgs):
+            return params
+        if not isinstance(params, dict):
+            raise CheckpointError(f"{source}: moe_args must be an object, found {type(params).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - names)
+        if unknown:
+            log.info("%s: ignoring moe_args keys %s", source, ", ".join(unknown))
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+
+_LLAMA4_FIELDS = frozenset(
+    {"ffn_exp", "attention_chunk_size", "rope_high_freq_factor", "nope_layer_interval", "use_qk_norm",
+     "attn_temperature_tuning", "floor_scale", "attn_scale", "moe_args"}
+)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
     """params.json, field for field as Meta writes it (llama3 reference `ModelArgs`)."""
@@ -58,6 +88,16 @@ class ModelArgs:
     use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
     rope_scaling_factor: float | None = None  # with use_scaled_rope; None: 8 (Llama 3.1), 32 for Llama 3.2 1B/3B
     tie_word_embeddings: bool = False  # output.weight may be absent and shares tok_embeddings
+    # Llama 4 (llama-models' llama4/args.py; engine/llama4/ reads them). Defaults: Llama 3 behaviour.
+    ffn_exp: float | None = None  # MoE feed-forward size as a multiple of dim
+    attention_chunk_size: int | None = None  # chunked local attention on the RoPE layers
+    rope_high_freq_factor: float | None = None  # Llama 4's RoPE scaling (with rope_scaling_factor)
+    nope_layer_interval: int | None = None  # every n-th layer has no positional encoding
+    use_qk_norm: bool = False
+    attn_temperature_tuning: bool = False  # on the NoPE layers
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    moe_args: MoEArgs | None = None
     extra: tuple[tuple[str, Any], ...] = ()  # params.json keys this engine does not use, kept for the record
 
     @classmethod
@@ -65,11 +105,14 @@ class ModelArgs:
         """Build from params.json content; unknown keys are kept in `extra` and logged."""
         if not isinstance(params, dict):
             raise CheckpointError(f"{source}: expected a JSON object, found {type(params).__name__}")
+        llama4 = params.get("moe_args") is not None
         for key, why in _INCOMPATIBLE_FIELDS.items():
-            if params.get(key) is not None:
+            if params.get(key) is not None and not (llama4 and key in _LLAMA4_ALLOWED):
                 raise CheckpointError(f"{source}: has {key!r}: {why}")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {**(defaults or {}), **{k: v for k, v in params.items() if k in names}}
+        if known.get("moe_args") is not None:
+            known["moe_args"] = MoEArgs.from_params(known["moe_args"], source=source)
         extra = tuple(sorted((k, v) for k, v in params.items() if k not in names))
         if extra:
             log.info("%s: ignoring params.json keys %s", source, ", ".join(k for k, _ in extra))
@@ -99,6 +142,10 @@ class ModelArgs:
             raise bad("norm_eps and rope_theta must be > 0")
         if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1:
             raise bad(f"rope_scaling_factor must be >= 1, found {self.rope_scaling_factor!r}")
+        if self.is_llama4:
+            from engine.llama4.args import validate_llama4_args
+
+            validate_llama4_args(self, dict(self.extra), bad)
 
     def to_params(self) -> dict[str, Any]:
         """params.json content (the inverse of from_params)."""
@@ -108,11 +155,21 @@ class ModelArgs:
                 del out[optional]
         if not out["tie_word_embeddings"]:
             del out["tie_word_embeddings"]
+        for f in dataclasses.fields(self):  # Llama 4 fields only when they differ from Llama 3's defaults
+            if f.name in _LLAMA4_FIELDS and out[f.name] == f.default:
+                del out[f.name]
+        if self.moe_args is not None:
+            out["moe_args"] = dataclasses.asdict(self.moe_args)
         return {**out, **dict(self.extra)}
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def is_llama4(self) -> bool:
+        """Llama 4's architecture (engine/llama4/): MoE, NoPE layers, chunked attention, qk-norm."""
+        return self.moe_args is not None or self.nope_layer_interval is not None or self.attention_chunk_size is not None or self.use_qk_norm
 
     @property
     def kv_heads(self) -> int:
@@ -294,6 +351,10 @@ class ParamLayout:
 
 def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
     """Every weight the model holds, with its full (unsharded) shape and parallel dimension."""
+    if args.is_llama4:
+        from engine.llama4.checkpoint import llama4_param_layouts
+
+        return llama4_param_layouts(args)
     d, hd, q, kv, f = args.dim, args.head_dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
     for i in range(args.n_layers):
@@ -325,6 +386,10 @@ def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
         problems.append(f"ffn hidden size {args.ffn_hidden_dim}")
     if args.vocab_size % mp_size:
         problems.append(f"vocab_size {args.vocab_size}")
+    if args.is_llama4:
+        from engine.llama4.checkpoint import parallel_size_problems
+
+        problems += parallel_size_problems(args, mp_size)
     if problems:
         raise CheckpointError(f"model-parallel size {mp_size} does not divide {', '.join(problems)}")
 
@@ -366,6 +431,10 @@ class _Shards:
         if old_rank not in self._open:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = _torch_load(path)
+            if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
+                from engine.llama4.checkpoint import normalize_shard
+
+                state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
             self._open[old_rank] = state
         return self._open[old_rank]
@@ -497,7 +566,7 @@ def random_state_dict(args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = to
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for key, layout in param_layouts(args).items():
-        if layout.parallel_dim is None:  # norm weights near 1
+        if key.endswith("norm.weight"):  # norm weights near 1
             value = 1.0 + 0.1 * torch.randn(layout.full_shape, generator=gen, dtype=torch.float64)
         elif key == "tok_embeddings.weight":
             value = torch.randn(layout.full_shape, generator=gen, dtype=torch.float64)
@@ -536,7 +605,12 @@ def write_random_checkpoint(
     check_parallel_size(args, num_shards)  # past n_kv_heads, shards repeat KV heads as Meta's do
     full = random_state_dict(args, seed=seed, dtype=dtype)
     for rank in range(num_shards):
-        torch.save(shard_state_dict(full, args, rank, num_shards), out_dir / f"consolidated.{rank:02d}.pth")
+        shard = shard_state_dict(full, args, rank, num_shards)
+        if args.is_llama4:  # written as Meta ships Llama 4 (fused, renamed)
+            from engine.llama4.checkpoint import to_meta_layout
+
+            shard = to_meta_layout(shard, args)
+        torch.save(shard, out_dir / f"consolidated.{rank:02d}.pth")
     (out_dir / PARAMS_FILE).write_text(json.dumps(args.to_params(), indent=2))
     if tokenizer_path is not None:
         target = out_dir / Path(tokenizer_path).name

@@ -80,14 +80,14 @@ _L3_70B = dict(dim=8192, n_layers=80, n_heads=64, ffn=1.3, multiple_of=4096)
 _L3_405B = dict(dim=16384, n_layers=126, n_heads=128, ffn=1.2, multiple_of=4096)
 _L32_1B = dict(dim=2048, n_layers=16, n_heads=32, ffn=1.5, multiple_of=256)
 _L32_3B = dict(dim=3072, n_layers=28, n_heads=24, ffn=1.0, multiple_of=256)
-_LLAMA4_REASON = "Llama 4 (mixture-of-experts, chunked attention) is not supported yet"
 
 
 def _build_table() -> dict[str, Descriptor]:
     entries: list[Descriptor] = []
 
     def add(name: str, family: Family, hf: str, max_seq_len: int, shards: int, arch: dict, reason=None) -> None:
-        rope_factor = 32.0 if family == "llama3_2" else 8.0
+        # params.json rarely states it: 32 for Llama 3.2 1B/3B, 16 for Llama 4 (llama4 args.py), else 8
+        rope_factor = {"llama3_2": 32.0, "llama4": 16.0}.get(family, 8.0)
         entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason, rope_factor))
 
     for suffix, hf_suffix in (("", ""), ("-chat", "-chat")):
@@ -112,7 +112,7 @@ def _build_table() -> dict[str, Descriptor]:
         ("Llama-4-Maverick-17B-128E", 262144),
         ("Llama-4-Maverick-17B-128E-Instruct", 1048576),
     ):
-        add(name, "llama4", f"meta-llama/{name}", max_seq_len, 8, {}, _LLAMA4_REASON)
+        add(name, "llama4", f"meta-llama/{name}", max_seq_len, 8, {})  # params.json states the architecture
     return {d.name: d for d in entries}
 
 

@@ -292,6 +292,15 @@ class Transformer(nn.Module):
         return sum(seen.values())
 
 
+def model_class(args: ModelArgs) -> type[nn.Module]:
+    """The model for a checkpoint's architecture: Llama 4's own layers (engine/llama4/) or this one."""
+    if args.is_llama4:
+        from engine.llama4.model import Llama4Transformer
+
+        return Llama4Transformer
+    return Transformer
+
+
 def kv_cache_shape(args: ModelArgs, mp_size: int, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
     """Per layer, for K and for V: [num_blocks, block_size, n_local_kv_heads, head_dim]."""
     return (num_blocks, block_size, max(1, args.kv_heads // mp_size), args.head_dim)

@@ -18,7 +18,7 @@ import torch
 from engine.backends import select_backend
 from engine.checkpoint import CheckpointSpec, load_rank_state_dict
 from engine.config import EngineConfig
-from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -66,7 +66,7 @@ class RankShard:
         dtype = backend.dtype
         started_s = time.monotonic()
         state = _materialise(load_rank_state_dict(spec, rank, mp_size), device, dtype, rank)
-        model = Transformer.from_state_dict(
+        model = model_class(spec.model_args).from_state_dict(
             spec.model_args, state, backend, mp_size=mp_size, max_seq_len=max_seq_len, source=str(spec.checkpoint_dir)
         )
         del state

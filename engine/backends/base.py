@@ -118,27 +118,33 @@ class AttentionMetadata:
     rope: torch.Tensor  # torch: [num_tokens, 1, head_dim // 2] complex rotations; kernels: the whole table
 
     @staticmethod
-    def split(inputs: StepInputs, block_size: int) -> tuple[list[int], list[int], list[PrefillChunk], list[int]]:
-        """(row starts, K/V lengths, prefill chunks, indices of the decoding sequences)."""
+    def split(inputs: StepInputs, block_size: int, chunk_size: int | None = None) -> tuple[list[int], list[int], list[PrefillChunk], list[int]]:
+        """(row starts, K/V lengths, prefill chunks, indices of the decoding sequences). With
+        chunk_size (Llama 4's chunked local attention) a query at position p sees keys
+        [p // chunk_size * chunk_size, p] only."""
         starts = inputs.query_start_loc.tolist()
         seq_lens = inputs.seq_lens.tolist()
         counts = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
         prefills = [
-            _prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size)
+            _prefill_chunk(inputs, i, starts[i], n_new, seq_lens[i], block_size, chunk_size)
             for i, n_new in enumerate(counts)
             if n_new > 1
         ]
         return starts, seq_lens, prefills, [i for i, n_new in enumerate(counts) if n_new == 1]
 
 
-def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int) -> PrefillChunk:
+def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: int, block_size: int, chunk_size: int | None = None) -> PrefillChunk:
     device = inputs.block_tables.device
     num_blocks = -(-kv_len // block_size)
     prefix = kv_len - n_new
     mask = None
-    if prefix > 0:  # query j sits at position prefix + j and sees keys 0..prefix + j
+    windowed = chunk_size is not None and kv_len > chunk_size  # else the window is plain causal
+    if prefix > 0 or windowed:  # query j sits at position prefix + j and sees keys 0..prefix + j
         query_pos = torch.arange(prefix, kv_len, device=device)[:, None]
-        mask = torch.arange(kv_len, device=device)[None, :] <= query_pos
+        key_pos = torch.arange(kv_len, device=device)[None, :]
+        mask = key_pos <= query_pos
+        if windowed:  # ... from the start of its own chunk only
+            mask &= key_pos >= query_pos // chunk_size * chunk_size
     return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks].to(torch.int64), kv_len, mask)
 
 
@@ -204,8 +210,18 @@ class Backend:
         raise TypeError(f"{self.name} backend: no linear for a weight of type {type(weight).__name__}")
 
     # ----------------------------------------------------------------- per step (see torch_ops)
-    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache) -> AttentionMetadata:
+    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
+        """chunk_size: chunked local attention (Llama 4's RoPE layers), each query's keys limited
+        to its own chunk of chunk_size positions."""
         raise NotImplementedError
+
+    def cache_write(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> None:
+        """Each token's k and v (as they are in qkv, no rotation) written to its cache slot: for
+        layers that rotate and normalise q and k themselves (Llama 4)."""
+        rows = qkv.view(qkv.shape[0], heads.heads + 2 * heads.kv_heads, heads.head_dim)
+        k_cache, v_cache = cache
+        k_cache.view(-1, heads.kv_heads, heads.head_dim).index_copy_(0, meta.slot_mapping, rows[:, heads.heads : heads.heads + heads.kv_heads])
+        v_cache.view(-1, heads.kv_heads, heads.head_dim).index_copy_(0, meta.slot_mapping, rows[:, heads.heads + heads.kv_heads :])
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + delta, rms_norm(residual + delta) * weight); residual may be updated in place."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, HeadLayout, KVCache, Linear, PagedDecodes
+from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.cpu_kernels import CpuKernels
 from engine.step_inputs import StepInputs
@@ -108,10 +108,15 @@ class CpuKernelBackend(OneDnnBackend):
         super().__init__(device, dtype, quantization=quantization)
         self.kernels = kernels
 
-    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache) -> AttentionMetadata:
+    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         k_cache = cache[0]
-        starts, _, prefills, decodes = AttentionMetadata.split(inputs, k_cache.shape[1])
+        block_size = k_cache.shape[1]
+        if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
+            return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
+        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         paged = _paged_decodes(inputs, decodes, starts) if decodes else None
+        if paged is not None and chunk_size is not None:
+            paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
@@ -130,6 +135,8 @@ class CpuKernelBackend(OneDnnBackend):
         )  # fmt: skip
 
     def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if isinstance(meta.decodes, GatheredDecodes):  # a layout the kernel cannot read (see attention_metadata)
+            return TorchBackend.attention(self, qkv, heads, cache, meta)
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
         k_cache, v_cache = cache
@@ -158,6 +165,18 @@ def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) ->
     index = torch.tensor(decodes, dtype=torch.int64)
     rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64)
     return PagedDecodes(rows, inputs.block_tables[index].contiguous(), inputs.seq_lens[index].contiguous())
+
+
+def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: int) -> PagedDecodes:
+    """Chunked local attention through the paged kernel: each decode's block table starts at its
+    chunk's first block (chunk_size a multiple of block_size) and its length counts from there,
+    so the kernel reads exactly keys [p // chunk_size * chunk_size, p]."""
+    first_block = (paged.seq_lens.to(torch.int64) - 1) // (chunk_blocks * block_size) * chunk_blocks  # [decodes]
+    width = paged.block_tables.shape[1]
+    cols = (first_block[:, None] + torch.arange(width)[None, :]).clamp_(max=width - 1)
+    tables = paged.block_tables.gather(1, cols).contiguous()
+    seq_lens = (paged.seq_lens - (first_block * block_size).to(torch.int32)).contiguous()
+    return PagedDecodes(paged.rows, tables, seq_lens)
 
 
 def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:

@@ -44,10 +44,10 @@ def prefill_attention(q, k, v, cache: KVCache, chunk: PrefillChunk, heads: HeadL
 class TorchBackend(Backend):
     name = "torch"
 
-    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache) -> AttentionMetadata:
+    def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         block_size = cache[0].shape[1]
-        starts, seq_lens, prefills, decodes = AttentionMetadata.split(inputs, block_size)
-        gathered = _gathered_decodes(inputs, decodes, starts, seq_lens, block_size) if decodes else None
+        starts, seq_lens, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
+        gathered = _gathered_decodes(inputs, decodes, starts, seq_lens, block_size, chunk_size) if decodes else None
         rope = freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
         return AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, gathered, rope)
 
@@ -97,14 +97,20 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, decodes: GatheredDecodes,
     return out.reshape(batch, heads.heads, heads.head_dim)
 
 
-def _gathered_decodes(inputs: StepInputs, decodes: list[int], starts: list[int], seq_lens: list[int], block_size: int) -> GatheredDecodes:
+def _gathered_decodes(
+    inputs: StepInputs, decodes: list[int], starts: list[int], seq_lens: list[int], block_size: int, chunk_size: int | None = None
+) -> GatheredDecodes:  # fmt: skip
     device = inputs.block_tables.device
     lens = [seq_lens[i] for i in decodes]
     max_blocks = -(-max(lens) // block_size)
     tables = inputs.block_tables if len(decodes) == len(seq_lens) else inputs.block_tables[decodes]
     block_ids = tables[:, :max_blocks].reshape(-1).to(torch.int64)
     key_pos = torch.arange(max_blocks * block_size, device=device)
-    mask = (key_pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+    lens_t = torch.tensor(lens, device=device)[:, None]
+    mask = key_pos[None, :] < lens_t
+    if chunk_size is not None:  # the decode token at position len - 1 sees its own chunk only
+        mask &= key_pos[None, :] >= (lens_t - 1) // chunk_size * chunk_size
+    mask = mask[:, None, None, :]
     rows = [starts[i] for i in decodes]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     rows_index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)

@@ -269,7 +269,10 @@ def test_truncated_file(ckpt):
         ('{"dim": 64, "n_layers": 2, "n_heads": 5}', "dim 64 must split into 5 heads"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3}', "n_heads 4 must be a multiple of n_kv_heads 3"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "quantization_args": {"group_size": 32}}', "pre-quantized"),
-        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {"num_experts": 16}}', "mixture-of-experts"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {"num_experts": 16}}', "mixture-of-experts params.json needs ffn_exp"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_exp": 4, "ffn_dim_multiplier": 1, "moe_args": {"num_experts": 2, "top_k": 3}}', "top_k must be in"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "head_dim": 32, "use_qk_norm": true}', "head_dim 32 differs from dim // n_heads = 16"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "attention_chunk_size": 0}', "attention_chunk_size must be a positive integer"),
         ("[1, 2]", "expected a JSON object"),
     ],
 )
@@ -296,9 +299,9 @@ def test_no_descriptor_and_no_tokenizer_json(tiny_checkpoint):
         resolve_checkpoint(tiny_checkpoint, model_id="my-model")
 
 
-def test_llama4_checkpoint_is_refused_clearly(tiny_checkpoint):
-    with pytest.raises(CheckpointError, match="Llama-4-Scout-17B-16E-Instruct: Llama 4 .*not supported yet"):
-        resolve(tiny_checkpoint, llama_model="meta-llama/Llama-4-Scout-17B-16E-Instruct")
+def test_llama4_descriptor_resolves_to_its_family(tiny_checkpoint):
+    spec = resolve(tiny_checkpoint, llama_model="meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    assert spec.family == "llama4" and spec.descriptor.name == "Llama-4-Scout-17B-16E-Instruct"
 
 
 def test_model_parallel_size_that_does_not_divide(tiny_checkpoint):

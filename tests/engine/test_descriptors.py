@@ -43,11 +43,10 @@ def test_unknown_name_lists_close_matches():
 
 
 @pytest.mark.parametrize("name", ["Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"])
-def test_llama4_architecture_is_not_supported_yet(name):
+def test_llama4_descriptors_resolve_to_llama4(name):
     descriptor = resolve_descriptor(name)
-    assert descriptor.family == "llama4"
-    with pytest.raises(CheckpointError, match="Llama 4.*not supported yet"):
-        descriptor.architecture
+    assert descriptor.family == "llama4" and descriptor.rope_scaling_factor == 16.0  # llama4 args.py's default
+    assert descriptor.architecture == {}  # params.json states the architecture
 
 
 @pytest.mark.parametrize(
