@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, E2E_PARAMS, ready_server
+from tests.e2e.conftest import BASE_DESCRIPTOR, ready_server
 from tests.server.test_llama_stack_api import NATIVE_TOOLS, OPENAI_TOOLS
 
 llama_stack_client = pytest.importorskip("llama_stack_client")
@@ -247,18 +247,15 @@ LLAMA4_DESCRIPTOR = "Llama-4-Scout-17B-16E-Instruct"
 
 
 def tiny_llama4_checkpoint(checkpoints) -> Path:
-    """<root>/Llama-4-Scout-17B-16E-Instruct: a tiny params.json in Llama 4's shape (MoE, NoPE interleave,
-    chunked attention, qk-norm) and the real Llama 4 tokenizer. Until issue 15 the loader refuses it on
-    params.json alone, so no weights are written; issue 15's tiny Llama 4 weights writer goes here."""
+    """<root>/Llama-4-Scout-17B-16E-Instruct: tiny random Llama 4 weights (MoE, NoPE interleave, chunked
+    attention, qk-norm) with the real Llama 4 tokenizer."""
     from tests.engine.tokenizer_fixtures import llama_models_file
+    from tests.llama4_fixtures import LLAMA4_VOCAB_SIZE, write_tiny_llama4_checkpoint
 
     out = checkpoints.root / LLAMA4_DESCRIPTOR
     if not out.exists():
-        out.mkdir()
-        params = {**E2E_PARAMS, "vocab_size": 202048, "use_qk_norm": True, "nope_layer_interval": 2,
-                  "attention_chunk_size": 16, "moe_args": {"num_experts": 2, "top_k": 1, "interleave_moe_layer_step": 1}}
-        (out / "params.json").write_text(json.dumps(params))
-        shutil.copy(llama_models_file("llama4/tokenizer.model"), out / "tokenizer.model")
+        write_tiny_llama4_checkpoint(out, vocab_size=LLAMA4_VOCAB_SIZE,
+                                     tokenizer_path=llama_models_file("llama4/tokenizer.model"))
     return out
 
 
@@ -267,8 +264,6 @@ def test_multi_turn_tool_calls_llama4(server, sdk, oai, checkpoints):
     with server.http() as http:
         loaded = http.post("/v1/models", json={"model_id": LLAMA4_DESCRIPTOR})
         try:
-            if loaded.status_code != 200 and "not supported" in loaded.text:
-                pytest.skip(f"Llama 4 checkpoints do not load yet (issue 15): {loaded.json()['error']['message']}")
             assert loaded.status_code == 200, loaded.text
             assert_tool_turns_render_alike(server, sdk, oai, LLAMA4_DESCRIPTOR, "end_of_message")
         finally:
