@@ -99,3 +99,57 @@ def test_serve_help_uses_vllm_flag_names():
     for flag in ("--base-url", "--model", "--num-prompts", "--random-input-len", "--random-output-len", "--dataset",
                  "--max-concurrency", "--request-rate", "--sweep", "--backend"):
         assert flag in stdout
+
+
+def test_demo_vs_llamacpp_smoke_ours_only(tmp_path):
+    """The demo comparison's own half (the llama-server half needs a 10-minute build: a real run)."""
+    from engine.demo import DemoUnavailable, default_cache_dir, ensure_demo_checkpoint
+
+    try:
+        ensure_demo_checkpoint(default_cache_dir(), progress=False)
+    except DemoUnavailable as exc:
+        pytest.skip(f"demo model unavailable: {exc}")
+    stdout = run_script("bench/demo_vs_llamacpp.py", "--skip-llamacpp", "--rounds", "1", "--streams", "1,2", "--prompt-tokens", "8",
+                        "--output-tokens", "4", "--smoke")
+    table = stdout.split("llamaserve (median of 1 rounds)")[1].splitlines()
+    assert [line.split()[0] for line in table[2:4]] == ["1", "2"]  # one row per stream count
+
+
+@pytest.mark.parametrize("kind", ["F32", "BF16", "Q8_0"])
+def test_gguf_convert_keeps_metadata_and_values(tmp_path, kind):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from bench.gguf_convert import convert
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+
+    src = tmp_path / "q4.gguf"
+    write_gguf(src, hf_weights(seed=1, tied=False), qtype=gguf.GGMLQuantizationType.Q4_1)
+    convert(src, tmp_path / "out.gguf", kind, progress=False)
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(tmp_path / "out.gguf")
+    assert int(after.fields["general.file_type"].contents()) == int(getattr(gguf.LlamaFileType, {"F32": "ALL_F32", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}[kind]))
+    assert after.fields["tokenizer.chat_template"].contents() == before.fields["tokenizer.chat_template"].contents()
+    tolerance = {"F32": 0.0, "BF16": 2**-8, "Q8_0": 2**-6}[kind]
+    for old, new in zip(before.tensors, after.tensors):
+        assert old.name == new.name
+        a = gguf.quants.dequantize(old.data, old.tensor_type).astype(np.float32)
+        b = gguf.quants.dequantize(new.data, new.tensor_type).astype(np.float32)
+        expected_type = "F32" if kind == "F32" or a.ndim < 2 else kind
+        assert new.tensor_type.name == expected_type
+        np.testing.assert_allclose(b, a, rtol=tolerance, atol=tolerance * np.abs(a).max())
+
+
+def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
+    """F32 holds exactly the values our importer reads from the quantized file: both servers compute on the same weights."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from bench.gguf_convert import convert
+    from engine.gguf_import import import_gguf
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+
+    write_gguf(tmp_path / "q4.gguf", hf_weights(seed=2, tied=True), qtype=gguf.GGMLQuantizationType.Q4_1)
+    convert(tmp_path / "q4.gguf", tmp_path / "f32.gguf", "F32", progress=False)
+    a = torch.load(import_gguf(tmp_path / "q4.gguf", tmp_path / "a", progress=False) / "consolidated.00.pth", weights_only=True)
+    b = torch.load(import_gguf(tmp_path / "f32.gguf", tmp_path / "b", progress=False) / "consolidated.00.pth", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
