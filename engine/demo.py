@@ -183,3 +183,19 @@ def ensure_demo_checkpoint(
 
 
 __all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "default_cache_dir", "ensure_demo_checkpoint", "fetch_command"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.demo [CACHE_DIR]`: fetch and convert the demo once, print its dir (the image's build step)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        demo = ensure_demo_checkpoint(Path(argv[0]) if argv else None)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(demo.checkpoint_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
