@@ -19,6 +19,7 @@ import torch
 from engine.checkpoint import CheckpointSpec, check_parallel_size, load_rank_state_dict
 from engine.config import EngineConfig
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.progress import Progress, ProgressCallback, tensor_bytes
 from engine.cpu_kernels import load_cpu_kernels
 from engine.cpu_kernels import supports as supports_cpu_kernels
 from engine.quantization import check_quantization, pack_for_cpu, quantize_model
@@ -63,18 +64,20 @@ class RankShard:
     kv_caches: list[KVCache] | None = None
 
     @classmethod
-    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+             progress: ProgressCallback | None = None) -> "RankShard":
         with _without_omp_team(device):
-            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
+            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len, progress=progress)
 
     @classmethod
-    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+              progress: ProgressCallback | None = None) -> "RankShard":
         mp_size = config.model_parallel_size
         dtype = torch_dtype(config)
         started_s = time.monotonic()
         with torch.device("meta"):
             model = Transformer(spec.model_args, mp_size=mp_size, max_seq_len=max_seq_len)
-        state = _materialise(load_rank_state_dict(spec, rank, mp_size), device, dtype, rank)
+        state = _materialise(load_rank_state_dict(spec, rank, mp_size, progress=progress), device, dtype, rank, progress)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # shapes were checked against params.json; this is a bug guard
@@ -82,8 +85,11 @@ class RankShard:
         del state
         quantize_model(model, config.quantization, mp_size)
         kernels = load_cpu_kernels() if device.type == "cpu" and config.cpu_kernels and supports_cpu_kernels(dtype) else None
-        if device.type == "cpu" and not pack_for_cpu(model, mp_size, dtype, kernels):
-            log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
+        if device.type == "cpu":
+            with Progress(f"rank {rank}: packing weights for the CPU", 1, unit="step", callback=progress, bar=False) as packing:
+                if not pack_for_cpu(model, mp_size, dtype, kernels):
+                    log.info("oneDNN weight packing unavailable for %s here; using F.linear", dtype)
+                packing.update(1)
         model.init_rope(device, dtype)
         if kernels is not None:
             fused = model.use_cpu_kernels(kernels)
@@ -154,28 +160,22 @@ def _without_omp_team(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
-    """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
-    ~10%. Views of the shards stay zero-copy when dtype and device already match."""
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    done, next_report, started_s = 0, 0.1, time.monotonic()
+def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int,
+                 progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+    """Read the mmapped weights into `dtype` on `device`, reporting bytes and rate (engine.progress).
+    Views of the shards stay zero-copy when dtype and device already match."""
     out = {}
-    for key, value in state.items():
-        out[key] = value.to(device=device, dtype=dtype).contiguous()
-        done += value.numel() * value.element_size()
-        if total and done / total >= next_report:
-            log.info(
-                "rank %d: read %.0f/%.0f MiB of weights (%.0f%%) in %.1f s",
-                rank, done / 2**20, total / 2**20, 100 * done / total, time.monotonic() - started_s,
-            )  # fmt: skip
-            next_report = done / total + 0.1
+    with Progress(f"rank {rank}: reading weights", sum(map(tensor_bytes, state.values())), callback=progress) as reading:
+        for key, value in state.items():
+            out[key] = value.to(device=device, dtype=dtype).contiguous()
+            reading.update(tensor_bytes(value))
     return out
 
 
 class ModelExecutor:
     """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
 
-    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int) -> None:
+    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int, progress: ProgressCallback | None = None) -> None:
         check_quantization(config.quantization)
         check_parallel_size(spec.model_args, config.model_parallel_size)
         if max_seq_len < 1:
@@ -200,7 +200,7 @@ class ModelExecutor:
         try:
             device = self._group.device if self._group else rank_device(config, 0)
             with _without_omp_team(device):  # the KV cache's zero fill too
-                self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
+                self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len, progress=progress)
                 num_blocks = self._shard.plan_num_blocks(config)
                 if self._group is not None:
                     num_blocks = self._group.agree_min(num_blocks)

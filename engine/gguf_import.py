@@ -458,7 +458,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype:
     """Convert `gguf_path` into a checkpoint dir at `out_dir` (created; existing files replaced).
 
     params.json is written last, so an interrupted import leaves no loadable-looking checkpoint."""
-    from tqdm import tqdm
+    from engine.progress import Progress, tensor_bytes
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_gguf(gguf_path)
@@ -469,12 +469,14 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "params.json").unlink(missing_ok=True)
     state: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress, file=sys.stderr)
-    with bar:
+    total_bytes = sum(int(t.n_elements) for t in reader.tensors) * torch.empty((), dtype=dtype).element_size()
+    with Progress(f"converting {gguf_path.name}", total_bytes, bar=progress and sys.stderr.isatty(), logger=log) as converting:
         for key, tensor in iter_weights(reader, gguf_path, params, dtype):
             state[key] = tensor
-            bar.update()
-    _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
+            converting.update(tensor_bytes(tensor))
+    with Progress(f"writing {out_dir / WEIGHTS_FILE}", sum(map(tensor_bytes, state.values())), bar=False, logger=log) as writing:
+        _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
+        writing.update(writing.total)
     _write_atomic(out_dir / TOKENIZER_FILE, lambda p: p.write_text(json.dumps(tokenizer_json, ensure_ascii=False)))
     _write_atomic(out_dir / TOKENIZER_CONFIG_FILE, lambda p: p.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False)))
     _write_atomic(out_dir / "params.json", lambda p: p.write_text(json.dumps(params, indent=2)))
@@ -491,6 +493,8 @@ def main(argv: list[str]) -> int:
                         help="weight dtype to store (float32 holds dequantized values exactly)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if not args.quiet and not logging.getLogger().handlers:  # the CLI alone: progress lines when stderr is no terminal
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if (args.out_dir / "params.json").exists() and args.out_dir.resolve() != args.gguf_file.parent.resolve():
         print(f"note: replacing the checkpoint in {args.out_dir}", file=sys.stderr)
     try:
