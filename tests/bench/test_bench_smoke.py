@@ -153,3 +153,8 @@ def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
     a = torch.load(import_gguf(tmp_path / "q4.gguf", tmp_path / "a", progress=False) / "consolidated.00.pth", weights_only=True)
     b = torch.load(import_gguf(tmp_path / "f32.gguf", tmp_path / "b", progress=False) / "consolidated.00.pth", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_server_overhead_smoke():
+    stdout = run_script("bench/server_overhead.py", "--tokens", "20", "--streams", "2", "--concurrency", "2", "--requests", "4")
+    assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout
