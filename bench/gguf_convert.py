@@ -62,7 +62,7 @@ def convert(src: Path, dst: Path, kind: str, *, progress: bool = True) -> Path:
     _copy_metadata(reader, writer, kind)
     started_s = time.monotonic()
     total_bytes = sum(int(t.n_elements) * 4 for t in reader.tensors)  # float32 values processed
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"{src.name} -> {kind}", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"{src.name} -> {kind}", disable=not (progress and sys.stderr.isatty()), file=sys.stderr) as bar:
         for tensor in reader.tensors:
             values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
             data, raw_dtype = _converted(values, kind)

@@ -290,7 +290,7 @@ def print_report(label: str, m: dict[str, Any]) -> None:
         print(f"{name:<40}{value:>12}")
     for key, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_latency_s", "E2E latency")):
         stats = m[key]
-        print(f"{title + ' (ms)':<14}" + "  ".join(f"{k} {v * 1e3:9.2f}" for k, v in stats.items()))
+        print(f"{title + ' (ms)':<18}" + "  ".join(f"{k} {v * 1e3:9.2f}" for k, v in stats.items()))
     if m["errors"]:
         print(f"failed requests ({len(m['errors'])}); distinct errors:")
         for error, count in sorted({e: m["errors"].count(e) for e in m["errors"]}.items(), key=lambda kv: -kv[1])[:10]:
@@ -321,6 +321,7 @@ def plot_sweep(levels: list[int], sweep: list[dict[str, Any]], path: Path, title
         right.plot(levels, [m[key]["p50"] * 1e3 for m in sweep], marker="o", label=label)
     right.set(xlabel="max concurrency", ylabel="ms", title="latency", xscale="log", yscale="log")
     for axis in (left, right):
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # log axis: only the swept levels are labelled
         axis.set_xticks(levels, [str(n) for n in levels])
         axis.grid(True, alpha=0.3)
         axis.legend()
