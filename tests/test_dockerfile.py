@@ -84,3 +84,18 @@ def test_entrypoint_serves_the_demo_unless_a_model_is_configured(tmp_path):
     assert run_entrypoint(tmp_path, INFERENCE_MODEL="Llama3.2-3B-Instruct") == []
     assert run_entrypoint(tmp_path, LLAMASERVE_CONFIG="/checkpoints/run.yaml") == []
     assert run_entrypoint(tmp_path, "--model", "m", "--checkpoint-dir", "/checkpoints/m") == ["--model", "m", "--checkpoint-dir", "/checkpoints/m"]
+
+
+def test_the_package_the_image_installs_builds_with_its_kernel_source(tmp_path):
+    """`pip install .` (the image's step, a regular non-editable install) packs server, compat and
+    engine with the C source the kernels are built from; tests and bench stay out."""
+    import sys
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("llamaserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"engine/csrc/cpu_kernels.c", "engine/demo.py", "engine/cpu_kernels.py", "server/__main__.py", "compat/protocol.py"} <= names
+    assert not any(n.startswith(("tests/", "bench/")) for n in names)
