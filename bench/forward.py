@@ -1,12 +1,12 @@
 """Forward-pass throughput against this machine's roofline (a script, not a test).
 
-    python bench/forward.py [--configs tiny,small] [--dtypes float32,bfloat16] [--threads N]
+    python bench/forward.py [--configs tiny,small] [--dtypes float32,bfloat16] [--threads N] [--json PATH]
 
 Measures, in the same run: matmul GFLOP/s and memory bandwidth (the roofline), then prefill and
 decode tokens/s at batch 1, 8 and 32 for the 'tiny' and 'small' random configs (vocab 128256),
 each next to its bound: decode at batch 1 against weight bytes / bandwidth, decode at batch 32
 and prefill against FLOPs per token / matmul FLOP/s. Numbers on a shared machine are noisy:
-each figure is the best of a few repeats.
+each figure is the best of a few repeats. The configs and the --json format are bench/common.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import Results, add_results_arguments, model_args, torch_machine  # noqa: E402
 from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available  # noqa: E402
@@ -32,10 +33,6 @@ from engine.runner import build_step_inputs  # noqa: E402
 from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
-CONFIGS = {
-    "tiny": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
-    "small": ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
-}
 BLOCK_SIZE = 16
 CONTEXT_TOKENS = 128  # K/V already cached for each decoding sequence
 PREFILL_TOKENS = 512
@@ -57,13 +54,14 @@ class Roofline:
     """Peak matmul FLOP/s per dtype and read bandwidth, sampled again before every config and
     kept at their best: on a shared machine a single sample underestimates the peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, smoke: bool = False) -> None:
         self.flops: dict[torch.dtype, float] = {}
         self.bandwidth = 0.0
+        self._sizes = ({"n": 128}, {"mib": 8}) if smoke else ({}, {})
 
     def sample(self, dtype: torch.dtype) -> None:
-        self.flops[dtype] = max(self.flops.get(dtype, 0.0), matmul_flops_per_s(dtype))
-        self.bandwidth = max(self.bandwidth, memory_bytes_per_s())
+        self.flops[dtype] = max(self.flops.get(dtype, 0.0), matmul_flops_per_s(dtype, **self._sizes[0]))
+        self.bandwidth = max(self.bandwidth, memory_bytes_per_s(**self._sizes[1]))
 
 
 def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024) -> float:
@@ -154,27 +152,33 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-pack", action="store_true", help="the plain torch path: F.linear instead of oneDNN packed weights, no fused CPU kernels")
+    parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample: checks the script runs (tests), numbers meaningless")
+    add_results_arguments(parser)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     batches = [int(b) for b in opts.batches.split(",")]
     packing = "plain F.linear, torch ops" if opts.no_pack else "oneDNN packed weights, fused CPU kernels"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {packing}; shared machine: numbers are noisy")
-    roofline = Roofline()
+    roofline = Roofline(smoke=opts.smoke)
     results = []
     for dtype_name in opts.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name in opts.configs.split(","):
             roofline.sample(dtype)
-            results.append((name, dtype_name, measure(CONFIGS[name], dtype, batches, pack=not opts.no_pack)))
+            results.append((name, dtype_name, measure(model_args(name), dtype, batches, pack=not opts.no_pack)))
     for dtype in roofline.flops:
         roofline.sample(dtype)  # once more after the runs, then report against the best samples
+    out = Results("forward")
     print(f"memory read bandwidth: {roofline.bandwidth / 1e9:.1f} GB/s")
+    out.add("read bandwidth", roofline.bandwidth, "B/s")
     for dtype, flops in roofline.flops.items():
         print(f"matmul {str(dtype).removeprefix('torch.')}: {flops / 1e9:.1f} GFLOP/s")
+        out.add("matmul", flops, "FLOP/s", dtype=str(dtype).removeprefix("torch."))
     for name, dtype_name, measured in results:
         dtype = getattr(torch, dtype_name)
-        report(name, dtype_name, CONFIGS[name], dtype, measured, roofline.flops[dtype], roofline.bandwidth)
+        report(name, dtype_name, model_args(name), dtype, measured, roofline.flops[dtype], roofline.bandwidth, out)
+    out.write(opts.json, **torch_machine(), packed=not opts.no_pack)
 
 
 def measure(args: ModelArgs, dtype: torch.dtype, batches: list[int], *, pack: bool) -> dict[str, float]:
@@ -186,7 +190,8 @@ def measure(args: ModelArgs, dtype: torch.dtype, batches: list[int], *, pack: bo
     return out
 
 
-def report(name: str, dtype_name: str, args: ModelArgs, dtype: torch.dtype, measured: dict[str, float], flops: float, bandwidth: float) -> None:
+def report(name: str, dtype_name: str, args: ModelArgs, dtype: torch.dtype, measured: dict[str, float], flops: float, bandwidth: float,
+           out: Results) -> None:
     body, head = weight_counts(args)
     elem = torch.empty((), dtype=dtype).element_size()
     kv_bytes_per_token = 2 * args.n_layers * args.kv_heads * args.head_dim * elem
@@ -194,6 +199,8 @@ def report(name: str, dtype_name: str, args: ModelArgs, dtype: torch.dtype, meas
     prefill = measured["prefill"]
     prefill_bound = flops / (2 * body + 2 * head / PREFILL_TOKENS)  # the head runs for the last row only
     print(f"   prefill {PREFILL_TOKENS:4d} tok: {prefill:9.1f} tok/s  ({prefill / prefill_bound:5.1%} of compute bound {prefill_bound:9.1f})")
+    out.add("prefill", prefill, "tok/s", config=name, dtype=dtype_name, tokens=PREFILL_TOKENS, bound=prefill_bound,
+            bound_kind="compute", of_bound=prefill / prefill_bound)
     for key, tps in measured.items():
         if not key.startswith("decode"):
             continue
@@ -207,6 +214,8 @@ def report(name: str, dtype_name: str, args: ModelArgs, dtype: torch.dtype, meas
             f"   decode batch {batch:3d}: {tps:9.1f} tok/s  ({tps / bound:5.1%} of {which} bound {bound:9.1f}; "
             f"bandwidth bound {memory_bound:9.1f}, compute bound {compute_bound:9.1f})"
         )
+        out.add("decode", tps, "tok/s", config=name, dtype=dtype_name, batch=batch, bound=bound, bound_kind=which,
+                of_bound=tps / bound)
 
 
 if __name__ == "__main__":

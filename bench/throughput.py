@@ -1,6 +1,6 @@
 """Offline engine throughput (a script, not a test).
 
-    python bench/throughput.py [--config small] [--concurrency 1,8,32] [--checkpoint-dir DIR] [--threads N]
+    python bench/throughput.py [--config small] [--concurrency 1,8,32] [--checkpoint-dir DIR] [--threads N] [--json PATH]
 
 Writes a random Meta checkpoint of the chosen config once (reused when --checkpoint-dir already
 holds one), then drives EngineCore directly (no HTTP, no event loop):
@@ -11,7 +11,7 @@ holds one), then drives EngineCore directly (no HTTP, no event loop):
    scheduler.update, detokenization, stop checks, stats);
 3. prefix caching: TTFT of a request with a 1000-token system prompt, cold vs. with the prompt's
    blocks already cached.
-Numbers on a shared machine are noisy.
+Numbers on a shared machine are noisy. The configs and the --json format are bench/common.py's.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.common import CONFIGS, Results, add_results_arguments, model_args, torch_machine  # noqa: E402
+from bench.forward import matmul_flops_per_s, memory_bytes_per_s, weight_counts  # noqa: E402  (the same roofline)
 from engine.checkpoint import estimate_weight_bytes, resolve_checkpoint, write_random_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.executor import ModelExecutor  # noqa: E402
 from engine.runner import ExecutorRunner  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
-from forward import CONFIGS, matmul_flops_per_s, memory_bytes_per_s, weight_counts  # noqa: E402  (bench/forward.py: the same configs and roofline)
 
 DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family (llama3); params.json supplies the architecture
 PROMPT_TOKENS = 128
@@ -84,7 +84,7 @@ def checkpoint_dir(config_name: str, given: str | None) -> Path:
     directory = Path(given) if given else Path(tempfile.gettempdir()) / f"llamaserve-bench-{config_name}"
     if not (directory / "consolidated.00.pth").exists():
         print(f"writing a random '{config_name}' checkpoint to {directory} ...", flush=True)
-        write_random_checkpoint(directory, CONFIGS[config_name], seed=0, dtype=torch.bfloat16)
+        write_random_checkpoint(directory, model_args(config_name), seed=0, dtype=torch.bfloat16)
     return directory
 
 
@@ -118,7 +118,7 @@ def workload_flops(args, num_prompt_tokens: int, num_output_tokens: int) -> floa
     return 2.0 * (body * (num_prompt_tokens + num_output_tokens) + head * num_output_tokens)
 
 
-def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float) -> None:
+def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float, out: Results) -> None:
     vocab = spec.model_args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     base_rate = None
@@ -142,6 +142,9 @@ def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, ban
             f"matmuls {achieved / 1e9:5.1f} GFLOP/s ({achieved / flops:5.1%} of peak)",
             flush=True,
         )
+        out.add("output throughput", rate, "tok/s", concurrency=c, requests=len(requests), output_tokens=num_output,
+                elapsed_s=elapsed_s, steps=timing.num_steps, weights_streamed_of_bandwidth=streamed / bandwidth,
+                matmul_of_peak=achieved / flops)
         if c == max(concurrencies):
             total = timing.schedule_s + timing.execute_s + timing.update_s
             print(
@@ -150,6 +153,7 @@ def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, ban
                 f"scheduler and bookkeeping {timing.bookkeeping_fraction:6.2%} (target < 5%)",
                 flush=True,
             )
+            out.add("bookkeeping share of step time", timing.bookkeeping_fraction, "fraction", concurrency=c)
         core.runner.shutdown()
 
 
@@ -165,7 +169,7 @@ def time_to_first_token(core: EngineCore, request: EngineRequest) -> float:
     return first
 
 
-def prefix_ttft(spec, tokenizer, repeats: int = 5) -> None:
+def prefix_ttft(spec, tokenizer, out: Results, repeats: int = 5) -> None:
     vocab = spec.model_args.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -186,6 +190,8 @@ def prefix_ttft(spec, tokenizer, repeats: int = 5) -> None:
         f"hits {stats.prefix_cache_hits_total}/{stats.prefix_cache_queries_total} prompt tokens",
         flush=True,
     )
+    out.add("prefix cache TTFT cold", cold_s, "s", system_prompt_tokens=SYSTEM_PROMPT_TOKENS, repeats=repeats)
+    out.add("prefix cache TTFT cached", cached_s, "s", system_prompt_tokens=SYSTEM_PROMPT_TOKENS, repeats=repeats)
     core.runner.shutdown()
 
 
@@ -196,14 +202,16 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="where the random checkpoint is written or found")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample and one prefix repeat: checks the script runs (tests)")
+    add_results_arguments(parser)
     opts = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     spec = resolve_checkpoint(checkpoint_dir(opts.config, opts.checkpoint_dir), model_id=opts.config, llama_model=DESCRIPTOR)
     tokenizer, tokenizer_name = load_tokenizer(spec.model_args.vocab_size)
-    bandwidth = memory_bytes_per_s()
-    flops = matmul_flops_per_s(torch.float32)
+    bandwidth = memory_bytes_per_s(mib=8) if opts.smoke else memory_bytes_per_s()
+    flops = matmul_flops_per_s(torch.float32, n=128) if opts.smoke else matmul_flops_per_s(torch.float32)
     args = spec.model_args
     weight_bytes = estimate_weight_bytes(args, "float32")  # read once per step
     print(
@@ -214,10 +222,14 @@ def main() -> None:
         "Shared machine: numbers are noisy.",
         flush=True,
     )
+    out = Results("throughput", context={"config": opts.config})
+    out.add("read bandwidth", bandwidth, "B/s")
+    out.add("matmul", flops, "FLOP/s", dtype="float32")
     if opts.concurrency:
-        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops)
+        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops, out)
     if not opts.skip_prefix:
-        prefix_ttft(spec, tokenizer)
+        prefix_ttft(spec, tokenizer, out, repeats=1 if opts.smoke else 5)
+    out.write(opts.json, **torch_machine(), tokenizer=tokenizer_name)
 
 
 if __name__ == "__main__":

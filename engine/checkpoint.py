@@ -24,6 +24,7 @@ import torch
 
 from engine.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.file_guard import guard_tree, guarded
+from engine.progress import Progress, ProgressCallback
 from engine.types import CheckpointError, Family, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -537,7 +538,7 @@ def _slice_for_rank(shards: _Shards, key: str, layout: ParamLayout, rank: int, s
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int) -> dict[str, torch.Tensor]:
+def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
     """The weights model-parallel rank `mp_rank` of `mp_size` holds, in the checkpoint's dtype.
     Tensors are views of the mmapped shards where no merge was needed (no copy until the caller
     converts dtype or device)."""
@@ -550,8 +551,11 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int) -> di
     shards = _Shards(spec, layouts)
     started_s = time.monotonic()
     out: dict[str, torch.Tensor] = {}
-    for key, layout in layouts.items():
-        out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+    stage = f"rank {mp_rank}: mapping {old_size} shard(s)" + (f", resharding to {mp_size}" if old_size != mp_size else "")
+    with Progress(stage, len(layouts), unit="tensor", callback=progress, bar=False) as mapping:
+        for key, layout in layouts.items():
+            out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+            mapping.update(1)
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
     log.info(
         "rank %d/%d: mapped %.1f MiB of weights from %d shard(s) of %s in %.2f s",

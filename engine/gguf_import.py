@@ -477,6 +477,11 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
+def _stored_bytes(weight: Any) -> int:
+    """Bytes of a float tensor or of a quantized weight's codes and scales (engine.quant)."""
+    return weight.nbytes() if hasattr(weight, "nbytes") and callable(weight.nbytes) else weight.numel() * weight.element_size()
+
+
 def import_gguf(
     gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
 ) -> Path:
@@ -485,7 +490,7 @@ def import_gguf(
     params.json is written last, so an interrupted import leaves no loadable-looking checkpoint.
     keep_quantized: Q4_0/Q4_1/Q8_0 matrices stay in their GGUF blocks (engine.quant int4/int8) and
     all weights go to QUANTIZED_WEIGHTS_FILE (docs/quantization.md) instead of WEIGHTS_FILE."""
-    from tqdm import tqdm
+    from engine.progress import Progress
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_gguf(gguf_path)
@@ -496,16 +501,19 @@ def import_gguf(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "params.json").unlink(missing_ok=True)
     state: dict[str, Any] = {}
-    bar = tqdm(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress, file=sys.stderr)
-    with bar:
+    total_bytes = sum(int(t.n_elements) for t in reader.tensors) * torch.empty((), dtype=dtype).element_size()
+    with Progress(f"converting {gguf_path.name}", total_bytes, bar=progress and sys.stderr.isatty(), logger=log) as converting:
         for key, tensor in iter_weights(reader, gguf_path, params, dtype, keep_quantized=keep_quantized):
             state[key] = tensor
-            bar.update()
-    if keep_quantized:
-        _write_quantized(out_dir, state)
-    else:
-        (out_dir / QUANTIZED_WEIGHTS_FILE).unlink(missing_ok=True)
-        _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
+            converting.update(_stored_bytes(tensor))
+    weights_file = QUANTIZED_WEIGHTS_FILE if keep_quantized else WEIGHTS_FILE
+    with Progress(f"writing {out_dir / weights_file}", sum(map(_stored_bytes, state.values())), bar=False, logger=log) as writing:
+        if keep_quantized:
+            _write_quantized(out_dir, state)
+        else:
+            (out_dir / QUANTIZED_WEIGHTS_FILE).unlink(missing_ok=True)
+            _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
+        writing.update(writing.total)
     _write_atomic(out_dir / TOKENIZER_FILE, lambda p: p.write_text(json.dumps(tokenizer_json, ensure_ascii=False)))
     _write_atomic(out_dir / TOKENIZER_CONFIG_FILE, lambda p: p.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False)))
     _write_atomic(out_dir / "params.json", lambda p: p.write_text(json.dumps(params, indent=2)))
@@ -535,6 +543,8 @@ def main(argv: list[str]) -> int:
                         help=f"keep Q4_0/Q4_1/Q8_0 weights in their GGUF blocks (int4/int8, {QUANTIZED_WEIGHTS_FILE}; docs/quantization.md)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if not args.quiet and not logging.getLogger().handlers:  # the CLI alone: progress lines when stderr is no terminal
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if (args.out_dir / "params.json").exists() and args.out_dir.resolve() != args.gguf_file.parent.resolve():
         print(f"note: replacing the checkpoint in {args.out_dir}", file=sys.stderr)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.progress import ProgressCallback, ProgressEvent
 from engine.types import CheckpointError, EngineClient
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,10 @@ def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: i
     return plan_num_blocks(config, bytes_per_block=per_block, budget_bytes=budget, max_seq_len=max_seq_len) * per_block * mp_size
 
 
-def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | None = None) -> EngineClient:
-    """Blocking: resolve, load weights, start workers, return a ready AsyncEngine."""
+def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | None = None,
+                progress: ProgressCallback | None = None) -> EngineClient:
+    """Blocking: resolve, load weights, start workers, return a ready AsyncEngine. `progress`
+    receives each loading stage's advance (engine.progress)."""
     from engine.async_engine import AsyncEngine
     from engine.executor import ModelExecutor
     from engine.generation_config import read_sampling_defaults
@@ -74,7 +77,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
-    executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
+    executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
     try:
         runner = ExecutorRunner(executor, seed=config.seed)
         engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len,
@@ -130,6 +133,12 @@ class LocalEngineFactory:
     def __init__(self, config: EngineConfig, *, chat_template_path: Path | None = None) -> None:
         self._config = config
         self._chat_template_path = chat_template_path
+        self._loading: dict[str, ProgressEvent] = {}  # model id -> latest event of its load (written by the loading thread)
+
+    def load_progress(self, model_id: str) -> dict[str, Any] | None:
+        """The loading stage of `model_id` (stage, done/total, rate), None when it is not loading."""
+        event = self._loading.get(model_id)
+        return event.as_dict() if event is not None else None
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
@@ -143,4 +152,15 @@ class LocalEngineFactory:
 
     async def load(self, spec: Any) -> EngineClient:
         config = _effective_config(self._config, spec)
-        return await asyncio.to_thread(load_engine, spec, config, chat_template_path=self._chat_template_path)
+
+        current = [True]  # a load given up on keeps running on its thread: it must not report after that
+
+        def report(event: ProgressEvent) -> None:
+            if current[0]:
+                self._loading[spec.model_id] = event
+
+        try:
+            return await asyncio.to_thread(load_engine, spec, config, chat_template_path=self._chat_template_path, progress=report)
+        finally:
+            current[0] = False
+            self._loading.pop(spec.model_id, None)

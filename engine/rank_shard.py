@@ -18,6 +18,7 @@ import torch
 from engine.backends import select_backend
 from engine.checkpoint import CheckpointSpec, load_rank_state_dict
 from engine.config import EngineConfig
+from engine.progress import Progress, ProgressCallback, tensor_bytes
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
@@ -55,20 +56,24 @@ class RankShard:
     kv_caches: list[KVCache] | None = None
 
     @classmethod
-    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+             progress: ProgressCallback | None = None) -> "RankShard":
         with without_omp_team(device):
-            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len)
+            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len, progress=progress)
 
     @classmethod
-    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> "RankShard":
+    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+              progress: ProgressCallback | None) -> "RankShard":
         mp_size = config.model_parallel_size
         backend = select_backend(config, device)
         dtype = backend.dtype
         started_s = time.monotonic()
-        state = _materialise(load_rank_state_dict(spec, rank, mp_size), device, dtype, rank)
-        model = model_class(spec.model_args).from_state_dict(
-            spec.model_args, state, backend, mp_size=mp_size, max_seq_len=max_seq_len, source=str(spec.checkpoint_dir)
-        )
+        state = _materialise(load_rank_state_dict(spec, rank, mp_size, progress=progress), device, dtype, rank, progress)
+        with Progress(f"rank {rank}: preparing weights ({backend.name})", 1, unit="step", callback=progress, bar=False) as preparing:
+            model = model_class(spec.model_args).from_state_dict(
+                spec.model_args, state, backend, mp_size=mp_size, max_seq_len=max_seq_len, source=str(spec.checkpoint_dir)
+            )
+            preparing.update(1)
         del state
         weight_bytes = model.weight_bytes()
         log.info(
@@ -134,19 +139,13 @@ def without_omp_team(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
-    """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
-    ~10%. Views of the shards stay zero-copy when dtype and device already match."""
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    done, next_report, started_s = 0, 0.1, time.monotonic()
+def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int,
+                 progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+    """Read the mmapped weights into `dtype` on `device`, reporting bytes and rate (engine.progress).
+    Views of the shards stay zero-copy when dtype and device already match."""
     out = {}
-    for key, value in state.items():
-        out[key] = value.to(device=device, dtype=dtype).contiguous()
-        done += value.numel() * value.element_size()
-        if total and done / total >= next_report:
-            log.info(
-                "rank %d: read %.0f/%.0f MiB of weights (%.0f%%) in %.1f s",
-                rank, done / 2**20, total / 2**20, 100 * done / total, time.monotonic() - started_s,
-            )  # fmt: skip
-            next_report = done / total + 0.1
+    with Progress(f"rank {rank}: reading weights", sum(map(tensor_bytes, state.values())), callback=progress) as reading:
+        for key, value in state.items():
+            out[key] = value.to(device=device, dtype=dtype).contiguous()
+            reading.update(tensor_bytes(value))
     return out

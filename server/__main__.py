@@ -47,17 +47,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return import_gguf(argv[1:])
     args = make_parser().parse_args(argv)
+    from server.logging import configure_logging
+
     try:
         config = build_config(args)
+        configure_logging(config.log_format, config.log_level)  # before the demo's first download and conversion log their progress
         if config.demo:
             config = with_demo_model(config)
         config = with_batch_dir(config)
     except ConfigError as exc:
         print(f"llamaserve: configuration error: {exc}", file=sys.stderr)
         return 2
-    from server.logging import configure_logging
-
-    configure_logging(config.log_format, config.log_level)
     if torchrun_follower_rank() is not None:
         return follow(config)
     serve(config)

@@ -86,13 +86,21 @@ def add_model_routes(app: web.Application) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    infos = request.app[REGISTRY_KEY].list()
-    return _json({"object": "list", "data": [model_object(info) for info in infos]})
+    registry = request.app[REGISTRY_KEY]
+    return _json({"object": "list", "data": [_with_progress(model_object(info), registry) for info in registry.list()]})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    info = request.app[REGISTRY_KEY].get(request.match_info["model_id"])
-    return _json(model_object(info))
+    registry = request.app[REGISTRY_KEY]
+    return _json(_with_progress(model_object(registry.get(request.match_info["model_id"])), registry))
+
+
+def _with_progress(body: dict[str, Any], registry: ModelRegistry) -> dict[str, Any]:
+    """A model being loaded (first load or hot-switch) shows its loading stage, sizes and rate."""
+    progress = registry.load_progress(body["id"])
+    if progress is not None:
+        body["loading_progress"] = progress
+    return body
 
 
 async def delete_model(request: web.Request) -> web.Response:

@@ -566,6 +566,11 @@ class ModelRegistry:
             raise _not_found(model_id)
         return _info(entry, self.checkpoint_roots)
 
+    def load_progress(self, model_id: str) -> dict[str, Any] | None:
+        """The factory's report on a load of `model_id` in progress (stage, bytes, rate), if it keeps one."""
+        report = getattr(self._factory, "load_progress", None)
+        return report(model_id) if report is not None else None
+
     def list(self) -> list[ModelInfo]:
         return [_info(entry, self.checkpoint_roots) for entry in self._entries.values()]
 

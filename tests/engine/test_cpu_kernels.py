@@ -669,3 +669,40 @@ def test_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
 ])
 def test_build_key_reads_the_cpu_feature_line_on_every_architecture(cpuinfo, expected):
     assert ck.cpu_feature_line(cpuinfo) == expected
+
+
+# =========================================================================== prebuilt per x86-64 level (the image)
+V2 = set(ck.X86_LEVELS["x86-64-v2"])
+V3 = V2 | ck.X86_LEVELS["x86-64-v3"]
+
+
+@pytest.mark.parametrize("flags, level", [
+    (set(), None),
+    (V2 - {"popcnt"}, None),
+    (V2, "x86-64-v2"),
+    (V3 - {"fma"}, "x86-64-v2"),
+    (V3, "x86-64-v3"),
+    (V3 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v4"),
+    (V2 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v2"),  # AVX-512 without AVX2 cannot be v4
+])  # fmt: skip
+def test_x86_level_from_cpu_flags(flags, level):
+    assert ck.x86_level(flags) == level
+
+
+def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch):
+    """The lowest level runs on any x86-64 CI machine; a stale build (other source) is never picked."""
+    level = ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split()))
+    if level is None:
+        pytest.skip("not an x86-64-v2 CPU")
+    try:
+        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    (tmp_path / built.name.replace("-x86-64-v2", "-x86-64-v4").replace(ck._source_key(), "0" * 16)).write_bytes(b"stale")
+    assert ck.find_prebuilt(tmp_path) == built
+    kernels = ck.CpuKernels(ctypes.CDLL(str(built)))
+    residual, weight = torch.randn(3, 64, generator=gen(5)), torch.randn(64, generator=gen(6))
+    out = torch.empty_like(residual)
+    expected = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+    kernels.add_rms_norm(residual, None, weight, out, 1e-5, THREADS)
+    assert_close(out, expected, torch.float32)

@@ -1,0 +1,160 @@
+"""Smoke runs of the bench scripts on the 'tiny' config (a few requests each), so they never rot.
+
+These check that each script runs end to end and writes the results format of bench/common.py;
+the figures themselves are not checked (a real run is in bench/README.md, not in the suite).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import read_results
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run_script(*argv: str, timeout_s: float = 280) -> str:
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{argv[0]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def rows(path: Path, **where) -> list[dict]:
+    return [r for r in read_results(path)["rows"] if all(r.get(k) == v for k, v in where.items())]
+
+
+def test_forward_smoke(tmp_path):
+    out = tmp_path / "forward.json"
+    run_script("bench/forward.py", "--configs", "tiny", "--dtypes", "float32", "--batches", "1,2", "--smoke", "--json", str(out))
+    decode = rows(out, name="decode", config="tiny", dtype="float32")
+    assert [r["batch"] for r in decode] == [1, 2]
+    assert all(r["value"] > 0 and r["unit"] == "tok/s" and r["bound"] > 0 for r in decode)
+    assert len(rows(out, name="prefill", config="tiny")) == 1
+
+
+def test_throughput_smoke(tmp_path):
+    out = tmp_path / "throughput.json"
+    run_script("bench/throughput.py", "--config", "tiny", "--concurrency", "1,2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--smoke", "--json", str(out))
+    tput = rows(out, name="output throughput", config="tiny")
+    assert [r["concurrency"] for r in tput] == [1, 2]
+    assert all(r["output_tokens"] == r["requests"] * 64 for r in tput)  # ignore_eos: every request ran to max_tokens
+    assert len(rows(out, name="prefix cache TTFT cached")) == 1
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    """Our server on a tiny real-format Llama 3 checkpoint (the e2e fixtures' model)."""
+    from tests.e2e.conftest import BASE_DESCRIPTOR, Checkpoints, ready_server
+
+    base = tmp_path_factory.mktemp("bench-serve")
+    checkpoints = Checkpoints(root=base / "checkpoints", outside=base / "elsewhere")
+    checkpoints.root.mkdir()
+    with ready_server(BASE_DESCRIPTOR, checkpoints.get(BASE_DESCRIPTOR, seed=0), checkpoints.root) as live:
+        yield live
+
+
+def test_serve_smoke_completions_sweep(live_server, tmp_path):
+    out = tmp_path / "sweep.json"
+    stdout = run_script("bench/serve.py", "--base-url", live_server.url, "--num-prompts", "4", "--random-input-len", "12",
+                        "--random-output-len", "5", "--sweep", "1,2", "--result-filename", str(out), "--disable-tqdm")
+    assert "Serving Benchmark Result" in stdout
+    data = read_results(out)
+    assert data["machine"]["ignore_eos"] is True
+    for level in (1, 2):
+        assert rows(out, name="failed", max_concurrency=level)[0]["value"] == 0
+        # token-id prompts of 12 tokens, output held at 5 tokens by ignore_eos: 4 x (12 + 5) tokens
+        total = rows(out, name="total_token_throughput", max_concurrency=level)[0]
+        output = rows(out, name="output_throughput", max_concurrency=level)[0]
+        assert total["value"] == pytest.approx(output["value"] * 17 / 5)
+        assert rows(out, name="ttft p99", max_concurrency=level)[0]["value"] > 0
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_serve_smoke_chat_dataset_reports_failures(live_server, tmp_path):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps(row) for row in (
+        {"prompt": "Say hello."},
+        {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3},
+        {"prompt": "Too long an answer", "max_tokens": 100000},  # beyond the context: a 400 with its body
+    )) + "\n")
+    out = tmp_path / "chat.json"
+    stdout = run_script("bench/serve.py", "--base-url", live_server.url, "--backend", "openai-chat", "--dataset", str(dataset),
+                        "--num-prompts", "3", "--random-output-len", "4", "--max-concurrency", "2", "--result-filename", str(out),
+                        "--disable-tqdm")
+    failed = rows(out, name="failed")[0]
+    assert failed["value"] == 1 and "HTTP 400" in failed["errors"][0]
+    assert "1 x HTTP 400" in stdout
+    assert rows(out, name="e2e_latency p50")[0]["value"] > 0
+
+
+def test_serve_help_uses_vllm_flag_names():
+    stdout = run_script("bench/serve.py", "--help")
+    for flag in ("--base-url", "--model", "--num-prompts", "--random-input-len", "--random-output-len", "--dataset",
+                 "--max-concurrency", "--request-rate", "--sweep", "--backend"):
+        assert flag in stdout
+
+
+def test_demo_vs_llamacpp_smoke_ours_only(tmp_path):
+    """The demo comparison's own half (the llama-server half needs a 10-minute build: a real run)."""
+    from engine.demo import DemoUnavailable, default_cache_dir, ensure_demo_checkpoint
+
+    try:
+        ensure_demo_checkpoint(default_cache_dir(), progress=False)
+    except DemoUnavailable as exc:
+        pytest.skip(f"demo model unavailable: {exc}")
+    stdout = run_script("bench/demo_vs_llamacpp.py", "--skip-llamacpp", "--rounds", "1", "--streams", "1,2", "--prompt-tokens", "8",
+                        "--output-tokens", "4", "--smoke")
+    table = stdout.split("llamaserve (median of 1 rounds)")[1].splitlines()
+    assert [line.split()[0] for line in table[2:4]] == ["1", "2"]  # one row per stream count
+
+
+@pytest.mark.parametrize("kind", ["F32", "BF16", "Q8_0"])
+def test_gguf_convert_keeps_metadata_and_values(tmp_path, kind):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from bench.gguf_convert import convert
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+
+    src = tmp_path / "q4.gguf"
+    write_gguf(src, hf_weights(seed=1, tied=False), qtype=gguf.GGMLQuantizationType.Q4_1)
+    convert(src, tmp_path / "out.gguf", kind, progress=False)
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(tmp_path / "out.gguf")
+    assert int(after.fields["general.file_type"].contents()) == int(getattr(gguf.LlamaFileType, {"F32": "ALL_F32", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}[kind]))
+    assert after.fields["tokenizer.chat_template"].contents() == before.fields["tokenizer.chat_template"].contents()
+    tolerance = {"F32": 0.0, "BF16": 2**-8, "Q8_0": 2**-6}[kind]
+    for old, new in zip(before.tensors, after.tensors):
+        assert old.name == new.name
+        a = gguf.quants.dequantize(old.data, old.tensor_type).astype(np.float32)
+        b = gguf.quants.dequantize(new.data, new.tensor_type).astype(np.float32)
+        expected_type = "F32" if kind == "F32" or a.ndim < 2 else kind
+        assert new.tensor_type.name == expected_type
+        np.testing.assert_allclose(b, a, rtol=tolerance, atol=tolerance * np.abs(a).max())
+
+
+def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
+    """F32 holds exactly the values our importer reads from the quantized file: both servers compute on the same weights."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from bench.gguf_convert import convert
+    from engine.gguf_import import import_gguf
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+
+    write_gguf(tmp_path / "q4.gguf", hf_weights(seed=2, tied=True), qtype=gguf.GGMLQuantizationType.Q4_1)
+    convert(tmp_path / "q4.gguf", tmp_path / "f32.gguf", "F32", progress=False)
+    a = torch.load(import_gguf(tmp_path / "q4.gguf", tmp_path / "a", progress=False) / "consolidated.00.pth", weights_only=True)
+    b = torch.load(import_gguf(tmp_path / "f32.gguf", tmp_path / "b", progress=False) / "consolidated.00.pth", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_server_overhead_smoke():
+    stdout = run_script("bench/server_overhead.py", "--tokens", "20", "--streams", "2", "--concurrency", "2", "--requests", "4")
+    assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout
