@@ -41,7 +41,7 @@ def test_format_amount():
 
 
 def test_checkpoint_load_reports_each_stage(tiny_checkpoint_2shards):
-    """Two shards resharded to one rank: mapping/resharding, reading bytes, packing, in that order."""
+    """Two shards resharded to one rank: mapping/resharding, reading bytes, preparing (fusing, packing), in that order."""
     from engine.checkpoint import resolve_checkpoint
     from engine.config import EngineConfig
     from engine.executor import ModelExecutor
@@ -55,7 +55,7 @@ def test_checkpoint_load_reports_each_stage(tiny_checkpoint_2shards):
         finals[event.stage] = event
     stages = list(finals)
     assert stages[0] == "rank 0: mapping 2 shard(s), resharding to 1" and stages[1] == "rank 0: reading weights"
-    assert stages[2] == "rank 0: packing weights for the CPU"
+    assert stages[2].startswith("rank 0: preparing weights (")  # the backend's name follows
     reading = finals["rank 0: reading weights"]
     assert reading.unit == "B" and reading.done == reading.total > 0
     assert finals[stages[0]].done == finals[stages[0]].total > 0 and finals[stages[0]].unit == "tensor"
