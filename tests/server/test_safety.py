@@ -225,11 +225,11 @@ async def test_a_stream_ends_at_its_maximum_duration(aiohttp_client, factory, tm
 
 
 def test_a_lagging_slot_keeps_deltas_as_a_list_and_joins_them_once():
-    from engine.async_engine import _Slot
+    from engine.async_engine import _Mailbox
     from engine.types import RequestOutput
 
     async def scenario():
-        slot = _Slot(asyncio.get_running_loop())
+        slot = _Mailbox(asyncio.get_running_loop())
         for i in range(3):
             slot.put(RequestOutput("r", [i], f"<{i}>", num_output_tokens=i + 1))
         assert [out.text_delta for out in slot.pending] == ["<0>", "<1>", "<2>"]
