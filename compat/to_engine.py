@@ -87,8 +87,17 @@ def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
             dialog.append(ChatMessage("tool", _text(message.content, param), tool_call_id=message.tool_call_id))
         else:  # system, developer (OpenAI's new name for system) and user
             role = "user" if isinstance(message, p.UserMessage) else "system"
-            dialog.append(ChatMessage(role, _text(message.content, param), name=_name(message)))
+            dialog.append(ChatMessage(role, _text(message.content, param), name=_name(message),
+                                      parts=_parts(message.content)))
     return dialog
+
+
+def _parts(content: p.Content | None) -> tuple[str, ...]:
+    """Several text parts as sent: llama-models' ChatFormat encodes each on its own (a part
+    boundary is a token boundary), which the Llama formats reproduce token for token."""
+    if isinstance(content, list) and len(content) > 1:
+        return tuple(part.text for part in content)
+    return ()
 
 
 def _name(message: p.Message) -> str | None:

@@ -171,6 +171,9 @@ class ChatMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None  # for role == "tool"
     name: str | None = None
+    # The text parts of `content` when it came as several (compat checked they are all text):
+    # formats that encode parts one by one (llama-models' Llama 3 and 4) read them; others read `content`.
+    parts: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- errors

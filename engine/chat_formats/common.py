@@ -40,9 +40,12 @@ class HeaderTurns:
     def _header(self, prompt: PromptBuilder, role: str) -> None:
         prompt.special(self.header_start).text(role).special(self.header_end).text("\n\n")
 
-    def _message(self, prompt: PromptBuilder, role: str, content: str, end: str) -> None:
+    def _message(self, prompt: PromptBuilder, role: str, content: str | Sequence[str], end: str) -> None:
+        """`content` as one text, or as text parts each encoded on its own (ChatMessage.parts)."""
         self._header(prompt, role)
-        prompt.text(content).special(end)
+        for part in (content,) if isinstance(content, str) else content:
+            prompt.text(part)
+        prompt.special(end)
 
 # --------------------------------------------------------------------------- dialog checks
 @dataclass(slots=True)

@@ -118,7 +118,7 @@ class Llama3ChatFormat(HeaderTurns):
                 prompt.special("<|python_tag|>").text("; ".join(_llama31_call(n, a, param) for n, a in calls))
                 prompt.special("<|eom_id|>")
         else:
-            self._message(prompt, message.role, message.content, "<|eot_id|>")
+            self._message(prompt, message.role, message.parts or message.content, "<|eot_id|>")
 
     def _system_text(self, system: str | None, tools: Sequence[ToolDefinition]) -> str | None:
         if self.version == "3":

@@ -57,7 +57,7 @@ class Llama4ChatFormat(HeaderTurns):
             calls = ", ".join(pythonic_call(call.name, dialog.arguments[id(call)], param) for call in message.tool_calls)
             self._message(prompt, "assistant", f"{message.content}[{calls}]", "<|eom|>")
         else:
-            self._message(prompt, message.role, message.content, "<|eot|>")
+            self._message(prompt, message.role, message.parts or message.content, "<|eot|>")
 
     def output_parser(self, tools: Sequence[ToolDefinition]) -> OutputParser:
         return make_output_parser(tools)

@@ -80,8 +80,8 @@ CORPUS = [
 def meta_tokens(meta_format, dialog) -> list[int]:
     from llama_models.datatypes import RawMessage, RawTextItem
 
-    def content(c):  # compat joins text parts with "\n" (as vLLM does); llama-models would encode them back to back
-        return c if isinstance(c, str) else [RawTextItem(text="\n".join(part["text"] for part in c))]
+    def content(c):  # text parts as llama-models takes them: one item each, encoded back to back
+        return c if isinstance(c, str) else [RawTextItem(text=part["text"]) for part in c]
 
     messages = [RawMessage(role=m["role"], content=content(m["content"])) for m in dialog]
     return meta_format.encode_dialog_prompt(messages).tokens
