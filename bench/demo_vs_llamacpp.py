@@ -227,7 +227,7 @@ async def check_tokenizer(base: str, checkpoint_dir: Path) -> None:
     """Our tokenizer.json against llama-server's /tokenize on the same GGUF (special spellings as text)."""
     import aiohttp
 
-    from engine.hf_tokenizer import load_hf_tokenizer
+    from engine.chat.hf_tokenizer import load_hf_tokenizer
 
     ours = load_hf_tokenizer(checkpoint_dir)
     mismatches = []

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from msgspec import UNSET
 
 from compat import protocol as p
-from engine.tool_parser import JsonCallStreamParser
+from engine.chat.tool_parser import JsonCallStreamParser
 from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def _join_logprobs(parts: Sequence[p.CompletionLogprobs]) -> p.CompletionLogprob
 # --------------------------------------------------------------------------- chat
 @dataclass(slots=True)
 class _ChatChoice:
-    parser: Any = None  # engine.chat_format OutputParser when tools were offered
+    parser: Any = None  # engine.chat.format OutputParser when tools were offered
     content: list[str] = field(default_factory=list)
     logprobs: list[p.ChatTokenLogprob] = field(default_factory=list)
     tool_ids: dict[int, str] = field(default_factory=dict)  # streamed tool-call index -> id

@@ -307,7 +307,7 @@ def chat_request(req: _ChatFields, messages: Sequence[Message], family: str, par
 
 def _replace_system_prompt(chat: p.ChatCompletionRequest, family: str) -> tuple[p.ChatCompletionRequest, tuple[ToolDefinition, ...]]:
     from compat.structured import tool_plan
-    from engine.chat_formats.common import tool_definitions_json
+    from engine.chat.common import tool_definitions_json
 
     if family not in PYTHON_LIST_FAMILIES:
         raise InvalidRequest(f"system_message_behavior 'replace' is served for python_list tool formats, not {family}",

@@ -5,7 +5,7 @@
   it (engine/structured.py), so an invalid or unenforceable schema is a 400 from there.
 - `tools` / `tool_choice` / `parallel_tool_calls` (and the deprecated `functions` / `function_call`)
   become a ToolPlan. `required` and a named function constrain the output to a JSON call, the
-  shape engine/tool_parser.py parses in every chat format: `{"name": ..., "arguments": {...}}`,
+  shape engine/chat/tool_parser.py parses in every chat format: `{"name": ..., "arguments": {...}}`,
   a list of them for parallel calls. Under `auto`, functions marked `strict` are constrained the
   same way when the model chooses to call (text that does not start with `{` or `[` stays free).
 """

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.hf_tokenizer import GENERATION_CONFIG_FILE, _read_json
+from engine.chat.hf_tokenizer import GENERATION_CONFIG_FILE, _read_json
 from engine.types import CheckpointError, SamplingDefaults, SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

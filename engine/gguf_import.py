@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 import torch
 
-from engine.hf_tokenizer import END_OF_GENERATION_SPELLINGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from engine.chat.hf_tokenizer import END_OF_GENERATION_SPELLINGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from engine.types import CheckpointError
 
 if TYPE_CHECKING:

@@ -100,7 +100,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
 def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):
     """Llama descriptors keep their hand-written formats; "hf" checkpoints (and any model served
     with --chat-template) render the checkpoint's Jinja template."""
-    from engine.chat_format import make_chat_format
+    from engine.chat.format import make_chat_format
     from engine.checkpoint import check_tokenizer_vocab
     from engine.file_guard import guard_tree
     from engine.tokenizer import load_tokenizer
@@ -112,7 +112,7 @@ def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | N
     tokenizer = load_tokenizer(checkpoint.family, tokenizer_path)
     check_tokenizer_vocab(checkpoint, tokenizer.vocab_size)
     if checkpoint.family == "hf" or chat_template_path is not None:
-        from engine.jinja_chat import load_chat_format
+        from engine.chat.jinja import load_chat_format
 
         return tokenizer, load_chat_format(checkpoint.checkpoint_dir, tokenizer, chat_template_path)
     return tokenizer, make_chat_format(checkpoint.family, tokenizer)

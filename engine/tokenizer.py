@@ -433,7 +433,7 @@ def load_tokenizer(family: Family, path: Path) -> Tokenizer:
     path = Path(path)
     if family == "hf":
         try:
-            from engine.hf_tokenizer import load_hf_tokenizer
+            from engine.chat.hf_tokenizer import load_hf_tokenizer
         except ImportError as exc:
             raise CheckpointError(f"{path}: HF tokenizers are not available in this build ({exc})") from exc
         return load_hf_tokenizer(path)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Iterable, Literal, Protocol
 
 if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of engine internals
-    from engine.chat_format import ChatFormat
+    from engine.chat.format import ChatFormat
     from engine.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -10,8 +10,9 @@ one loaded engine (a `_LoadedEngine`) for as long as it runs, so that:
 - unregister, eviction and a dead engine (`EngineClient.is_dead`, retired by the next lease)
   never cut a running request: a retired engine shuts down when drained.
 
-Memory: with a budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it
-starts and gives it back only once its engine has shut down. A load that does not fit waits for
+Memory (server/memory_budget.py does the arithmetic; the registry retires what it chooses): with a
+budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it starts and gives it
+back only once its engine has shut down. A load that does not fit waits for
 retired engines to drain, then may replace the old engine of the same id in place, then (if
 `evict_idle_lru`) evicts idle models, least recently used first; otherwise it fails with
 507 `memory_budget_exceeded` (a capacity problem of this server, not a malformed request), and
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -45,6 +47,7 @@ from aiohttp import web
 
 from engine.types import CheckpointError, EngineClient, InvalidRequest
 from server.errors import ApiError
+from server.memory_budget import BudgetExceeded, MemoryBudget, Reservation
 from server.model_spec import EngineFactory, ModelSpec
 from server.paths import check_checkpoint_dir, find_checkpoint_dir, redact_paths, shown_path
 
@@ -88,25 +91,6 @@ class LifecycleStats:
     memory_budget_bytes: int | None
 
 
-class _BudgetExceeded(Exception):
-    """A load that cannot fit in the memory budget now."""
-
-
-class _Reservation:
-    """Bytes of the budget held by one engine, from before its load until after its shutdown."""
-
-    def __init__(self, registry: ModelRegistry, num_bytes: int) -> None:
-        self._registry = registry
-        self.num_bytes = num_bytes
-        self.draining = False  # its engine is retired: the bytes come back without anyone acting
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._registry._on_release(self)
-
-
 @dataclass(eq=False, slots=True)
 class _LoadedEngine:
     """One loaded engine and the leases on it."""
@@ -114,7 +98,7 @@ class _LoadedEngine:
     owner: _Entry
     engine: EngineClient
     spec: ModelSpec
-    reservation: _Reservation
+    reservation: Reservation
     load_time_s: float
     leases: int = 0
     retired: bool = False
@@ -174,13 +158,10 @@ class ModelRegistry:
     ) -> None:
         self._factory = factory
         self.checkpoint_roots = list(checkpoint_roots)
-        self._budget_bytes = memory_budget_bytes
-        self._evict_idle_lru = evict_idle_lru
+        self._budget = MemoryBudget(memory_budget_bytes, evict_idle_lru=evict_idle_lru)
         self._load_wait_timeout_s = load_wait_timeout_s
         self._descriptor_resolver = descriptor_resolver
         self._entries: dict[str, _Entry] = {}
-        self._reservations: set[_Reservation] = set()
-        self._memory_freed = asyncio.Event()
         self._shutdowns: set[asyncio.Task] = set()
         self._closed = False
         self._loads_total = 0
@@ -307,12 +288,13 @@ class ModelRegistry:
 
     async def _load_task(self, entry: _Entry, spec: ModelSpec) -> None:
         started_s = time.monotonic()
-        reservation: _Reservation | None = None
+        reservation: Reservation | None = None
         try:
             # Inline: the estimate reads metadata (params.json), not weights; on the loop, loads are
             # admitted in the order they were asked for.
             need_bytes = self._factory.estimate_memory_bytes(spec)
-            reservation = await self._admit(entry, need_bytes)
+            make_room = functools.partial(self._make_room, entry)
+            reservation = await self._budget.admit(entry.model_id, need_bytes, make_room)
             engine = await self._factory_load(spec, reservation)
         except asyncio.CancelledError:
             if reservation is not None and not reservation.draining:
@@ -348,7 +330,7 @@ class ModelRegistry:
             reservation.num_bytes,
         )
 
-    async def _factory_load(self, spec: ModelSpec, reservation: _Reservation) -> EngineClient:
+    async def _factory_load(self, spec: ModelSpec, reservation: Reservation) -> EngineClient:
         """The factory's load, shielded: if we stop waiting, whatever it builds is shut down later."""
         future = asyncio.ensure_future(self._factory.load(spec))
         try:
@@ -358,7 +340,7 @@ class ModelRegistry:
             await self._discard_when_loaded(future, reservation)
             raise
 
-    async def _discard_when_loaded(self, future: asyncio.Future, reservation: _Reservation) -> None:
+    async def _discard_when_loaded(self, future: asyncio.Future, reservation: Reservation) -> None:
         try:
             engine = await future
         except Exception:  # noqa: BLE001 - an abandoned load failing is of no interest to anyone
@@ -370,7 +352,7 @@ class ModelRegistry:
     def _on_load_failed(self, entry: _Entry, spec: ModelSpec, exc: Exception) -> None:
         self._load_failures_total += 1
         error = _error_of(exc, spec, self.checkpoint_roots)
-        if isinstance(exc, (CheckpointError, InvalidRequest, _BudgetExceeded)):  # others: logged by _error_of
+        if isinstance(exc, (CheckpointError, InvalidRequest, BudgetExceeded)):  # others: logged by _error_of
             log.warning("model %s failed to load from %s: %s", spec.model_id, spec.checkpoint_dir, exc)
         entry.load = None
         if entry.active is not None:
@@ -378,44 +360,20 @@ class ModelRegistry:
             entry.spec = entry.active.spec
             entry.metadata = dict(entry.active.spec.metadata)
             return
-        entry.failure = _Failure(error, retry_on_lease=isinstance(exc, _BudgetExceeded))
+        entry.failure = _Failure(error, retry_on_lease=isinstance(exc, BudgetExceeded))
 
     # ------------------------------------------------------------------ memory budget
-    async def _admit(self, entry: _Entry, need_bytes: int) -> _Reservation:
-        """Reserve `need_bytes`, waiting for draining engines and evicting as configured."""
-        budget = self._budget_bytes
-        if budget is not None and need_bytes > budget:
-            raise _BudgetExceeded(
-                f"model {entry.model_id!r} needs {_gib(need_bytes)} but the whole memory budget is {_gib(budget)}"
-            )
-        while budget is not None and need_bytes > budget - self._reserved_bytes():
-            self._make_room(entry, need_bytes, budget)
-            freed = self._memory_freed
-            await freed.wait()
-        reservation = _Reservation(self, need_bytes)
-        self._reservations.add(reservation)
-        return reservation
-
     def _make_room(self, entry: _Entry, need_bytes: int, budget: int) -> None:
         """Retire what must go for `need_bytes` to fit once draining engines are gone, or raise."""
-        covered = budget - self._reserved_bytes() + sum(r.num_bytes for r in self._reservations if r.draining)
-        if need_bytes <= covered:
-            return  # draining engines will free enough: just wait
-        victims: list[tuple[_Entry, _LoadedEngine]] = []
         own = entry.active
-        if own is not None and not _same_model(own.spec, entry.spec):
-            victims.append((entry, own))  # a hot switch that fits only in place
-            covered += own.reservation.num_bytes
-        if need_bytes > covered and self._evict_idle_lru:
-            for other in sorted(self._idle_entries(exclude=entry), key=lambda e: e.last_used):
-                if need_bytes <= covered:
-                    break
-                assert other.active is not None
-                victims.append((other, other.active))
-                covered += other.active.reservation.num_bytes
-        if need_bytes > covered:
-            raise _BudgetExceeded(self._budget_message(entry.model_id, need_bytes, budget))
-        for owner, slot in victims:
+        in_place = own if own is not None and not _same_model(own.spec, entry.spec) else None
+        idle_lru = [e.active for e in sorted(self._idle_entries(exclude=entry), key=lambda e: e.last_used)]
+        holders = [(e.model_id, e.active.reservation.num_bytes) for e in self._entries.values() if e.active]
+        victims = self._budget.choose_victims(
+            entry.model_id, need_bytes, budget, in_place=in_place, idle_lru=idle_lru, holders=holders
+        )
+        for slot in victims:
+            owner = slot.owner
             if owner is not entry:
                 self._evictions_total += 1
                 log.info("evicting idle model %s to make room for %s", owner.model_id, entry.model_id)
@@ -428,27 +386,6 @@ class ModelRegistry:
             for e in self._entries.values()
             if e is not exclude and e.active is not None and e.active.leases == 0 and e.load is None
         ]
-
-    def _budget_message(self, model_id: str, need_bytes: int, budget: int) -> str:
-        free = max(0, budget - self._reserved_bytes())
-        holders = ", ".join(
-            f"{e.model_id} ({_gib(e.active.reservation.num_bytes)})" for e in self._entries.values() if e.active
-        )
-        hint = "unload one with DELETE /v1/models/{id}"
-        if not self._evict_idle_lru:
-            hint += " or enable eviction of idle models"
-        return (
-            f"model {model_id!r} needs {_gib(need_bytes)} but only {_gib(free)} of the {_gib(budget)} memory budget "
-            f"is free (loaded: {holders or 'none'}); {hint}"
-        )
-
-    def _reserved_bytes(self) -> int:
-        return sum(r.num_bytes for r in self._reservations)
-
-    def _on_release(self, reservation: _Reservation) -> None:
-        self._reservations.discard(reservation)
-        freed, self._memory_freed = self._memory_freed, asyncio.Event()
-        freed.set()
 
     # ------------------------------------------------------------------ leases
     @contextlib.asynccontextmanager
@@ -598,8 +535,8 @@ class ModelRegistry:
             evictions_total=self._evictions_total,
             loaded_models=sum(1 for e in self._entries.values() if e.active is not None),
             loading_models=sum(1 for e in self._entries.values() if e.load is not None),
-            memory_reserved_bytes=self._reserved_bytes(),
-            memory_budget_bytes=self._budget_bytes,
+            memory_reserved_bytes=self._budget.reserved_bytes(),
+            memory_budget_bytes=self._budget.budget_bytes,
         )
 
     async def close(self) -> None:
@@ -678,7 +615,7 @@ def _error_of(exc: BaseException, spec: ModelSpec, roots: list[Path]) -> ApiErro
     without the server's absolute paths; an unexpected failure only says where to look."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, _BudgetExceeded):
+    if isinstance(exc, BudgetExceeded):
         return ApiError(507, str(exc), code="memory_budget_exceeded")
     if isinstance(exc, (CheckpointError, InvalidRequest)):
         message = f"cannot load model {spec.model_id!r}: {redact_paths(str(exc), [spec.checkpoint_dir], roots)}"
@@ -714,8 +651,3 @@ def _needs_load(entry: _Entry) -> bool:
     """Nothing serves the registered spec yet (unloaded, or a hot switch pending)."""
     return entry.active is None or not _same_model(entry.active.spec, entry.spec)
 
-
-def _gib(num_bytes: int) -> str:
-    if num_bytes >= 1 << 30:
-        return f"{num_bytes / (1 << 30):.2f} GiB ({num_bytes} bytes)"
-    return f"{num_bytes} bytes"

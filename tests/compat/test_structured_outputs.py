@@ -108,7 +108,7 @@ def test_response_format_type_is_checked_at_decode():
 
 
 def test_forced_calls_stream_their_arguments_in_pieces():
-    from engine.tool_parser import JsonCallStreamParser
+    from engine.chat.tool_parser import JsonCallStreamParser
 
     text = '[{"name": "weather", "arguments": {"city": "x}\\"{", "days": [1, {"n": 2}]}}, {"name": "time", "arguments": {}}]'
     ids = iter(f"call_{i}" for i in range(100))

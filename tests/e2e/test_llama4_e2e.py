@@ -130,7 +130,7 @@ def recorded_prompts(server):
 def expected_prompt(messages) -> list[int]:
     """Our Llama 4 chat format (token for token against hand-built sequences in
     tests/engine/test_chat_format_llama4.py) on the same dialog."""
-    from engine.chat_format import make_chat_format
+    from engine.chat.format import make_chat_format
     from engine.tokenizer import llama4_tokenizer
     from engine.types import ChatMessage, ToolCall, ToolDefinition
 
@@ -144,7 +144,7 @@ def expected_prompt(messages) -> list[int]:
 
 
 def test_multi_turn_tool_calls_through_the_openai_api(server):
-    from engine.chat_formats.llama4 import TOOLS_SYSTEM_PROMPT
+    from engine.chat.llama4 import TOOLS_SYSTEM_PROMPT
     from engine.tokenizer import llama4_tokenizer
 
     tok = llama4_tokenizer(llama_models_file("llama4/tokenizer.model"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_format import make_chat_format
+from engine.chat.format import make_chat_format
 from engine.types import ChatMessage, InvalidRequest, ToolCall, ToolDefinition
 from tests.engine.tokenizer_fixtures import tiny_llama2
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.chat_format import make_chat_format
+from engine.chat.format import make_chat_format
 from engine.types import ChatMessage, InvalidRequest, ToolCall, ToolDefinition
 from tests.engine.tokenizer_fixtures import llama_models_file, real_llama3
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine.chat_format import make_chat_format
-from engine.chat_formats.llama4 import TOOLS_SYSTEM_PROMPT
+from engine.chat.format import make_chat_format
+from engine.chat.llama4 import TOOLS_SYSTEM_PROMPT
 from engine.types import ChatMessage, InvalidRequest, ToolCall, ToolDefinition
 from tests.engine.tokenizer_fixtures import real_llama4
 

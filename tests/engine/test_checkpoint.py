@@ -371,7 +371,7 @@ def test_files_are_rechecked_at_open_time_inside_symlinked_dirs(tmp_path, tiny_c
 
 
 def test_tokenizer_json_with_hostile_token_ids_is_refused(tmp_path):
-    from engine.hf_tokenizer import MAX_VOCAB_SIZE, load_hf_tokenizer
+    from engine.chat.hf_tokenizer import MAX_VOCAB_SIZE, load_hf_tokenizer
     from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_level_tokenizer_json, write_checkpoint_tokenizer
 
     spec = json.loads(byte_level_tokenizer_json())

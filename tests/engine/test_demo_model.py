@@ -64,7 +64,7 @@ def demo_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_dir):
-    from engine.hf_tokenizer import load_hf_tokenizer
+    from engine.chat.hf_tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(demo_dir)
 
@@ -117,7 +117,7 @@ def test_tokenizer_metadata(demo_tokenizer):
 def test_chatml_prompt_tokens(demo_dir, demo_tokenizer):
     from tokenizers import Tokenizer as RustTokenizer
 
-    from engine.jinja_chat import load_chat_format
+    from engine.chat.jinja import load_chat_format
 
     fmt = load_chat_format(demo_dir, demo_tokenizer)
     dialog = [ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello!"), ChatMessage("user", "What is 12+30?")]

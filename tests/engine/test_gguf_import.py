@@ -20,7 +20,7 @@ import torch
 
 from engine.checkpoint import ModelArgs, resolve_checkpoint
 from engine.gguf_import import ffn_params, import_gguf, main
-from engine.hf_tokenizer import gpt2_byte_decoder, load_hf_tokenizer
+from engine.chat.hf_tokenizer import gpt2_byte_decoder, load_hf_tokenizer
 from engine.types import CheckpointError
 
 gguf = pytest.importorskip("gguf")
@@ -377,7 +377,7 @@ def test_llama3_pre_tokenizer_matches_tiktoken():
     """tokenizer.ggml.pre = "llama-bpe" (Llama 3 GGUFs): the tokenizer.json we build encodes as
     Llama 3's own tiktoken tokenizer does."""
     from engine.gguf_import import PRE_TOKENIZERS, _tokenizer_json
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.chat.hf_tokenizer import HFTokenizer
     from engine.tokenizer import llama3_special_tokens, load_tiktoken_ranks, load_tokenizer
     from tests.engine.tokenizer_fixtures import llama_models_file
 

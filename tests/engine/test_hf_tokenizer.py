@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.hf_tokenizer import HFTokenizer, gpt2_byte_decoder, load_hf_tokenizer
+from engine.chat.hf_tokenizer import HFTokenizer, gpt2_byte_decoder, load_hf_tokenizer
 from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.types import CheckpointError
 

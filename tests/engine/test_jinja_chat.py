@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.jinja_chat import MAX_RENDERED_CHARS, JinjaChatFormat, load_chat_format
+from engine.chat.jinja import MAX_RENDERED_CHARS, JinjaChatFormat, load_chat_format
 from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolCall, ToolDefinition
 from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_id, byte_level_tokenizer_json, write_checkpoint_tokenizer
 
@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
-    from engine.hf_tokenizer import load_hf_tokenizer
+    from engine.chat.hf_tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(checkpoint)
 
@@ -188,7 +188,7 @@ def test_checkpoint_without_template(tmp_path, tokenizer):
 
 
 def test_protocol_attributes(chatml, tokenizer):
-    from engine.chat_format import ChatFormat
+    from engine.chat.format import ChatFormat
 
     assert chatml.family == "hf" and chatml.tokenizer is tokenizer
     assert chatml.supports_tools is False and chatml.parser_needs_special_tokens is False  # ChatML ignores tools
@@ -270,7 +270,7 @@ def test_override_on_a_llama3_tokenizer(tmp_path):
 def test_a_template_looping_without_output_is_stopped_at_the_render_deadline(tokenizer, monkeypatch):
     """Issue 16: loops over a prebuilt list draw from no budget and yield no text; the deadline
     (checked by a trace function inside template code) still ends them."""
-    import engine.jinja_chat as jinja_chat
+    import engine.chat.jinja as jinja_chat
 
     monkeypatch.setattr(jinja_chat, "MAX_RENDER_S", 0.2)
     loop = "{% for x in xs %}"

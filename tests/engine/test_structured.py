@@ -38,7 +38,7 @@ REGEX = r"[a-c]{2,5}-[0-9]{2}"
 
 
 def hf_byte_level():
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.chat.hf_tokenizer import HFTokenizer
     from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_level_tokenizer_json
 
     return HFTokenizer(byte_level_tokenizer_json(), CHATML_CONFIG, source="test")

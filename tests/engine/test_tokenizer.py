@@ -260,13 +260,13 @@ def test_missing_or_broken_files_raise_checkpoint_errors(tmp_path):
 def test_hf_family_dispatches_to_the_hf_module(monkeypatch, tmp_path):
     import types
 
-    fake = types.ModuleType("engine.hf_tokenizer")
+    fake = types.ModuleType("engine.chat.hf_tokenizer")
     fake.load_hf_tokenizer = lambda path: ("hf", path)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.hf_tokenizer", fake)
+    monkeypatch.setitem(sys.modules, "engine.chat.hf_tokenizer", fake)
     assert load_tokenizer("hf", tmp_path) == ("hf", tmp_path)
 
 
 def test_hf_family_without_the_hf_module_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "engine.hf_tokenizer", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "engine.chat.hf_tokenizer", None)  # import raises ImportError
     with pytest.raises(CheckpointError, match="HF tokenizers are not available"):
         load_tokenizer("hf", tmp_path)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.chat_format import make_chat_format
+from engine.chat.format import make_chat_format
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tool_parser import (
+from engine.chat.tool_parser import (
     ContentOnlyParser,
     ParsedOutput,
     ToolCallParser,

@@ -39,7 +39,7 @@ class ScriptedTokenEngine:
     """EngineClient whose outputs are scripted token ids, decoded as the real engine decodes them."""
 
     def __init__(self, tokenizer, script: Callable[[], tuple[list[list[int]], int]]) -> None:
-        from engine.chat_formats.llama3 import Llama3ChatFormat
+        from engine.chat.llama3 import Llama3ChatFormat
 
         self.model_id = "llama"
         self.max_seq_len = 4096

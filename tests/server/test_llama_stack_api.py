@@ -9,7 +9,7 @@ import json
 import pytest
 
 from compat import llama_stack as ls
-from engine.chat_formats.common import tool_definitions_json
+from engine.chat.common import tool_definitions_json
 from engine.types import ToolDefinition
 from tests.engine.tokenizer_fixtures import real_llama3, real_llama4
 from tests.server.test_api import sse_events
@@ -28,8 +28,8 @@ GREEDY = {"strategy": {"type": "greedy"}, "max_tokens": 32}
 
 
 def engine_for(family: str, script) -> ScriptedTokenEngine:
-    from engine.chat_formats.llama3 import Llama3ChatFormat
-    from engine.chat_formats.llama4 import Llama4ChatFormat
+    from engine.chat.llama3 import Llama3ChatFormat
+    from engine.chat.llama4 import Llama4ChatFormat
 
     tokenizer = real_llama4() if family == "llama4" else real_llama3()
     engine = ScriptedTokenEngine(tokenizer, script)

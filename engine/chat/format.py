@@ -3,7 +3,7 @@ and the parser that turns the generated text back into content and tool calls.
 
 A prompt is built as a token list: message text is encoded as text (a user who types
 `<|eot_id|>` gets those characters, not the control token) and control tokens are appended by
-id. One module per family lives in engine/chat_formats/.
+id. One module per family lives in engine/chat/.
 
 For the server (compat):
 - `encode_dialog` raises engine.types.InvalidRequest, with `param`, for what the family cannot
@@ -12,7 +12,7 @@ For the server (compat):
 - `parser_needs_special_tokens`: when True and the request offers tools, generate with
   SamplingParams.skip_special_tokens=False, so that the output parser sees the tags tool calls
   come with (`<|python_tag|>`, `<|python_start|>`); the parser keeps them out of the content.
-- `output_parser(tools)` returns a fresh engine.tool_parser.OutputParser per choice.
+- `output_parser(tools)` returns a fresh engine.chat.tool_parser.OutputParser per choice.
 - OpenAI `name` fields have no place in Llama prompts and are not rendered (as in Meta's and
   HF's formats); the `developer` role arrives here as `system`.
 """
@@ -23,7 +23,7 @@ import datetime as dt
 from typing import Callable, Protocol, Sequence
 
 from engine.tokenizer import Tokenizer
-from engine.tool_parser import ContentOnlyParser, OutputParser
+from engine.chat.tool_parser import ContentOnlyParser, OutputParser
 from engine.types import CheckpointError, ChatMessage, Family, ToolDefinition
 
 
@@ -44,9 +44,9 @@ def make_chat_format(
     family: Family, tokenizer: Tokenizer, *, today: Callable[[], dt.date] | None = None
 ) -> ChatFormat:
     """The chat format of a Llama family; `today` dates Llama 3.1's system prompt (tests pin it)."""
-    from engine.chat_formats.llama2 import Llama2ChatFormat
-    from engine.chat_formats.llama3 import Llama3ChatFormat, utc_today
-    from engine.chat_formats.llama4 import Llama4ChatFormat
+    from engine.chat.llama2 import Llama2ChatFormat
+    from engine.chat.llama3 import Llama3ChatFormat, utc_today
+    from engine.chat.llama4 import Llama4ChatFormat
 
     versions = {"llama3": "3", "llama3_1": "3.1", "llama3_2": "3.2", "llama3_3": "3.3"}
     if family in versions:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.chat_formats.common import check_dialog, check_tools
+from engine.chat.common import check_dialog, check_tools
 from engine.tokenizer import Tokenizer
-from engine.tool_parser import ContentOnlyParser, OutputParser
+from engine.chat.tool_parser import ContentOnlyParser, OutputParser
 from engine.types import ChatMessage, InvalidRequest, ToolDefinition
 
 B_INST, E_INST = "[INST]", "[/INST]"

@@ -21,7 +21,7 @@ import datetime as dt
 import json
 from typing import Callable, Literal, Sequence
 
-from engine.chat_formats.common import (
+from engine.chat.common import (
     Dialog,
     HeaderTurns,
     PromptBuilder,
@@ -32,7 +32,7 @@ from engine.chat_formats.common import (
     tool_definitions_json,
 )
 from engine.tokenizer import Tokenizer
-from engine.tool_parser import CODE_INTERPRETER, ContentOnlyParser, OutputParser, make_output_parser
+from engine.chat.tool_parser import CODE_INTERPRETER, ContentOnlyParser, OutputParser, make_output_parser
 from engine.types import ChatMessage, InvalidRequest, ToolDefinition
 
 Version = Literal["3", "3.1", "3.2", "3.3"]

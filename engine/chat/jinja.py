@@ -28,7 +28,7 @@ from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolCall,
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
-    from engine.tool_parser import OutputParser, ParsedDelta, ParsedOutput
+    from engine.chat.tool_parser import OutputParser, ParsedDelta, ParsedOutput
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 MAX_RENDERED_CHARS = 8_000_000  # a template that loops into megabytes of text is stopped there
@@ -344,7 +344,7 @@ class JinjaChatFormat:
         """Content only without tools. With tools: `<tool_call>{json}</tool_call>` blocks when the
         template teaches them (Hermes, Qwen, SmolLM3), else the JSON / pythonic / <function=...>
         parser. Either way a call is recognised only for an offered tool."""
-        from engine.tool_parser import make_output_parser
+        from engine.chat.tool_parser import make_output_parser
 
         if tools and TOOL_CALL_OPEN in self.template_text:
             return TaggedToolCallParser(tools)
@@ -367,7 +367,7 @@ class TaggedToolCallParser:
         self._calls: list[ToolCall] = []
 
     def push(self, text_delta: str) -> "ParsedDelta":
-        from engine.tool_parser import ParsedDelta
+        from engine.chat.tool_parser import ParsedDelta
 
         out = ParsedDelta()
         self._held += text_delta
@@ -388,7 +388,7 @@ class TaggedToolCallParser:
         return out
 
     def finish(self, stop_token_id: int | None) -> "ParsedOutput":
-        from engine.tool_parser import ParsedDelta, ParsedOutput
+        from engine.chat.tool_parser import ParsedDelta, ParsedOutput
 
         if self._held.startswith(TOOL_CALL_OPEN):  # a block the model never closed
             self._close_block(ParsedDelta(), self._held)
@@ -405,7 +405,7 @@ class TaggedToolCallParser:
             self._content.append(text)
 
     def _close_block(self, out: "ParsedDelta", block: str) -> None:
-        from engine.tool_parser import ToolCallDelta, parse_output
+        from engine.chat.tool_parser import ToolCallDelta, parse_output
 
         inner = block[len(TOOL_CALL_OPEN) :].removesuffix(TOOL_CALL_CLOSE).strip()
         try:
@@ -475,7 +475,7 @@ class NoChatTemplate:
         raise InvalidRequest(self.message, param="messages")
 
     def output_parser(self, tools: Sequence[ToolDefinition]) -> "OutputParser":
-        from engine.tool_parser import make_output_parser
+        from engine.chat.tool_parser import make_output_parser
 
         return make_output_parser(tools)
 
@@ -485,7 +485,7 @@ def load_chat_format(
 ) -> JinjaChatFormat | NoChatTemplate:
     """The checkpoint's chat format: `override_template_path` (the server's --chat-template) first,
     then chat_template.jinja / chat_template.json, then tokenizer_config.json's chat_template."""
-    from engine.hf_tokenizer import read_tokenizer_config
+    from engine.chat.hf_tokenizer import read_tokenizer_config
 
     checkpoint_dir = Path(checkpoint_dir)
     config = read_tokenizer_config(checkpoint_dir) if checkpoint_dir.is_dir() else {}

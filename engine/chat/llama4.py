@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.chat_formats.common import Dialog, HeaderTurns, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
+from engine.chat.common import Dialog, HeaderTurns, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
 from engine.tokenizer import Tokenizer
-from engine.tool_parser import OutputParser, make_output_parser
+from engine.chat.tool_parser import OutputParser, make_output_parser
 from engine.types import ChatMessage, ToolDefinition
 
 TOOLS_SYSTEM_PROMPT = (
