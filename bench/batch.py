@@ -14,9 +14,9 @@ the same number of tokens). Each is sent four ways and timed end to end:
 4. concurrent requests, at most --concurrency in flight.
 Reported: wall time, output tokens/s, and each mode's speedup over one at a time. Then online time
 to first token (streamed completions, one at a time, --ttft-probes of them) on the idle server, while
-a Batch API batch runs (items run below online priority, at most --batch-max-in-flight of them in
-the engine), and while a `/v1/batch/completions` request of the same prompts runs (same priority
-as online). Numbers on a shared machine are noisy.
+a Batch API batch runs (items run below online priority and are preempted for online requests; at
+most --batch-max-in-flight of them in the engine, by default enough to fill it), and while a
+`/v1/batch/completions` request of the same prompts runs (same priority as online). Numbers on a shared machine are noisy.
 """
 
 from __future__ import annotations
