@@ -105,20 +105,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         may_admit = True
+        urgent_prefill = False
         for level in sorted({s.priority for s in self.running} | {s.priority for s in self.waiting}):
             preempted_before = self.num_preempted_total
-            budget = self._schedule_running(batch, budget, scheduled, level)
+            # While a more urgent level prefills, less urgent ones only decode: their prefill
+            # chunks would lengthen the step that brings the urgent request's first token.
+            budget = self._schedule_running(batch, budget, scheduled, level, decodes_only=urgent_prefill)
             # Admitting while preempting would only thrash; and a level's head that could not be
             # admitted keeps every less urgent request out too (FCFS within and across levels).
-            may_admit = may_admit and self.num_preempted_total == preempted_before
+            may_admit = may_admit and not urgent_prefill and self.num_preempted_total == preempted_before
             if may_admit:
                 budget, may_admit = self._admit(batch, budget, level)
                 may_admit = may_admit and self.num_preempted_total == preempted_before
+            urgent_prefill = any(seq.num_uncomputed_tokens > 1 for seq in batch.seqs)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int, scheduled: set[int], level: int) -> int:
+    def _schedule_running(
+        self, batch: ScheduledBatch, budget: int, scheduled: set[int], level: int, *, decodes_only: bool
+    ) -> int:
         """Schedule the running sequences of one priority level, decodes first; the budget left."""
-        for decodes in (True, False):  # decodes first: prefill chunks take what budget is left
+        for decodes in (True,) if decodes_only else (True, False):  # prefill chunks take what budget is left
             for seq in list(self.running):
                 if len(batch.seqs) >= self.max_batch_size or budget == 0:
                     break
@@ -203,7 +209,7 @@ class Scheduler:
             victim = self.running[-1] if self.running else None
             if victim is None or victim.priority <= seq.priority:
                 return None
-            if has_slot and not self._frees_enough(seq, cached):
+            if not self._frees_enough(seq, cached):
                 return None  # preempting every less urgent sequence would not make room: keep them
             self._preempt(victim)
 

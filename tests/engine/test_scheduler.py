@@ -376,18 +376,27 @@ def test_no_preemption_of_equal_or_more_urgent_sequences(running_priority, arriv
 
 
 def test_online_prefill_takes_the_token_budget_before_batch_prefill():
-    h = Harness(max_num_batched_tokens=8, max_seq_len=64)
+    h = Harness(max_num_batched_tokens=10, max_seq_len=64)
+    decoding = h.add(prompt(3, 7), rid="decoding", priority=BATCH, max_tokens=8)
     long_batch = h.add(prompt(40), rid="batch", priority=BATCH, max_tokens=3)
-    h.step()  # the batch prompt's first chunk: 8 of 40 tokens
+    h.step()  # the short prompt, and 7 of the long one
+    h.step()  # a decode, and 9 more of the long prompt
     online = h.add(prompt(12, 5), rid="online", priority=ONLINE, max_tokens=3)
+    queued = h.add(prompt(3, 9), rid="queued", priority=BATCH, max_tokens=2)
     batch = h.sched.schedule()
-    assert batch.seqs == [online] and batch.num_new_tokens == [8]  # the batch chunk waits a step
+    assert batch.seqs == [online] and batch.num_new_tokens == [10]  # the online chunk first, the whole budget
     h.execute(batch)
+    # While the online prompt prefills, batch sequences only decode: no batch prefill chunk and no
+    # batch admission lengthens the step that brings its first token.
     batch = h.sched.schedule()
-    assert batch.seqs == [online, long_batch] and batch.num_new_tokens == [4, 4]
-    assert h.sched.num_preempted_total == 0  # budget order, not preemption
+    assert batch.seqs == [online, decoding] and batch.num_new_tokens == [2, 1]
     h.execute(batch)
-    run_to_reference(h, {"batch": (prompt(40), 3), "online": (prompt(12, 5), 3)})
+    batch = h.sched.schedule()  # the online request decodes: batch prefill chunks resume
+    assert batch.seqs == [online, decoding, long_batch] and batch.num_new_tokens == [1, 1, 8]
+    assert queued.status is SequenceStatus.WAITING and h.sched.num_preempted_total == 0  # budget order only
+    h.execute(batch)
+    run_to_reference(h, {"batch": (prompt(40), 3), "decoding": (prompt(3, 7), 8), "online": (prompt(12, 5), 3),
+                         "queued": (prompt(3, 9), 2)})
 
 
 def test_no_preemption_when_freeing_every_batch_sequence_would_not_make_room():
@@ -395,6 +404,7 @@ def test_no_preemption_when_freeing_every_batch_sequence_would_not_make_room():
     h.add(prompt(20), rid="online0", priority=ONLINE, max_tokens=4)  # 5 blocks, 6 once it decodes
     small = h.add(prompt(3, 4), rid="batch", priority=BATCH, max_tokens=6)  # 1 block, 3 free
     h.step()
+    h.step()  # admitted once online0's prompt is done
     big = h.add(prompt(16, 8), rid="online1", priority=ONLINE, max_tokens=4)  # 4 blocks: 1 free + 1 freeable
     h.step()
     assert small.num_preemptions == 0 and small.status is SequenceStatus.RUNNING
