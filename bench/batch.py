@@ -13,10 +13,11 @@ the same number of tokens). Each is sent four ways and timed end to end:
 3. one request at a time (the first --sequential-limit prompts; its tokens/s is what counts);
 4. concurrent requests, at most --concurrency in flight.
 Reported: wall time, output tokens/s, and each mode's speedup over one at a time. Then online time
-to first token (streamed completions, one at a time, --ttft-probes of them) on the idle server, while
-a Batch API batch runs (items run below online priority, at most --batch-max-in-flight of them in
-the engine), and while a `/v1/batch/completions` request of the same prompts runs (same priority
-as online). Numbers on a shared machine are noisy.
+to first token (streamed completions, one at a time, up to --ttft-probes of them; under a load only
+those sent while it still runs, so the table gives their count) on the idle server, while
+a Batch API batch runs (items run below online priority and are preempted for online requests; at
+most --batch-max-in-flight of them in the engine, by default enough to fill it), and while a
+`/v1/batch/completions` request of the same prompts runs (same priority as online). Numbers on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ TINY_DESCRIPTOR = "Llama3.2-1B-Instruct"  # the tiny checkpoint's family (tokeni
 READY_TIMEOUT_S = 600.0
 BATCH_TIMEOUT_S = 3600.0
 POLL_S = 0.1
+Load = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[bool]]]  # a background load: (stop it, is it over)
 
 
 # --------------------------------------------------------------------------- workload
@@ -183,19 +185,26 @@ class Bench:
                 raise RuntimeError("TTFT probe: no token streamed")
         return first_s
 
-    async def probes(self, session: aiohttp.ClientSession, label: str, offset: int) -> list[float]:
-        prompts = eval_prompts(offset + self.args.ttft_probes)[offset:]
-        return [await self.ttft_s(session, p) for p in tqdm(prompts, desc=f"TTFT {label}", leave=False)]
+    async def probes(self, session: aiohttp.ClientSession, label: str, offset: int,
+                     finished: Callable[[], Awaitable[bool]] | None = None) -> list[float]:
+        """TTFT samples, one at a time; with `finished`, only while the load still runs (later
+        probes would measure an idle server)."""
+        samples = []
+        for prompt in tqdm(eval_prompts(offset + self.args.ttft_probes)[offset:], desc=f"TTFT {label}", leave=False):
+            if finished is not None and await finished():
+                break
+            samples.append(await self.ttft_s(session, prompt))
+        return samples
 
     async def probes_under(self, session: aiohttp.ClientSession, label: str, offset: int,
-                           start_load: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> list[float]:
-        stop = await start_load()
+                           start_load: Callable[[], Awaitable[Load]]) -> list[float]:
+        stop, finished = await start_load()
         try:
-            return await self.probes(session, label, offset)
+            return await self.probes(session, label, offset, finished)
         finally:
             await stop()
 
-    async def running_batch(self, session: aiohttp.ClientSession, prompts: list[str]) -> Callable[[], Awaitable[None]]:
+    async def running_batch(self, session: aiohttp.ClientSession, prompts: list[str]) -> Load:
         batch_id = await self.submit_batch(session, prompts)
         while (await self._get(session, f"/v1/batches/{batch_id}"))["status"] == "validating":
             await asyncio.sleep(POLL_S)
@@ -207,9 +216,9 @@ class Bench:
 
         async def stop() -> None:
             await self._post(session, f"/v1/batches/{batch_id}/cancel")
-        return stop
+        return stop, finished
 
-    async def running_batch_endpoint(self, session: aiohttp.ClientSession, prompts: list[str]) -> Callable[[], Awaitable[None]]:
+    async def running_batch_endpoint(self, session: aiohttp.ClientSession, prompts: list[str]) -> Load:
         body = {"model": self.model, "prompts": prompts, "max_tokens": self.args.max_tokens, "temperature": 0,
                 "ignore_eos": True}
         task = asyncio.create_task(self._post(session, "/v1/batch/completions", json=body))
@@ -222,7 +231,7 @@ class Bench:
         async def stop() -> None:
             task.cancel()  # the client leaves: the server aborts the rest
             await asyncio.gather(task, return_exceptions=True)
-        return stop
+        return stop, finished
 
     async def wait_running(self, finished: Callable[[], Awaitable[bool]]) -> None:
         """Until the engine has requests running (read from /metrics), or the load is already over."""
@@ -249,9 +258,12 @@ def report(results: list[Result], ttfts: dict[str, list[float]]) -> None:
         print(f"{r.name:44} {r.num_prompts:7d} {r.wall_s:8.2f} {r.tokens_per_s:10.1f} "
               f"{r.tokens_per_s / baseline.tokens_per_s:7.2f}x")
     idle = percentile(ttfts["idle server"], 50)
-    print(f"\n{'online TTFT':44} {'p50 ms':>8} {'p99 ms':>8} {'p50 vs idle':>12}")
+    print(f"\n{'online TTFT':44} {'probes':>7} {'p50 ms':>8} {'p99 ms':>8} {'p50 vs idle':>12}")
     for label, values in ttfts.items():
-        print(f"{label:44} {1000 * percentile(values, 50):8.1f} {1000 * percentile(values, 99):8.1f} "
+        if not values:  # the load was over before the first probe: a larger --prompts keeps it running
+            print(f"{label:44} {0:7d} {'-':>8} {'-':>8} {'-':>12}")
+            continue
+        print(f"{label:44} {len(values):7d} {1000 * percentile(values, 50):8.1f} {1000 * percentile(values, 99):8.1f} "
               f"{percentile(values, 50) / idle:11.2f}x")
 
 

@@ -174,6 +174,7 @@ class EngineCore:
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             num_preempted_total=scheduler.num_preempted_total,
+            num_preempted_by_priority=dict(scheduler.num_preempted_by_priority),
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
             prefix_cache_queries_total=pool.prefix_queries_tokens,

@@ -1,10 +1,14 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
 One rule covers prefill, chunked prefill, prefix-cache hits and resume after preemption: every
-scheduled sequence gets min(num_tokens - num_computed_tokens, budget left) tokens. Running decodes
-go first so a long prompt never stalls them, then running prefill chunks, then admissions. Queues
-are ordered by (priority, arrival, seq_id): FCFS among equals, lower priority values first; the
+scheduled sequence gets min(num_tokens - num_computed_tokens, budget left) tokens. Queues are
+ordered by (priority, arrival, seq_id): FCFS among equals, lower priority values first; the
 sequence at the back of the running queue is the one preempted when blocks run out.
+Priority levels are served in turn, most urgent first; within a level running decodes go first so
+a long prompt never stalls them, then running prefill chunks, then admissions. So an urgent
+(online) prefill takes the token budget before less urgent (batch) work does, and an urgent
+request that finds no sequence slot or KV room preempts less urgent running sequences, latest
+first, to be admitted at once; a request never preempts one of its own or a more urgent level.
 Plain Python over ints: no torch, no numpy.
 """
 
@@ -50,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by _order; the last one is preempted first
         self._by_request: dict[str, Sequence] = {}
         self.num_preempted_total = 0
+        self.num_preempted_by_priority: dict[int, int] = {}  # priority -> preemptions, for /metrics
 
     # ------------------------------------------------------------------ queues
     @property
@@ -100,12 +105,33 @@ class Scheduler:
         batch = ScheduledBatch(seqs=[], num_new_tokens=[])
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        preempted_before = self.num_preempted_total
-        for decodes in (True, False):  # decodes first: prefill chunks take what budget is left
+        may_admit = True
+        urgent_prefill = False
+        for level in sorted({s.priority for s in self.running} | {s.priority for s in self.waiting}):
+            preempted_before = self.num_preempted_total
+            # While a more urgent level prefills, less urgent ones only decode: their prefill
+            # chunks would lengthen the step that brings the urgent request's first token.
+            budget = self._schedule_running(batch, budget, scheduled, level, decodes_only=urgent_prefill)
+            # Admitting while preempting would only thrash; and a level's head that could not be
+            # admitted keeps every less urgent request out too (FCFS within and across levels).
+            may_admit = may_admit and not urgent_prefill and self.num_preempted_total == preempted_before
+            if may_admit:
+                budget, may_admit = self._admit(batch, budget, level)
+                may_admit = may_admit and self.num_preempted_total == preempted_before
+            urgent_prefill = any(seq.num_uncomputed_tokens > 1 for seq in batch.seqs)
+        return batch
+
+    def _schedule_running(
+        self, batch: ScheduledBatch, budget: int, scheduled: set[int], level: int, *, decodes_only: bool
+    ) -> int:
+        """Schedule the running sequences of one priority level, decodes first; the budget left."""
+        for decodes in (True,) if decodes_only else (True, False):  # prefill chunks take what budget is left
             for seq in list(self.running):
                 if len(batch.seqs) >= self.max_batch_size or budget == 0:
                     break
-                if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decodes:
+                if seq.priority != level or seq.status is not SequenceStatus.RUNNING:
+                    continue
+                if (seq.num_uncomputed_tokens == 1) != decodes:
                     continue
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled):
@@ -114,9 +140,7 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 scheduled.add(seq.seq_id)
                 budget -= num_new
-        if self.num_preempted_total == preempted_before:  # admitting while preempting would only thrash
-            self._admit(batch, budget)
-        return batch
+        return budget
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Allocate blocks for seq, preempting from the back of the running queue until they fit.
@@ -139,24 +163,23 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preempted_total += 1
+        self.num_preempted_by_priority[seq.priority] = self.num_preempted_by_priority.get(seq.priority, 0) + 1
         bisect.insort(self.waiting, seq, key=_order)
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            if len(batch.seqs) >= self.max_batch_size:
-                return
+    def _admit(self, batch: ScheduledBatch, budget: int, level: int) -> tuple[int, bool]:
+        """Admit waiting sequences of one priority level in order; the budget left, and False when
+        the level's head had to stay (so nothing less urgent may pass it)."""
+        while self.waiting and self.waiting[0].priority == level:
+            if budget == 0 or len(batch.seqs) >= self.max_batch_size:
+                return budget, False
             seq = self.waiting[0]
-            # Prompt logprobs need every prompt row's logits, so such a prompt computes in full
-            # (its blocks are still registered for others once computed).
-            cached = [] if seq.wants_prompt_logprobs else self.pool.find_cached_prefix(seq)
+            cached = self._room_for(seq)
+            if cached is None:
+                return budget, False
             num_cached = len(cached) * self.pool.block_size
-            # Admit only when the whole rest of the sequence fits now, so prefill chunks of a newly
-            # admitted request do not immediately preempt others; FCFS: the head waits, others too.
-            if not self.pool.can_allocate(seq, seq.num_tokens, cached):
-                return
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.pool.allocate(seq, num_cached + num_new, cached):
-                return
+                return budget, False
             self.waiting.pop(0)
             if not seq.wants_prompt_logprobs:
                 self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
@@ -168,6 +191,40 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        return budget, True
+
+    def _room_for(self, seq: Sequence) -> list[int] | None:
+        """A sequence slot and KV room for all of seq, preempting less urgent running sequences
+        (latest first) when it lacks them; seq's cached prefix blocks, or None if it must wait.
+
+        Admission asks room for the whole rest of the sequence, so prefill chunks of a newly
+        admitted request do not immediately preempt others. Less urgent sequences that run are
+        never scheduled yet in this step (levels run most urgent first), so preempting them is safe."""
+        while True:
+            # Prompt logprobs need every prompt row's logits, so such a prompt computes in full
+            # (its blocks are still registered for others once computed).
+            cached = [] if seq.wants_prompt_logprobs else self.pool.find_cached_prefix(seq)
+            has_slot = len(self.running) < self.max_batch_size
+            if has_slot and self.pool.can_allocate(seq, seq.num_tokens, cached):
+                return cached
+            victim = self.running[-1] if self.running else None
+            if victim is None or victim.priority <= seq.priority:
+                return None
+            if not self._frees_enough(seq, cached):
+                return None  # preempting every less urgent sequence would not make room: keep them
+            self._preempt(victim)
+
+    def _frees_enough(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether preempting every running sequence less urgent than seq frees KV room for it
+        (blocks they share with others or with seq's cached prefix are not counted)."""
+        held: dict[int, int] = {}
+        for other in self.running:
+            if other.priority > seq.priority:
+                for block_id in other.block_table:
+                    held[block_id] = held.get(block_id, 0) + 1
+        freeable = sum(1 for block_id, n in held.items()
+                       if n == self.pool.ref_count(block_id) and block_id not in cached)
+        return self.pool.num_blocks_to_allocate(seq, seq.num_tokens, cached) <= self.pool.num_free + freeable
 
     # ------------------------------------------------------------------ update
     def update(self, batch: ScheduledBatch, output: StepOutput) -> list[SeqEvent]:

@@ -256,6 +256,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preempted_total: int = 0
+    num_preempted_by_priority: dict[int, int] = field(default_factory=dict)  # of the preempted sequences
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefix_cache_queries_total: int = 0  # prompt tokens looked up

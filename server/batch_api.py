@@ -48,8 +48,15 @@ class BatchService:
 
     @property
     def max_in_flight(self) -> int:
+        """Batch items in the engine at once. The scheduler preempts batch items for online requests
+        (engine/scheduler.py), so by default a batch fills every sequence slot of an idle engine,
+        plus as many items again waiting in its queue so a finished item's slot is refilled at the
+        next step; never more than half the engine's waiting queue, which online requests share."""
         configured = self.config.batch_max_in_flight
-        return configured if configured > 0 else max(1, self.config.engine.max_batch_size // 4)
+        if configured > 0:
+            return configured
+        engine = self.config.engine
+        return max(1, min(2 * engine.max_batch_size, engine.max_waiting_requests // 2))
 
     async def store(self) -> BatchStore:
         if self._store is None:

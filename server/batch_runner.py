@@ -4,10 +4,11 @@ A batch moves validating -> in_progress -> finalizing -> completed (or failed / 
 cancelled / expired). Validation checks every input line once (JSON, shape, url, body against the
 endpoint's own decoder, model registered) and records it in the store: a bad line becomes an error
 line and the rest run. Items run through the same path as online requests (compat.to_engine plans,
-the same assemblers, `merged_outputs`) with `BATCH_PRIORITY`, so the scheduler admits online
-requests first; at most `max_in_flight` items are in the engine at once, so batch items never hold
-all of its sequence slots and online requests find room at once. Each finished item is committed
-on its own; after a restart the runner carries on with the items still pending.
+the same assemblers, `merged_outputs`) with `BATCH_PRIORITY`: the scheduler serves online requests'
+prefill first and preempts running batch items when an online request finds no sequence slot or KV
+room, so a batch may fill an idle engine (`max_in_flight` items at once, by default enough to) and
+online requests still start at the next step. Each finished item is committed on its own; after a
+restart the runner carries on with the items still pending.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class ServerConfig:
     batch_dir: Path | None = None  # Batch API storage; None: a temporary dir (the CLI sets a durable one)
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
-    batch_max_in_flight: int = 0  # batch items in the engine at once; 0: a quarter of max_batch_size
+    batch_max_in_flight: int = 0  # batch items in the engine at once; 0: twice max_batch_size (BatchService)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -126,8 +126,8 @@ OPTIONS: tuple[Option, ...] = (
            "restart (default: <cache dir>/batches)"),
     Option("batch_max_file_bytes", parse_bytes, "server", "largest batch input file, e.g. 200MB"),
     Option("batch_max_requests", int, "server", "most requests (lines) in one batch input file"),
-    Option("batch_max_in_flight", int, "server", "batch items in the engine at once, so online requests find "
-           "free slots (0: a quarter of max_batch_size)"),
+    Option("batch_max_in_flight", int, "server", "most batch items in the engine at once; online requests "
+           "preempt them either way (0: enough to fill the engine)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),

@@ -53,10 +53,11 @@ class _EngineCollector(Collector):
         waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled.", labels=["model_name"])
         kv_usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", labels=["model_name"])
         kv_total = GaugeMetricFamily(f"{PREFIX}kv_cache_blocks_total", "KV cache blocks.", labels=["model_name"])
+        # by the preempted request's priority: 0 online, higher values less urgent (1: Batch API items)
+        preemptions = CounterMetricFamily(f"{PREFIX}num_preemptions", "Preemptions.", labels=["model_name", "priority"])
         counters = {
             name: CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model_name"])
             for name, doc in (
-                ("num_preemptions", "Preemptions."),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
                 ("prompt_tokens", "Prompt tokens processed."),
@@ -75,7 +76,8 @@ class _EngineCollector(Collector):
             waiting.add_metric(labels, stats.num_waiting)
             kv_usage.add_metric(labels, stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
             kv_total.add_metric(labels, stats.kv_blocks_total)
-            counters["num_preemptions"].add_metric(labels, stats.num_preempted_total)
+            for priority, count in sorted({0: 0, **stats.num_preempted_by_priority}.items()):
+                preemptions.add_metric([model_id, str(priority)], count)
             counters["prefix_cache_queries"].add_metric(labels, stats.prefix_cache_queries_total)
             counters["prefix_cache_hits"].add_metric(labels, stats.prefix_cache_hits_total)
             counters["prompt_tokens"].add_metric(labels, stats.prompt_tokens_total)
@@ -86,7 +88,7 @@ class _EngineCollector(Collector):
                 child = histogram.labels(model_id)
                 for value in getattr(stats, attribute):
                     child.observe(value)
-        yield from (running, waiting, kv_usage, kv_total, *counters.values(), success)
+        yield from (running, waiting, kv_usage, kv_total, preemptions, *counters.values(), success)
         for histogram in self._histograms.values():
             yield from histogram.collect()
 

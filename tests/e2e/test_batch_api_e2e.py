@@ -1,6 +1,7 @@
 """The Batch API on a live server with tiny real checkpoints, through the unmodified openai SDK:
 upload, create, poll, download; results equal the same requests sent online at temperature 0; a
-lazily loaded model; per-line errors in custom_id order; cancel mid-batch frees every KV block; and
+lazily loaded model; per-line errors in custom_id order; an online request preempts a batch that
+fills the engine; cancel mid-batch frees every KV block; and
 a server SIGKILLed mid-batch resumes on restart with every item exactly once."""
 
 from __future__ import annotations
@@ -158,6 +159,39 @@ def test_cancel_mid_batch_keeps_finished_items_and_frees_kv_blocks(base_checkpoi
             outputs = file_lines(sdk, done.output_file_id)
             assert len(outputs) == completed
             assert all(item["response"]["body"]["usage"]["completion_tokens"] == 200 for item in outputs)
+            wait_until(lambda: kv_idle(http, MODEL), timeout_s=10, interval_s=POLL_S,
+                       what="no running request and no KV block in use")
+
+
+def test_online_request_preempts_a_batch_that_fills_the_engine(base_checkpoint, checkpoints):
+    """By default a batch fills every sequence slot; an online request sent then preempts batch items
+    and finishes while the first items are still running (before any could have finished); the
+    preempted items resume, and every result equals the same request sent online."""
+    num_items, max_batch_size = 8, 4
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 96, "ignore_eos": True}
+    bodies = {f"fill-{i}": {**body, "prompt": f"Entry {i} reads"} for i in range(num_items)}
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, max_batch_size=max_batch_size) as live:
+        with live.openai() as sdk, live.http() as http:
+            batch = submit(sdk, [line(k, "/v1/completions", b) for k, b in bodies.items()], "/v1/completions")
+            wait_until(lambda: metric(scrape(http), "llamaserve:num_requests_running", model_name=MODEL)
+                       == max_batch_size, timeout_s=120, interval_s=POLL_S, what="the batch to fill the engine")
+            online = sdk.completions.create(model=MODEL, prompt="Online question:", temperature=0, max_tokens=8)
+            assert online.usage.completion_tokens == 8
+            during = sdk.batches.retrieve(batch.id)
+            assert during.status == "in_progress" and during.request_counts.completed == 0
+            samples = scrape(http)
+            assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL, priority="1") >= 1
+            assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL, priority="0") == 0
+
+            done = finished(sdk, batch.id, timeout_s=300)
+            assert done.status == "completed" and done.request_counts.completed == num_items
+            outputs = file_lines(sdk, done.output_file_id)
+            assert [item["custom_id"] for item in outputs] == list(bodies)
+            for item in outputs:  # ignore_eos is a vLLM extension: the SDK takes it in extra_body
+                request = dict(bodies[item["custom_id"]])
+                ignore_eos = request.pop("ignore_eos")
+                alone = sdk.completions.create(**request, extra_body={"ignore_eos": ignore_eos})
+                assert item["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
             wait_until(lambda: kv_idle(http, MODEL), timeout_s=10, interval_s=POLL_S,
                        what="no running request and no KV block in use")
 

@@ -362,7 +362,7 @@ def test_preemption_under_kv_pressure_keeps_streams_exact(server, base_checkpoin
             assert stream_all(tight) == roomy
             samples = scrape(http)
             assert metric(samples, "llamaserve:kv_cache_blocks_total", model_name=MODEL) == 32
-            assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL) > 0
+            assert metric(samples, "llamaserve:num_preemptions_total", model_name=MODEL, priority="0") > 0
             assert metric(samples, "llamaserve:kv_cache_usage_perc", model_name=MODEL) == 0
 
 

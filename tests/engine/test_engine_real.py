@@ -134,3 +134,55 @@ async def test_with_prefix_cache_hits(spec, alone_engine):
 
 async def test_seeded_sampling_same_alone_or_batched(spec, alone_engine):
     await check_batched_equals_alone(spec, alone_engine, make_requests(seeded=True), config(spec, num_blocks=24))
+
+
+def test_online_requests_preempt_batch_ones_and_every_output_stays_the_same(spec, alone_engine):
+    """Low-priority (batch) requests fill every sequence slot; online requests that arrive mid-way
+    preempt some of them; greedy, seeded and biased/penalised requests all end with the tokens they
+    get alone: a preempted request resumes where it was (recompute, prefix cache)."""
+    rng = random.Random(99)
+    kinds = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7),
+             dict(temperature=0.0, logit_bias=((65, 4.0), (66, 4.0)), repetition_penalty=1.3, presence_penalty=0.5)]
+
+    def request(rid: str, i: int, priority: int) -> EngineRequest:
+        prompt = [rng.randrange(256) for _ in range(rng.randint(5, 20))]
+        return EngineRequest(rid, prompt, SamplingParams(max_tokens=16, **kinds[i % len(kinds)]), priority=priority)
+
+    batch_requests = [request(f"batch{i}", i, 1) for i in range(6)]
+    online_requests = [request(f"online{i}", i, 0) for i in range(3)]
+    expected = {r.request_id: alone_engine.run(r) for r in batch_requests + online_requests}
+    cfg = config(spec, max_batch_size=4, enable_prefix_caching=True)
+    core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+    try:
+        got: dict[str, list[int]] = {rid: [] for rid in expected}
+        finished_at: dict[str, int] = {}
+
+        def step(n: int) -> None:
+            for out in core.step():
+                got[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    finished_at[out.request_id] = n
+
+        for i, r in enumerate(batch_requests):
+            r.arrival_time_s = float(i)
+            core.add_request(r)
+        for n in range(3):  # the batch holds every slot and is decoding
+            step(n)
+        assert core.scheduler.num_running == 4
+        for i, r in enumerate(online_requests):
+            r.arrival_time_s = 100.0 + i
+            core.add_request(r)
+        step(3)
+        online_seqs = [core.scheduler.get(r.request_id) for r in online_requests]
+        assert all(s is not None and s.num_computed_tokens > 0 for s in online_seqs)  # admitted at the next step
+        n = 4
+        while core.has_unfinished:
+            step(n)
+            n += 1
+        assert got == expected
+        assert core.scheduler.num_preempted_by_priority.get(1, 0) >= 3 and 0 not in core.scheduler.num_preempted_by_priority
+        # the online requests ran at once and finished before the batch did
+        assert max(finished_at[r.request_id] for r in online_requests) < max(finished_at.values())
+        assert core.pool.num_free == core.pool.num_blocks
+    finally:
+        core.runner.shutdown()

@@ -320,3 +320,93 @@ def test_stop_conditions():
     assert h.finished["ctx"].finish_reason == "length" and len(out["ctx"]) == 8  # 4 + 8 == max_seq_len
     assert h.finished["stopid"].stop_reason == stop_id and out["stopid"] == [stop_id]
     h.assert_clean()
+
+
+# --------------------------------------------------------------------------- priority preemption
+ONLINE, BATCH = 0, 1
+
+
+def run_to_reference(h: Harness, expected: dict[str, tuple[list[int], int]]) -> None:
+    """Run h dry; every request's output equals the unpreempted reference of its prompt."""
+    out = h.run()
+    for rid, (prompt_ids, max_tokens) in expected.items():
+        assert out[rid] == reference(prompt_ids, max_tokens), rid
+    h.assert_clean()
+
+
+def test_online_arrival_preempts_the_latest_batch_sequence_when_slots_are_full():
+    h = Harness(max_batch_size=2)
+    first = h.add(prompt(5, 1), rid="b1", priority=BATCH, max_tokens=8)
+    second = h.add(prompt(5, 2), rid="b2", priority=BATCH, max_tokens=8)
+    h.step()
+    h.step()
+    online = h.add(prompt(6, 3), rid="online", priority=ONLINE, max_tokens=4)
+    batch = h.sched.schedule()
+    assert batch.seqs[0] is online and batch.num_new_tokens[0] == 6  # admitted at the next step, first
+    assert second.status is SequenceStatus.PREEMPTED and second.num_preemptions == 1
+    assert first.status is SequenceStatus.RUNNING and first.num_preemptions == 0
+    assert h.sched.num_preempted_total == 1 and h.sched.num_preempted_by_priority == {BATCH: 1}
+    h.execute(batch)
+    run_to_reference(h, {"b1": (prompt(5, 1), 8), "b2": (prompt(5, 2), 8), "online": (prompt(6, 3), 4)})
+
+
+def test_online_arrival_preempts_batch_sequences_for_kv_room():
+    h = Harness(num_blocks=5, max_seq_len=16)  # the two 8-token prompts hold 4 blocks: 1 is left
+    batch_seqs = [h.add(prompt(8, i), rid=f"b{i}", priority=BATCH, max_tokens=4) for i in range(2)]
+    h.step()
+    online = h.add(prompt(8, 7), rid="online", priority=ONLINE, max_tokens=4)
+    batch = h.sched.schedule()
+    assert online in batch.seqs
+    assert [s.num_preemptions for s in batch_seqs] == [0, 1]  # the latest one, and only as many as needed
+    h.execute(batch)
+    run_to_reference(h, {"b0": (prompt(8, 0), 4), "b1": (prompt(8, 1), 4), "online": (prompt(8, 7), 4)})
+
+
+@pytest.mark.parametrize("running_priority, arriving_priority", [(ONLINE, ONLINE), (ONLINE, BATCH), (BATCH, BATCH)])
+def test_no_preemption_of_equal_or_more_urgent_sequences(running_priority, arriving_priority):
+    h = Harness(max_batch_size=2)
+    running = [h.add(prompt(5, i), rid=f"r{i}", priority=running_priority, max_tokens=6) for i in range(2)]
+    h.step()
+    arriving = h.add(prompt(5, 9), rid="new", priority=arriving_priority, max_tokens=6)
+    while arriving.status is SequenceStatus.WAITING:
+        assert all(s.num_preemptions == 0 for s in running)
+        h.step()
+    assert h.sched.num_preempted_total == 0
+    run_to_reference(h, {"r0": (prompt(5, 0), 6), "r1": (prompt(5, 1), 6), "new": (prompt(5, 9), 6)})
+
+
+def test_online_prefill_takes_the_token_budget_before_batch_prefill():
+    h = Harness(max_num_batched_tokens=10, max_seq_len=64)
+    decoding = h.add(prompt(3, 7), rid="decoding", priority=BATCH, max_tokens=8)
+    long_batch = h.add(prompt(40), rid="batch", priority=BATCH, max_tokens=3)
+    h.step()  # the short prompt, and 7 of the long one
+    h.step()  # a decode, and 9 more of the long prompt
+    online = h.add(prompt(12, 5), rid="online", priority=ONLINE, max_tokens=3)
+    queued = h.add(prompt(3, 9), rid="queued", priority=BATCH, max_tokens=2)
+    batch = h.sched.schedule()
+    assert batch.seqs == [online] and batch.num_new_tokens == [10]  # the online chunk first, the whole budget
+    h.execute(batch)
+    # While the online prompt prefills, batch sequences only decode: no batch prefill chunk and no
+    # batch admission lengthens the step that brings its first token.
+    batch = h.sched.schedule()
+    assert batch.seqs == [online, decoding] and batch.num_new_tokens == [2, 1]
+    h.execute(batch)
+    batch = h.sched.schedule()  # the online request decodes: batch prefill chunks resume
+    assert batch.seqs == [online, decoding, long_batch] and batch.num_new_tokens == [1, 1, 8]
+    assert queued.status is SequenceStatus.WAITING and h.sched.num_preempted_total == 0  # budget order only
+    h.execute(batch)
+    run_to_reference(h, {"batch": (prompt(40), 3), "decoding": (prompt(3, 7), 8), "online": (prompt(12, 5), 3),
+                         "queued": (prompt(3, 9), 2)})
+
+
+def test_no_preemption_when_freeing_every_batch_sequence_would_not_make_room():
+    h = Harness(num_blocks=8, max_seq_len=32)
+    h.add(prompt(20), rid="online0", priority=ONLINE, max_tokens=4)  # 5 blocks, 6 once it decodes
+    small = h.add(prompt(3, 4), rid="batch", priority=BATCH, max_tokens=6)  # 1 block, 3 free
+    h.step()
+    h.step()  # admitted once online0's prompt is done
+    big = h.add(prompt(16, 8), rid="online1", priority=ONLINE, max_tokens=4)  # 4 blocks: 1 free + 1 freeable
+    h.step()
+    assert small.num_preemptions == 0 and small.status is SequenceStatus.RUNNING
+    assert big.status is SequenceStatus.WAITING
+    run_to_reference(h, {"online0": (prompt(20), 4), "batch": (prompt(3, 4), 6), "online1": (prompt(16, 8), 4)})

@@ -557,3 +557,11 @@ async def test_metrics(client, factory):
         assert name in text, name
     again = await (await client.get("/metrics")).text()  # drained observations stay counted
     assert "llamaserve:time_to_first_token_seconds_count{model_name=\"fake\"} 1.0" in again
+
+
+async def test_metrics_count_preemptions_by_priority(client, factory):
+    await client.post("/v1/chat/completions", json=CHAT)
+    factory.engines["fake"]._stats.num_preempted_by_priority = {1: 3}  # batch items preempted by online ones
+    text = await (await client.get("/metrics")).text()
+    assert 'llamaserve:num_preemptions_total{model_name="fake",priority="0"} 0.0' in text
+    assert 'llamaserve:num_preemptions_total{model_name="fake",priority="1"} 3.0' in text

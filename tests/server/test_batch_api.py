@@ -314,3 +314,15 @@ def test_settings_from_flags_env_and_yaml(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMASERVE_CACHE_DIR", str(tmp_path / "cache"))
     assert with_batch_dir(build_config(make_parser().parse_args([]), {})).batch_dir == tmp_path / "cache" / "batches"
     assert ServerConfig().batch_dir is None
+
+
+def test_batch_fills_the_engine_by_default_within_half_the_waiting_queue():
+    from engine.config import EngineConfig
+    from server.batch_api import BatchService
+
+    def in_flight(engine: EngineConfig, configured: int = 0) -> int:
+        return BatchService(ServerConfig(engine=engine, batch_max_in_flight=configured), registry=None).max_in_flight
+
+    assert in_flight(EngineConfig(max_batch_size=8)) == 16  # every slot, and the next items queued
+    assert in_flight(EngineConfig(max_batch_size=8, max_waiting_requests=10)) == 5  # online requests keep room
+    assert in_flight(EngineConfig(max_batch_size=8), configured=3) == 3
