@@ -54,6 +54,16 @@ def chat_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob]) -> p
     return p.ChatLogprobs(content=content)
 
 
+def completion_top_logprobs(tokenizer: "Tokenizer", lp: TokenLogprob, top_k: int) -> dict[str, float] | None:
+    """One token's top_logprobs entry as OpenAI gives it: the k most likely tokens plus the chosen
+    one when it is not among them (up to k+1 entries); None when k is 0."""
+    if not top_k:
+        return None
+    top = {token_text(tokenizer, tid)[0]: value for tid, value in lp.top[:top_k]}
+    top.setdefault(token_text(tokenizer, lp.token_id)[0], lp.logprob)
+    return top
+
+
 def completion_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob], text_offset: int, top_k: int) -> p.CompletionLogprobs:
     tokens: list[str] = []
     values: list[float | None] = []
@@ -63,7 +73,7 @@ def completion_logprobs(tokenizer: "Tokenizer", logprobs: Sequence[TokenLogprob]
         text = token_text(tokenizer, lp.token_id)[0]
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({token_text(tokenizer, tid)[0]: value for tid, value in lp.top[:top_k]} if top_k else None)
+        tops.append(completion_top_logprobs(tokenizer, lp, top_k))
         offsets.append(text_offset)
         text_offset += len(text)
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
@@ -76,10 +86,7 @@ def prompt_completion_logprobs(
     OpenAI returns it, and text_offset indexes the echoed text."""
     tokens = [token_text(tokenizer, token_id)[0] for token_id in token_ids]
     values: list[float | None] = [lp.logprob if lp is not None else None for lp in logprobs]
-    tops: list[dict[str, float] | None] = [
-        {token_text(tokenizer, tid)[0]: value for tid, value in lp.top[:top_k]} if lp is not None and top_k else None
-        for lp in logprobs
-    ]
+    tops = [completion_top_logprobs(tokenizer, lp, top_k) if lp is not None else None for lp in logprobs]
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
                                 text_offset=prompt_text_offsets(tokenizer, token_ids, tokens, echo_text))
 

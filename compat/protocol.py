@@ -1,14 +1,17 @@
 """OpenAI wire types: msgspec Structs, decoders built once, encoders for responses and chunks.
 
-Requests are decoded once at the edge with `forbid_unknown_fields=True`, so a parameter we do not
-support is a 400 naming it rather than silently ignored. Bounds live in `Meta`, roles and content
-part types are tagged unions, and `UNSET` tells "absent" from "null" where OpenAI does.
+Requests are decoded once at the edge with `forbid_unknown_fields=True`, so a name that is no field
+is a 400 naming it rather than silently ignored; compat/params.py classifies every field (honoured,
+accepted without effect, refused). Bounds live in `Meta`, roles and content part types are tagged
+unions, `UNSET` tells "absent" from "null" where OpenAI does, and null in a field with a default
+means that default (`_Request.__post_init__`).
 Response Structs mirror OpenAI's shapes field for field (order included): SDKs and eval harnesses
 parse them, so a renamed or missing key is a bug.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, Literal
 
@@ -34,7 +37,18 @@ LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Me
 
 
 class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    def __post_init__(self) -> None:
+        # OpenAI reads null in an optional field as "the default": put back the defaults null replaced.
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+@functools.cache
+def _null_defaults(struct_type: type) -> tuple[tuple[str, Any], ...]:
+    """(field, default) for each field whose default is a value, not null or absent."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(struct_type)
+                 if f.default not in (None, UNSET, msgspec.NODEFAULT))
 
 
 # --------------------------------------------------------------------------- chat messages
@@ -118,7 +132,8 @@ class Tool(_Request, kw_only=True):
 
 
 class StreamOptions(_Request, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # no effect: nothing is obfuscated (compat/params.py)
 
 
 class ResponseFormat(_Request, kw_only=True):
@@ -133,7 +148,7 @@ class SamplingFields(_Request, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: NumChoices = 1
+    n: NumChoices | None = 1
     stop: str | StopList | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
@@ -144,15 +159,32 @@ class SamplingFields(_Request, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 disable
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[TokenId] | None = None
-    min_tokens: NonNegativeInt = 0
-    skip_special_tokens: bool = True
+    min_tokens: NonNegativeInt | None = 0
+    skip_special_tokens: bool | None = True
 
 
 class ChatFields(SamplingFields, kw_only=True):
+    # OpenAI fields a self-hosted server accepts without effect, or refuses unless null or a no-op
+    # value: compat/params.py classifies every field and checks the refused ones.
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Meta(max_length=16)] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
+
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # only "auto" and "none" are served; checked in to_engine
@@ -163,7 +195,7 @@ class ChatFields(SamplingFields, kw_only=True):
 class ChatCompletionRequest(ChatFields, kw_only=True):
     model: str
     messages: Annotated[list[Message], Meta(min_length=1)]
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
 
 
@@ -171,7 +203,7 @@ PromptItem = str | TokenId | list[TokenId]
 
 
 class CompletionFields(SamplingFields, kw_only=True):
-    echo: bool = False  # with logprobs: the prompt tokens' logprobs come first (the first one null)
+    echo: bool | None = False  # with logprobs: the prompt tokens' logprobs come first (the first one null)
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
@@ -185,7 +217,7 @@ class CompletionRequest(CompletionFields, kw_only=True):
     # the list's items are a union and `completion_prompts` checks that they agree.
     prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
     max_tokens: NonNegativeInt | None = 16  # OpenAI's default for legacy completions
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
 
 
@@ -196,26 +228,31 @@ class BatchChatCompletionRequest(ChatFields, kw_only=True):
     messages_batch: Annotated[list[Annotated[list[Message], Meta(min_length=1)]], Meta(min_length=1)]
 
 
+BatchPrompts = Annotated[list[str | list[TokenId]], Meta(min_length=1)]
+
+
 class BatchCompletionRequest(CompletionFields, kw_only=True):
-    """Many prompts with shared sampling parameters (meta-reference batch_completion)."""
+    """Many prompts with shared sampling parameters (meta-reference batch_completion); the prompts
+    come as `prompts` or, as meta-reference named them, `content_batch` (exactly one of the two)."""
 
     model: str
-    prompts: Annotated[list[str | list[TokenId]], Meta(min_length=1)]
+    prompts: BatchPrompts | UnsetType = UNSET
+    content_batch: BatchPrompts | UnsetType = UNSET
     max_tokens: NonNegativeInt | None = 16
 
 
 class TokenizeRequest(_Request, kw_only=True):
-    model: str
+    model: str | None = None  # may be left out when one model is registered (vLLM serves one)
     prompt: str | UnsetType = UNSET
     messages: list[Message] | UnsetType = UNSET
     tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(_Request, kw_only=True):
-    model: str
+    model: str | None = None
     tokens: list[TokenId]
 
 

@@ -13,12 +13,14 @@ from typing import Sequence
 
 import msgspec
 
+from compat import params as policy
 from compat import protocol as p
 from engine.types import (
     ChatMessage,
     EngineClient,
     EngineRequest,
     InvalidRequest,
+    SamplingDefaults,
     SamplingParams,
     ToolCall,
     ToolDefinition,
@@ -44,6 +46,7 @@ class CompletionPlan:
 
 # --------------------------------------------------------------------------- chat
 def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str) -> ChatPlan:
+    policy.check_request(fields, "chat")
     tools = chat_tools(fields)
     dialog = chat_messages(messages)
     prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
@@ -55,7 +58,8 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     # Tool calls arrive as special-token tags (<|python_tag|>, <|eom_id|>): the parser must see them.
     skip_special = fields.skip_special_tokens and not tools
-    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size)
+    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
+                             engine.sampling_defaults)
     return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools)
 
 
@@ -121,7 +125,7 @@ def _text(content: p.Content | None, param: str) -> str:
                 param=f"{param}.content[{j}].type",
             )
         texts.append(part.text)
-    return "\n".join(texts)  # as vLLM joins text parts
+    return "".join(texts)  # as they are, as llama-models' ChatFormat concatenates text parts
 
 
 def _tool_call(call: p.ToolCallIn, param: str) -> ToolCall:
@@ -137,13 +141,14 @@ def _tool_call(call: p.ToolCallIn, param: str) -> ToolCall:
 # --------------------------------------------------------------------------- completions
 def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClient, request_id: str) -> CompletionPlan:
     """`prompt` is CompletionRequest.prompt (str | list[str] | list[int] | list[list[int]])."""
+    policy.check_request(req, "completions")
     check_completion_fields(req)
     tokenizer = engine.tokenizer
     prompts_ids: list[list[int]] = []
     texts: list[str] = []
     for prompt_item in completion_prompts(prompt):
         if isinstance(prompt_item, str):
-            ids = tokenizer.encode(prompt_item, bos=True)
+            ids = encode_text_prompt(engine, prompt_item, bos=True)
             texts.append(prompt_item)
         else:
             check_token_ids(prompt_item, tokenizer.vocab_size, "prompt")
@@ -154,7 +159,8 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     prompt_logprobs = completion_prompt_logprobs(req)
     for ids in prompts_ids:
         max_tokens = check_context_length(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
-        params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size)
+        params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size,
+                                 engine.sampling_defaults)
         params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
@@ -162,11 +168,27 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     return CompletionPlan(requests, prompts_ids, texts, req.n)
 
 
+def batch_prompts(req: p.BatchCompletionRequest) -> tuple[list[str | list[int]], str]:
+    """A batch's prompts and the name they came under: `prompts`, or meta-reference's `content_batch`."""
+    if (req.prompts is msgspec.UNSET) == (req.content_batch is msgspec.UNSET):
+        raise InvalidRequest("send exactly one of 'prompts' or 'content_batch'", param="prompts")
+    if req.prompts is msgspec.UNSET:
+        return req.content_batch, "content_batch"
+    return req.prompts, "prompts"
+
+
+def encode_text_prompt(engine: EngineClient, text: str, *, bos: bool) -> list[int]:
+    """A text prompt as vLLM and llama.cpp read it: the model's special-token spellings are its
+    special tokens (people who apply a template themselves send them), and a prompt that already
+    starts with BOS gets no second one. Chat message content never comes here: it stays text."""
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode(text, parse_special=True)
+    if bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids.insert(0, tokenizer.bos_id)
+    return ids
+
+
 def check_completion_fields(req: p.CompletionFields) -> None:
-    if req.suffix:
-        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
-    if req.best_of not in (None, 1):
-        raise InvalidRequest("best_of is not supported; only best_of=1", param="best_of")
     if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
         raise InvalidRequest(
             "max_tokens=0 generates nothing: it needs echo or prompt_logprobs to score the prompt", param="max_tokens"
@@ -200,19 +222,21 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
 
 # --------------------------------------------------------------------------- shared
 def sampling_params(
-    fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, vocab_size: int
+    fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, vocab_size: int,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
+    """`defaults` fill what the request leaves out (the checkpoint's generation_config.json)."""
     if fields.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
     stop = (fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop or ())
     params = SamplingParams(
-        temperature=1.0 if fields.temperature is None else fields.temperature,
-        top_p=1.0 if fields.top_p is None else fields.top_p,
-        top_k=max(fields.top_k or 0, 0),  # vLLM spells "disabled" as -1
-        min_p=fields.min_p or 0.0,
+        temperature=defaults.temperature if fields.temperature is None else fields.temperature,
+        top_p=defaults.top_p if fields.top_p is None else fields.top_p,
+        top_k=defaults.top_k if fields.top_k is None else max(fields.top_k, 0),  # vLLM spells "disabled" as -1
+        min_p=defaults.min_p if fields.min_p is None else fields.min_p,
         presence_penalty=fields.presence_penalty or 0.0,
         frequency_penalty=fields.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+        repetition_penalty=defaults.repetition_penalty if fields.repetition_penalty is None else fields.repetition_penalty,
         logit_bias=_logit_bias(fields.logit_bias),
         seed=fields.seed,
         max_tokens=max_tokens,
@@ -263,8 +287,8 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
     has_messages = req.messages is not msgspec.UNSET
     if has_prompt == has_messages:
         raise InvalidRequest("send exactly one of 'prompt' or 'messages'", param="prompt")
-    if has_prompt:
-        return engine.tokenizer.encode(req.prompt, bos=req.add_special_tokens)
+    if has_prompt:  # as the completions endpoint reads a text prompt, so the ids agree
+        return encode_text_prompt(engine, req.prompt, bos=req.add_special_tokens)
     tools = ()
     if req.tools:
         tools = tuple(ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in req.tools)

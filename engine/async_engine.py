@@ -20,6 +20,7 @@ from engine.core import EngineCore
 from engine.output import DetokenizerFactory
 from engine.sequence import ModelRunner
 from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput, request_id_in_use
+from engine.types import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,10 @@ class AsyncEngine:
         *,
         max_seq_len: int,
         detokenizer_factory: DetokenizerFactory | None = None,
+        sampling_defaults: SamplingDefaults = SamplingDefaults(),
     ) -> None:
         self.model_id = model_id
+        self.sampling_defaults = sampling_defaults
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.config = config

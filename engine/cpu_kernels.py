@@ -137,8 +137,10 @@ def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
-def _build_key(compiler: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def _build_key(compiler: str, source: Path = SOURCE) -> str:
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources #include
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest.update(version.encode())
@@ -153,19 +155,21 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(cache_dir: Path) -> Path:
+def _build(cache_dir: Path, source: Path = SOURCE) -> Path:
+    """Compile `source` (a C file in engine/csrc; engine.quant.kernels builds a second one) into
+    the cache dir once per source, flags, compiler and CPU; the path of the shared library."""
     compiler = _compiler()
-    target = cache_dir / f"cpu_kernels-{_build_key(compiler)}.so"
+    target = cache_dir / f"{source.stem}-{_build_key(compiler, source)}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+            [compiler, *_FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
         )
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a racing process sees the whole file or none
-    log.info("built fused CPU kernels into %s", target)
+    log.info("built %s into %s", source.name, target)
     return target

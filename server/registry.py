@@ -69,6 +69,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None  # why, when status == "failed"
     load_time_s: float | None = None  # of the engine serving now
     memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
+    sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -649,6 +650,7 @@ def _info(entry: _Entry) -> ModelInfo:
         error=entry.failure.error.message if entry.failure is not None and slot is None else None,
         load_time_s=round(slot.load_time_s, 3) if slot is not None else None,
         memory_bytes=reserved,
+        sampling_defaults=dataclasses.asdict(slot.engine.sampling_defaults) if slot is not None else None,
     )
 
 

@@ -25,6 +25,7 @@ from server import sse
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
 from server.errors import ApiError, from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.tokenizer_info import model_or_only, tokenizer_info_body
 
 # Bodies above this are tokenized off the event loop, so one huge prompt can't stall every stream.
 _INLINE_TOKENIZE_MAX_BYTES = 64 << 10
@@ -39,6 +40,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/batch/completions", batch_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -260,7 +262,8 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
 
 async def batch_completions(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.BATCH_COMPLETION_DECODER)
-    _check_batch_size(request, len(req.prompts), "prompts")
+    prompts, param = to_engine.batch_prompts(req)
+    _check_batch_size(request, len(prompts), param)
     async with _lease(request, req.model) as engine:
         batch_id = _response_id("batch")
 
@@ -271,14 +274,14 @@ async def batch_completions(request: web.Request) -> web.Response:
                 return merged_outputs(engine, plan.requests), _completion_assembler(req, plan, engine, response_id)
             return build
 
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(req.prompts)))
+        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr)) for k, pr in enumerate(prompts)))
         return _batch_response(batch_id, "batch.text_completion", req.model, list(items), request)
 
 
 # --------------------------------------------------------------------------- tokenizer endpoints
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await _decode(request, p.TOKENIZE_DECODER)
-    async with _lease(request, req.model) as engine:
+    async with _lease(request, model_or_only(request, req.model)) as engine:
         ids = await _off_loop_if_large(size, to_engine.tokenize, req, engine)
         strs = [token_text(engine.tokenizer, i)[0] for i in ids] if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
@@ -287,8 +290,14 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     req, _ = await _decode(request, p.DETOKENIZE_DECODER)
-    async with _lease(request, req.model) as engine:
+    async with _lease(request, model_or_only(request, req.model)) as engine:
         return json_response(p.DetokenizeResponse(prompt=to_engine.detokenize_ids(req, engine)))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's GET /tokenizer_info (lm-eval's remote tokenizer); `?model=` picks one of several."""
+    async with _lease(request, model_or_only(request, request.query.get("model"))) as engine:
+        return json_response(tokenizer_info_body(engine))
 
 
 # --------------------------------------------------------------------------- health, readiness, metrics

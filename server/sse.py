@@ -36,8 +36,10 @@ async def stream(
     render: Callable[[object], object | None],
     head: Iterable[object],
     tail: Callable[[], Iterable[object]],
+    done: bytes = DONE,
 ) -> web.StreamResponse:
-    """Send head chunks, one chunk per item (`first`, then the rest), tail chunks, [DONE].
+    """Send head chunks, one chunk per item (`first`, then the rest), tail chunks, [DONE]
+    (`done`: Llama Stack's clients parse every event as JSON, so its streams end without one).
 
     `first` was awaited before this call, so errors raised before any output (queue full, invalid
     request) still get a proper HTTP status instead of an in-band error."""
@@ -53,7 +55,7 @@ async def stream(
             chunk = render(item)
             if chunk is not None:
                 await response.write(frame(chunk))
-        await response.write(b"".join(frame(chunk) for chunk in tail()) + DONE)
+        await response.write(b"".join(frame(chunk) for chunk in tail()) + done)
     except ConnectionError:  # the client left; the caller's finally aborts the request
         return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
@@ -61,7 +63,7 @@ async def stream(
         if error.status >= 500 and not isinstance(exc, ApiError):
             log.error("stream failed", error=str(exc), exc_info=not error.code)
         try:
-            await response.write(b"data: " + error.to_json() + b"\n\n" + DONE)
+            await response.write(b"data: " + error.to_json() + b"\n\n" + done)
         except ConnectionError:
             return response
     await response.write_eof()

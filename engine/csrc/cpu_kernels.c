@@ -15,20 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
-
-static inline float bf16_to_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
-    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
     if (bf16) {

@@ -83,7 +83,8 @@ def body(asm: CompletionAssembler, outs: list[RequestOutput]) -> dict:
 ECHO_LOGPROBS = {
     "tokens": ["<|begin_of_text|>", "a", "b"],
     "token_logprobs": [None, -1.5, -0.5],
-    "top_logprobs": [None, {"x": -0.25}, {"b": -0.5}],
+    # k=1: the best alternative, then the token itself when it is not the best (up to k+1, as OpenAI)
+    "top_logprobs": [None, {"x": -0.25, "a": -1.5}, {"b": -0.5}],
     "text_offset": [0, 0, 1],  # the BOS the server added is not in the echoed text
 }
 

@@ -196,8 +196,10 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, **engine_overrides: Any) -> Iterator[LiveServer]:
-    """A LiveServer serving one trusted model, yielded once /ready answers 200."""
+def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
+                 server_settings: dict[str, Any] | None = None, **engine_overrides: Any) -> Iterator[LiveServer]:
+    """A LiveServer serving one trusted model, yielded once /ready answers 200; `server_settings` are
+    further ServerConfig fields."""
     from server.config import ServerConfig
     from server.model_spec import ModelSpec
 
@@ -206,6 +208,7 @@ def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, **
         checkpoint_roots=[checkpoints_root],
         engine=engine_config(**engine_overrides),
         drain_timeout_s=5.0,
+        **(server_settings or {}),
     )
     live = LiveServer(config).start()
     try:

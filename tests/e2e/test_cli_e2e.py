@@ -54,7 +54,8 @@ def cli_server(tmp_path_factory, checkpoints, base_checkpoint):
     config_path = work / "run.yaml"
     config_path.write_text(yaml.safe_dump(run_yaml))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
-    env.update(INFERENCE_MODEL=BASE_DESCRIPTOR, INFERENCE_CHECKPOINT_DIR=str(base_checkpoint), PYTHONUNBUFFERED="1")
+    env.update(INFERENCE_MODEL=BASE_DESCRIPTOR, INFERENCE_CHECKPOINT_DIR=str(base_checkpoint), PYTHONUNBUFFERED="1",
+               LLAMASERVE_BATCH_DIR=str(work / "batches"))  # not the user's: their batches are not ours to run
     log_path = work / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "server", "--config", str(config_path)], cwd=REPO, env=env,
@@ -153,7 +154,8 @@ def test_cli_from_env_alone_exits_cleanly_on_sigterm_while_loading(tmp_path, bas
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
     env.update(INFERENCE_MODEL=BASE_DESCRIPTOR, INFERENCE_CHECKPOINT_DIR=str(base_checkpoint), PYTHONUNBUFFERED="1",
                LLAMASERVE_HOST="127.0.0.1", LLAMASERVE_PORT=str(port), LLAMASERVE_DTYPE="float64",
-               LLAMASERVE_CPU_KV_CACHE_BYTES="8MiB", LLAMASERVE_MAX_SEQ_LEN=str(MAX_SEQ_LEN))
+               LLAMASERVE_CPU_KV_CACHE_BYTES="8MiB", LLAMASERVE_MAX_SEQ_LEN=str(MAX_SEQ_LEN),
+               LLAMASERVE_BATCH_DIR=str(tmp_path / "batches"))
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "server"], cwd=REPO, env=env, stdout=log,

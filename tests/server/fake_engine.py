@@ -21,6 +21,7 @@ from engine.types import (
     EngineStats,
     InvalidRequest,
     RequestOutput,
+    SamplingDefaults,
     TokenLogprob,
     ToolCall,
     ToolDefinition,
@@ -38,8 +39,16 @@ class FakeTokenizer:
     eos_id = EOS
     stop_token_ids = frozenset({EOS, EOT})
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        return ([BOS] if bos else []) + list(text.encode()) + ([EOS] if eos else [])
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, parse_special: bool = False) -> list[int]:
+        data = text.encode()
+        ids = list(data)
+        if parse_special:  # the spellings of SPECIALS become their ids
+            ids = []
+            while data:
+                special = next((i for i, spelling in SPECIALS.items() if data.startswith(spelling)), None)
+                ids.append(data[0] if special is None else special)
+                data = data[1 if special is None else len(SPECIALS[special]):]
+        return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         data = b"".join(b"" if skip_special_tokens and t in SPECIALS else self.token_bytes(t) for t in token_ids)
@@ -164,6 +173,7 @@ class FakeEngine:
         self.max_seq_len = max_seq_len
         self.tokenizer = FakeTokenizer()
         self.chat_format = FakeChatFormat(self.tokenizer)
+        self.sampling_defaults = SamplingDefaults()
         self.script = script
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []

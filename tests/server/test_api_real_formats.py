@@ -11,7 +11,7 @@ import pytest
 
 from compat import protocol as p
 from compat import to_engine
-from engine.types import EngineRequest, EngineStats, RequestOutput
+from engine.types import EngineRequest, EngineStats, RequestOutput, SamplingDefaults
 from server.app import STATE_KEY, create_app
 from server.config import ServerConfig
 from server.registry import REGISTRY_KEY
@@ -44,6 +44,7 @@ class ScriptedTokenEngine:
         self.max_seq_len = 4096
         self.tokenizer = tokenizer
         self.chat_format = Llama3ChatFormat(tokenizer, version="3.1")
+        self.sampling_defaults = SamplingDefaults()
         self.script = script
         self.requests: list[EngineRequest] = []
 

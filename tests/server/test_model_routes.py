@@ -127,6 +127,22 @@ async def test_llama_stack_client_register_body(client, registry, root) -> None:
     assert (spec.quantization, spec.model_parallel_size) == ("fp8_mixed", 1)
 
 
+async def test_metadata_as_the_cli_sends_it(client, registry) -> None:
+    # `llama-stack-client models register X --metadata JSON` sends the JSON as a string, and null without it.
+    body = {"model_id": "my-finetune", "provider_model_id": None, "provider_id": None,
+            "metadata": '{"llama_model": "meta-llama/Llama-3.2-3B-Instruct", "skip_initialize": true}'}
+    response = await client.post("/v1/models", json=body)
+    model = await response.json()
+    assert response.status == 200, model
+    assert model["status"] == "registered" and model["llama_model"] == "meta-llama/Llama-3.2-3B-Instruct"
+    assert model["metadata"] == {"llama_model": "meta-llama/Llama-3.2-3B-Instruct", "skip_initialize": True}
+    plain = await client.post("/v1/models", json={"model_id": "meta-llama/Llama-3.2-3B-Instruct", "metadata": None})
+    assert plain.status == 200, await plain.text()
+    for bad in ("{not json", "[1, 2]"):
+        await expect_error(await client.post("/v1/models", json={"model_id": "x", "metadata": bad}), 400,
+                           code="invalid_value", param="metadata")
+
+
 async def test_ids_with_a_slash(client, factory, root) -> None:
     model_id = "meta-llama/Llama-3.2-3B-Instruct"
     response = await client.post("/v1/models", json={"model_id": model_id})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.types import CheckpointError, InvalidRequest
+from engine.types import CheckpointError, InvalidRequest, SamplingDefaults
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import ModelRegistry
@@ -43,6 +43,7 @@ class FakeEngine:
         self.max_seq_len = spec.max_seq_len or 128
         self.tokenizer = None
         self.chat_format = None
+        self.sampling_defaults = SamplingDefaults()
         self.closed = asyncio.Event()
         self.is_dead = False
         self._events = events

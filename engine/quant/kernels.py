@@ -1,0 +1,113 @@
+"""ctypes entry points over engine/csrc/quant_kernels.c (low-bit linears and dequantizers).
+
+Built and cached exactly like the fused CPU kernels (engine.cpu_kernels._build: the system C
+compiler, -march=native, a cache dir keyed by source, flags, compiler and CPU). None where it cannot
+be built: engine.quant.linear then runs its torch path, which computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from engine.cpu_kernels import _build, default_cache_dir
+from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent.parent / "csrc" / "quant_kernels.c"
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    # bf16, x, rows, w, scales, scales_f16, n, k, group, out, threads
+    "int8_linear": ((_i32, _p, _i64, _p, _p, _i32, _i64, _i64, _i64, _p, _i32), _i32),
+    # bf16, x, rows, w, scales, mins, n, k, group, out, threads
+    "int4_linear": ((_i32, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _i32), _i32),
+    # bf16, x, rows, w, scales, n, k, out, threads
+    "fp8_linear": ((_i32, _p, _i64, _p, _p, _i64, _i64, _p, _i32), _i32),
+    # w, scales, scales_f16, n, k, group, row0, row1, bf16, out, threads
+    "int8_dequantize": ((_p, _p, _i32, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # w, scales, mins, n, k, group, row0, row1, bf16, out, threads
+    "int4_dequantize": ((_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # w, scales, n, k, row0, row1, bf16, out, threads
+    "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+class QuantKernels:
+    """Typed calls; weights must be contiguous (QuantizedWeight.contiguous()), x [rows, in] contiguous."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        self._lib = lib
+
+    def linear(self, x: torch.Tensor, weight: QuantizedWeight, threads: int) -> torch.Tensor:
+        """x [rows, in] @ dequantize(weight)^T -> [rows, out] in x's dtype."""
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"quantized linear takes contiguous float32/bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+        _check_contiguous(weight)
+        rows = x.shape[0]
+        out = torch.empty(rows, n, dtype=x.dtype)
+        code, xp, wp, sp = _DTYPE_CODES[x.dtype], x.data_ptr(), weight.qweight.data_ptr(), weight.scales.data_ptr()
+        if isinstance(weight, Int4Weight):
+            mins = None if weight.mins is None else weight.mins.data_ptr()
+            status = self._lib.int4_linear(code, xp, rows, wp, sp, mins, n, k, weight.group_size, out.data_ptr(), threads)
+        elif isinstance(weight, Int8Weight):
+            f16 = int(weight.scales.dtype == torch.float16)
+            status = self._lib.int8_linear(code, xp, rows, wp, sp, f16, n, k, weight.group_size, out.data_ptr(), threads)
+        elif isinstance(weight, Fp8Weight):
+            status = self._lib.fp8_linear(code, xp, rows, wp, sp, n, k, out.data_ptr(), threads)
+        else:
+            raise TypeError(f"no kernel for {type(weight).__name__}")
+        if status != 0:
+            raise MemoryError(f"quantized linear: cannot allocate the {rows}x{k} float32 input copy")
+        return out
+
+    def dequantize(self, weight: QuantizedWeight, row0: int, row1: int, out: torch.Tensor, threads: int) -> torch.Tensor:
+        """Rows [row0, row1) of dequantize(weight) written into out (contiguous [row1 - row0, in],
+        float32 or bfloat16); returns out."""
+        n, k = weight.shape
+        if not (0 <= row0 <= row1 <= n) or out.shape != (row1 - row0, k) or not out.is_contiguous():
+            raise ValueError(f"dequantize rows [{row0}, {row1}) of a [{n}, {k}] weight into {list(out.shape)}")
+        _check_contiguous(weight)
+        code, wp, sp = _DTYPE_CODES[out.dtype], weight.qweight.data_ptr(), weight.scales.data_ptr()
+        if isinstance(weight, Int4Weight):
+            mins = None if weight.mins is None else weight.mins.data_ptr()
+            self._lib.int4_dequantize(wp, sp, mins, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
+        elif isinstance(weight, Int8Weight):
+            f16 = int(weight.scales.dtype == torch.float16)
+            self._lib.int8_dequantize(wp, sp, f16, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
+        elif isinstance(weight, Fp8Weight):
+            self._lib.fp8_dequantize(wp, sp, n, k, row0, row1, code, out.data_ptr(), threads)
+        else:
+            raise TypeError(f"no kernel for {type(weight).__name__}")
+        return out
+
+
+def _check_contiguous(weight: QuantizedWeight) -> None:
+    """The C code walks the codes and scales as dense row-major arrays."""
+    if not all(t.is_contiguous() for t in weight.tensors().values()):
+        raise ValueError(f"{weight.format} weight tensors must be contiguous (QuantizedWeight.contiguous())")
+
+
+@functools.cache
+def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
+    """The kernels, built on first use; None (logged once) where they cannot be built here."""
+    try:
+        return QuantKernels(ctypes.CDLL(str(_build(cache_dir or default_cache_dir(), SOURCE))))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("quantized-linear C kernels unavailable (%s); using the torch path", exc)
+        return None

@@ -1,0 +1,131 @@
+"""CPU linears over quantized weights (engine.quant.formats): y = x @ dequantize(W)^T.
+
+One module for every format; it holds the codes and scales only (no float copy of the weight stays
+resident) and picks a path per call from the number of input rows and the activation dtype:
+
+- `kernel`: engine/csrc/quant_kernels.c, dequantizing each 32-column block in registers and
+  multiplying it into up to 8 input rows at once. Batch-1 decode streams the low-bit bytes once.
+- `aten_int8`: torch's weight-only int8 op (aten._weight_int8pack_mm) on the same int8 codes, for
+  bfloat16 activations with per-row scales that bfloat16 holds exactly (quantize_int8 makes them so):
+  it computes the same numbers, and below the dequant_mm threshold it beats our kernel in bfloat16.
+- `dequant_mm`: dequantize tiles of output rows into a reused bf16/f32 buffer (C kernel) and
+  multiply each through torch.mm (oneDNN, AMX on CPUs with it), for batches where the matmul's
+  efficiency outweighs dequantizing every weight once per call.
+- `torch`: no C kernels (no compiler): the same tiles dequantized by formats.py in torch.
+
+The thresholds come from bench/quant_linear.py on the 2-core development machine (docs/quantization.md
+has the numbers). The module computes over its local model-parallel shard only: collectives belong to
+the caller (the backend seam).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.quant.kernels import QuantKernels, supports
+
+# Tiles of dequantized rows hold at most this many elements (1 MiB in float32): they stay in L2
+# between the dequantization that writes them and the matmul that reads them.
+TILE_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """From how many input rows each path takes over (measured: bench/quant_linear.py)."""
+
+    dequant_min_rows_f32: int = 16  # float32: kernel ~= dequant+sgemm at 16 rows, 2.3x slower at 32, 2x faster at 8
+    dequant_min_rows_bf16: int = 16  # bfloat16: kernel 1.3x faster at 8 rows, dequant+AMX GEMM 3.5x faster at 32
+    aten_int8_bf16: bool = True  # bfloat16 int8 per-row below dequant_min_rows_bf16: torch's op beats our kernel (1.4x at 1 row)
+
+
+class QuantLinear(nn.Module):
+    """x [..., in_features] -> [..., out_features] in x's dtype (float32 or bfloat16), over a
+    QuantizedWeight. `kernels` None runs the torch path."""
+
+    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels | None, policy: Policy = Policy()) -> None:
+        super().__init__()
+        # a plain attribute, not buffers: a later model.to(dtype) must not convert codes or float16 scales
+        self.weight_q = weight.contiguous()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self._kernels = kernels
+        self._policy = policy
+        self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
+
+    def resident_bytes(self) -> int:
+        """Bytes of the weight storage this module keeps (codes, scales, mins, aten's scale copy)."""
+        extra = 0 if self._aten_scales is None else self._aten_scales.numel() * self._aten_scales.element_size()
+        return self.weight_q.nbytes() + extra
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        return f"{w.format}, in_features={self.in_features}, out_features={self.out_features}, group_size={w.group_size}"
+
+    def path(self, rows: int, dtype: torch.dtype) -> str:
+        """Which path a call with `rows` input rows of `dtype` takes."""
+        bf16 = dtype == torch.bfloat16
+        if bf16 and self._aten_scales is not None and rows < self._policy.dequant_min_rows_bf16:
+            return "aten_int8"
+        if self._kernels is None or not supports(dtype):
+            return "torch"
+        min_rows = self._policy.dequant_min_rows_bf16 if bf16 else self._policy.dequant_min_rows_f32
+        return "dequant_mm" if rows >= min_rows else "kernel"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        return self.run(flat, self.path(flat.shape[0], x.dtype)).reshape(*x.shape[:-1], self.out_features)
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """x [rows, in] (contiguous) through the named path (forward() picks it; benches and tests
+        name it to compare paths)."""
+        if path == "kernel" and self._kernels is not None:
+            return self._kernels.linear(x, self.weight_q, torch.get_num_threads())
+        if path == "aten_int8" and self._aten_scales is not None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight_q.qweight, self._aten_scales)
+        if path in ("dequant_mm", "torch"):
+            return self._dequant_mm(x, use_kernels=path == "dequant_mm")
+        raise ValueError(f"path {path!r} is not available for this {self.weight_q.format} linear")
+
+    def _dequant_mm(self, x: torch.Tensor, *, use_kernels: bool) -> torch.Tensor:
+        """out^T tile by tile: each tile of output rows dequantized into one reused buffer, then
+        multiplied (the transposed output's row slices are contiguous, so mm writes in place)."""
+        n, k = self.out_features, self.in_features
+        compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        tile_rows = max(1, min(n, TILE_ELEMS // max(k, 1)))
+        buffer = torch.empty(tile_rows, k, dtype=compute)
+        out_t = torch.empty(n, x.shape[0], dtype=x.dtype)
+        xt = x.to(compute).t()
+        threads = torch.get_num_threads()
+        for row0 in range(0, n, tile_rows):
+            row1 = min(n, row0 + tile_rows)
+            tile = buffer[: row1 - row0]
+            if use_kernels and self._kernels is not None:
+                self._kernels.dequantize(self.weight_q, row0, row1, tile, threads)
+            else:
+                tile.copy_(self.weight_q.rows(row0, row1).dequantize(compute))
+            if compute == x.dtype:
+                torch.mm(tile, xt, out=out_t[row0:row1])
+            else:
+                out_t[row0:row1] = torch.mm(tile, xt).to(x.dtype)
+        return out_t.t().contiguous()
+
+
+def _aten_int8_scales(weight: QuantizedWeight) -> torch.Tensor | None:
+    """The bfloat16 per-row scales aten._weight_int8pack_mm takes, if they equal ours exactly."""
+    if not isinstance(weight, Int8Weight) or weight.group_size != weight.in_features:
+        return None
+    scales = weight.scales.reshape(-1)
+    as_bf16 = scales.to(torch.bfloat16)
+    return as_bf16 if torch.equal(as_bf16.float(), scales.float()) else None
+
+
+def make_linear(weight: QuantizedWeight, kernels: QuantKernels | None) -> QuantLinear:
+    """The linear for a quantized weight (the backend seam's hook); every format takes QuantLinear."""
+    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
+        raise TypeError(f"no linear for {type(weight).__name__}")
+    return QuantLinear(weight, kernels)

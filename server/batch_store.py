@@ -1,0 +1,436 @@
+"""Durable storage of the Batch API: one SQLite database plus a directory of file bodies.
+
+    <root>/batches.sqlite3   files, batches and batch items (WAL journal)
+    <root>/files/<file id>   uploaded inputs and materialized outputs, written to a temporary name,
+                             fsynced and renamed, so a crash never leaves half a file under an id
+    <root>/.lock             held (flock) by the one server process that owns this root
+
+Every state change is one transaction. An item's result is committed as a row the moment it
+finishes (`finish_item` only moves a pending item, so an item is recorded exactly once even if a
+restart runs it again), and the output and error files are written from those rows only when the
+batch finalizes: a server killed mid-batch restarts with every finished result kept and nothing
+duplicated or cut off. Results are never held in memory.
+
+Synchronous and single-threaded by design: the server runs every call on one dedicated thread
+(`BatchStore.io`), tests call it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import fcntl
+import json
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
+
+T = TypeVar("T")
+
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                      "cancelled"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+# The runner's order of work: a cancel or a finalize first (they are quick), then oldest first.
+_WORK_ORDER = "CASE status WHEN 'cancelling' THEN 0 WHEN 'finalizing' THEN 1 ELSE 2 END, created_at, rowid"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, bytes INTEGER NOT NULL, filename TEXT NOT NULL,
+    purpose TEXT NOT NULL, expires_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
+    status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER, metadata TEXT, model TEXT,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, errors TEXT,
+    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0
+);
+-- state: pending (to run), done (result written; ok says which file it goes to), cancelled.
+CREATE TABLE IF NOT EXISTS items (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT, body BLOB, state TEXT NOT NULL,
+    ok INTEGER, result BLOB, PRIMARY KEY (batch_id, line)
+) WITHOUT ROWID;
+"""
+
+
+class StoreError(Exception):
+    """A request the store refuses; the API renders status, code and param as an OpenAI error."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+class StoreBusy(Exception):
+    """Another process owns this storage root."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileRow:
+    id: str
+    created_at: int
+    bytes: int
+    filename: str
+    purpose: str
+    expires_at: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: int
+    expires_at: int | None
+    metadata: dict[str, str] | None
+    model: str | None
+    in_progress_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    output_file_id: str | None
+    error_file_id: str | None
+    errors: list[dict[str, Any]] | None  # [{code, message, line, param}] of a batch that failed as a whole
+    total: int
+    completed: int
+    failed: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedLine:
+    """One input line after validation: a body to run, or the error line that stands for it."""
+
+    custom_id: str | None
+    body: bytes | None = None  # the request body to run
+    error_result: bytes | None = None  # the error file's line for it (JSON, no newline)
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingItem:
+    line: int
+    custom_id: str
+    body: bytes
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+class BatchStore:
+    def __init__(self, root: Path, *, max_file_bytes: int, max_requests: int) -> None:
+        self.root = Path(root).expanduser()
+        self.files_dir = self.root / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.max_file_bytes = max_file_bytes
+        self.max_requests = max_requests
+        self._lock_file = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held for the store's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StoreBusy(f"batch storage {self.root} is in use by another server process") from None
+        self._db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
+        self._db.executescript(_SCHEMA)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
+        self._remove_orphans()
+
+    async def io(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a store call on the store's own thread: the event loop never waits on disk."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._db.close()
+        self._lock_file.close()
+
+    # ------------------------------------------------------------------ transactions
+    def _transaction(self) -> "_Tx":
+        return _Tx(self._db)
+
+    def _remove_orphans(self) -> None:
+        """Temporary files of a write that was cut off, and bodies whose row never committed."""
+        known = {row["id"] for row in self._db.execute("SELECT id FROM files")}
+        for path in self.files_dir.iterdir():
+            if path.name not in known:
+                path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ files
+    def upload_path(self) -> Path:
+        """A fresh temporary path in the files dir for an upload in progress."""
+        return self.files_dir / f".upload-{secrets.token_hex(8)}.tmp"
+
+    def add_file(self, temp_path: Path, *, filename: str, purpose: str, num_bytes: int,
+                 expires_at: int | None = None) -> FileRow:
+        """Move a fully written temporary file under a new id and record it."""
+        _fsync(temp_path)
+        row = FileRow(new_id("file-"), _now_s(), num_bytes, filename, purpose, expires_at)
+        os.replace(temp_path, self.files_dir / row.id)
+        _fsync_dir(self.files_dir)
+        with self._transaction() as db:
+            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+                       (row.id, row.created_at, row.bytes, row.filename, row.purpose, row.expires_at))
+        return row
+
+    def get_file(self, file_id: str) -> FileRow:
+        row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None:
+            raise StoreError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
+        return FileRow(**dict(row))
+
+    def file_path(self, file_id: str) -> Path:
+        self.get_file(file_id)
+        return self.files_dir / file_id
+
+    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> tuple[list[FileRow], bool]:
+        rows = self._page("files", after=after, limit=limit, descending=order == "desc",
+                          where="purpose = ?" if purpose else None, args=(purpose,) if purpose else ())
+        return [FileRow(**dict(row)) for row in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> None:
+        self.get_file(file_id)
+        with self._transaction() as db:
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        (self.files_dir / file_id).unlink(missing_ok=True)
+
+    def _page(self, table: str, *, after: str | None, limit: int, descending: bool, where: str | None = None,
+              args: tuple = ()) -> list[sqlite3.Row]:
+        """limit + 1 rows after the cursor `after` (an id), ordered by creation (rowid breaks ties)."""
+        conditions, params = [where] if where else [], list(args)
+        op = "<" if descending else ">"
+        if after is not None:
+            cursor = self._db.execute(f"SELECT rowid FROM {table} WHERE id = ?", (after,)).fetchone()
+            if cursor is None:
+                raise StoreError(400, f"after: no object with id {after!r}", code="invalid_value", param="after")
+            conditions.append(f"rowid {op} ?")
+            params.append(cursor[0])
+        sql = f"SELECT * FROM {table}"
+        if conditions:
+            sql += " WHERE " + " AND ".join(conditions)
+        sql += f" ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?"
+        return self._db.execute(sql, (*params, limit + 1)).fetchall()
+
+    # ------------------------------------------------------------------ batches
+    def create_batch(self, *, input_file_id: str, endpoint: str, completion_window_s: int, completion_window: str,
+                     metadata: dict[str, str] | None) -> BatchRow:
+        file = self.get_file(input_file_id)
+        if file.purpose != "batch":
+            raise StoreError(400, f"File {input_file_id} has purpose '{file.purpose}'; a batch needs purpose 'batch'",
+                             code="invalid_value", param="input_file_id")
+        batch_id, now_s = new_id("batch_"), _now_s()
+        with self._transaction() as db:
+            db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
+                       "expires_at, metadata) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?)",
+                       (batch_id, endpoint, input_file_id, completion_window, now_s, now_s + completion_window_s,
+                        json.dumps(metadata) if metadata is not None else None))
+        return self.get_batch(batch_id)
+
+    def get_batch(self, batch_id: str) -> BatchRow:
+        row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None:
+            raise StoreError(404, f"No batch found with id '{batch_id}'", code="batch_not_found", param="batch_id")
+        return _batch_row(row)
+
+    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[BatchRow], bool]:
+        rows = self._page("batches", after=after, limit=limit, descending=True)  # newest first, as OpenAI lists them
+        return [_batch_row(row) for row in rows[:limit]], len(rows) > limit
+
+    def next_batch(self) -> BatchRow | None:
+        """The batch the runner should work on next, or None when every batch is finished."""
+        row = self._db.execute(
+            f"SELECT * FROM batches WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling') "
+            f"ORDER BY {_WORK_ORDER} LIMIT 1").fetchone()
+        return None if row is None else _batch_row(row)
+
+    def request_cancel(self, batch_id: str) -> BatchRow:
+        batch = self.get_batch(batch_id)
+        if batch.status in TERMINAL_STATUSES or batch.status == "cancelling":
+            return batch  # OpenAI answers a cancel of a finished batch with the batch as it is
+        if batch.status == "finalizing":
+            raise StoreError(409, f"Batch {batch_id} is finalizing and can no longer be cancelled",
+                             code="batch_not_cancellable", param="batch_id")
+        with self._transaction() as db:
+            db.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?", (_now_s(), batch_id))
+        return self.get_batch(batch_id)
+
+    def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        """The input cannot be run at all (missing file, too many lines): the batch fails as a whole."""
+        with self._transaction() as db:
+            db.execute("UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
+                       (_now_s(), json.dumps(errors), batch_id))
+
+    def start_items(self, batch_id: str, lines: Iterable[tuple[int, CheckedLine]]) -> None:
+        """Record every input line (validated) and move the batch to in_progress, in one transaction:
+        a crash during validation leaves the batch validating, with no items."""
+        now_s = _now_s()
+        total = failed = 0
+        model = None
+        with self._transaction() as db:
+            db.execute("DELETE FROM items WHERE batch_id = ?", (batch_id,))
+            for line, checked in lines:
+                total += 1
+                if total > self.max_requests:
+                    raise StoreError(400, f"the input file has more than {self.max_requests} requests",
+                                     code="too_many_requests", param="input_file_id")
+                if checked.error_result is not None:
+                    failed += 1
+                    db.execute("INSERT INTO items VALUES (?, ?, ?, NULL, 'done', 0, ?)",
+                               (batch_id, line, checked.custom_id, checked.error_result))
+                else:
+                    model = model or checked.model
+                    db.execute("INSERT INTO items VALUES (?, ?, ?, ?, 'pending', NULL, NULL)",
+                               (batch_id, line, checked.custom_id, checked.body))
+            if total == 0:
+                raise StoreError(400, "the input file has no requests", code="empty_file", param="input_file_id")
+            db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, total = ?, failed = ?, "
+                       "model = ? WHERE id = ? AND status = 'validating'", (now_s, total, failed, model, batch_id))
+
+    def pending_items(self, batch_id: str, *, after_line: int, limit: int) -> list[PendingItem]:
+        rows = self._db.execute(
+            "SELECT line, custom_id, body FROM items WHERE batch_id = ? AND state = 'pending' AND line > ? "
+            "ORDER BY line LIMIT ?", (batch_id, after_line, limit)).fetchall()
+        return [PendingItem(row["line"], row["custom_id"], bytes(row["body"])) for row in rows]
+
+    def finish_item(self, batch_id: str, line: int, *, ok: bool, result: bytes, input_tokens: int = 0,
+                    cached_tokens: int = 0, output_tokens: int = 0) -> bool:
+        """Commit one item's result line; False (nothing written) if it was not pending any more."""
+        counter = "completed" if ok else "failed"
+        with self._transaction() as db:
+            moved = db.execute("UPDATE items SET state = 'done', ok = ?, result = ?, body = NULL "
+                               "WHERE batch_id = ? AND line = ? AND state = 'pending'",
+                               (int(ok), result, batch_id, line)).rowcount
+            if moved:
+                db.execute(f"UPDATE batches SET {counter} = {counter} + 1, input_tokens = input_tokens + ?, "
+                           "cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                           (input_tokens, cached_tokens, output_tokens, batch_id))
+        return bool(moved)
+
+    def num_pending(self, batch_id: str) -> int:
+        return self._db.execute("SELECT count(*) FROM items WHERE batch_id = ? AND state = 'pending'",
+                                (batch_id,)).fetchone()[0]
+
+    def cancel_pending(self, batch_id: str) -> int:
+        with self._transaction() as db:
+            return db.execute("UPDATE items SET state = 'cancelled', body = NULL WHERE batch_id = ? AND state = 'pending'",
+                              (batch_id,)).rowcount
+
+    def expire_pending(self, batch_id: str, error_result: Callable[[int, str | None], bytes]) -> None:
+        """Pending items of an expired batch go to the error file (OpenAI's `batch_expired` lines)."""
+        with self._transaction() as db:
+            rows = db.execute("SELECT line, custom_id FROM items WHERE batch_id = ? AND state = 'pending'",
+                              (batch_id,)).fetchall()
+            for row in rows:
+                db.execute("UPDATE items SET state = 'done', ok = 0, result = ?, body = NULL "
+                           "WHERE batch_id = ? AND line = ?", (error_result(row["line"], row["custom_id"]), batch_id,
+                                                              row["line"]))
+            db.execute("UPDATE batches SET failed = failed + ? WHERE id = ?", (len(rows), batch_id))
+
+    def set_finalizing(self, batch_id: str) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ? AND status = 'in_progress'",
+                       (_now_s(), batch_id))
+
+    def finalize(self, batch_id: str, final_status: Literal["completed", "cancelled", "expired"]) -> BatchRow:
+        """Write the output and error files from the result rows (in line order, so custom_ids come
+        in input order), then record them and the final status in one transaction."""
+        file_ids: dict[int, str | None] = {}
+        for ok in (1, 0):
+            file_ids[ok] = self._materialize(batch_id, ok, "batch_output", f"{batch_id}_{'output' if ok else 'error'}.jsonl")
+        column = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final_status]
+        with self._transaction() as db:
+            for file_row in filter(None, file_ids.values()):
+                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _file_values(file_row))
+            db.execute(f"UPDATE batches SET status = ?, {column} = ?, output_file_id = ?, error_file_id = ? "
+                       "WHERE id = ?", (final_status, _now_s(), _id(file_ids[1]), _id(file_ids[0]), batch_id))
+        return self.get_batch(batch_id)
+
+    def _materialize(self, batch_id: str, ok: int, purpose: str, filename: str) -> FileRow | None:
+        rows = self._db.execute("SELECT result FROM items WHERE batch_id = ? AND state = 'done' AND ok = ? "
+                                "ORDER BY line", (batch_id, ok))
+        temp = self.files_dir / f".{batch_id}-{ok}.tmp"
+        num_lines = num_bytes = 0
+        with open(temp, "wb") as out:
+            for row in rows:
+                data = bytes(row["result"]) + b"\n"
+                out.write(data)
+                num_lines += 1
+                num_bytes += len(data)
+        if num_lines == 0:
+            temp.unlink()
+            return None
+        _fsync(temp)
+        row = FileRow(new_id("file-"), _now_s(), num_bytes, filename, purpose, None)
+        os.replace(temp, self.files_dir / row.id)  # an orphan until the transaction below commits
+        _fsync_dir(self.files_dir)
+        return row
+
+    def results(self, batch_id: str) -> Iterator[tuple[int, bool, bytes]]:
+        """(line, ok, result) of every finished item, in line order (tests and diagnostics)."""
+        for row in self._db.execute("SELECT line, ok, result FROM items WHERE batch_id = ? AND state = 'done' "
+                                    "ORDER BY line", (batch_id,)):
+            yield row["line"], bool(row["ok"]), bytes(row["result"])
+
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK when the block raises."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+def _batch_row(row: sqlite3.Row) -> BatchRow:
+    values = dict(row)
+    values["metadata"] = json.loads(values["metadata"]) if values["metadata"] is not None else None
+    values["errors"] = json.loads(values["errors"]) if values["errors"] is not None else None
+    return BatchRow(**values)
+
+
+def _file_values(row: FileRow) -> tuple:
+    return (row.id, row.created_at, row.bytes, row.filename, row.purpose, row.expires_at)
+
+
+def _id(row: FileRow | None) -> str | None:
+    return None if row is None else row.id
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,194 @@
+"""Llama Stack's native inference routes (llama-stack-client 0.2.x): chat-completion, completion
+and the two batch calls, over the same engine path as the OpenAI routes.
+
+compat/llama_stack.py rewrites each request as the OpenAI request it means; the handlers here
+plan it with compat.to_engine, run it through the OpenAI assemblers, and reshape the result.
+Errors keep the server's OpenAI error body: llama-stack-client prints any error body whole
+("Error code: 400 - {...}"), it reads neither `detail` nor `error` specially. Streams are
+Llama Stack chunk events and end without `[DONE]`, which its client would try to parse as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from aiohttp import web
+
+from compat import llama_stack as ls
+from compat import to_engine
+from compat.from_engine import token_text
+from engine.types import EngineClient, RequestOutput
+from server import sse
+from server.routes import (
+    Indexed,
+    _chat_assembler,
+    _collect,
+    _check_batch_size,
+    _completion_assembler,
+    _decode as _decode_body,
+    _lease,
+    _log,
+    _off_loop_if_large,
+    _response_id,
+    health,
+    json_response,
+    merged_outputs,
+)
+
+
+def add_llama_stack_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/inference/chat-completion", chat_completion)
+    app.router.add_post("/v1/inference/completion", completion)
+    app.router.add_post("/v1/inference/batch-chat-completion", batch_chat_completion)
+    app.router.add_post("/v1/inference/batch-completion", batch_completion)
+    # Llama Stack's vLLM provider checks health at urljoin(base_url, "health"): /v1/health for ".../v1/"
+    app.router.add_get("/v1/health", health)
+
+
+async def _decode(request: web.Request, decoder: Any) -> tuple[Any, int]:
+    req, size = await _decode_body(request, decoder)
+    _log(request, model=req.model_id)
+    return req, size
+
+
+class _StopTokens:
+    """The token that ended each choice, as text (<|eot_id|>, <|eom_id|>, ...): it decides
+    end_of_turn vs end_of_message, which the OpenAI shapes do not carry."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.tokenizer = engine.tokenizer
+        self.by_index: dict[int, str | None] = {}
+
+    def seen(self, index: int, out: RequestOutput) -> None:
+        if out.finished:
+            stop = out.stop_reason
+            self.by_index[index] = token_text(self.tokenizer, stop)[0] if isinstance(stop, int) else None
+
+    async def track(self, outputs: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+        async with aclosing(outputs):
+            async for index, out in outputs:
+                self.seen(index, out)
+                yield index, out
+
+
+async def _stream(request: web.Request, events: AsyncIterator[dict], head: list[dict]) -> web.StreamResponse:
+    async with aclosing(events):
+        first = await anext(events, None)  # before headers: queue-full and similar keep their status
+        if first is None:
+            return await sse.stream(request, None, events, lambda _: None, head, list, done=b"")
+        return await sse.stream(request, first, events, lambda event: event, head, list, done=b"")
+
+
+# --------------------------------------------------------------------------- chat and completion
+def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
+    chat, parser_tools = ls.chat_request(req, messages, engine.chat_format.family, param)
+    plan = to_engine.chat_plan(chat, chat.messages, engine, response_id)
+    if parser_tools is not None:  # system_message_behavior=replace: the caller's prompt, our parser
+        plan.tools = parser_tools
+    return chat, plan
+
+
+def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
+    completion_req = ls.completion_request(req, content, param)
+    return completion_req, to_engine.completion_plan(completion_req, completion_req.prompt, engine, response_id)
+
+
+async def _chat_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _StopTokens) -> AsyncIterator[dict]:
+    events = ls.ChatEvents()
+    async with aclosing(outputs):
+        async for index, out in outputs:
+            chunk = assembler.chunk(index, out)
+            for event in events.progress(chunk) if chunk is not None else ():
+                yield event
+            if out.finished:
+                finish = assembler.choices[index].finish_reason
+                for event in events.complete(finish, stops.by_index.get(index), assembler.usage()):
+                    yield event
+
+
+async def _completion_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _StopTokens) -> AsyncIterator[dict]:
+    async with aclosing(outputs):
+        async for index, out in outputs:
+            chunk = assembler.chunk(index, out)
+            if chunk is not None:
+                yield ls.completion_chunk(chunk, stops.by_index.get(index))
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What differs between chat and completion; the request flow around it is one."""
+
+    id_prefix: str
+    plan: Callable[..., tuple[Any, Any]]  # (ls request, item, engine, response id, param) -> (OpenAI request, plan)
+    assembler: Callable[..., Any]  # server.routes' assembler factory for the OpenAI request
+    respond: Callable[[Any, str | None], dict]  # OpenAI response, stop token -> Llama Stack response
+    events: Callable[..., AsyncIterator[dict]]  # (outputs, assembler, stops) -> Llama Stack stream events
+    head: Callable[[], list[dict]]  # stream events before any output
+
+
+CHAT = _Kind("chatcmpl", _chat_plan, _chat_assembler, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()])
+COMPLETION = _Kind("cmpl", _completion_plan, _completion_assembler, ls.completion_response, _completion_events, list)
+
+
+async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: int, param: str) -> web.StreamResponse:
+    async with _lease(request, req.model_id) as engine:
+        response_id = _response_id(kind.id_prefix)
+        converted, plan = await _off_loop_if_large(size, kind.plan, req, item, engine, response_id, param)
+        assembler = kind.assembler(converted, plan, engine, response_id)
+        stops = _StopTokens(engine)
+        outputs = stops.track(merged_outputs(engine, plan.requests))
+        if req.stream:
+            return await _stream(request, kind.events(outputs, assembler, stops), kind.head())
+        response = await _collect(outputs, assembler)
+        return json_response(kind.respond(response, stops.by_index.get(0)))
+
+
+async def _serve_batch(request: web.Request, kind: _Kind, req: Any, items: list, param: str) -> web.Response:
+    _check_batch_size(request, len(items), param)
+    async with _lease(request, req.model_id) as engine:
+        batch_id = _response_id("batch")
+
+        async def one(k: int, item: Any) -> dict:
+            response_id = f"{kind.id_prefix}-{batch_id}-{k}"
+            converted, plan = kind.plan(req, item, engine, response_id, f"{param}[{k}]")
+            assembler = kind.assembler(converted, plan, engine, response_id)
+            stops = _StopTokens(engine)
+            response = await _collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
+            return kind.respond(response, stops.by_index.get(0))
+
+        return json_response({"batch": await _all(one, items)})
+
+
+async def _all(one: Callable[[int, Any], Any], items: list) -> list[dict]:
+    """Every item submitted together, so the engine batches them. Llama Stack's batch response has
+    no per-item error: the first failure fails the call, and the TaskGroup aborts the rest."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(k, item)) for k, item in enumerate(items)]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+# --------------------------------------------------------------------------- handlers
+async def chat_completion(request: web.Request) -> web.StreamResponse:
+    req, size = await _decode(request, ls.CHAT_DECODER)
+    return await _serve(request, CHAT, req, req.messages, size, "messages")
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    req, size = await _decode(request, ls.COMPLETION_DECODER)
+    return await _serve(request, COMPLETION, req, req.content, size, "content")
+
+
+async def batch_chat_completion(request: web.Request) -> web.Response:
+    req, _ = await _decode(request, ls.BATCH_CHAT_DECODER)
+    return await _serve_batch(request, CHAT, req, req.messages_batch, "messages_batch")
+
+
+async def batch_completion(request: web.Request) -> web.Response:
+    req, _ = await _decode(request, ls.BATCH_COMPLETION_DECODER)
+    return await _serve_batch(request, COMPLETION, req, req.content_batch, "content_batch")

@@ -1,0 +1,221 @@
+"""Quantized CPU linears (engine/quant/linear.py, engine/csrc/quant_kernels.c): every format and
+path against x @ dequantize(W)^T in float64 (float32: equal up to summation order; bfloat16:
+within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, path
+choice, model-parallel shards and resident bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant.formats import quantize, quantize_int4, quantize_int8
+from engine.quant.kernels import load_quant_kernels
+from engine.quant.linear import QuantLinear
+
+FORMATS = ["int8", "int4", "fp8"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_quant_kernels()
+    if loaded is None:
+        pytest.skip("quantized-linear C kernels could not be built here (no C compiler?); torch path only")
+    return loaded
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    return x.double() @ layer.weight_q.dequantize(torch.float64).T
+
+
+def assert_matches(actual: torch.Tensor, x: torch.Tensor, layer: QuantLinear) -> None:
+    """float32: summation order only (1e-5 of the output scale); bfloat16: output rounding plus, on
+    the dequant_mm path, the bf16 rounding of the dequantized weight (as a bf16 model's weights are)."""
+    expected = reference(x, layer)
+    assert actual.dtype == x.dtype and actual.shape == expected.shape
+    scale = float(expected.abs().max()) + 1e-12
+    tol = 2e-6 if x.dtype == torch.float32 else 8e-3
+    err = float((actual.double() - expected).abs().max()) / scale
+    assert err <= tol, err
+
+
+def layer_for(fmt: str, rows: int, cols: int, kernels, seed: int = 0, **kw) -> QuantLinear:
+    w = torch.randn(rows, cols, generator=gen(seed)) * 0.05
+    return QuantLinear(quantize(w, fmt, **kw), kernels)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["kernel", "dequant_mm", "torch"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13])
+def test_paths_match_dequantized_reference(kernels, fmt: str, dtype: torch.dtype, path: str, rows: int) -> None:
+    layer = layer_for(fmt, 80, 192, kernels, seed=rows)
+    x = torch.randn(rows, 192, generator=gen(rows + 100)).to(dtype)
+    assert_matches(layer.run(x, path), x, layer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_symmetric_and_group_sizes(kernels, dtype: torch.dtype) -> None:
+    w = torch.randn(40, 256, generator=gen(3))
+    x = torch.randn(5, 256, generator=gen(4)).to(dtype)
+    for q in (quantize_int4(w, mins=False), quantize_int4(w, group_size=64), quantize_int4(w, group_size=256, mins=False), quantize_int8(w, group_size=64)):
+        layer = QuantLinear(q, kernels)
+        for path in ("kernel", "dequant_mm", "torch"):
+            assert_matches(layer.run(x, path), x, layer)
+
+
+def test_kernel_vs_torch_fallback(kernels) -> None:
+    """The C kernel and the torch-only module (no kernels) agree up to summation order."""
+    for fmt in FORMATS:
+        w = torch.randn(96, 320, generator=gen(5))
+        with_c, without = QuantLinear(quantize(w, fmt), kernels), QuantLinear(quantize(w, fmt), None)
+        x = torch.randn(4, 320, generator=gen(6))
+        assert without.path(4, torch.float32) == "torch"
+        torch.testing.assert_close(with_c(x), without(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("cols", [1, 33, 100, 17 * 32 + 5])
+def test_per_row_formats_take_any_width(kernels, fmt: str, cols: int) -> None:
+    """int8 (per row) and fp8 have no groups: widths that are not a multiple of 32 run (kernel tail)."""
+    layer = layer_for(fmt, 24, cols, kernels)
+    for rows in (1, 9):
+        x = torch.randn(rows, cols, generator=gen(cols))
+        assert_matches(layer.run(x, "kernel"), x, layer)
+        assert_matches(layer.run(x, "dequant_mm"), x, layer)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_shapes_and_path_choice(kernels, fmt: str) -> None:
+    layer = layer_for(fmt, 64, 128, kernels)
+    x = torch.randn(2, 3, 128, generator=gen(1))
+    y = layer(x)
+    assert y.shape == (2, 3, 64)
+    assert_matches(y.reshape(6, 64), x.reshape(6, 128), layer)
+    assert layer.path(1, torch.float32) == "kernel"
+    assert layer.path(64, torch.float32) == "dequant_mm"
+    assert layer.path(64, torch.bfloat16) == "dequant_mm"
+    assert layer.path(1, torch.bfloat16) == ("aten_int8" if fmt == "int8" else "kernel")
+    with pytest.raises(ValueError, match="takes 128"):
+        layer(torch.randn(1, 96))
+
+
+def test_aten_int8_path_same_numbers(kernels) -> None:
+    """torch's bf16 int8 op runs on our codes with our (bf16-exact) per-row scales: same values."""
+    layer = layer_for("int8", 64, 256, kernels)
+    assert layer._aten_scales is not None
+    x = torch.randn(3, 256, generator=gen(2)).to(torch.bfloat16)
+    assert_matches(layer.run(x, "aten_int8"), x, layer)
+    assert_matches(layer(x), x, layer)
+    grouped = QuantLinear(quantize_int8(torch.randn(8, 64), group_size=32), kernels)  # Q8_0-like: not eligible
+    assert grouped._aten_scales is None and grouped.path(1, torch.bfloat16) == "kernel"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_model_parallel_shards(kernels, fmt: str) -> None:
+    """Column-parallel (split rows): shards' outputs concatenate to the full output; row-parallel
+    (split input columns at group boundaries): shards' partial outputs sum to it."""
+    layer = layer_for(fmt, 64, 256, kernels)
+    x = torch.randn(3, 256, generator=gen(9))
+    full = layer(x).double()
+    by_rows = [QuantLinear(layer.weight_q.rows(r, r + 32), kernels) for r in (0, 32)]
+    torch.testing.assert_close(torch.cat([s(x) for s in by_rows], dim=1).double(), full, atol=0, rtol=0)
+    by_cols = [QuantLinear(layer.weight_q.cols(c, c + 128), kernels) for c in (0, 128)]
+    partial = sum(s(x[:, c : c + 128]).double() for s, c in zip(by_cols, (0, 128)))
+    torch.testing.assert_close(partial, full, atol=1e-5 * float(full.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("fmt,factor_bf16", [("int8", 2 * 576 / (576 + 4)), ("int4", 16 / 5), ("fp8", 2 * 576 / (576 + 4))])
+def test_resident_bytes_drop(kernels, fmt: str, factor_bf16: float) -> None:
+    """resident_bytes() counts codes and scales only; the module keeps no float weight."""
+    w = torch.randn(1536, 576, generator=gen(0))
+    layer = QuantLinear(quantize(w, fmt), kernels)
+    bf16_bytes = w.numel() * 2
+    extra = 1536 * 2 if fmt == "int8" else 0  # the bf16 copy of the per-row scales aten's op takes
+    assert layer.resident_bytes() == pytest.approx(bf16_bytes / factor_bf16 + extra)
+    floats = [t for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= w.numel() // 16]
+    assert not floats and not list(layer.parameters()) and not list(layer.buffers())
+
+
+def test_empty_batch(kernels) -> None:
+    layer = layer_for("int4", 32, 64, kernels)
+    assert layer(torch.zeros(0, 64)).shape == (0, 32)
+
+
+def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch) -> None:
+    """No working compiler: load_quant_kernels() is None (logged) and the module runs its torch path."""
+    from engine.quant import kernels as qk
+
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc (fake) 1.0'\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    qk.load_quant_kernels.cache_clear()
+    try:
+        assert qk.load_quant_kernels(tmp_path / "cache") is None
+    finally:
+        qk.load_quant_kernels.cache_clear()
+    layer = layer_for("int4", 16, 64, None)
+    x = torch.randn(2, 64, generator=gen(0))
+    assert layer.path(2, torch.float32) == "torch"
+    assert_matches(layer(x), x, layer)
+
+
+def test_quant_kernel_build_key_covers_its_source() -> None:
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if qk.load_quant_kernels() is None:
+        pytest.skip("no working C compiler here")
+    assert ck._build_key(ck._compiler(), qk.SOURCE) != ck._build_key(ck._compiler())
+
+
+def test_kernel_same_bits_for_any_thread_count(kernels) -> None:
+    """Each output row is summed by one thread in a fixed order: the OpenMP team size changes nothing."""
+    layer = layer_for("int4", 512, 256, kernels)  # 512 x 256 reaches the parallel threshold
+    x = torch.randn(3, 256, generator=gen(12))
+    assert torch.equal(kernels.linear(x, layer.weight_q, 1), kernels.linear(x, layer.weight_q, 2))
+
+
+def test_portable_build_without_avx512(kernels, tmp_path) -> None:
+    """The non-AVX-512 code (portable loops; what AVX2 machines run) computes the same numbers:
+    built here with AVX-512 switched off, and checked against the dequantized reference."""
+    import ctypes
+    import subprocess
+
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if " avx2 " not in f" {ck._cpu_flags()} ":
+        pytest.skip("this CPU has no AVX2 to run the variant on")
+    target = tmp_path / "quant_kernels_portable.so"
+    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]
+    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build an AVX2-only variant here: {built.stderr[-300:]}")
+    portable = qk.QuantKernels(ctypes.CDLL(str(target)))
+    for fmt in FORMATS:
+        for cols in (96, 100) if fmt != "int4" else (96,):
+            layer = QuantLinear(quantize(torch.randn(40, cols, generator=gen(cols)), fmt), portable)
+            for dtype in DTYPES:
+                x = torch.randn(5, cols, generator=gen(1)).to(dtype)
+                assert_matches(layer.run(x, "kernel"), x, layer)
+                tile = torch.empty(40, cols, dtype=dtype)
+                portable.dequantize(layer.weight_q, 0, 40, tile, 1)
+                assert torch.equal(tile, layer.weight_q.dequantize(dtype))
+
+
+def test_kernel_entry_points_check_layouts(kernels) -> None:
+    q = quantize(torch.randn(16, 64), "int4")
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.linear(torch.randn(64, 2).t(), q, 1)
+    with pytest.raises(ValueError, match=r"x \[rows, 64\]"):
+        kernels.linear(torch.randn(2, 32), q, 1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.linear(torch.randn(2, 32), q.cols(0, 32), 1)
+    with pytest.raises(ValueError, match="dequantize rows"):
+        kernels.dequantize(q, 0, 17, torch.empty(17, 64), 1)

@@ -1,0 +1,149 @@
+"""BatchStore on its own: files, batch state transitions, exactly-once item results, materialized
+outputs in line order, rollback, reopen after a crash, and one owner per directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from server.batch_store import BatchStore, CheckedLine, StoreBusy, StoreError
+
+
+def open_store(root: Path, **limits: int) -> BatchStore:
+    return BatchStore(root, max_file_bytes=limits.get("max_file_bytes", 1 << 20),
+                      max_requests=limits.get("max_requests", 100))
+
+
+def add_input(store: BatchStore, data: bytes = b"{}\n", purpose: str = "batch"):
+    path = store.upload_path()
+    path.write_bytes(data)
+    return store.add_file(path, filename="in.jsonl", purpose=purpose, num_bytes=len(data))
+
+
+def new_batch(store: BatchStore, num_items: int = 3, bad_lines: tuple[int, ...] = ()):
+    batch = store.create_batch(input_file_id=add_input(store).id, endpoint="/v1/completions", completion_window="24h",
+                               completion_window_s=3600, metadata={"k": "v"})
+    lines = []
+    for line in range(1, num_items + 1):
+        if line in bad_lines:
+            lines.append((line, CheckedLine(f"c{line}", error_result=json.dumps({"bad": line}).encode())))
+        else:
+            lines.append((line, CheckedLine(f"c{line}", body=b'{"n": %d}' % line, model="m")))
+    store.start_items(batch.id, lines)
+    return store.get_batch(batch.id)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+def test_files_round_trip(store):
+    row = add_input(store, b'{"a": 1}\n')
+    assert row.id.startswith("file-") and row.bytes == 9 and row.purpose == "batch"
+    assert store.get_file(row.id) == row
+    assert store.file_path(row.id).read_bytes() == b'{"a": 1}\n'
+    rows, has_more = store.list_files(after=None, limit=10, order="desc", purpose="batch")
+    assert rows == [row] and not has_more
+    assert store.list_files(after=None, limit=10, order="desc", purpose="batch_output") == ([], False)
+    store.delete_file(row.id)
+    with pytest.raises(StoreError) as missing:
+        store.get_file(row.id)
+    assert missing.value.status == 404 and not (store.files_dir / row.id).exists()
+
+
+def test_items_finish_exactly_once_and_outputs_keep_line_order(store):
+    batch = new_batch(store, num_items=4, bad_lines=(2,))
+    assert batch.status == "in_progress" and batch.total == 4 and batch.failed == 1 and batch.model == "m"
+    pending = store.pending_items(batch.id, after_line=0, limit=10)
+    assert [item.line for item in pending] == [1, 3, 4] and pending[0].body == b'{"n": 1}'
+    assert [item.line for item in store.pending_items(batch.id, after_line=1, limit=1)] == [3]
+    # Finished out of order; a second finish of the same item (a restart re-ran it) writes nothing.
+    assert store.finish_item(batch.id, 4, ok=True, result=b'"r4"', input_tokens=5, output_tokens=7)
+    assert store.finish_item(batch.id, 1, ok=False, result=b'"e1"')
+    assert not store.finish_item(batch.id, 4, ok=True, result=b'"again"', input_tokens=5, output_tokens=7)
+    assert store.finish_item(batch.id, 3, ok=True, result=b'"r3"', input_tokens=1, cached_tokens=1, output_tokens=1)
+    counted = store.get_batch(batch.id)
+    assert (counted.completed, counted.failed, counted.input_tokens, counted.cached_tokens,
+            counted.output_tokens) == (2, 2, 6, 1, 8)
+    assert store.num_pending(batch.id) == 0
+    store.set_finalizing(batch.id)
+    assert store.get_batch(batch.id).status == "finalizing" and store.next_batch().id == batch.id
+    done = store.finalize(batch.id, "completed")
+    assert done.status == "completed" and done.completed_at is not None and store.next_batch() is None
+    assert store.file_path(done.output_file_id).read_bytes() == b'"r3"\n"r4"\n'
+    assert store.file_path(done.error_file_id).read_bytes() == b'"e1"\n{"bad": 2}\n'
+    assert store.get_file(done.output_file_id).purpose == "batch_output"
+
+
+def test_validation_is_one_transaction(store):
+    batch = store.create_batch(input_file_id=add_input(store).id, endpoint="/v1/completions",
+                               completion_window="24h", completion_window_s=60, metadata=None)
+    too_many = ((line, CheckedLine("c", body=b"{}")) for line in range(1, 102))
+    with pytest.raises(StoreError) as refused:
+        store.start_items(batch.id, too_many)
+    assert refused.value.code == "too_many_requests"
+    assert store.get_batch(batch.id).status == "validating" and store.num_pending(batch.id) == 0  # rolled back
+    with pytest.raises(StoreError) as empty:
+        store.start_items(batch.id, iter(()))
+    assert empty.value.code == "empty_file"
+
+
+def test_cancel_and_expire(store):
+    batch = new_batch(store, num_items=3)
+    store.finish_item(batch.id, 1, ok=True, result=b'"r1"')
+    assert store.request_cancel(batch.id).status == "cancelling"
+    assert store.next_batch().status == "cancelling"
+    assert store.cancel_pending(batch.id) == 2
+    cancelled = store.finalize(batch.id, "cancelled")
+    assert cancelled.status == "cancelled" and cancelled.error_file_id is None
+    assert store.file_path(cancelled.output_file_id).read_bytes() == b'"r1"\n'
+    assert store.request_cancel(batch.id).status == "cancelled"  # a finished batch stays as it is
+
+    other = new_batch(store, num_items=2)
+    store.expire_pending(other.id, lambda line, custom_id: json.dumps([line, custom_id]).encode())
+    expired = store.finalize(other.id, "expired")
+    assert expired.status == "expired" and expired.failed == 2 and expired.expired_at is not None
+    assert store.file_path(expired.error_file_id).read_bytes() == b'[1, "c1"]\n[2, "c2"]\n'
+
+    finalizing = new_batch(store, num_items=1)
+    store.finish_item(finalizing.id, 1, ok=True, result=b"{}")
+    store.set_finalizing(finalizing.id)
+    with pytest.raises(StoreError) as late:
+        store.request_cancel(finalizing.id)
+    assert late.value.status == 409
+
+
+def test_reopen_keeps_results_and_removes_orphans(tmp_path):
+    root = tmp_path / "store"
+    store = open_store(root)
+    batch = new_batch(store, num_items=2)
+    store.finish_item(batch.id, 2, ok=True, result=b'"r2"')
+    (store.files_dir / ".upload-cut-off.tmp").write_bytes(b"half")  # an upload the crash cut off
+    with pytest.raises(StoreBusy):
+        open_store(root)  # one owner per directory
+    store.close()
+
+    reopened = open_store(root)
+    try:
+        assert not (reopened.files_dir / ".upload-cut-off.tmp").exists()
+        assert reopened.next_batch().id == batch.id
+        assert [item.line for item in reopened.pending_items(batch.id, after_line=0, limit=10)] == [1]
+        assert list(reopened.results(batch.id)) == [(2, True, b'"r2"')]
+    finally:
+        reopened.close()
+
+
+def test_wrong_purpose_and_paging_cursor(store):
+    output = add_input(store, purpose="batch_output")
+    with pytest.raises(StoreError) as refused:
+        store.create_batch(input_file_id=output.id, endpoint="/v1/completions", completion_window="24h",
+                           completion_window_s=60, metadata=None)
+    assert refused.value.param == "input_file_id"
+    with pytest.raises(StoreError) as cursor:
+        store.list_batches(after="batch_unknown", limit=5)
+    assert cursor.value.param == "after"
