@@ -26,7 +26,7 @@ class ModelExecutor:
     """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
 
     def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int) -> None:
-        check_quantization(config.quantization)
+        check_quantization(config.quantization, rank_device(config, 0).type)
         check_parallel_size(spec.model_args, config.model_parallel_size)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")

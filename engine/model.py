@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames
+from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, Linear, LinearNames, ParallelLinear
 from engine.checkpoint import ModelArgs
+from engine.quant.formats import cat_rows
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -151,7 +152,7 @@ def fuse_linears(state: Mapping[str, torch.Tensor], n_layers: int) -> dict[str, 
         for fused, parts in FUSED_LINEARS.items():
             names = [f"layers.{i}.{part}.weight" for part in parts]
             if all(name in out for name in names):
-                out[f"layers.{i}.{fused}.weight"] = torch.cat([out.pop(name) for name in names])
+                out[f"layers.{i}.{fused}.weight"] = cat_rows([out.pop(name) for name in names])
     return out
 
 
@@ -284,12 +285,18 @@ class Transformer(nn.Module):
         return self.output(h.index_select(0, inputs.logits_indices)).float()
 
     def weight_bytes(self) -> int:
-        """Bytes this rank's weights hold, packed copies included, shared tensors counted once."""
-        seen: dict[int, int] = {}
-        for tensor in (*self.parameters(), *self.buffers()):
-            key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()  # oneDNN's packed layout has no storage
-            seen[key] = tensor.numel() * tensor.element_size()
-        return sum(seen.values())
+        """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
+        linear's resident_bytes() (a quantized linear's codes and scales are not parameters), plus
+        every other parameter and buffer (embeddings, norms)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, ParallelLinear)]
+        in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
+        rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
+        return sum(layer.resident_bytes() for layer in linears) + sum(n for key, n in rest.items() if key not in in_linears)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Tensors sharing storage share a key (a tied head); oneDNN's packed layout has no storage."""
+    return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
 
 
 def kv_cache_shape(args: ModelArgs, mp_size: int, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
