@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, Linear, LinearNames, ParallelLinear
+from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear
 from engine.checkpoint import ModelArgs
-from engine.quant.formats import cat_rows
+from engine.quant.formats import QuantizedWeight, cat_rows
+from engine.quant.linear import embedding
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -78,18 +79,19 @@ class Collectives:
 class VocabParallelEmbedding(nn.Module):
     """fairscale's VocabParallelEmbedding over this rank's vocab rows (nn.Embedding at mp_size 1)."""
 
-    def __init__(self, weight: torch.Tensor, mp: Collectives) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, mp: Collectives, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.vocab_start_index = mp.rank * weight.shape[0]
+        self.lookup = embedding(weight, dtype)  # nn.Embedding; QuantEmbedding for a quantized table
+        self.num_local = weight.shape[0]
+        self.vocab_start_index = mp.rank * self.num_local
         self._reduce = mp.reduce
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._reduce is None:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_start_index + self.weight.shape[0])
+            return self.lookup(ids)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_start_index + self.num_local)
         local = (ids - self.vocab_start_index).masked_fill_(outside, 0)
-        return self._reduce(F.embedding(local, self.weight).masked_fill_(outside[:, None], 0.0))
+        return self._reduce(self.lookup(local).masked_fill_(outside[:, None], 0.0))
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -248,7 +250,7 @@ class Transformer(nn.Module):
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
         self.backend = backend
-        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp)
+        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
         self.layers = nn.ModuleList(TransformerBlock(i, args, weights, backend, mp) for i in range(args.n_layers))
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
@@ -288,7 +290,8 @@ class Transformer(nn.Module):
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
         linear's resident_bytes() (a quantized linear's codes and scales are not parameters), plus
         every other parameter and buffer (embeddings, norms)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, ParallelLinear)]
+        # modules reporting their own bytes: linears (not the ParallelLinear wrappers), quantized embeddings
+        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, ParallelLinear)]
         in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
         rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
         return sum(layer.resident_bytes() for layer in linears) + sum(n for key, n in rest.items() if key not in in_linears)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends import select_backend
-from engine.checkpoint import CheckpointSpec, load_rank_state_dict
+from engine.checkpoint import CheckpointSpec, load_rank_state_dict, nbytes_of
 from engine.config import EngineConfig
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.quant.formats import QuantizedWeight
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -137,12 +138,15 @@ def without_omp_team(device: torch.device) -> Iterator[None]:
 def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
     """Read the mmapped weights into `dtype` on `device`, logging progress (bytes, seconds) every
     ~10%. Views of the shards stay zero-copy when dtype and device already match."""
-    total = sum(t.numel() * t.element_size() for t in state.values())
+    total = sum(nbytes_of(t) for t in state.values())
     done, next_report, started_s = 0, 0.1, time.monotonic()
     out = {}
     for key, value in state.items():
-        out[key] = value.to(device=device, dtype=dtype).contiguous()
-        done += value.numel() * value.element_size()
+        # quantized weights (a quantized checkpoint) stay in their format, on the CPU (the only
+        # device with their kernels: engine.quantization.check_quantization)
+        quantized = isinstance(value, QuantizedWeight)
+        out[key] = value.contiguous() if quantized else value.to(device=device, dtype=dtype).contiguous()
+        done += nbytes_of(value)
         if total and done / total >= next_report:
             log.info(
                 "rank %d: read %.0f/%.0f MiB of weights (%.0f%%) in %.1f s",

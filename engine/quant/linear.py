@@ -129,3 +129,27 @@ def make_linear(weight: QuantizedWeight, kernels: QuantKernels | None) -> QuantL
     if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
         raise TypeError(f"no linear for {type(weight).__name__}")
     return QuantLinear(weight, kernels)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized (GGUF's Q8_0 token embeddings): only the looked-up rows
+    are dequantized, into the model dtype."""
+
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table.contiguous()  # a plain attribute, as QuantLinear's (model.to() must not convert it)
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.lookup(ids, self.dtype)
+
+    def resident_bytes(self) -> int:
+        return self.table.nbytes()
+
+
+def embedding(table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> nn.Module:
+    """ids -> rows of `table`: nn.Embedding over a float table, QuantEmbedding over a quantized one."""
+    if isinstance(table, QuantizedWeight):
+        return QuantEmbedding(table, dtype)
+    return nn.Embedding.from_pretrained(table, freeze=True)
