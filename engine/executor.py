@@ -13,7 +13,7 @@ import torch
 
 from engine.checkpoint import CheckpointSpec, check_parallel_size
 from engine.config import EngineConfig
-from engine.quantization import check_quantization
+from engine.quantization import WeightsReport, check_quantization
 from engine.rank_shard import RankShard, without_omp_team
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead, InvalidRequest
@@ -60,6 +60,7 @@ class ModelExecutor:
             raise
         self.num_blocks = num_blocks
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
         log.info(
             "executor ready: %d KV blocks of %d tokens (%.1f MiB), weights %.1f MiB, model_parallel_size %d",

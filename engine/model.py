@@ -297,6 +297,12 @@ class Transformer(nn.Module):
         return sum(layer.resident_bytes() for layer in linears) + sum(n for key, n in rest.items() if key not in in_linears)
 
 
+    def weight_formats(self) -> list[str]:
+        """The formats the weights are held in: the model dtype, and each quantized format."""
+        quantized = {m.weight_format for m in self.modules() if hasattr(m, "weight_format")}
+        return [str(self.backend.dtype).removeprefix("torch."), *sorted(quantized)]
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     """Tensors sharing storage share a key (a tied head); oneDNN's packed layout has no storage."""
     return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()

@@ -11,6 +11,8 @@ the codes and scales stay resident, never a float copy. docs/quantization.md has
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.quant import QUANTIZATION_TYPES
@@ -22,6 +24,15 @@ SUPPORTED = tuple(QUANTIZATION_TYPES)
 # Devices with kernels for the quantized linears (engine.quant.linear runs on the CPU only; the
 # CUDA paths have not been written or run on a GPU yet).
 KERNEL_DEVICES = {"cpu": SUPPORTED}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReport:
+    """What /v1/models/{id} says about a loaded model's weights."""
+
+    quantization: str | None  # the configured QUANTIZATION_TYPE (None: as the checkpoint holds them)
+    formats: list[str]  # the weight formats held: the model dtype, plus any quantized formats
+    resident_bytes: int  # all ranks: quantized codes and scales, packed copies, float tensors
 
 
 def check_quantization(name: str | None, device_type: str | None = None) -> None:

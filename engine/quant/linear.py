@@ -55,6 +55,10 @@ class QuantLinear(nn.Module):
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
 
+    @property
+    def weight_format(self) -> str:
+        return self.weight_q.format
+
     def resident_bytes(self) -> int:
         """Bytes of the weight storage this module keeps (codes, scales, mins, aten's scale copy)."""
         extra = 0 if self._aten_scales is None else self._aten_scales.numel() * self._aten_scales.element_size()
@@ -143,6 +147,10 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.lookup(ids, self.dtype)
+
+    @property
+    def weight_format(self) -> str:
+        return self.table.format
 
     def resident_bytes(self) -> int:
         return self.table.nbytes()
