@@ -294,7 +294,9 @@ class Transformer(nn.Module):
         linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, ParallelLinear)]
         in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
         rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
-        return sum(layer.resident_bytes() for layer in linears) + sum(n for key, n in rest.items() if key not in in_linears)
+        # a quantized tied head and embedding share their codes: keyed by storage, counted once
+        own = {m.storage_key() if hasattr(m, "storage_key") else id(m): m.resident_bytes() for m in linears}
+        return sum(own.values()) + sum(n for key, n in rest.items() if key not in in_linears)
 
 
     def weight_formats(self) -> list[str]:

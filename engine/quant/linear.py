@@ -59,6 +59,10 @@ class QuantLinear(nn.Module):
     def weight_format(self) -> str:
         return self.weight_q.format
 
+    def storage_key(self) -> int:
+        """Shared with a QuantEmbedding over the same table (a tied head): counted once."""
+        return self.weight_q.qweight.data_ptr()
+
     def resident_bytes(self) -> int:
         """Bytes of the weight storage this module keeps (codes, scales, mins, aten's scale copy)."""
         extra = 0 if self._aten_scales is None else self._aten_scales.numel() * self._aten_scales.element_size()
@@ -151,6 +155,9 @@ class QuantEmbedding(nn.Module):
     @property
     def weight_format(self) -> str:
         return self.table.format
+
+    def storage_key(self) -> int:
+        return self.table.qweight.data_ptr()
 
     def resident_bytes(self) -> int:
         return self.table.nbytes()
