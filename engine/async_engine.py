@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import DetokenizerFactory
+from engine.quantization import WeightsReport
 from engine.sequence import ModelRunner
 from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput
 from engine.types import SamplingDefaults, request_id_in_use
@@ -96,9 +97,11 @@ class AsyncEngine:
         max_seq_len: int,
         detokenizer_factory: DetokenizerFactory | None = None,
         sampling_defaults: SamplingDefaults = SamplingDefaults(),
+        weights: WeightsReport | None = None,
     ) -> None:
         self.model_id = model_id
         self.sampling_defaults = sampling_defaults
+        self.weights = weights  # quantization, formats, resident bytes (/v1/models/{id})
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.config = config

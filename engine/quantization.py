@@ -1,73 +1,62 @@
 """Weight-only quantization (QUANTIZATION_TYPE), applied at load by Backend.prepare.
 
-"fp8_mixed": the transformer's linear weights (wq|wk|wv, wo, w1|w3, w2) are stored as
-float8_e4m3fn with one scale per output row; embeddings, norms and the output head stay in the
-model dtype (the "mixed" of Meta's fp8_mixed checkpoints). It mainly saves memory: the matmul runs
-in the model dtype on the dequantised weight, with the per-row scale applied to the output, so it
-works on every backend. A quantized format is a prepared weight that names its Linear
-(engine.backends.base.PreparedWeight); docs/backends.md says how to add one.
+The names a model is configured with (QUANTIZATION_TYPE, run.yaml, metadata.quantization) are
+engine.quant.QUANTIZATION_TYPES: `fp8_mixed` (float8 e4m3, per-row scales), `int4_mixed` (int4,
+group-wise scales and mins, group 32) and `int8` (per-row scales). Each quantizes the transformer's
+linears (wq|wk|wv, wo, w1|w3, w2, fused at load) into an engine.quant weight; embeddings, norms
+and the output head stay in the model dtype (meta-reference's "mixed"). A quantized weight is a
+prepared weight (engine.backends.base.PreparedWeight) whose Linear is engine.quant.QuantLinear:
+the codes and scales stay resident, never a float copy. docs/quantization.md has the formats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from engine.quant import QUANTIZATION_TYPES
+from engine.quant.formats import QuantizedWeight, quantize
 from engine.types import InvalidRequest
 
-if TYPE_CHECKING:
-    from engine.backends.base import Backend
+SUPPORTED = tuple(QUANTIZATION_TYPES)
 
-SUPPORTED = ("fp8_mixed",)
-FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-
-
-def check_quantization(name: str | None) -> None:
-    if name is not None and name not in SUPPORTED:
-        raise InvalidRequest(
-            f"unknown quantization {name!r}; supported: {', '.join(SUPPORTED)} (or none)", param="quantization"
-        )
+# Devices with kernels for the quantized linears (engine.quant.linear runs on the CPU only; the
+# CUDA paths have not been written or run on a GPU yet).
+KERNEL_DEVICES = {"cpu": SUPPORTED}
 
 
 @dataclass(frozen=True, slots=True)
-class Fp8RowwiseWeight:
-    """W ~= data * scale[:, None]: data float8 [out, in], scale [out] in the model dtype."""
+class WeightsReport:
+    """What /v1/models/{id} says about a loaded model's weights."""
 
-    data: torch.Tensor
-    scale: torch.Tensor
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> "Fp8RowwiseWeight":
-        amax = weight.detach().abs().amax(dim=1).float().clamp(min=1e-12)
-        scale = amax / _FP8_MAX
-        return cls((weight.float() / scale[:, None]).to(FP8_DTYPE), scale.to(weight.dtype))
-
-    def make_linear(self, backend: "Backend") -> "Fp8RowwiseLinear":
-        return Fp8RowwiseLinear(self)
+    quantization: str | None  # the configured QUANTIZATION_TYPE (None: as the checkpoint holds them)
+    formats: list[str]  # the weight formats held: the model dtype, plus any quantized formats
+    resident_bytes: int  # all ranks: quantized codes and scales, packed copies, float tensors
 
 
-class Fp8RowwiseLinear(nn.Module):
-    """y = (x @ Wq^T) * scale (engine.backends.base.Linear over the local shard)."""
-
-    def __init__(self, weight: Fp8RowwiseWeight) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.data, requires_grad=False)
-        self.scale = nn.Parameter(weight.scale, requires_grad=False)
-        self.out_features, self.in_features = weight.data.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype)).mul_(self.scale)
-
-    def resident_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.weight, self.scale))
+def check_quantization(name: str | None, device_type: str | None = None) -> None:
+    """InvalidRequest for an unknown type, or one with no kernels on `device_type`, listing what works."""
+    if name is None:
+        return
+    if name not in SUPPORTED:
+        raise InvalidRequest(f"unknown quantization {name!r}; supported: {', '.join(SUPPORTED)} (or none)", param="quantization")
+    if device_type is not None and name not in KERNEL_DEVICES.get(device_type, ()):
+        works = "; ".join(f"{device}: {', '.join(names)}" for device, names in KERNEL_DEVICES.items())
+        raise InvalidRequest(
+            f"quantization {name!r} has no kernels on {device_type}; what works: {works} (or no quantization on any device)",
+            param="quantization",
+        )
 
 
-def quantize_weight(weight: torch.Tensor, name: str | None) -> torch.Tensor | Fp8RowwiseWeight:
-    """One transformer linear weight in the quantized format `name` (None: as it is)."""
+def quantize_weight(weight: torch.Tensor | QuantizedWeight, name: str | None) -> torch.Tensor | QuantizedWeight:
+    """One transformer linear weight in the quantized type `name` (None: as it is). A weight that
+    is already quantized (a checkpoint written quantized) is kept as it is, never requantized."""
     check_quantization(name)
-    return weight if name is None else Fp8RowwiseWeight.quantize(weight)
+    if name is None or isinstance(weight, QuantizedWeight):
+        return weight
+    kind = QUANTIZATION_TYPES[name]
+    try:
+        return quantize(weight, kind.format, group_size=kind.group_size).contiguous()
+    except ValueError as exc:  # a width the group size does not divide
+        raise InvalidRequest(f"quantization {name!r}: {exc}", param="quantization") from None

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends import select_backend
-from engine.checkpoint import CheckpointSpec, load_rank_state_dict
+from engine.checkpoint import CheckpointSpec, load_rank_state_dict, nbytes_of
 from engine.config import EngineConfig
-from engine.progress import Progress, ProgressCallback, tensor_bytes
+from engine.progress import Progress, ProgressCallback
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
+from engine.quant.formats import QuantizedWeight
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
 
@@ -144,8 +145,11 @@ def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: to
     """Read the mmapped weights into `dtype` on `device`, reporting bytes and rate (engine.progress).
     Views of the shards stay zero-copy when dtype and device already match."""
     out = {}
-    with Progress(f"rank {rank}: reading weights", sum(map(tensor_bytes, state.values())), callback=progress) as reading:
+    with Progress(f"rank {rank}: reading weights", sum(map(nbytes_of, state.values())), callback=progress) as reading:
         for key, value in state.items():
-            out[key] = value.to(device=device, dtype=dtype).contiguous()
-            reading.update(tensor_bytes(value))
+            # quantized weights (a quantized checkpoint) stay in their format, on the CPU (the only
+            # device with their kernels: engine.quantization.check_quantization)
+            quantized = isinstance(value, QuantizedWeight)
+            out[key] = value.contiguous() if quantized else value.to(device=device, dtype=dtype).contiguous()
+            reading.update(nbytes_of(value))
     return out

@@ -95,7 +95,8 @@ def with_demo_model(config: ServerConfig) -> ServerConfig:
         raise ConfigError(f"--demo is not available in this build ({exc})") from None
 
     try:
-        demo = ensure_demo_checkpoint(config.demo_cache_dir)  # None: its default (LLAMASERVE_CACHE_DIR)
+        # cache dir None: its default (LLAMASERVE_CACHE_DIR)
+        demo = ensure_demo_checkpoint(config.demo_cache_dir, weights=config.demo_weights)
     except CheckpointError as exc:  # e.g. not cached and no network; the message says what to fetch
         raise ConfigError(f"--demo: {exc}") from None
     spec = ModelSpec(

@@ -54,6 +54,7 @@ class ServerConfig:
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
     demo: bool = False
     demo_cache_dir: Path | None = None
+    demo_weights: str = "float32"  # engine.demo.DEMO_WEIGHTS: float32 (dequantized) or native (as shipped)
     batch_dir: Path | None = None  # Batch API storage; None: a temporary dir (the CLI sets a durable one)
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
@@ -122,6 +123,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
     Option("demo", _bool, "server", "serve a small demo model (downloaded or built once)"),
     Option("demo_cache_dir", Path, "server", "where the demo checkpoint is cached"),
+    Option("demo_weights", str, "server", "demo weights: float32 (its GGUF dequantized) or native (its Q4_1 / Q8_0 "
+           "blocks served as shipped, docs/quantization.md)"),
     Option("batch_dir", Path, "server", "Batch API files and state (SQLite); batches resume from it after a "
            "restart (default: <cache dir>/batches)"),
     Option("batch_max_file_bytes", parse_bytes, "server", "largest batch input file, e.g. 200MB"),

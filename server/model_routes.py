@@ -133,6 +133,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "load_time_s": info.load_time_s,
         "memory_bytes": info.memory_bytes,
         "sampling_defaults": info.sampling_defaults,
+        "weights": info.weights,
         "identifier": info.id,
         "provider_id": info.owned_by,
         "provider_resource_id": info.llama_model or info.id,

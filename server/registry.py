@@ -74,6 +74,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     load_time_s: float | None = None  # of the engine serving now
     memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
     sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
+    weights: dict[str, Any] | None = None  # engine.quantization.WeightsReport of the loaded engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -593,7 +594,15 @@ def _info(entry: _Entry, roots: list[Path]) -> ModelInfo:
         load_time_s=round(slot.load_time_s, 3) if slot is not None else None,
         memory_bytes=reserved,
         sampling_defaults=dataclasses.asdict(slot.engine.sampling_defaults) if slot is not None else None,
+        weights=_weights_report(slot.engine) if slot is not None else None,
     )
+
+
+def _weights_report(engine: Any) -> dict[str, Any] | None:
+    """The engine's WeightsReport (quantization, formats, resident bytes); engines that do not
+    load weights themselves (remote, fakes) have none."""
+    report = getattr(engine, "weights", None)
+    return dataclasses.asdict(report) if report is not None else None
 
 
 def _shutting_down() -> ApiError:

@@ -185,8 +185,8 @@ class Backend:
         from engine.quantization import quantize_weight
 
         out: dict[str, Any] = dict(weights)
-        for name in linears.blocks:
-            out[name] = self.prepare_linear(quantize_weight(out[name], self.quantization))
+        for name in linears.blocks:  # popped first: this dict holds no float copy once quantized
+            out[name] = self.prepare_linear(quantize_weight(out.pop(name), self.quantization))
         out[linears.head] = self.prepare_linear(out[linears.head])
         return out
 

@@ -67,6 +67,15 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    def make_linear(self, backend: object) -> "torch.nn.Module":
+        """Its Linear (engine.backends.base.PreparedWeight): QuantLinear over the C kernels when
+        they build here, else its torch path. Every backend without its own linear for a
+        quantized weight takes this one."""
+        from engine.quant.kernels import load_quant_kernels
+        from engine.quant.linear import make_linear
+
+        return make_linear(self, load_quant_kernels())
+
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """Output rows [start, stop) (a column-parallel shard)."""
         return replace(self, **{role: t[start:stop] for role, t in self.tensors().items()})
@@ -162,6 +171,14 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if len(same) != 1:
         raise ValueError(f"cannot fuse weights of different formats or layouts: {sorted(map(str, same))}")
     return replace(first, **{role: torch.cat([w.tensors()[role] for w in weights]) for role in first.tensors()})
+
+
+def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
+    """Row concatenation of float tensors (torch.cat) or of quantized weights (concat_rows): what
+    load-time fusion calls, whichever form the checkpoint holds."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    return concat_rows(parts)
 
 
 FORMATS: dict[str, type[QuantizedWeight]] = {cls.format: cls for cls in (Int8Weight, Int4Weight, Fp8Weight)}

@@ -55,6 +55,14 @@ class QuantLinear(nn.Module):
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
 
+    @property
+    def weight_format(self) -> str:
+        return self.weight_q.format
+
+    def storage_key(self) -> int:
+        """Shared with a QuantEmbedding over the same table (a tied head): counted once."""
+        return self.weight_q.qweight.data_ptr()
+
     def resident_bytes(self) -> int:
         """Bytes of the weight storage this module keeps (codes, scales, mins, aten's scale copy)."""
         extra = 0 if self._aten_scales is None else self._aten_scales.numel() * self._aten_scales.element_size()
@@ -129,3 +137,34 @@ def make_linear(weight: QuantizedWeight, kernels: QuantKernels | None) -> QuantL
     if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
         raise TypeError(f"no linear for {type(weight).__name__}")
     return QuantLinear(weight, kernels)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized (GGUF's Q8_0 token embeddings): only the looked-up rows
+    are dequantized, into the model dtype."""
+
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table.contiguous()  # a plain attribute, as QuantLinear's (model.to() must not convert it)
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.lookup(ids, self.dtype)
+
+    @property
+    def weight_format(self) -> str:
+        return self.table.format
+
+    def storage_key(self) -> int:
+        return self.table.qweight.data_ptr()
+
+    def resident_bytes(self) -> int:
+        return self.table.nbytes()
+
+
+def embedding(table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> nn.Module:
+    """ids -> rows of `table`: nn.Embedding over a float table, QuantEmbedding over a quantized one."""
+    if isinstance(table, QuantizedWeight):
+        return QuantEmbedding(table, dtype)
+    return nn.Embedding.from_pretrained(table, freeze=True)

@@ -19,7 +19,8 @@ from engine.backends.torch_ops import TorchBackend
 from engine.checkpoint import random_state_dict
 from engine.config import EngineConfig
 from engine.model import Transformer, allocate_kv_caches, fuse_linears, linear_names
-from engine.quantization import Fp8RowwiseLinear, Fp8RowwiseWeight
+from engine.quant.formats import Fp8Weight, quantize_fp8, quantize_int8
+from engine.quant.linear import QuantLinear
 from engine.runner import build_step_inputs
 from engine.sequence import ScheduledBatch, Sequence
 from engine.types import SamplingParams
@@ -81,7 +82,7 @@ def test_every_linear_meets_the_contract():
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(32, 16, generator=g)
     x = torch.randn(3, 16, generator=g)
-    layers: list[Linear] = [DenseLinear(weight), Fp8RowwiseLinear(Fp8RowwiseWeight.quantize(weight))]
+    layers: list[Linear] = [DenseLinear(weight), QuantLinear(quantize_fp8(weight), None), QuantLinear(quantize_int8(weight), None)]
     if packing_available(torch.float32):
         layers.append(PackedCpuLinear(pack_weight(weight)))
     for layer in layers:
@@ -90,8 +91,8 @@ def test_every_linear_meets_the_contract():
         out = layer(x)
         assert out.shape == (3, 32) and out.dtype == x.dtype
         expected = F.linear(x, weight)
-        assert float((out - expected).abs().max()) < 0.05 * float(expected.abs().max())  # fp8: close, not equal
-    assert isinstance(Fp8RowwiseWeight.quantize(weight), PreparedWeight)
+        assert float((out - expected).abs().max()) < 0.05 * float(expected.abs().max())  # fp8 / int8: close, not equal
+    assert isinstance(quantize_fp8(weight), PreparedWeight)
 
 
 def test_collectives_wrap_the_local_linear():
@@ -126,7 +127,7 @@ def test_backend_prepare_quantizes_blocks_not_the_head():
     g = torch.Generator().manual_seed(2)
     weights = {"a": torch.randn(16, 8, generator=g), "head": torch.randn(16, 8, generator=g), "norm": torch.ones(8)}
     prepared = TorchBackend(CPU, torch.float32, quantization="fp8_mixed").prepare(weights, LinearNames(("a",), "head"))
-    assert isinstance(prepared["a"], Fp8RowwiseWeight)
+    assert isinstance(prepared["a"], Fp8Weight)
     assert prepared["head"] is weights["head"] and prepared["norm"] is weights["norm"]
 
 

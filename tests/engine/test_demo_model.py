@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.demo import DEMO_MODEL_ID, DEMO_WHEEL_NAME, DemoUnavailable, ensure_demo_checkpoint
-from engine.types import ChatMessage, EngineRequest, SamplingParams
+from engine.types import ChatMessage, CheckpointError, EngineRequest, SamplingParams
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
 
@@ -143,16 +143,16 @@ QUESTIONS = {
 }
 
 
-@pytest.mark.slow
-def test_greedy_chat_answers_facts(demo_dir):
+def _answers(checkpoint_dir):
+    """Greedy answers to QUESTIONS, all in one batch, and the engine's weights report."""
     from engine.config import EngineConfig
     from engine.loader import load_engine
     from server.model_spec import ModelSpec
 
-    spec = ModelSpec(model_id=DEMO_MODEL_ID, checkpoint_dir=demo_dir)
+    spec = ModelSpec(model_id=DEMO_MODEL_ID, checkpoint_dir=checkpoint_dir)
     config = EngineConfig(max_batch_size=4, max_seq_len=512, kv_cache_bytes=16 << 20)
 
-    async def ask_all() -> dict[str, str]:
+    async def ask_all():
         engine = load_engine(spec, config)
 
         async def ask(i: int, question: str) -> str:
@@ -166,8 +166,29 @@ def test_greedy_chat_answers_facts(demo_dir):
             answers = await asyncio.gather(*(ask(i, q) for i, q in enumerate(QUESTIONS)))
         finally:
             await engine.shutdown()
-        return dict(zip(QUESTIONS, answers))
+        return dict(zip(QUESTIONS, answers)), engine.weights
 
-    answers = asyncio.run(ask_all())
+    return asyncio.run(ask_all())
+
+
+@pytest.mark.slow
+def test_greedy_chat_answers_facts(demo_dir):
+    answers, _ = _answers(demo_dir)
     for question, fact in QUESTIONS.items():
         assert fact in answers[question], (question, answers[question])
+
+
+@pytest.mark.slow
+def test_native_weights_answer_facts_in_their_shipped_size(demo_dir):
+    """--demo-weights native: the Q4_1 matrices and the Q8_0 embedding served as shipped (the
+    98 MB GGUF), not as 538 MB of float32."""
+    native = ensure_demo_checkpoint(demo_dir.parent, progress=False, weights="native").checkpoint_dir
+    answers, weights = _answers(native)
+    for question, fact in QUESTIONS.items():
+        assert fact in answers[question], (question, answers[question])
+    assert weights.formats[1:] == ["int4", "int8"] and weights.resident_bytes < 100e6, weights  # the file: 96.7 MB
+
+
+def test_unknown_demo_weights_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="demo weights 'q2': expected one of float32, native"):
+        ensure_demo_checkpoint(tmp_path, progress=False, weights="q2")

