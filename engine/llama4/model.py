@@ -177,6 +177,7 @@ class Llama4Transformer(nn.Module):
     """Build it with Llama4Transformer.from_state_dict (the same loading path as Transformer)."""
 
     weight_bytes = Transformer.weight_bytes
+    weight_formats = Transformer.weight_formats
 
     def __init__(self, args: ModelArgs, weights: _Weights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
         super().__init__()
@@ -186,7 +187,7 @@ class Llama4Transformer(nn.Module):
         self.max_seq_len = max_seq_len
         self.vocab_size = args.vocab_size
         self.backend = backend
-        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp)
+        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
         self.layers = nn.ModuleList(Llama4Block(i, args, weights, backend, mp) for i in range(args.n_layers))
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)

@@ -19,7 +19,8 @@ from engine.checkpoint import resolve_checkpoint
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
 from engine.llama4.model import Llama4Transformer, MoEFeedForward
-from engine.quantization import Fp8RowwiseLinear
+from engine.quant.formats import Fp8Weight
+from engine.quant.linear import QuantLinear
 from engine.sequence import ScheduledBatch, Sequence
 from engine.types import SamplingParams
 from tests.engine.test_model import BLOCK_SIZE, BlockAllocator, all_rows_inputs, random_prompts, run_random_schedule
@@ -160,6 +161,7 @@ def test_fp8_mixed_quantizes_the_experts(llama4_checkpoint, meta_reference):
     prompts = random_prompts(256, [10], seed=4)
     with executor_of(llama4_checkpoint, dtype="bfloat16", quantization="fp8_mixed") as executor:
         moe = executor._shard.model.layers[1].feed_forward
-        assert all(isinstance(getattr(w, "local", w), Fp8RowwiseLinear) for w in (*moe.experts_w13, *moe.experts_w2))
+        experts = [getattr(w, "local", w) for w in (*moe.experts_w13, *moe.experts_w2)]
+        assert all(isinstance(w, QuantLinear) and isinstance(w.weight_q, Fp8Weight) for w in experts)
         logits = prefill_logits(executor, prompts[0])
     assert F.cosine_similarity(logits.double(), meta_reference(prompts[0]), dim=-1).min() > 0.98
