@@ -158,3 +158,10 @@ def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
 def test_server_overhead_smoke():
     stdout = run_script("bench/server_overhead.py", "--tokens", "20", "--streams", "2", "--concurrency", "2", "--requests", "4")
     assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))
+def test_every_bench_script_imports_and_explains_itself(script):
+    """--help imports each script's engine and server pieces: a renamed module or class fails here,
+    for the scripts whose full runs are too long for the suite too."""
+    assert "usage:" in run_script(f"bench/{script}", "--help", timeout_s=120)
