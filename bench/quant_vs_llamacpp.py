@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--peer-args", default="", help="extra llama-server flags, e.g. --peer-args=--no-repack (on the Intel AMX "
                         "development machine llama.cpp's default repacking dies on Q4_1 with SIGILL)")
     args = parser.parse_args()
-    args.skip_llamacpp, args.exact_check, args.f32_gguf = False, False, None
+    args.skip_llamacpp, args.exact_check, args.f32_gguf, args.smoke = False, False, None, False
 
     from engine.demo import DEMO_MODEL_ID, default_cache_dir
 
