@@ -45,7 +45,7 @@ RUN pip install torch==2.13.0 .
 # kernels per x86-64 level, and the demo model fetched and converted now rather than at each start
 RUN if [ "$(uname -m)" = x86_64 ]; then python -m engine.cpu_kernels prebuild /opt/llamaserve/kernels; fi \
     && mkdir -p /opt/llamaserve/kernels \
-    && python -m engine.demo /opt/llamaserve/cache \
+    && python -m engine.offline.demo /opt/llamaserve/cache \
     && rm -rf /opt/llamaserve/cache/downloads
 
 # --------------------------------------------------------------------------- runtime

@@ -154,7 +154,7 @@ def build_llama_server() -> Path | None:
 def make_f32_gguf(cache_dir: Path) -> Path:
     """The demo's Q4_1 GGUF dequantized to F32 (once, into the cache)."""
     from bench.gguf_convert import convert
-    from engine.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
+    from engine.offline.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
 
     out = cache_dir / "peers" / "SmolLM2-135M-Instruct.F32.gguf"
     if out.exists():
@@ -317,7 +317,7 @@ def compare(ours: Rounds, theirs: Rounds) -> None:
 async def measure_server(name: str, peer: Path | None, args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path,
                          levels: list[int], *, check_tokens: bool) -> dict[int, Run] | None:
     """Start one server, run every level against it, stop it."""
-    from engine.demo import DEMO_MODEL_ID
+    from engine.offline.demo import DEMO_MODEL_ID
 
     port = free_port()
     with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False) as log:
@@ -339,7 +339,7 @@ async def measure_server(name: str, peer: Path | None, args: argparse.Namespace,
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from engine.demo import default_cache_dir, ensure_demo_checkpoint
+    from engine.offline.demo import default_cache_dir, ensure_demo_checkpoint
 
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     demo = ensure_demo_checkpoint(cache_dir)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.demo import DEMO_MODEL_ID, ensure_demo_checkpoint  # noqa: E402
+from engine.offline.demo import DEMO_MODEL_ID, ensure_demo_checkpoint  # noqa: E402
 from engine.executor import ModelExecutor  # noqa: E402
 from engine.loader import load_tokenizer_and_chat_format  # noqa: E402
 from engine.runner import ExecutorRunner  # noqa: E402

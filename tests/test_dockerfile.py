@@ -97,5 +97,5 @@ def test_the_package_the_image_installs_builds_with_its_kernel_source(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("llamaserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"engine/csrc/cpu_kernels.c", "engine/demo.py", "engine/cpu_kernels.py", "server/__main__.py", "compat/protocol.py"} <= names
+    assert {"engine/csrc/cpu_kernels.c", "engine/offline/demo.py", "engine/cpu_kernels.py", "server/__main__.py", "compat/protocol.py"} <= names
     assert not any(n.startswith(("tests/", "bench/")) for n in names)

@@ -88,7 +88,7 @@ def llama2(checkpoints):
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.demo import DEMO_MODEL_ID, DemoUnavailable, ensure_demo_checkpoint
+    from engine.offline.demo import DEMO_MODEL_ID, DemoUnavailable, ensure_demo_checkpoint
 
     try:
         directory: Path = ensure_demo_checkpoint(progress=False).checkpoint_dir

