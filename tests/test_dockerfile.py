@@ -50,7 +50,8 @@ def test_multi_stage_non_root_with_healthcheck_and_volume():
 
 
 def test_environment_names_are_real_settings():
-    from engine import cpu_kernels, demo
+    from engine import cpu_kernels
+    from engine.offline import demo
     from server.config import ENV_PREFIX, OPTIONS
 
     known = {ENV_PREFIX + o.name.upper() for o in OPTIONS} | {demo.CACHE_DIR_ENV, cpu_kernels.PREBUILT_DIR_ENV}

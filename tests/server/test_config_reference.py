@@ -12,7 +12,7 @@ from server.config import OPTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
-SOURCES = "\n".join(p.read_text() for d in ("server", "engine") for p in (REPO / d).glob("*.py"))
+SOURCES = "\n".join(p.read_text() for d in ("server", "engine") for p in (REPO / d).rglob("*.py"))
 
 
 def test_readme_block_is_the_generated_one():
