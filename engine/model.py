@@ -240,7 +240,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Build it with Transformer.from_state_dict (the loading path, weights prepared once)."""
+    """Build it with Transformer.from_state_dict (the loading path, weights prepared once).
+
+    Another architecture on the same skeleton (engine/llama4) overrides `block`, `_rope_table`,
+    `_prepare_weights` and `_linear_names`, and its forward."""
+
+    block: type[nn.Module] = TransformerBlock
 
     def __init__(self, args: ModelArgs, weights: _Weights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
         super().__init__()
@@ -251,17 +256,28 @@ class Transformer(nn.Module):
         self.vocab_size = args.vocab_size
         self.backend = backend
         self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
-        self.layers = nn.ModuleList(TransformerBlock(i, args, weights, backend, mp) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block(i, args, weights, backend, mp) for i in range(args.n_layers))
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
         weights.check_all_taken()
         # the RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)
         real = torch.float64 if backend.dtype == torch.float64 else torch.float32
-        table = precompute_freqs_cis(
+        self.freqs_cis = self._rope_table(args, max_seq_len, real).to(backend.device)
+
+    @staticmethod
+    def _rope_table(args: ModelArgs, max_seq_len: int, real: torch.dtype) -> torch.Tensor:
+        return precompute_freqs_cis(
             args.head_dim, max_seq_len, args.rope_theta, args.use_scaled_rope,
             scale_factor=args.rope_scaling_factor or 8.0, dtype=real,
         )  # fmt: skip
-        self.freqs_cis = table.to(backend.device)
+
+    @staticmethod
+    def _prepare_weights(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+        return fuse_linears(state, args.n_layers)
+
+    @staticmethod
+    def _linear_names(args: ModelArgs):
+        return linear_names(args.n_layers)
 
     @classmethod
     def from_state_dict(
@@ -270,10 +286,10 @@ class Transformer(nn.Module):
     ) -> "Transformer":  # fmt: skip
         """This rank's Meta-format state dict (in the model dtype, on the device) -> the model: the
         column linears fused, a tied output head taken from the embedding, then backend.prepare()."""
-        weights = fuse_linears(state, args.n_layers)
+        weights = cls._prepare_weights(state, args)
         if args.tie_word_embeddings and "output.weight" not in weights:
             weights["output.weight"] = weights["tok_embeddings.weight"]
-        prepared = backend.prepare(weights, linear_names(args.n_layers))
+        prepared = backend.prepare(weights, cls._linear_names(args))
         return cls(args, _Weights(prepared, source), backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
 
     @torch.inference_mode()

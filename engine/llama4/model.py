@@ -29,7 +29,7 @@ from torch import nn
 from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames
 from engine.checkpoint import ModelArgs
 from engine.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
-from engine.model import Collectives, FeedForward, RMSNorm, Transformer, VocabParallelEmbedding, _Weights, apply_rotary_emb, fuse_linears
+from engine.model import Collectives, FeedForward, RMSNorm, Transformer, _Weights, apply_rotary_emb, fuse_linears
 from engine.step_inputs import StepInputs
 
 
@@ -173,38 +173,23 @@ def split_experts(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[st
     return out
 
 
-class Llama4Transformer(nn.Module):
-    """Build it with Llama4Transformer.from_state_dict (the same loading path as Transformer)."""
+class Llama4Transformer(Transformer):
+    """Transformer's skeleton and loading path (embedding, blocks, norm, head; weights prepared
+    once) with Llama 4's blocks, RoPE table, expert weights and per-step layouts."""
 
-    weight_bytes = Transformer.weight_bytes
-    weight_formats = Transformer.weight_formats
+    block = Llama4Block
 
-    def __init__(self, args: ModelArgs, weights: _Weights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
-        super().__init__()
-        mp = Collectives(mp_size)
-        self.params = args
-        self.mp_size = mp_size
-        self.max_seq_len = max_seq_len
-        self.vocab_size = args.vocab_size
-        self.backend = backend
-        self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
-        self.layers = nn.ModuleList(Llama4Block(i, args, weights, backend, mp) for i in range(args.n_layers))
-        self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
-        self.output = backend.linear(weights.take("output.weight"), mp.gather)
-        weights.check_all_taken()
-        real = torch.float64 if backend.dtype == torch.float64 else torch.float32
-        self.freqs_cis = precompute_freqs_cis(args, max_seq_len, real).to(backend.device)
+    @staticmethod
+    def _rope_table(args: ModelArgs, max_seq_len: int, real: torch.dtype) -> torch.Tensor:
+        return precompute_freqs_cis(args, max_seq_len, real)
 
-    @classmethod
-    def from_state_dict(
-        cls, args: ModelArgs, state: Mapping[str, torch.Tensor], backend: Backend, *, mp_size: int = 1, max_seq_len: int,
-        source: str = "checkpoint",
-    ) -> "Llama4Transformer":  # fmt: skip
-        weights = split_experts(fuse_linears(state, args.n_layers), args)
-        if args.tie_word_embeddings and "output.weight" not in weights:
-            weights["output.weight"] = weights["tok_embeddings.weight"]
-        prepared = backend.prepare(weights, llama4_linear_names(args))
-        return cls(args, _Weights(prepared, source), backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
+    @staticmethod
+    def _prepare_weights(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+        return split_experts(fuse_linears(state, args.n_layers), args)
+
+    @staticmethod
+    def _linear_names(args: ModelArgs):
+        return llama4_linear_names(args)
 
     def step(self, inputs: StepInputs, cache: KVCache) -> Llama4Step:
         args = self.params
