@@ -358,27 +358,40 @@ class ParamLayout:
 
 def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
     """Every weight the model holds, with its full (unsharded) shape and parallel dimension."""
+    ffn_layouts = dense_ffn_layouts
     if args.is_llama4:
-        from engine.llama4.checkpoint import llama4_param_layouts
-
-        return llama4_param_layouts(args)
-    d, hd, q, kv, f = args.dim, args.head_dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+        from engine.llama4.checkpoint import llama4_ffn_layouts as ffn_layouts
+    d = args.dim
     out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
     for i in range(args.n_layers):
         p = f"layers.{i}."
-        out[p + "attention.wq.weight"] = ParamLayout((q, d), 0)
-        out[p + "attention.wk.weight"] = ParamLayout((kv, d), 0, args.kv_heads)
-        out[p + "attention.wv.weight"] = ParamLayout((kv, d), 0, args.kv_heads)
-        out[p + "attention.wo.weight"] = ParamLayout((d, q), 1)
-        out[p + "feed_forward.w1.weight"] = ParamLayout((f, d), 0)
-        out[p + "feed_forward.w2.weight"] = ParamLayout((d, f), 1)
-        out[p + "feed_forward.w3.weight"] = ParamLayout((f, d), 0)
+        out.update(attention_layouts(args, p))
+        out.update(ffn_layouts(args, i, p))
         out[p + "attention_norm.weight"] = ParamLayout((d,), None)
         out[p + "ffn_norm.weight"] = ParamLayout((d,), None)
     out["norm.weight"] = ParamLayout((d,), None)
     if not args.tie_word_embeddings:
         out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
     return out
+
+
+def attention_layouts(args: ModelArgs, prefix: str) -> dict[str, ParamLayout]:
+    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    return {
+        prefix + "attention.wq.weight": ParamLayout((q, d), 0),
+        prefix + "attention.wk.weight": ParamLayout((kv, d), 0, args.kv_heads),
+        prefix + "attention.wv.weight": ParamLayout((kv, d), 0, args.kv_heads),
+        prefix + "attention.wo.weight": ParamLayout((d, q), 1),
+    }
+
+
+def dense_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
+    d, f = args.dim, args.ffn_hidden_dim
+    return {
+        prefix + "feed_forward.w1.weight": ParamLayout((f, d), 0),
+        prefix + "feed_forward.w2.weight": ParamLayout((d, f), 1),
+        prefix + "feed_forward.w3.weight": ParamLayout((f, d), 0),
+    }
 
 
 def check_parallel_size(args: ModelArgs, mp_size: int) -> None:

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from engine.checkpoint import ModelArgs, ParamLayout, local_shape
+from engine.checkpoint import ModelArgs, ParamLayout, dense_ffn_layouts, local_shape, param_layouts
 from engine.llama4.args import is_moe_layer, moe_hidden_dim
 
 log = logging.getLogger(__name__)
@@ -31,35 +31,21 @@ log = logging.getLogger(__name__)
 _VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 
-def llama4_param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
-    d, hd = args.dim, args.head_dim
-    q, kv, f = args.n_heads * hd, args.kv_heads * hd, args.ffn_hidden_dim
-    out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        out[p + "attention.wq.weight"] = ParamLayout((q, d), 0)
-        out[p + "attention.wk.weight"] = ParamLayout((kv, d), 0, args.kv_heads)
-        out[p + "attention.wv.weight"] = ParamLayout((kv, d), 0, args.kv_heads)
-        out[p + "attention.wo.weight"] = ParamLayout((d, q), 1)
-        if is_moe_layer(args, i):
-            e, fm = args.moe_args.num_experts, moe_hidden_dim(args)
-            out[p + "feed_forward.router_DE"] = ParamLayout((d, e), None)
-            out[p + "feed_forward.experts.w1"] = ParamLayout((e, d, fm), 2)
-            out[p + "feed_forward.experts.w3"] = ParamLayout((e, d, fm), 2)
-            out[p + "feed_forward.experts.w2"] = ParamLayout((e, fm, d), 1)
-            out[p + "feed_forward.shared_expert.w1.weight"] = ParamLayout((fm, d), 0)
-            out[p + "feed_forward.shared_expert.w3.weight"] = ParamLayout((fm, d), 0)
-            out[p + "feed_forward.shared_expert.w2.weight"] = ParamLayout((d, fm), 1)
-        else:
-            out[p + "feed_forward.w1.weight"] = ParamLayout((f, d), 0)
-            out[p + "feed_forward.w2.weight"] = ParamLayout((d, f), 1)
-            out[p + "feed_forward.w3.weight"] = ParamLayout((f, d), 0)
-        out[p + "attention_norm.weight"] = ParamLayout((d,), None)
-        out[p + "ffn_norm.weight"] = ParamLayout((d,), None)
-    out["norm.weight"] = ParamLayout((d,), None)
-    if not args.tie_word_embeddings:
-        out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
-    return out
+def llama4_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
+    """A MoE layer's router, experts (split along F) and shared expert; dense layers as Llama 3."""
+    if not is_moe_layer(args, layer_id):
+        return dense_ffn_layouts(args, layer_id, prefix)
+    d, e, fm = args.dim, args.moe_args.num_experts, moe_hidden_dim(args)
+    p = prefix + "feed_forward."
+    return {
+        p + "router_DE": ParamLayout((d, e), None),
+        p + "experts.w1": ParamLayout((e, d, fm), 2),
+        p + "experts.w3": ParamLayout((e, d, fm), 2),
+        p + "experts.w2": ParamLayout((e, fm, d), 1),
+        p + "shared_expert.w1.weight": ParamLayout((fm, d), 0),
+        p + "shared_expert.w3.weight": ParamLayout((fm, d), 0),
+        p + "shared_expert.w2.weight": ParamLayout((d, fm), 1),
+    }
 
 
 def parallel_size_problems(args: ModelArgs, mp_size: int) -> list[str]:
@@ -92,7 +78,7 @@ def normalize_shard(args: ModelArgs, state: dict[str, torch.Tensor], old_rank: i
     vision = [k for k in state if k.startswith(_VISION_PREFIXES)]
     if vision and old_rank == 0:
         log.info("skipping %d vision weights (vision_embeddings, vision_projection): text only", len(vision))
-    layouts = llama4_param_layouts(args)
+    layouts = param_layouts(args)
     for key, tensor in state.items():
         if key.startswith(_VISION_PREFIXES) or key.endswith("._extra_state"):
             continue
