@@ -36,6 +36,37 @@ class HeaderTurns:
 
     header_start: str
     header_end: str
+    end_of_turn: str  # closes every message but tool calls awaiting results
+    tokenizer: Tokenizer
+    family_display_name: str  # in error messages: "Llama 3.1"
+    supports_tools: bool
+    pythonic_tool_calls: bool
+
+    def encode_dialog(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
+    ) -> list[int]:
+        name, with_tools = self.family_display_name, self.supports_tools
+        check_tools(tools, family_name=name, supports_tools=with_tools, pythonic=self.pythonic_tool_calls)
+        dialog = check_dialog(messages, family_name=name, supports_tools=with_tools, system_anywhere=True)
+        prompt = PromptBuilder(self.tokenizer).special("<|begin_of_text|>")
+        system = self._system_text(dialog.system, tools)
+        if system is not None:
+            self._message(prompt, "system", system, self.end_of_turn)
+        self._before_turns(prompt, tools)
+        for index, message in enumerate(dialog.messages):
+            self._encode_message(prompt, message, dialog, index)
+        if add_generation_prompt:
+            self._header(prompt, "assistant")
+        return prompt.ids
+
+    def _system_text(self, system: str | None, tools: Sequence[ToolDefinition]) -> str | None:
+        raise NotImplementedError
+
+    def _before_turns(self, prompt: PromptBuilder, tools: Sequence[ToolDefinition]) -> None:
+        """Anything a family puts between the system prompt and the first turn (nothing by default)."""
+
+    def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
+        raise NotImplementedError
 
     def _header(self, prompt: PromptBuilder, role: str) -> None:
         prompt.special(self.header_start).text(role).special(self.header_end).text("\n\n")

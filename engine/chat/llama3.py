@@ -25,8 +25,6 @@ from engine.chat.common import (
     Dialog,
     HeaderTurns,
     PromptBuilder,
-    check_dialog,
-    check_tools,
     python_literal,
     pythonic_call,
     tool_definitions_json,
@@ -72,6 +70,7 @@ def utc_today() -> dt.date:
 class Llama3ChatFormat(HeaderTurns):
     header_start = "<|start_header_id|>"
     header_end = "<|end_header_id|>"
+    end_of_turn = "<|eot_id|>"
 
     def __init__(self, tokenizer: Tokenizer, *, version: Version = "3.1", today: Callable[[], dt.date] = utc_today) -> None:
         self.tokenizer = tokenizer
@@ -80,28 +79,15 @@ class Llama3ChatFormat(HeaderTurns):
         self.supports_tools = version != "3"
         # Tool calls arrive as <|python_tag|>...: with tools, decode with skip_special_tokens=False.
         self.parser_needs_special_tokens = self.supports_tools
-        self._pythonic = version in ("3.2", "3.3")
+        self.pythonic_tool_calls = version in ("3.2", "3.3")
         self._today = today
-        self._name = f"Llama {version}"
+        self.family_display_name = f"Llama {version}"
 
-    # ---- prompt
-    def encode_dialog(
-        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
-    ) -> list[int]:
-        check_tools(tools, family_name=self._name, supports_tools=self.supports_tools, pythonic=self._pythonic)
-        dialog = check_dialog(messages, family_name=self._name, supports_tools=self.supports_tools, system_anywhere=True)
-        prompt = PromptBuilder(self.tokenizer).special("<|begin_of_text|>")
-        system = self._system_text(dialog.system, tools)
-        if system is not None:
-            self._message(prompt, "system", system, "<|eot_id|>")
+    # ---- prompt (HeaderTurns.encode_dialog walks the dialog)
+    def _before_turns(self, prompt: PromptBuilder, tools: Sequence[ToolDefinition]) -> None:
         custom = [t for t in tools if t.name not in BUILTIN_TOOLS]
         if self.version == "3.1" and custom:
             self._message(prompt, "user", _json_tools_message(custom), "<|eot_id|>")
-        for index, message in enumerate(dialog.messages):
-            self._encode_message(prompt, message, dialog, index)
-        if add_generation_prompt:
-            self._header(prompt, "assistant")
-        return prompt.ids
 
     def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
         if message.role == "tool":
@@ -111,7 +97,7 @@ class Llama3ChatFormat(HeaderTurns):
             prompt.text(message.content)
             calls = [(call.name, dialog.arguments[id(call)]) for call in message.tool_calls]
             param = f"messages[{index}].tool_calls"
-            if self._pythonic and not any(name in BUILTIN_TOOLS for name, _ in calls):
+            if self.pythonic_tool_calls and not any(name in BUILTIN_TOOLS for name, _ in calls):
                 listed = ", ".join(pythonic_call(name, args, param) for name, args in calls)
                 prompt.special("<|python_tag|>").text(f"[{listed}]").special("<|eot_id|>")
             else:  # Llama 3.1 calls, and built-in calls on 3.2+: end of message, awaiting results

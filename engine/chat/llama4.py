@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.chat.common import Dialog, HeaderTurns, PromptBuilder, check_dialog, check_tools, pythonic_call, tool_definitions_json
+from engine.chat.common import Dialog, HeaderTurns, PromptBuilder, pythonic_call, tool_definitions_json
 from engine.tokenizer import Tokenizer
 from engine.chat.tool_parser import OutputParser, make_output_parser
 from engine.types import ChatMessage, ToolDefinition
@@ -26,6 +26,9 @@ TOOLS_LIST_INTRO = "Here is a list of functions in JSON format that you can invo
 class Llama4ChatFormat(HeaderTurns):
     header_start = "<|header_start|>"
     header_end = "<|header_end|>"
+    end_of_turn = "<|eot|>"
+    family_display_name = "Llama 4"
+    pythonic_tool_calls = True
 
     family = "llama4"
     supports_tools = True
@@ -34,20 +37,8 @@ class Llama4ChatFormat(HeaderTurns):
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def encode_dialog(
-        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
-    ) -> list[int]:
-        check_tools(tools, family_name="Llama 4", supports_tools=True, pythonic=True)
-        dialog = check_dialog(messages, family_name="Llama 4", supports_tools=True, system_anywhere=True)
-        prompt = PromptBuilder(self.tokenizer).special("<|begin_of_text|>")
-        system = system_text(dialog.system, tools)
-        if system is not None:
-            self._message(prompt, "system", system, "<|eot|>")
-        for index, message in enumerate(dialog.messages):
-            self._encode_message(prompt, message, dialog, index)
-        if add_generation_prompt:
-            self._header(prompt, "assistant")
-        return prompt.ids
+    def _system_text(self, system: str | None, tools: Sequence[ToolDefinition]) -> str | None:
+        return system_text(system, tools)
 
     def _encode_message(self, prompt: PromptBuilder, message: ChatMessage, dialog: Dialog, index: int) -> None:
         if message.role == "tool":
