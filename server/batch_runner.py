@@ -29,13 +29,13 @@ from compat import to_engine
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
 from server.errors import ApiError, from_exception
 from server.registry import ModelRegistry
-from server.routes import (  # the online handlers' own pieces: one request path for both
-    _chat_assembler,
-    _collect,
-    _completion_assembler,
-    _off_loop_if_large,
-    _response_id,
+from server.request_flow import (  # the online handlers' own pieces: one request path for both
+    chat_assembler,
+    collect,
+    completion_assembler,
     merged_outputs,
+    new_response_id,
+    off_loop_if_large,
 )
 
 log = logging.getLogger(__name__)
@@ -163,16 +163,16 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
 
 async def _generate(req: Any, chat: bool, engine: Any, body_bytes: int) -> Any:
     if chat:
-        response_id = _response_id("chatcmpl")
-        plan = await _off_loop_if_large(body_bytes, to_engine.chat_plan, req, req.messages, engine, response_id)
-        assembler = _chat_assembler(req, plan, engine, response_id)
+        response_id = new_response_id("chatcmpl")
+        plan = await off_loop_if_large(body_bytes, to_engine.chat_plan, req, req.messages, engine, response_id)
+        assembler = chat_assembler(req, plan, engine, response_id)
     else:
-        response_id = _response_id("cmpl")
-        plan = await _off_loop_if_large(body_bytes, to_engine.completion_plan, req, req.prompt, engine, response_id)
-        assembler = _completion_assembler(req, plan, engine, response_id)
+        response_id = new_response_id("cmpl")
+        plan = await off_loop_if_large(body_bytes, to_engine.completion_plan, req, req.prompt, engine, response_id)
+        assembler = completion_assembler(req, plan, engine, response_id)
     for request in plan.requests:
         request.priority = BATCH_PRIORITY
-    return await _collect(merged_outputs(engine, plan.requests), assembler)
+    return await collect(merged_outputs(engine, plan.requests), assembler)
 
 
 # --------------------------------------------------------------------------- the runner

@@ -22,21 +22,21 @@ from compat import to_engine
 from compat.from_engine import token_text
 from engine.types import EngineClient, RequestOutput
 from server import sse
-from server.routes import (
+from server.request_flow import (
     Indexed,
-    _chat_assembler,
-    _collect,
-    _check_batch_size,
-    _completion_assembler,
-    _decode as _decode_body,
-    _lease,
-    _log,
-    _off_loop_if_large,
-    _response_id,
-    health,
+    chat_assembler,
+    check_batch_size,
+    collect,
+    completion_assembler,
+    decode_body,
     json_response,
+    lease,
+    log_fields,
     merged_outputs,
+    new_response_id,
+    off_loop_if_large,
 )
+from server.routes import health
 
 
 def add_llama_stack_routes(app: web.Application) -> None:
@@ -49,8 +49,8 @@ def add_llama_stack_routes(app: web.Application) -> None:
 
 
 async def _decode(request: web.Request, decoder: Any) -> tuple[Any, int]:
-    req, size = await _decode_body(request, decoder)
-    _log(request, model=req.model_id)
+    req, size = await decode_body(request, decoder)
+    log_fields(request, model=req.model_id)
     return req, size
 
 
@@ -129,34 +129,34 @@ class _Kind:
     head: Callable[[], list[dict]]  # stream events before any output
 
 
-CHAT = _Kind("chatcmpl", _chat_plan, _chat_assembler, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()])
-COMPLETION = _Kind("cmpl", _completion_plan, _completion_assembler, ls.completion_response, _completion_events, list)
+CHAT = _Kind("chatcmpl", _chat_plan, chat_assembler, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()])
+COMPLETION = _Kind("cmpl", _completion_plan, completion_assembler, ls.completion_response, _completion_events, list)
 
 
 async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: int, param: str) -> web.StreamResponse:
-    async with _lease(request, req.model_id) as engine:
-        response_id = _response_id(kind.id_prefix)
-        converted, plan = await _off_loop_if_large(size, kind.plan, req, item, engine, response_id, param)
+    async with lease(request, req.model_id) as engine:
+        response_id = new_response_id(kind.id_prefix)
+        converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, param)
         assembler = kind.assembler(converted, plan, engine, response_id)
         stops = _StopTokens(engine)
         outputs = stops.track(merged_outputs(engine, plan.requests))
         if req.stream:
             return await _stream(request, kind.events(outputs, assembler, stops), kind.head())
-        response = await _collect(outputs, assembler)
+        response = await collect(outputs, assembler)
         return json_response(kind.respond(response, stops.by_index.get(0)))
 
 
 async def _serve_batch(request: web.Request, kind: _Kind, req: Any, items: list, param: str) -> web.Response:
-    _check_batch_size(request, len(items), param)
-    async with _lease(request, req.model_id) as engine:
-        batch_id = _response_id("batch")
+    check_batch_size(request, len(items), param)
+    async with lease(request, req.model_id) as engine:
+        batch_id = new_response_id("batch")
 
         async def one(k: int, item: Any) -> dict:
             response_id = f"{kind.id_prefix}-{batch_id}-{k}"
             converted, plan = kind.plan(req, item, engine, response_id, f"{param}[{k}]")
             assembler = kind.assembler(converted, plan, engine, response_id)
             stops = _StopTokens(engine)
-            response = await _collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
+            response = await collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
             return kind.respond(response, stops.by_index.get(0))
 
         return json_response({"batch": await _all(one, items)})

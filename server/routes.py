@@ -1,6 +1,6 @@
 """Thin handlers: decode -> compat -> engine -> compat -> encode.
 
-Each handler leases its engine from the registry for the whole request (a hot switch lets it
+Each handler (with the pieces in server/request_flow.py) leases its engine from the registry for the whole request (a hot switch lets it
 finish on the weights it started with) and closes its output iterator in a `finally`, which
 aborts the engine request when the client goes away.
 """
@@ -8,30 +8,35 @@ aborts the engine request when the client goes away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-import uuid
-from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from compat import protocol as p
 from compat import to_engine
-from compat.from_engine import ChatAssembler, CompletionAssembler, token_text
-from engine.types import EngineClient, EngineRequest, RequestOutput
+from compat.from_engine import token_text
+from engine.types import EngineClient
 from server import sse
-from server.app_keys import CONFIG_KEY, LOG_FIELDS, METRICS_KEY, STATE_KEY
-from server.errors import ApiError, from_exception
+from server.app_keys import METRICS_KEY, STATE_KEY
+from server.errors import from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.request_flow import (
+    Indexed,
+    chat_assembler,
+    check_batch_size,
+    collect,
+    completion_assembler,
+    decode_body,
+    json_response,
+    lease,
+    log_fields,
+    merged_outputs,
+    new_response_id,
+    off_loop_if_large,
+)
 from server.tokenizer_info import model_or_only, tokenizer_info_body
-
-# Bodies above this are tokenized (and detokenized, and batch items planned) off the event loop, so
-# one huge prompt can't stall every stream; the tokenizers release the GIL while they encode.
-_INLINE_TOKENIZE_MAX_BYTES = 64 << 10
-
-Indexed = tuple[int, RequestOutput]
 
 
 def add_routes(app: web.Application) -> None:
@@ -51,71 +56,7 @@ def _registry(request: web.Request) -> ModelRegistry:
     return request.app[REGISTRY_KEY]
 
 
-def _lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
-    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
-    return _registry(request).lease(model_id)
-
-
-def _log(request: web.Request, **fields: Any) -> None:
-    request[LOG_FIELDS].update(fields)
-
-
-def json_response(obj: object, status: int = 200) -> web.Response:
-    return web.Response(body=p.ENCODER.encode(obj), status=status, content_type="application/json")
-
-
-async def _decode(request: web.Request, decoder: Any) -> Any:
-    body = await request.read()  # raises 413 past client_max_size
-    req = p.decode(decoder, body)
-    _log(request, model=getattr(req, "model", None))
-    return req, len(body)
-
-
-async def _off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) (rendering and tokenizing a prompt), in a thread when the body is large."""
-    if body_bytes > _INLINE_TOKENIZE_MAX_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
-# --------------------------------------------------------------------------- engine outputs
-async def merged_outputs(engine: EngineClient, requests: Sequence[EngineRequest]) -> AsyncIterator[Indexed]:
-    """Yield (choice index, delta) from all requests, submitted together so the engine batches them.
-    Closing this iterator closes every engine iterator, which aborts unfinished requests."""
-    if len(requests) == 1:
-        async with aclosing(engine.generate(requests[0])) as outputs:
-            async for out in outputs:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(requests))  # bounded: backpressure reaches the engine
-    done = object()
-
-    async def pump(index: int, request: EngineRequest) -> None:
-        try:
-            async with aclosing(engine.generate(request)) as outputs:
-                async for out in outputs:
-                    await queue.put((index, out))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put((index, exc))
-        await queue.put((index, done))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
+# --------------------------------------------------------------------------- responses
 class _Timing:
     """TTFT and token counts for the access log."""
 
@@ -127,7 +68,7 @@ class _Timing:
     def seen(self) -> None:
         if self.first:
             self.first = False
-            _log(self.request, ttft_s=round(time.perf_counter() - self.start_s, 6))
+            log_fields(self.request, ttft_s=round(time.perf_counter() - self.start_s, 6))
 
 
 async def _respond(
@@ -156,105 +97,66 @@ async def _respond(
     finally:
         await outputs.aclose()
         usage = assembler.usage()
-        _log(request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
-
-
-def _response_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+        log_fields(request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
 
 
 # --------------------------------------------------------------------------- chat and completions
-def _chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
-                    include_usage: bool = False) -> ChatAssembler:
-    """One place that turns a chat request (single or batch item) and its plan into an assembler."""
-    return ChatAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
-        tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
-        include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
-    )
-
-
-def _completion_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
-                          include_usage: bool = False) -> CompletionAssembler:
-    """Likewise for completions; a batch item's plan holds one prompt."""
-    return CompletionAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
-        prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
-        echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
-        include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
-    )
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, p.CHAT_DECODER)
-    async with _lease(request, req.model) as engine:
-        response_id = _response_id("chatcmpl")
-        plan = await _off_loop_if_large(size, to_engine.chat_plan, req, req.messages, engine, response_id)
+    req, size = await decode_body(request, p.CHAT_DECODER)
+    async with lease(request, req.model) as engine:
+        response_id = new_response_id("chatcmpl")
+        plan = await off_loop_if_large(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = _chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
+        assembler = chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
         return await _respond(request, req.stream, outputs, assembler, include_usage, assembler.role_chunks)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, p.COMPLETION_DECODER)
-    async with _lease(request, req.model) as engine:
-        response_id = _response_id("cmpl")
-        plan = await _off_loop_if_large(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
+    req, size = await decode_body(request, p.COMPLETION_DECODER)
+    async with lease(request, req.model) as engine:
+        response_id = new_response_id("cmpl")
+        plan = await off_loop_if_large(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = _completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
+        assembler = completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
         outputs = merged_outputs(engine, plan.requests)
         return await _respond(request, req.stream, outputs, assembler, include_usage, list)
 
 
 # --------------------------------------------------------------------------- batch endpoints
-async def _collect(outputs: AsyncIterator[Indexed], assembler: Any) -> Any:
-    async with aclosing(outputs):
-        async for index, out in outputs:
-            assembler.add(index, out)
-    return assembler.response()
-
-
 async def _batch_item(
     request: web.Request, index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]], body_bytes: int
 ) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
-        outputs, assembler = await _off_loop_if_large(body_bytes, make)
-        return p.BatchItem(index=index, response=await _collect(outputs, assembler))
+        outputs, assembler = await off_loop_if_large(body_bytes, make)
+        return p.BatchItem(index=index, response=await collect(outputs, assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
         error = from_exception(exc)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))
 
 
-def _check_batch_size(request: web.Request, count: int, param: str) -> None:
-    limit = request.app[CONFIG_KEY].max_batch_request_items
-    if count > limit:
-        raise ApiError(400, f"{param} has {count} items; this server accepts at most {limit}", param=param,
-                       code="batch_too_large")
-
-
 def _batch_response(response_id: str, kind: str, model: str, items: list[p.BatchItem], request: web.Request) -> web.Response:
     prompt = sum(item.response.usage.prompt_tokens for item in items if item.response is not None)
     completion = sum(item.response.usage.completion_tokens for item in items if item.response is not None)
-    _log(request, prompt_tokens=prompt, completion_tokens=completion, batch_items=len(items))
+    log_fields(request, prompt_tokens=prompt, completion_tokens=completion, batch_items=len(items))
     usage = p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
     return json_response(p.BatchResponse(id=response_id, object=kind, created=int(time.time()), model=model,
                                          data=items, usage=usage))
 
 
 async def batch_chat_completions(request: web.Request) -> web.Response:
-    req, size = await _decode(request, p.BATCH_CHAT_DECODER)
-    _check_batch_size(request, len(req.messages_batch), "messages_batch")
-    async with _lease(request, req.model) as engine:
-        batch_id = _response_id("batch")
+    req, size = await decode_body(request, p.BATCH_CHAT_DECODER)
+    check_batch_size(request, len(req.messages_batch), "messages_batch")
+    async with lease(request, req.model) as engine:
+        batch_id = new_response_id("batch")
 
         def make(k: int, messages: list) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
             def build() -> tuple[AsyncIterator[Indexed], Any]:
                 response_id = f"chatcmpl-{batch_id}-{k}"
                 plan = to_engine.chat_plan(req, messages, engine, response_id)
-                return merged_outputs(engine, plan.requests), _chat_assembler(req, plan, engine, response_id)
+                return merged_outputs(engine, plan.requests), chat_assembler(req, plan, engine, response_id)
             return build
 
         items = await asyncio.gather(*(_batch_item(request, k, make(k, m), size) for k, m in enumerate(req.messages_batch)))
@@ -262,17 +164,17 @@ async def batch_chat_completions(request: web.Request) -> web.Response:
 
 
 async def batch_completions(request: web.Request) -> web.Response:
-    req, size = await _decode(request, p.BATCH_COMPLETION_DECODER)
+    req, size = await decode_body(request, p.BATCH_COMPLETION_DECODER)
     prompts, param = to_engine.batch_prompts(req)
-    _check_batch_size(request, len(prompts), param)
-    async with _lease(request, req.model) as engine:
-        batch_id = _response_id("batch")
+    check_batch_size(request, len(prompts), param)
+    async with lease(request, req.model) as engine:
+        batch_id = new_response_id("batch")
 
         def make(k: int, prompt: str | list[int]) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
             def build() -> tuple[AsyncIterator[Indexed], Any]:
                 response_id = f"cmpl-{batch_id}-{k}"
                 plan = to_engine.completion_plan(req, prompt if isinstance(prompt, str) else [prompt], engine, response_id)
-                return merged_outputs(engine, plan.requests), _completion_assembler(req, plan, engine, response_id)
+                return merged_outputs(engine, plan.requests), completion_assembler(req, plan, engine, response_id)
             return build
 
         items = await asyncio.gather(*(_batch_item(request, k, make(k, pr), size) for k, pr in enumerate(prompts)))
@@ -281,10 +183,10 @@ async def batch_completions(request: web.Request) -> web.Response:
 
 # --------------------------------------------------------------------------- tokenizer endpoints
 async def tokenize(request: web.Request) -> web.Response:
-    req, size = await _decode(request, p.TOKENIZE_DECODER)
-    async with _lease(request, model_or_only(request, req.model)) as engine:
-        ids = await _off_loop_if_large(size, to_engine.tokenize, req, engine)
-        strs = await _off_loop_if_large(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
+    req, size = await decode_body(request, p.TOKENIZE_DECODER)
+    async with lease(request, model_or_only(request, req.model)) as engine:
+        ids = await off_loop_if_large(size, to_engine.tokenize, req, engine)
+        strs = await off_loop_if_large(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                                 token_strs=strs))
 
@@ -294,14 +196,14 @@ def _token_strs(engine: EngineClient, ids: list[int]) -> list[str]:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    req, size = await _decode(request, p.DETOKENIZE_DECODER)
-    async with _lease(request, model_or_only(request, req.model)) as engine:
-        return json_response(p.DetokenizeResponse(prompt=await _off_loop_if_large(size, to_engine.detokenize_ids, req, engine)))
+    req, size = await decode_body(request, p.DETOKENIZE_DECODER)
+    async with lease(request, model_or_only(request, req.model)) as engine:
+        return json_response(p.DetokenizeResponse(prompt=await off_loop_if_large(size, to_engine.detokenize_ids, req, engine)))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
     """vLLM's GET /tokenizer_info (lm-eval's remote tokenizer); `?model=` picks one of several."""
-    async with _lease(request, model_or_only(request, request.query.get("model"))) as engine:
+    async with lease(request, model_or_only(request, request.query.get("model"))) as engine:
         return json_response(tokenizer_info_body(engine))
 
 

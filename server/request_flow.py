@@ -1,0 +1,131 @@
+"""The request path every entry point shares: the online OpenAI handlers (server/routes.py), the
+Llama Stack routes and the Batch API runner. A model's engine is leased for the whole request,
+the prompt is planned (off the event loop when large), the engine requests are submitted together
+and their outputs merged by choice index, and an assembler turns them into OpenAI objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from aiohttp import web
+
+from compat import protocol as p
+from compat.from_engine import ChatAssembler, CompletionAssembler
+from engine.types import EngineClient, EngineRequest, RequestOutput
+from server.app_keys import CONFIG_KEY, LOG_FIELDS
+from server.errors import ApiError
+from server.registry import REGISTRY_KEY
+
+# Bodies above this are tokenized (and detokenized, and batch items planned) off the event loop, so
+# one huge prompt can't stall every stream; the tokenizers release the GIL while they encode.
+INLINE_TOKENIZE_MAX_BYTES = 64 << 10
+
+Indexed = tuple[int, RequestOutput]
+
+
+def lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
+    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
+    return request.app[REGISTRY_KEY].lease(model_id)
+
+
+def log_fields(request: web.Request, **fields: Any) -> None:
+    request[LOG_FIELDS].update(fields)
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=p.ENCODER.encode(obj), status=status, content_type="application/json")
+
+
+async def decode_body(request: web.Request, decoder: Any) -> Any:
+    body = await request.read()  # raises 413 past client_max_size
+    req = p.decode(decoder, body)
+    log_fields(request, model=getattr(req, "model", None))
+    return req, len(body)
+
+
+async def off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) (rendering and tokenizing a prompt), in a thread when the body is large."""
+    if body_bytes > INLINE_TOKENIZE_MAX_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
+                   include_usage: bool = False) -> ChatAssembler:
+    """One place that turns a chat request (single or batch item) and its plan into an assembler."""
+    return ChatAssembler(
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
+        tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
+        include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
+    )
+
+
+def completion_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
+                         include_usage: bool = False) -> CompletionAssembler:
+    """Likewise for completions; a batch item's plan holds one prompt."""
+    return CompletionAssembler(
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
+        prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
+        echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
+        include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
+    )
+
+
+async def merged_outputs(engine: EngineClient, requests: Sequence[EngineRequest]) -> AsyncIterator[Indexed]:
+    """Yield (choice index, delta) from all requests, submitted together so the engine batches them.
+    Closing this iterator closes every engine iterator, which aborts unfinished requests."""
+    if len(requests) == 1:
+        async with aclosing(engine.generate(requests[0])) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(requests))  # bounded: backpressure reaches the engine
+    done = object()
+
+    async def pump(index: int, request: EngineRequest) -> None:
+        try:
+            async with aclosing(engine.generate(request)) as outputs:
+                async for out in outputs:
+                    await queue.put((index, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((index, exc))
+        await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(outputs: AsyncIterator[Indexed], assembler: Any) -> Any:
+    async with aclosing(outputs):
+        async for index, out in outputs:
+            assembler.add(index, out)
+    return assembler.response()
+
+
+def check_batch_size(request: web.Request, count: int, param: str) -> None:
+    limit = request.app[CONFIG_KEY].max_batch_request_items
+    if count > limit:
+        raise ApiError(400, f"{param} has {count} items; this server accepts at most {limit}", param=param,
+                       code="batch_too_large")
