@@ -18,11 +18,15 @@ but still noisy there: say so when quoting them.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.quant.formats import Int4Weight, quantize
 from engine.quant.kernels import load_quant_kernels
