@@ -529,6 +529,21 @@ def _load_quantized_shard(path: Path) -> dict[str, torch.Tensor | QuantizedWeigh
     return {**plain, **{f"{key}.weight": weight for key, weight in quantized.items()}}
 
 
+def quantized_formats(spec: CheckpointSpec) -> set[str]:
+    """The quantized weight formats the checkpoint's shards declare (our safetensors layout; read
+    from the headers only), so a load on a device without their kernels fails before any mapping."""
+    from engine.quant.shard_file import read_formats
+
+    formats: set[str] = set()
+    for path in spec.shard_paths:
+        if path.suffix == ".safetensors":
+            try:
+                formats |= read_formats(path)
+            except (ValueError, KeyError, TypeError, AttributeError, OSError, json.JSONDecodeError, struct.error) as exc:
+                raise CheckpointError(f"{path}: not a readable quantized shard: {exc}") from None
+    return formats
+
+
 def _narrow(weight: torch.Tensor | QuantizedWeight, dim: int, start: int, length: int) -> torch.Tensor | QuantizedWeight:
     """A slice along dim 0 (output rows) or 1 (input columns); a quantized weight is sliced in its
     codes (rows() / cols(), at group boundaries), never requantized."""
