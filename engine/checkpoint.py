@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.quant.formats import QuantizedWeight, cat_rows
+from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.file_guard import guard_tree, guarded
 from engine.progress import Progress, ProgressCallback
@@ -560,7 +560,11 @@ def _cat(pieces: list, dim: int) -> torch.Tensor | QuantizedWeight:
         return torch.cat(pieces, dim=dim)
     if dim == 0:
         return cat_rows(pieces)
-    raise CheckpointError("a quantized checkpoint saved with several row-parallel shards cannot be resharded; save it as one shard")
+    try:  # row-parallel shards merged (resharding to fewer ranks): exact, or refused
+        return concat_cols(pieces)
+    except ValueError as exc:
+        raise CheckpointError(f"cannot reshard this quantized checkpoint to this model-parallel size: {exc}; "
+                              f"serve it at the model-parallel size it was saved with") from None
 
 
 def nbytes_of(weight: torch.Tensor | QuantizedWeight) -> int:
