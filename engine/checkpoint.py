@@ -616,7 +616,12 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     stage = f"rank {mp_rank}: mapping {old_size} shard(s)" + (f", resharding to {mp_size}" if old_size != mp_size else "")
     with Progress(stage, len(layouts), unit="tensor", callback=progress, bar=False) as mapping:
         for key, layout in layouts.items():
-            out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+            try:
+                out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+            except CheckpointError as exc:
+                if not isinstance(shards.get(0)[key], QuantizedWeight):
+                    raise
+                raise CheckpointError(f"{spec.checkpoint_dir}: {key} (saved in {old_size} shard(s)), loading at model-parallel size {mp_size}: {exc}") from None
             mapping.update(1)
     nbytes = sum(nbytes_of(t) for t in out.values())
     log.info(

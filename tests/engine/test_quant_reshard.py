@@ -110,7 +110,7 @@ def test_resharding_refuses_what_has_no_exact_form(tmp_path, float_checkpoints):
     assert isinstance(load_rank_state_dict(spec, 1, 2)["layers.0.attention.wo.weight"], QuantizedWeight)  # native MP is fine
     int4_dir = _write_quantized(float_checkpoints[1], tmp_path / "int4", 1, QUANTIZERS["int4"])
     spec = resolve_checkpoint(int4_dir, model_id="tiny", llama_model=TINY_DESCRIPTOR)
-    with pytest.raises(CheckpointError, match=r"cannot shard this quantized weight.*columns \[0, 16\) do not fall on"):
+    with pytest.raises(CheckpointError, match=r"layers.0.attention.wo.weight \(saved in 1 shard\(s\)\), loading at model-parallel size 4: cannot shard.*columns \[0, 16\) do not fall on"):
         load_rank_state_dict(spec, 0, 4)
     whole_rows = _write_quantized(float_checkpoints[1], tmp_path / "whole_rows", 1, lambda w: quantize_int4(w, w.shape[1]))
     spec = resolve_checkpoint(whole_rows, model_id="tiny", llama_model=TINY_DESCRIPTOR)
