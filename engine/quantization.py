@@ -64,12 +64,18 @@ def check_formats(formats: set[str], device_type: str, capability: tuple[int, in
     missing = sorted(f for f in formats if f not in available)
     if not missing:
         return
+    from engine.quant.cuda import MIN_CAPABILITY
+
     where = device_type if capability is None or device_type != "cuda" else f"cuda (compute capability {capability[0]}.{capability[1]})"
     here = ", ".join(TYPE_OF_FORMAT.get(f, f) for f in available) or "none"
+    on_cuda = ", ".join(
+        f"{TYPE_OF_FORMAT[fmt]} " + ("on any GPU" if minimum is None else f"from compute capability {minimum[0]}.{minimum[1]}")
+        for fmt, minimum in MIN_CAPABILITY.items()
+    )
     raise InvalidRequest(
         f"{what}: {', '.join(missing)} weights have no kernels on {where}; what works there: {here}; "
-        f"on cpu: {', '.join(SUPPORTED)}; on cuda: fp8_mixed and int8 on any GPU, int4_mixed from compute "
-        f"capability 8.0 (or no quantization on any device)",
+        f"on cpu: {', '.join(TYPE_OF_FORMAT[f] for f in kernel_formats('cpu'))}; on cuda: {on_cuda} "
+        f"(or unquantized weights on any device)",
         param="quantization",
     )
 

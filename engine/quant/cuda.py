@@ -43,12 +43,15 @@ DEQUANT_TILE_ELEMS = 1 << 24
 Capability = tuple[int, int]
 
 
+# The compute capability each format needs on CUDA (None: any): fp8 and int8 run everywhere
+# (their fallbacks are plain torch), int4 needs tinygemm.
+MIN_CAPABILITY: dict[str, Capability | None] = {"fp8": None, "int8": None, "int4": TINYGEMM_MIN_CAPABILITY}
+
+
 def kernel_formats(capability: Capability | None) -> tuple[str, ...]:
     """The weight formats a CUDA device of `capability` serves (None: unknown, e.g. torch without
-    CUDA): fp8 and int8 run everywhere (their fallbacks are plain torch), int4 needs tinygemm."""
-    if capability is not None and capability >= TINYGEMM_MIN_CAPABILITY:
-        return ("fp8", "int8", "int4")
-    return ("fp8", "int8")
+    CUDA, counts as below every minimum)."""
+    return tuple(fmt for fmt, minimum in MIN_CAPABILITY.items() if minimum is None or _at_least(capability, minimum))
 
 
 def plan(weight: QuantizedWeight, capability: Capability | None) -> str:

@@ -156,6 +156,21 @@ def test_a_quantized_checkpoint_on_a_device_without_its_kernels_is_refused_up_fr
             ModelExecutor(spec, EngineConfig(device="cuda", quantization=quantization), max_seq_len=64)
 
 
+def test_checkpoint_formats_come_from_the_headers(tmp_path, tiny_model_args):
+    from engine.checkpoint import CheckpointError, quantized_formats, resolve_checkpoint, write_random_checkpoint
+    from tests.conftest import TINY_DESCRIPTOR
+    from tests.engine.test_quant_checkpoint import _write_int4_checkpoint
+
+    float_dir = write_random_checkpoint(tmp_path / "float", tiny_model_args, seed=6)
+    quant_dir = _write_int4_checkpoint(float_dir, tmp_path / "int4")
+    assert quantized_formats(resolve_checkpoint(float_dir, model_id="tiny", llama_model=TINY_DESCRIPTOR)) == set()
+    spec = resolve_checkpoint(quant_dir, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    assert quantized_formats(spec) == {"int4"}
+    (quant_dir / "consolidated.00.safetensors").write_bytes(b"\xff" * 16)  # a header length past the file
+    with pytest.raises(CheckpointError, match="not a readable quantized shard"):
+        quantized_formats(spec)
+
+
 # --------------------------------------------------------------------------- on a GPU only
 @NEEDS_CUDA
 @pytest.mark.parametrize(
