@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.quant.formats import QuantizedWeight, cat_rows
+from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.file_guard import guard_tree, guarded
 from engine.progress import Progress, ProgressCallback
@@ -542,6 +542,21 @@ def _load_quantized_shard(path: Path) -> dict[str, torch.Tensor | QuantizedWeigh
     return {**plain, **{f"{key}.weight": weight for key, weight in quantized.items()}}
 
 
+def quantized_formats(spec: CheckpointSpec) -> set[str]:
+    """The quantized weight formats the checkpoint's shards declare (our safetensors layout; read
+    from the headers only), so a load on a device without their kernels fails before any mapping."""
+    from engine.quant.shard_file import read_formats
+
+    formats: set[str] = set()
+    for path in spec.shard_paths:
+        if path.suffix == ".safetensors":
+            try:
+                formats |= read_formats(path)
+            except (ValueError, KeyError, TypeError, AttributeError, OSError, json.JSONDecodeError, struct.error) as exc:
+                raise CheckpointError(f"{path}: not a readable quantized shard: {exc}") from None
+    return formats
+
+
 def _narrow(weight: torch.Tensor | QuantizedWeight, dim: int, start: int, length: int) -> torch.Tensor | QuantizedWeight:
     """A slice along dim 0 (output rows) or 1 (input columns); a quantized weight is sliced in its
     codes (rows() / cols(), at group boundaries), never requantized."""
@@ -558,7 +573,11 @@ def _cat(pieces: list, dim: int) -> torch.Tensor | QuantizedWeight:
         return torch.cat(pieces, dim=dim)
     if dim == 0:
         return cat_rows(pieces)
-    raise CheckpointError("a quantized checkpoint saved with several row-parallel shards cannot be resharded; save it as one shard")
+    try:  # row-parallel shards merged (resharding to fewer ranks): exact, or refused
+        return concat_cols(pieces)
+    except ValueError as exc:
+        raise CheckpointError(f"cannot reshard this quantized checkpoint to this model-parallel size: {exc}; "
+                              f"serve it at the model-parallel size it was saved with") from None
 
 
 def nbytes_of(weight: torch.Tensor | QuantizedWeight) -> int:
@@ -610,7 +629,12 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     stage = f"rank {mp_rank}: mapping {old_size} shard(s)" + (f", resharding to {mp_size}" if old_size != mp_size else "")
     with Progress(stage, len(layouts), unit="tensor", callback=progress, bar=False) as mapping:
         for key, layout in layouts.items():
-            out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+            try:
+                out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
+            except CheckpointError as exc:
+                if not isinstance(shards.get(0)[key], QuantizedWeight):
+                    raise
+                raise CheckpointError(f"{spec.checkpoint_dir}: {key} (saved in {old_size} shard(s)), loading at model-parallel size {mp_size}: {exc}") from None
             mapping.update(1)
     nbytes = sum(nbytes_of(t) for t in out.values())
     log.info(

@@ -11,9 +11,9 @@ import logging
 
 import torch
 
-from engine.checkpoint import CheckpointSpec, check_parallel_size
+from engine.checkpoint import CheckpointSpec, check_parallel_size, quantized_formats
 from engine.config import EngineConfig
-from engine.quantization import WeightsReport, check_quantization
+from engine.quantization import WeightsReport, check_formats, check_quantization
 from engine.rank_shard import RankShard, without_omp_team
 from engine.progress import ProgressCallback
 from engine.step_inputs import StepInputs
@@ -23,11 +23,22 @@ from engine.workers import ParallelGroup, group_in_use, launched_by_torchrun, ra
 log = logging.getLogger(__name__)
 
 
+def _capability(config: EngineConfig) -> tuple[int, int] | None:
+    """The first rank's CUDA compute capability (ranks are assumed alike); None off CUDA."""
+    from engine.backends.cuda import device_capability
+
+    return device_capability(rank_device(config, 0))
+
+
 class ModelExecutor:
     """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
 
     def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int, progress: ProgressCallback | None = None) -> None:
-        check_quantization(config.quantization, rank_device(config, 0).type)
+        device_type = rank_device(config, 0).type
+        capability = _capability(config)
+        check_quantization(config.quantization, device_type, capability)
+        # a quantized checkpoint is served in its own formats, whatever QUANTIZATION_TYPE says
+        check_formats(quantized_formats(spec), device_type, capability, what=f"checkpoint {spec.checkpoint_dir}")
         check_parallel_size(spec.model_args, config.model_parallel_size)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")

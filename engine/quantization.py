@@ -21,9 +21,8 @@ from engine.types import InvalidRequest
 
 SUPPORTED = tuple(QUANTIZATION_TYPES)
 
-# Devices with kernels for the quantized linears (engine.quant.linear runs on the CPU only; the
-# CUDA paths have not been written or run on a GPU yet).
-KERNEL_DEVICES = {"cpu": SUPPORTED}
+# The configured type's weight format, and back (a checkpoint declares formats, a config names types)
+TYPE_OF_FORMAT = {kind.format: name for name, kind in QUANTIZATION_TYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +34,50 @@ class WeightsReport:
     resident_bytes: int  # all ranks: quantized codes and scales, packed copies, float tensors
 
 
-def check_quantization(name: str | None, device_type: str | None = None) -> None:
-    """InvalidRequest for an unknown type, or one with no kernels on `device_type`, listing what works."""
+def kernel_formats(device_type: str, capability: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The weight formats with kernels on a device: every one on the CPU (engine.quant.linear);
+    on CUDA what engine.quant.cuda serves at that compute capability (None: unknown); none elsewhere."""
+    if device_type == "cpu":
+        return tuple(kind.format for kind in QUANTIZATION_TYPES.values())
+    if device_type == "cuda":
+        from engine.quant.cuda import kernel_formats as cuda_formats
+
+        return cuda_formats(capability)
+    return ()
+
+
+def check_quantization(name: str | None, device_type: str | None = None, capability: tuple[int, int] | None = None) -> None:
+    """InvalidRequest for an unknown type, or one with no kernels on `device_type` (of CUDA
+    `capability`), listing what works."""
     if name is None:
         return
     if name not in SUPPORTED:
         raise InvalidRequest(f"unknown quantization {name!r}; supported: {', '.join(SUPPORTED)} (or none)", param="quantization")
-    if device_type is not None and name not in KERNEL_DEVICES.get(device_type, ()):
-        works = "; ".join(f"{device}: {', '.join(names)}" for device, names in KERNEL_DEVICES.items())
-        raise InvalidRequest(
-            f"quantization {name!r} has no kernels on {device_type}; what works: {works} (or no quantization on any device)",
-            param="quantization",
-        )
+    if device_type is not None:
+        check_formats({QUANTIZATION_TYPES[name].format}, device_type, capability, what=f"quantization {name!r}")
+
+
+def check_formats(formats: set[str], device_type: str, capability: tuple[int, int] | None = None, *, what: str) -> None:
+    """InvalidRequest when a weight format in `formats` has no kernels on the device, naming `what`
+    asked for it (a configured type, a checkpoint's weights) and what works there and elsewhere."""
+    available = kernel_formats(device_type, capability)
+    missing = sorted(f for f in formats if f not in available)
+    if not missing:
+        return
+    from engine.quant.cuda import MIN_CAPABILITY
+
+    where = device_type if capability is None or device_type != "cuda" else f"cuda (compute capability {capability[0]}.{capability[1]})"
+    here = ", ".join(TYPE_OF_FORMAT.get(f, f) for f in available) or "none"
+    on_cuda = ", ".join(
+        f"{TYPE_OF_FORMAT[fmt]} " + ("on any GPU" if minimum is None else f"from compute capability {minimum[0]}.{minimum[1]}")
+        for fmt, minimum in MIN_CAPABILITY.items()
+    )
+    raise InvalidRequest(
+        f"{what}: {', '.join(missing)} weights have no kernels on {where}; what works there: {here}; "
+        f"on cpu: {', '.join(TYPE_OF_FORMAT[f] for f in kernel_formats('cpu'))}; on cuda: {on_cuda} "
+        f"(or unquantized weights on any device)",
+        param="quantization",
+    )
 
 
 def quantize_weight(weight: torch.Tensor | QuantizedWeight, name: str | None) -> torch.Tensor | QuantizedWeight:

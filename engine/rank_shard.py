@@ -20,6 +20,7 @@ from engine.checkpoint import CheckpointSpec, load_rank_state_dict, nbytes_of
 from engine.config import EngineConfig
 from engine.progress import Progress, ProgressCallback
 from engine.model import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
+from engine.quant.cuda import to_device
 from engine.quant.formats import QuantizedWeight
 from engine.step_inputs import StepInputs
 from engine.types import CheckpointError
@@ -147,9 +148,11 @@ def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: to
     out = {}
     with Progress(f"rank {rank}: reading weights", sum(map(nbytes_of, state.values())), callback=progress) as reading:
         for key, value in state.items():
-            # quantized weights (a quantized checkpoint) stay in their format, on the CPU (the only
-            # device with their kernels: engine.quantization.check_quantization)
-            quantized = isinstance(value, QuantizedWeight)
-            out[key] = value.contiguous() if quantized else value.to(device=device, dtype=dtype).contiguous()
+            # quantized weights (a quantized checkpoint) stay in their format; on CUDA their codes
+            # move to the device (kernels per device: engine.quantization.check_formats)
+            if isinstance(value, QuantizedWeight):
+                out[key] = (value if device.type == "cpu" else to_device(value, device)).contiguous()
+            else:
+                out[key] = value.to(device=device, dtype=dtype).contiguous()
             reading.update(nbytes_of(value))
     return out

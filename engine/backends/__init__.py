@@ -3,7 +3,9 @@
 select_backend() is the one place that choice is made (docs/backends.md):
 - CPU, float32/bfloat16, oneDNN able to run the dtype: CpuKernelBackend (oneDNN packed linears +
   the fused C kernels), or OneDnnBackend when the kernels are off or cannot be built;
-- anything else (CUDA, float64, float16, no oneDNN): TorchBackend, plain torch ops.
+- CUDA: CudaBackend (torch ops; quantized linears on engine.quant.cuda's kernels for the
+  device's compute capability; written, not yet run on a GPU);
+- anything else (float64, float16, no oneDNN): TorchBackend, plain torch ops.
 """
 
 from __future__ import annotations
@@ -43,4 +45,8 @@ def select_backend(config: "EngineConfig", device: torch.device) -> "Backend":
             if kernels is not None:
                 return CpuKernelBackend(device, dtype, kernels, quantization=config.quantization)
             return OneDnnBackend(device, dtype, quantization=config.quantization)
+    if device.type == "cuda":
+        from engine.backends.cuda import CudaBackend, device_capability
+
+        return CudaBackend(device, dtype, quantization=config.quantization, capability=device_capability(device))
     return TorchBackend(device, dtype, quantization=config.quantization)

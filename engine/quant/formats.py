@@ -92,6 +92,8 @@ class QuantizedWeight:
         per_row = self.group_size == self.in_features
         if not per_row and (start % self.group_size or stop % self.group_size):
             raise ValueError(f"{self.format} columns [{start}, {stop}) do not fall on group boundaries (group size {self.group_size})")
+        if self.format == "int4" and (start % _BLOCK or stop % _BLOCK):  # one group a row: nibbles still packed per block
+            raise ValueError(f"int4 columns [{start}, {stop}) do not fall on {_BLOCK}-column block boundaries")
         groups = slice(None) if per_row else slice(start // self.group_size, stop // self.group_size)
         return self._with_cols(start, stop, groups, stop - start if per_row else self.group_size)
 
@@ -171,6 +173,34 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if len(same) != 1:
         raise ValueError(f"cannot fuse weights of different formats or layouts: {sorted(map(str, same))}")
     return replace(first, **{role: torch.cat([w.tensors()[role] for w in weights]) for role in first.tensors()})
+
+
+def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose input columns are the weights' columns in order (a row-parallel weight's
+    shards merged when resharding), exactly: the codes, scales and mins side by side, the common
+    group size kept. Per-row shards (int8, fp8) with equal scales stay per row; int8 shards with
+    their own per-row scales become group-wise int8 with one group per shard (the kernels' group
+    sizes: multiples of 32). ValueError for what has no exact merged form (fp8 shards whose
+    per-row scales differ: fp8 is per row only)."""
+    first = weights[0]
+    same = {(type(w), w.out_features, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
+    if len(same) != 1:
+        raise ValueError(f"cannot merge the columns of weights of different formats or layouts: {sorted(map(str, same))}")
+    per_row = not isinstance(first, Int4Weight) and all(w.group_size == w.in_features for w in weights)
+    if per_row and all(torch.equal(w.scales, first.scales) for w in weights):
+        group_size = sum(w.in_features for w in weights)
+        return replace(first, qweight=torch.cat([w.qweight for w in weights], dim=1), group_size=group_size)
+    if len({w.group_size for w in weights}) != 1 or first.group_size % _BLOCK:
+        raise ValueError(
+            f"{first.format} shards of widths {[w.in_features for w in weights]} with group sizes "
+            f"{[w.group_size for w in weights]} have no common group size (a multiple of {_BLOCK}) to merge into"
+        )
+    if isinstance(first, Fp8Weight):
+        raise ValueError("fp8 shards hold different per-row scales, and fp8 weights have one scale per row: they cannot be merged exactly")
+    merged = {role: torch.cat([w.tensors()[role] for w in weights], dim=1) for role in first.tensors()}
+    if isinstance(first, Int4Weight):
+        return replace(first, **merged, in_features_=sum(w.in_features for w in weights))
+    return replace(first, **merged)
 
 
 def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":

@@ -71,6 +71,17 @@ def load_shard(path: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.
     return quantized, tensors
 
 
+def read_formats(path: Path) -> set[str]:
+    """The weight formats a shard declares (its header's metadata only; no tensor is mapped)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: truncated header")
+        metadata = json.loads(f.read(header_len)).get("__metadata__") or {}
+    described = json.loads(metadata.get(METADATA_KEY, '{"weights": {}}'))
+    return {str(header.get("format")) for header in described.get("weights", {}).values()}
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     # widest elements first, so every tensor starts aligned to its own element size (the format allows no gaps)
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())

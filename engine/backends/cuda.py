@@ -1,0 +1,36 @@
+"""The CUDA backend: the torch backend's operations, with quantized linears on CUDA kernels.
+
+WRITTEN, NOT YET RUN ON A GPU. Dense linears and attention are the torch backend's (cuBLAS,
+SDPA); a quantized weight gets engine.quant.cuda's linear for this device's compute capability
+(fp8 through torch._scaled_mm, int4 through tinygemm, the rest dequantized per tile).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.backends.base import Linear
+from engine.backends.torch_ops import TorchBackend
+from engine.quant.cuda import Capability, make_cuda_linear
+from engine.quant.formats import QuantizedWeight
+
+
+def device_capability(device: torch.device) -> Capability | None:
+    """The CUDA compute capability of `device`; None where torch has no CUDA device to ask."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, quantization: str | None = None,
+                 capability: Capability | None = None) -> None:  # fmt: skip
+        super().__init__(device, dtype, quantization=quantization)
+        self.capability = capability
+
+    def special_linear(self, weight) -> Linear:
+        if isinstance(weight, QuantizedWeight):
+            return make_cuda_linear(weight, self.capability)
+        return super().special_linear(weight)
