@@ -26,7 +26,7 @@ One path per weight, chosen at load from its format, its shape and the device's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
