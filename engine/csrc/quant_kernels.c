@@ -238,7 +238,161 @@ static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int
     return xf;
 }
 
+
+#ifdef QK_AVX512
+/* ------------------------------------------------------------------------------------------ one input row
+ * Decode at batch 1 streams each weight once, so the work per 32-column block decides whether the
+ * stream runs at memory bandwidth. Per block here: the codes as they are times x, summed into one
+ * vector, then scaled once by the block's scale d (a broadcast load from a per-row float32 copy of
+ * the scales); the offsets' share, sum over blocks of m * sum(x over the block), is one short dot
+ * product per row with block sums of x computed once per call. The same dot products as
+ * sum((q * d + m) * x), reassociated (the tests' "up to summation order" tolerance holds it).
+ * int4 with bfloat16 x on CPUs with AVX512_BF16: the 32 codes become 32 exact bfloat16 integers
+ * (one vpermw from a table) and one vdpbf16ps multiplies them into x (each product exact in
+ * float32); otherwise float32 codes through vpermps from a 0..15 table. Four accumulators hide
+ * the FMA latency. Used for int8 and int4 weights whose rows are whole blocks. */
+#define GEMV_CHAINS 4
+
+/* d of each 32-column block of `row`, as float32 (dst [nb]). */
+static AI void row_block_scales(const qmat *q, int64_t row, float *dst, int64_t nb) {
+    const int64_t groups = q->groups, per_group = q->group / BLOCK, base = row * groups;
+    if (per_group != 1) {
+        for (int64_t b = 0; b < nb; b++) dst[b] = scale_at(q, base + b / per_group);
+        return;
+    }
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 v = q->scales_f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)q->scales + base + g))
+                                       : _mm512_maskz_loadu_ps(mk, (const float *)q->scales + base + g);
+        _mm512_mask_storeu_ps(dst + g, mk, v);
+    }
+}
+
+/* int4: sum over groups of m * (sum of x over the group); m = mins, or -8 * scale without them. */
+static AI float row_offsets(const qmat *q, int64_t row, const float *group_sums) {
+    const int64_t groups = q->groups, base = row * groups;
+    const uint16_t *m = q->mins ? q->mins + base : (const uint16_t *)q->scales + base;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m + g));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, group_sums + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc) * (q->mins ? 1.0f : -8.0f);
+}
+
+/* The unscaled dot product of block b's codes with x (float32, [k]). */
+static AI __m512 block_dot_f32(const int fmt, const uint8_t *w, int64_t b, const float *x) {
+    const float *xb = x + b * BLOCK;
+    __m512 lo, hi;
+    if (fmt == FMT_INT4) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + b * (BLOCK / 2))));
+        lo = _mm512_permutexvar_ps(v, iota); /* vpermps reads an index's low 4 bits: the low nibble */
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK + 16))));
+    }
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+
+static AI float row_dot_f32(const int fmt, const qmat *q, int64_t row, const float *x, const float *d, int64_t nb) {
+    const uint8_t *w = q->w + (size_t)row * (fmt == FMT_INT4 ? q->k / 2 : q->k);
+    __m512 acc[GEMV_CHAINS];
+    for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
+        for (int c = 0; c < GEMV_CHAINS; c++)
+            acc[c] = _mm512_fmadd_ps(block_dot_f32(fmt, w, b + c, x), _mm512_set1_ps(d[b + c]), acc[c]);
+    for (; b < nb; b++) acc[0] = _mm512_fmadd_ps(block_dot_f32(fmt, w, b, x), _mm512_set1_ps(d[b]), acc[0]);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+#ifdef __AVX512BF16__
+static AI float int4_row_dot_bf16(const qmat *q, int64_t row, const bf16_t *x, const float *d, int64_t nb) {
+    /* word i of the table: bfloat16 of (i & 15); vpermw reads an index's low 5 bits */
+    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+                                           0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140,
+                                           0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+                                           0x3f80, 0x0000);
+    /* words 0..15: byte j (column j, low nibble); words 16..31: byte j >> 4 (column j + 16) */
+    const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const uint8_t *w = q->w + (size_t)row * (q->k / 2);
+    __m512 acc[GEMV_CHAINS];
+    for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+#define INT4_BF16_BLOCK(bb, a)                                                                                         \
+    do {                                                                                                               \
+        const __m512i words = _mm512_srlv_epi16(                                                                       \
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + (bb) * 16)))), shifts); \
+        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(words, table),       \
+                                            (__m512bh)_mm512_loadu_si512(x + (bb) * BLOCK));                           \
+        a = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[bb]), a);                                                            \
+    } while (0)
+    int64_t b = 0;
+    for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
+        for (int c = 0; c < GEMV_CHAINS; c++) INT4_BF16_BLOCK(b + c, acc[c]);
+    for (; b < nb; b++) INT4_BF16_BLOCK(b, acc[0]);
+#undef INT4_BF16_BLOCK
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+#endif
+
+/* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
+ * step reads every layer once, far more than the caches hold), and three streams per row (codes,
+ * scales, mins) are more than the hardware prefetcher runs ahead on. */
+#define GEMV_PREFETCH_ROWS 4
+static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
+    const int64_t row_bytes = fmt == FMT_INT4 ? q->k / 2 : q->k, scale_bytes = q->scales_f16 ? 2 : 4;
+    const char *w = (const char *)q->w + (size_t)row * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)q->scales + (size_t)(row * q->groups) * scale_bytes, _MM_HINT_T0);
+    if (q->mins) _mm_prefetch((const char *)(q->mins + row * q->groups), _MM_HINT_T0);
+}
+
+/* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
+static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    const int64_t n = q->n, k = q->k, nb = k / BLOCK, groups = q->groups;
+    float *xf = malloc((size_t)(k + groups) * sizeof(float)), *group_sums = xf + k;
+    if (!xf) return -1;
+    for (int64_t i = 0; i < k; i++) xf[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
+    for (int64_t g = 0; g < groups; g++) {
+        float s = 0.0f;
+        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) s += xf[i];
+        group_sums[g] = s;
+    }
+    int use_dpbf16 = 0;
+#ifdef __AVX512BF16__
+    use_dpbf16 = bf16 && fmt == FMT_INT4;
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        float d[nb], res;
+        if (r + GEMV_PREFETCH_ROWS < n) prefetch_row(fmt, q, r + GEMV_PREFETCH_ROWS);
+#ifdef __AVX512BF16__
+        if (use_dpbf16) {
+            row_block_scales(q, r, d, nb);
+            res = int4_row_dot_bf16(q, r, (const bf16_t *)x, d, nb) + row_offsets(q, r, group_sums);
+        } else
+#endif
+        {
+            row_block_scales(q, r, d, nb);
+            res = row_dot_f32(fmt, q, r, xf, d, nb);
+            if (fmt == FMT_INT4) res += row_offsets(q, r, group_sums);
+        }
+        if (bf16) ((bf16_t *)out)[r] = f32_to_bf16(res);
+        else ((float *)out)[r] = res;
+    }
+    (void)use_dpbf16;
+    free(xf);
+    return 0;
+}
+#endif
+
 static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, const qmat *q, void *out, int num_threads) {
+#ifdef QK_AVX512
+    if (rows == 1 && fmt != FMT_FP8 && q->k % BLOCK == 0 && q->group % BLOCK == 0) return qgemv(fmt, bf16, x, q, out, num_threads);
+#endif
     const int64_t n = q->n, kp = (q->k + BLOCK - 1) / BLOCK * BLOCK;
     float *xf = padded_input(x, bf16, rows, q->k, kp);
     if (!xf) return -1;

@@ -68,6 +68,22 @@ def test_int4_symmetric_and_group_sizes(kernels, dtype: torch.dtype) -> None:
             assert_matches(layer.run(x, path), x, layer)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [576, 1536])
+def test_one_row_kernel_every_group_layout(kernels, dtype: torch.dtype, cols: int) -> None:
+    """Decode at batch 1 takes the kernel's one-row path (block dots scaled once per block, the
+    offsets as one dot with per-group sums of x): Q4_1, Q4_0, wider groups, int8 per group and per
+    row, with group counts that are not a multiple of 16 (18 and 48 groups at group 32)."""
+    w = torch.randn(48, cols, generator=gen(cols)) * 0.05
+    x = torch.randn(1, cols, generator=gen(cols + 1)).to(dtype)
+    formats = (quantize_int4(w), quantize_int4(w, mins=False), quantize_int4(w, group_size=64), quantize_int4(w, group_size=192, mins=False),
+               quantize_int8(w, group_size=32), quantize_int8(w))  # fmt: skip
+    for q in formats:
+        layer = QuantLinear(q, kernels)
+        assert_matches(layer.run(x, "kernel"), x, layer)
+
+
 def test_kernel_vs_torch_fallback(kernels) -> None:
     """The C kernel and the torch-only module (no kernels) agree up to summation order."""
     for fmt in FORMATS:
