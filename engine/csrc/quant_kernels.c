@@ -450,23 +450,23 @@ static qmat make_qmat(const void *w, const void *scales, int scales_f16, const u
     return q;
 }
 
-/* Entry points. Return 0, or -1 when the input copy cannot be allocated. */
-int int8_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, int scales_f16, int64_t n,
-                int64_t k, int64_t group, void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, scales_f16, NULL, n, k, group);
-    return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
-}
+/* Entry point of the linears: one weight described once (engine.quant.kernels.QuantKernels.bind
+ * fills the struct at load), so a call passes six arguments, not eleven: a decode step makes about
+ * four calls per layer, and converting each ctypes argument costs about as much as a small kernel.
+ * Returns 0, or -1 when the input copy cannot be allocated. */
+typedef struct {
+    const void *w, *scales, *mins; /* mins: int4 only, or NULL */
+    int64_t n, k, group;
+    int32_t fmt, scales_f16;
+} quant_weight;
 
-int int4_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, const void *mins, int64_t n,
-                int64_t k, int64_t group, void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, 1, (const uint16_t *)mins, n, k, group);
-    return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
-}
-
-int fp8_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, int64_t n, int64_t k, void *out,
-               int num_threads) {
-    qmat q = make_qmat(w, scales, 0, NULL, n, k, k);
-    return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
+int quant_linear(const quant_weight *d, int bf16, const void *x, int64_t rows, void *out, int num_threads) {
+    qmat q = make_qmat(d->w, d->scales, d->scales_f16, (const uint16_t *)d->mins, d->n, d->k, d->group);
+    switch (d->fmt) {
+    case FMT_INT8: return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
+    case FMT_INT4: return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
+    default: return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
+    }
 }
 
 /* Dequantize output rows [row0, row1) into out [row1 - row0, k] (float32 or bfloat16). */
