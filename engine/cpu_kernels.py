@@ -84,6 +84,10 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
+        # built for a CPU with AVX512_BF16 (-march=native there): bfloat16 one-row linears in pairs
+        self._bf16_pairs = getattr(lib, "interleaved_linear_bf16_pairs", None)
+        if self._bf16_pairs is not None:
+            self._bf16_pairs.argtypes, self._bf16_pairs.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), None
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float, threads: int) -> None:
         """residual += delta (in place, if given); out = rms_norm(residual) * weight."""
@@ -122,17 +126,23 @@ class CpuKernels:
             heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
 
-    @staticmethod
-    def interleave(weight: torch.Tensor) -> torch.Tensor:
-        """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16)."""
+    def interleave(self, weight: torch.Tensor) -> torch.Tensor:
+        """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16); bfloat16
+        with even k where the library has the AVX512_BF16 kernel: [n / 16, k / 2, 16, 2] (pairs of
+        columns side by side, what vdpbf16ps multiplies)."""
         n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and k % 2 == 0 and self._bf16_pairs is not None:
+            return weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
 
     def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
         """x [rows, k] @ W^T with W as interleave() made it: [rows, n]."""
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0] * 16, dtype=x.dtype)
-        self._lib.interleaved_linear(_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
+        if weight.dim() == 4:  # bfloat16 pairs
+            self._bf16_pairs(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
+        else:
+            self._lib.interleaved_linear(_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
         return out
 
 
