@@ -31,6 +31,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -137,13 +138,25 @@ class CpuKernels:
 
     def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
         """x [rows, k] @ W^T with W as interleave() made it: [rows, n]."""
-        rows, k = x.shape
-        out = torch.empty(rows, weight.shape[0] * 16, dtype=x.dtype)
-        if weight.dim() == 4:  # bfloat16 pairs
-            self._bf16_pairs(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
-        else:
-            self._lib.interleaved_linear(_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
-        return out
+        return self.bind_interleaved(weight)(x, threads)
+
+    def bind_interleaved(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """interleaved_linear for one weight, its sizes and pointer looked up once: a decode step
+        makes four such calls per layer, and each Python-side lookup costs about a microsecond."""
+        n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), _DTYPE_CODES[weight.dtype]
+        pairs, lib_fn = weight.dim() == 4, self._lib.interleaved_linear  # 4-D: bfloat16 pairs
+
+        def one_row(x: torch.Tensor, threads: int) -> torch.Tensor:
+            rows, k = x.shape
+            out = torch.empty(rows, n, dtype=x.dtype)
+            if pairs:
+                self._bf16_pairs(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+            else:
+                lib_fn(code, x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+            return out
+
+        one_row.weight = weight  # the pointer's owner lives as long as the call
+        return one_row
 
 
 def default_cache_dir() -> Path:

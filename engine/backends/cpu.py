@@ -61,10 +61,12 @@ class PackedCpuLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
         self._kernels = kernels
+        # bound once: the decode step's ~120 calls skip the module's buffer lookups
+        self._one_row = kernels.bind_interleaved(weight.interleaved) if kernels is not None and weight.interleaved is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved is not None and x.shape[0] == 1:
-            return self._kernels.interleaved_linear(x.contiguous(), self.interleaved, torch.get_num_threads())
+        if self._one_row is not None and x.shape[0] == 1:
+            return self._one_row(x.contiguous(), torch.get_num_threads())
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
 
     def resident_bytes(self) -> int:
