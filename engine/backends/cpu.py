@@ -195,6 +195,6 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
     for values, limit, what, dtype in ranges:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
-        low, high = torch.aminmax(values)
+        low, high = (bound.item() for bound in torch.aminmax(values))  # Python ints: tensor comparisons cost ~10x more
         if low < 0 or high >= limit:
-            raise ValueError(f"a {what} is outside [0, {limit}): {int(low)}..{int(high)}")
+            raise ValueError(f"a {what} is outside [0, {limit}): {low}..{high}")
