@@ -225,6 +225,32 @@ def test_portable_build_without_avx512(kernels, tmp_path) -> None:
                 assert torch.equal(tile, layer.weight_q.dequantize(dtype))
 
 
+
+def test_avx512_build_without_bf16(kernels, tmp_path) -> None:
+    """AVX-512 CPUs without AVX512_BF16 (the prebuilt x86-64-v4 level) run the one-row path's
+    float32 code for bfloat16 inputs too: built here for that level, against the reference."""
+    import ctypes
+    import subprocess
+
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) != "x86-64-v4":
+        pytest.skip("this CPU cannot run x86-64-v4 code")
+    target = tmp_path / "quant_kernels_v4.so"
+    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-march=x86-64-v4", "-Wno-psabi"]
+    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build an x86-64-v4 variant here: {built.stderr[-300:]}")
+    v4 = qk.QuantKernels(ctypes.CDLL(str(target)))
+    w = torch.randn(48, 576, generator=gen(21)) * 0.05
+    for q in (quantize_int4(w), quantize_int4(w, mins=False), quantize_int8(w, group_size=32)):
+        layer = QuantLinear(q, v4)
+        for dtype in DTYPES:
+            x = torch.randn(1, 576, generator=gen(22)).to(dtype)
+            assert_matches(layer.run(x, "kernel"), x, layer)
+
+
 def test_kernel_entry_points_check_layouts(kernels) -> None:
     q = quantize(torch.randn(16, 64), "int4")
     with pytest.raises(ValueError, match="contiguous"):
