@@ -244,7 +244,7 @@ static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int
  * Decode at batch 1 streams each weight once, so the work per 32-column block decides whether the
  * stream runs at memory bandwidth. Per block here: the codes as they are times x, summed into one
  * vector, then scaled once by the block's scale d (a broadcast load from a per-row float32 copy of
- * the scales); the offsets' share, sum over blocks of m * sum(x over the block), is one short dot
+ * the scales; with wider groups, once per group: a per-row int8 scale once per row); the offsets' share, sum over blocks of m * sum(x over the block), is one short dot
  * product per row with block sums of x computed once per call. The same dot products as
  * sum((q * d + m) * x), reassociated (the tests' "up to summation order" tolerance holds it).
  * int4 with bfloat16 x on CPUs with AVX512_BF16: the 32 codes become 32 exact bfloat16 integers
@@ -253,13 +253,13 @@ static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int
  * the FMA latency. Used for int8 and int4 weights whose rows are whole blocks. */
 #define GEMV_CHAINS 4
 
-/* d of each 32-column block of `row`, as float32 (dst [nb]). */
-static AI void row_block_scales(const qmat *q, int64_t row, float *dst, int64_t nb) {
-    const int64_t groups = q->groups, per_group = q->group / BLOCK, base = row * groups;
-    if (per_group != 1) {
-        for (int64_t b = 0; b < nb; b++) dst[b] = scale_at(q, base + b / per_group);
-        return;
-    }
+/* kinds of block dot product: codes as float32 times float32 x (int4, int8), or int4 codes as
+ * bfloat16 times bfloat16 x (vdpbf16ps) */
+enum { DOT_INT4_F32 = 0, DOT_INT8_F32 = 1, DOT_INT4_BF16 = 2 };
+
+/* The scales of `row`'s groups as float32 (dst [groups]). */
+static AI void row_group_scales(const qmat *q, int64_t row, float *dst) {
+    const int64_t groups = q->groups, base = row * groups;
     for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
         const __m512 v = q->scales_f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)q->scales + base + g))
@@ -281,11 +281,26 @@ static AI float row_offsets(const qmat *q, int64_t row, const float *group_sums)
     return _mm512_reduce_add_ps(acc) * (q->mins ? 1.0f : -8.0f);
 }
 
-/* The unscaled dot product of block b's codes with x (float32, [k]). */
-static AI __m512 block_dot_f32(const int fmt, const uint8_t *w, int64_t b, const float *x) {
-    const float *xb = x + b * BLOCK;
+/* The unscaled dot product of block b's 32 codes (row codes w) with x's 32 columns there. */
+static AI __m512 block_dot(const int kind, const uint8_t *w, int64_t b, const void *x) {
+#ifdef __AVX512BF16__
+    if (kind == DOT_INT4_BF16) {
+        /* word i of the table: bfloat16 of (i & 15); vpermw reads an index's low 5 bits */
+        const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+                                               0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140,
+                                               0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+                                               0x3f80, 0x0000);
+        /* words 0..15: byte j (column j, low nibble); words 16..31: byte j >> 4 (column j + 16) */
+        const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i words = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + b * 16)))), shifts);
+        return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(words, table),
+                                (__m512bh)_mm512_loadu_si512((const bf16_t *)x + b * BLOCK));
+    }
+#endif
+    const float *xb = (const float *)x + b * BLOCK;
     __m512 lo, hi;
-    if (fmt == FMT_INT4) {
+    if (kind == DOT_INT4_F32) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + b * (BLOCK / 2))));
         lo = _mm512_permutexvar_ps(v, iota); /* vpermps reads an index's low 4 bits: the low nibble */
@@ -297,46 +312,37 @@ static AI __m512 block_dot_f32(const int fmt, const uint8_t *w, int64_t b, const
     return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
 }
 
-static AI float row_dot_f32(const int fmt, const qmat *q, int64_t row, const float *x, const float *d, int64_t nb) {
-    const uint8_t *w = q->w + (size_t)row * (fmt == FMT_INT4 ? q->k / 2 : q->k);
-    __m512 acc[GEMV_CHAINS];
-    for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
-        for (int c = 0; c < GEMV_CHAINS; c++)
-            acc[c] = _mm512_fmadd_ps(block_dot_f32(fmt, w, b + c, x), _mm512_set1_ps(d[b + c]), acc[c]);
-    for (; b < nb; b++) acc[0] = _mm512_fmadd_ps(block_dot_f32(fmt, w, b, x), _mm512_set1_ps(d[b]), acc[0]);
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+static AI __m512 sum_chains(const __m512 *acc) {
+    return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
 }
 
-#ifdef __AVX512BF16__
-static AI float int4_row_dot_bf16(const qmat *q, int64_t row, const bf16_t *x, const float *d, int64_t nb) {
-    /* word i of the table: bfloat16 of (i & 15); vpermw reads an index's low 5 bits */
-    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
-                                           0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140,
-                                           0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
-                                           0x3f80, 0x0000);
-    /* words 0..15: byte j (column j, low nibble); words 16..31: byte j >> 4 (column j + 16) */
-    const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const uint8_t *w = q->w + (size_t)row * (q->k / 2);
+/* sum over blocks of d(block) * block_dot: with 32-column groups each block scaled as it comes (four
+ * chains); with wider groups (a per-row int8 scale: one group) a group's blocks summed unscaled
+ * (four chains), then scaled once. */
+static AI float row_dot_one(const int kind, const qmat *q, int64_t row, const void *x, const float *d) {
+    const int64_t nb = q->k / BLOCK, per_group = q->group / BLOCK;
+    const uint8_t *w = q->w + (size_t)row * (kind == DOT_INT8_F32 ? q->k : q->k / 2);
     __m512 acc[GEMV_CHAINS];
     for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
-#define INT4_BF16_BLOCK(bb, a)                                                                                         \
-    do {                                                                                                               \
-        const __m512i words = _mm512_srlv_epi16(                                                                       \
-            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + (bb) * 16)))), shifts); \
-        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(words, table),       \
-                                            (__m512bh)_mm512_loadu_si512(x + (bb) * BLOCK));                           \
-        a = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[bb]), a);                                                            \
-    } while (0)
-    int64_t b = 0;
-    for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
-        for (int c = 0; c < GEMV_CHAINS; c++) INT4_BF16_BLOCK(b + c, acc[c]);
-    for (; b < nb; b++) INT4_BF16_BLOCK(b, acc[0]);
-#undef INT4_BF16_BLOCK
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    if (per_group == 1) {
+        int64_t b = 0;
+        for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_fmadd_ps(block_dot(kind, w, b + c, x), _mm512_set1_ps(d[b + c]), acc[c]);
+        for (; b < nb; b++) acc[0] = _mm512_fmadd_ps(block_dot(kind, w, b, x), _mm512_set1_ps(d[b]), acc[0]);
+        return _mm512_reduce_add_ps(sum_chains(acc));
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q->groups; g++) {
+        const int64_t first = g * per_group, last = first + per_group;
+        int64_t b = first;
+        for (; b + GEMV_CHAINS <= last; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_add_ps(acc[c], block_dot(kind, w, b + c, x));
+        for (; b < last; b++) acc[0] = _mm512_add_ps(acc[0], block_dot(kind, w, b, x));
+        total = _mm512_fmadd_ps(sum_chains(acc), _mm512_set1_ps(d[g]), total);
+        for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    }
+    return _mm512_reduce_add_ps(total);
 }
-#endif
 
 /* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
  * step reads every layer once, far more than the caches hold), and three streams per row (codes,
@@ -351,41 +357,37 @@ static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
 }
 
 /* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
-static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
-    const int64_t n = q->n, k = q->k, nb = k / BLOCK, groups = q->groups;
+static AI int qgemv_kind(const int kind, const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    const int64_t n = q->n, k = q->k, groups = q->groups;
     float *xf = malloc((size_t)(k + groups) * sizeof(float)), *group_sums = xf + k;
     if (!xf) return -1;
     for (int64_t i = 0; i < k; i++) xf[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
     for (int64_t g = 0; g < groups; g++) {
-        float s = 0.0f;
-        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) s += xf[i];
-        group_sums[g] = s;
+        float sum = 0.0f;
+        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) sum += xf[i];
+        group_sums[g] = sum;
     }
-    int use_dpbf16 = 0;
-#ifdef __AVX512BF16__
-    use_dpbf16 = bf16 && fmt == FMT_INT4;
-#endif
+    const void *xk = kind == DOT_INT4_BF16 ? x : (const void *)xf; /* what block_dot reads */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < n; r++) {
-        float d[nb], res;
         if (r + GEMV_PREFETCH_ROWS < n) prefetch_row(fmt, q, r + GEMV_PREFETCH_ROWS);
-#ifdef __AVX512BF16__
-        if (use_dpbf16) {
-            row_block_scales(q, r, d, nb);
-            res = int4_row_dot_bf16(q, r, (const bf16_t *)x, d, nb) + row_offsets(q, r, group_sums);
-        } else
-#endif
-        {
-            row_block_scales(q, r, d, nb);
-            res = row_dot_f32(fmt, q, r, xf, d, nb);
-            if (fmt == FMT_INT4) res += row_offsets(q, r, group_sums);
-        }
+        float d[groups];
+        row_group_scales(q, r, d);
+        float res = row_dot_one(kind, q, r, xk, d);
+        if (fmt == FMT_INT4) res += row_offsets(q, r, group_sums);
         if (bf16) ((bf16_t *)out)[r] = f32_to_bf16(res);
         else ((float *)out)[r] = res;
     }
-    (void)use_dpbf16;
     free(xf);
     return 0;
+}
+
+static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    if (fmt == FMT_INT8) return qgemv_kind(DOT_INT8_F32, FMT_INT8, bf16, x, q, out, num_threads);
+#ifdef __AVX512BF16__
+    if (bf16) return qgemv_kind(DOT_INT4_BF16, FMT_INT4, bf16, x, q, out, num_threads);
+#endif
+    return qgemv_kind(DOT_INT4_F32, FMT_INT4, bf16, x, q, out, num_threads);
 }
 #endif
 
