@@ -1,7 +1,7 @@
 """What the bench scripts share: the model configs and one results format.
 
 Configs: 'tiny' and 'small' random Llama 3 shapes (the real 128256-token vocabulary, so the output
-head costs what it costs in serving); bench/forward.py and bench/throughput.py both take them by name.
+head costs what it costs in serving), and 'demo' (the demo model's shape); bench/forward.py and bench/throughput.py both take them by name.
 
 Results: every script prints its figures and, with `--json PATH`, writes one file in this shape:
 
@@ -35,6 +35,8 @@ RESULTS_VERSION = 1
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
     "small": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
+    # the demo model's shape (SmolLM2-135M-Instruct: FFN 1536, tied output head), random weights
+    "demo": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, multiple_of=256, rope_theta=100000.0, tie_word_embeddings=True),
 }
 
 

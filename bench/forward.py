@@ -117,12 +117,15 @@ class Bench:
         return PREFILL_TOKENS / best_of(lambda: self.step([seq], [PREFILL_TOKENS]), repeats=2)
 
     def decode_tokens_per_s(self, batch: int) -> float:
-        seqs = [_sequence(i, CONTEXT_TOKENS + DECODE_STEPS, i) for i in range(batch)]
+        seqs = [_sequence(i, CONTEXT_TOKENS, i) for i in range(batch)]
 
         def run() -> None:
             for s in seqs:
+                del s.token_ids[CONTEXT_TOKENS:]
                 s.num_computed_tokens = CONTEXT_TOKENS
             for _ in range(DECODE_STEPS):
+                for s in seqs:  # each step's token is its sequence's last: its logits are computed, as in serving
+                    s.token_ids.append(7)
                 self.step(seqs, [1] * batch)
                 for s in seqs:
                     s.num_computed_tokens += 1
@@ -147,7 +150,7 @@ def weight_counts(args: ModelArgs) -> tuple[int, int]:
 # --------------------------------------------------------------------------- report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="tiny,small")
+    parser.add_argument("--configs", default="tiny,small", help="tiny, small, demo (SmolLM2-135M's shape, tied head)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -31,6 +31,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,6 +85,10 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
+        # built for a CPU with AVX512_BF16 (-march=native there): bfloat16 one-row linears in pairs
+        self._bf16_pairs = getattr(lib, "interleaved_linear_bf16_pairs", None)
+        if self._bf16_pairs is not None:
+            self._bf16_pairs.argtypes, self._bf16_pairs.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), None
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float, threads: int) -> None:
         """residual += delta (in place, if given); out = rms_norm(residual) * weight."""
@@ -122,18 +127,36 @@ class CpuKernels:
             heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
 
-    @staticmethod
-    def interleave(weight: torch.Tensor) -> torch.Tensor:
-        """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16)."""
+    def interleave(self, weight: torch.Tensor) -> torch.Tensor:
+        """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16); bfloat16
+        with even k where the library has the AVX512_BF16 kernel: [n / 16, k / 2, 16, 2] (pairs of
+        columns side by side, what vdpbf16ps multiplies)."""
         n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and k % 2 == 0 and self._bf16_pairs is not None:
+            return weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
 
     def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
         """x [rows, k] @ W^T with W as interleave() made it: [rows, n]."""
-        rows, k = x.shape
-        out = torch.empty(rows, weight.shape[0] * 16, dtype=x.dtype)
-        self._lib.interleaved_linear(_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, out.shape[1], k, threads)
-        return out
+        return self.bind_interleaved(weight)(x, threads)
+
+    def bind_interleaved(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """interleaved_linear for one weight, its sizes and pointer looked up once: a decode step
+        makes four such calls per layer, and each Python-side lookup costs about a microsecond."""
+        n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), _DTYPE_CODES[weight.dtype]
+        pairs, lib_fn = weight.dim() == 4, self._lib.interleaved_linear  # 4-D: bfloat16 pairs
+
+        def one_row(x: torch.Tensor, threads: int) -> torch.Tensor:
+            rows, k = x.shape
+            out = torch.empty(rows, n, dtype=x.dtype)
+            if pairs:
+                self._bf16_pairs(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+            else:
+                lib_fn(code, x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+            return out
+
+        one_row.weight = weight  # the pointer's owner lives as long as the call
+        return one_row
 
 
 def default_cache_dir() -> Path:

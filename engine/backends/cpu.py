@@ -61,10 +61,12 @@ class PackedCpuLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
         self._kernels = kernels
+        # bound once: the decode step's ~120 calls skip the module's buffer lookups
+        self._one_row = kernels.bind_interleaved(weight.interleaved) if kernels is not None and weight.interleaved is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved is not None and x.shape[0] == 1:
-            return self._kernels.interleaved_linear(x.contiguous(), self.interleaved, torch.get_num_threads())
+        if self._one_row is not None and x.shape[0] == 1:
+            return self._one_row(x.contiguous(), torch.get_num_threads())
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
 
     def resident_bytes(self) -> int:
@@ -193,6 +195,6 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
     for values, limit, what, dtype in ranges:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
-        low, high = torch.aminmax(values)
+        low, high = (bound.item() for bound in torch.aminmax(values))  # Python ints: tensor comparisons cost ~10x more
         if low < 0 or high >= limit:
-            raise ValueError(f"a {what} is outside [0, {limit}): {int(low)}..{int(high)}")
+            raise ValueError(f"a {what} is outside [0, {limit}): {low}..{high}")

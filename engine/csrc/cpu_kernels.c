@@ -402,3 +402,45 @@ void interleaved_linear(int bf16, const void *x, const void *weight, void *out, 
     }
     free(xf);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* bfloat16 one-row linear on AVX512_BF16 CPUs: W given as [n / 16, k / 2, 16, 2] (16 output rows
+ * interleaved, each with two consecutive columns side by side), so one 64-byte load holds two steps
+ * of k for 16 outputs and one vdpbf16ps multiplies them by the broadcast pair of x (each product of
+ * two bfloat16 values is exact in float32; the sums are float32, as in interleaved_linear). Half the
+ * instructions per weight byte of converting each value to float32 first: the loop keeps up with
+ * memory. k even. */
+static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 as one 32-bit lane (x may be 2-byte aligned only) */
+    int pair;
+    memcpy(&pair, x + 2 * i, sizeof(pair));
+    return pair;
+}
+
+void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                                   int num_threads) {
+    const int64_t pairs = k / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < n / 16; b++) {
+        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
+        for (int64_t m = 0; m < rows; m++) {
+            const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* four chains hide the latency */
+            int64_t i = 0;
+#define PAIR_STEP(acc, j) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
+            for (; i + 4 <= pairs; i += 4) {
+                PAIR_STEP(a0, i);
+                PAIR_STEP(a1, i + 1);
+                PAIR_STEP(a2, i + 2);
+                PAIR_STEP(a3, i + 3);
+            }
+            for (; i < pairs; i++) PAIR_STEP(a0, i);
+#undef PAIR_STEP
+            float sums[16];
+            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
+        }
+    }
+}
+#endif

@@ -238,7 +238,163 @@ static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int
     return xf;
 }
 
+
+#ifdef QK_AVX512
+/* ------------------------------------------------------------------------------------------ one input row
+ * Decode at batch 1 streams each weight once, so the work per 32-column block decides whether the
+ * stream runs at memory bandwidth. Per block here: the codes as they are times x, summed into one
+ * vector, then scaled once by the block's scale d (a broadcast load from a per-row float32 copy of
+ * the scales; with wider groups, once per group: a per-row int8 scale once per row); the offsets' share, sum over blocks of m * sum(x over the block), is one short dot
+ * product per row with block sums of x computed once per call. The same dot products as
+ * sum((q * d + m) * x), reassociated (the tests' "up to summation order" tolerance holds it).
+ * int4 with bfloat16 x on CPUs with AVX512_BF16: the 32 codes become 32 exact bfloat16 integers
+ * (one vpermw from a table) and one vdpbf16ps multiplies them into x (each product exact in
+ * float32); otherwise float32 codes through vpermps from a 0..15 table. Four accumulators hide
+ * the FMA latency. Used for int8 and int4 weights whose rows are whole blocks. */
+#define GEMV_CHAINS 4
+
+/* kinds of block dot product: codes as float32 times float32 x (int4, int8), or int4 codes as
+ * bfloat16 times bfloat16 x (vdpbf16ps) */
+enum { DOT_INT4_F32 = 0, DOT_INT8_F32 = 1, DOT_INT4_BF16 = 2 };
+
+/* The scales of `row`'s groups as float32 (dst [groups]). */
+static AI void row_group_scales(const qmat *q, int64_t row, float *dst) {
+    const int64_t groups = q->groups, base = row * groups;
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 v = q->scales_f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)q->scales + base + g))
+                                       : _mm512_maskz_loadu_ps(mk, (const float *)q->scales + base + g);
+        _mm512_mask_storeu_ps(dst + g, mk, v);
+    }
+}
+
+/* int4: sum over groups of m * (sum of x over the group); m = mins, or -8 * scale without them. */
+static AI float row_offsets(const qmat *q, int64_t row, const float *group_sums) {
+    const int64_t groups = q->groups, base = row * groups;
+    const uint16_t *m = q->mins ? q->mins + base : (const uint16_t *)q->scales + base;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m + g));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, group_sums + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc) * (q->mins ? 1.0f : -8.0f);
+}
+
+/* The unscaled dot product of block b's 32 codes (row codes w) with x's 32 columns there. */
+static AI __m512 block_dot(const int kind, const uint8_t *w, int64_t b, const void *x) {
+#ifdef __AVX512BF16__
+    if (kind == DOT_INT4_BF16) {
+        /* word i of the table: bfloat16 of (i & 15); vpermw reads an index's low 5 bits */
+        const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+                                               0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140,
+                                               0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+                                               0x3f80, 0x0000);
+        /* words 0..15: byte j (column j, low nibble); words 16..31: byte j >> 4 (column j + 16) */
+        const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i words = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + b * 16)))), shifts);
+        return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(words, table),
+                                (__m512bh)_mm512_loadu_si512((const bf16_t *)x + b * BLOCK));
+    }
+#endif
+    const float *xb = (const float *)x + b * BLOCK;
+    __m512 lo, hi;
+    if (kind == DOT_INT4_F32) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + b * (BLOCK / 2))));
+        lo = _mm512_permutexvar_ps(v, iota); /* vpermps reads an index's low 4 bits: the low nibble */
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK + 16))));
+    }
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+
+static AI __m512 sum_chains(const __m512 *acc) {
+    return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+}
+
+/* sum over blocks of d(block) * block_dot: with 32-column groups each block scaled as it comes (four
+ * chains); with wider groups (a per-row int8 scale: one group) a group's blocks summed unscaled
+ * (four chains), then scaled once. */
+static AI float row_dot_one(const int kind, const qmat *q, int64_t row, const void *x, const float *d) {
+    const int64_t nb = q->k / BLOCK, per_group = q->group / BLOCK;
+    const uint8_t *w = q->w + (size_t)row * (kind == DOT_INT8_F32 ? q->k : q->k / 2);
+    __m512 acc[GEMV_CHAINS];
+    for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    if (per_group == 1) {
+        int64_t b = 0;
+        for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_fmadd_ps(block_dot(kind, w, b + c, x), _mm512_set1_ps(d[b + c]), acc[c]);
+        for (; b < nb; b++) acc[0] = _mm512_fmadd_ps(block_dot(kind, w, b, x), _mm512_set1_ps(d[b]), acc[0]);
+        return _mm512_reduce_add_ps(sum_chains(acc));
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q->groups; g++) {
+        const int64_t first = g * per_group, last = first + per_group;
+        int64_t b = first;
+        for (; b + GEMV_CHAINS <= last; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_add_ps(acc[c], block_dot(kind, w, b + c, x));
+        for (; b < last; b++) acc[0] = _mm512_add_ps(acc[0], block_dot(kind, w, b, x));
+        total = _mm512_fmadd_ps(sum_chains(acc), _mm512_set1_ps(d[g]), total);
+        for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    }
+    return _mm512_reduce_add_ps(total);
+}
+
+/* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
+ * step reads every layer once, far more than the caches hold), and three streams per row (codes,
+ * scales, mins) are more than the hardware prefetcher runs ahead on. */
+#define GEMV_PREFETCH_ROWS 4
+static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
+    const int64_t row_bytes = fmt == FMT_INT4 ? q->k / 2 : q->k, scale_bytes = q->scales_f16 ? 2 : 4;
+    const char *w = (const char *)q->w + (size_t)row * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)q->scales + (size_t)(row * q->groups) * scale_bytes, _MM_HINT_T0);
+    if (q->mins) _mm_prefetch((const char *)(q->mins + row * q->groups), _MM_HINT_T0);
+}
+
+/* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
+static AI int qgemv_kind(const int kind, const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    const int64_t n = q->n, k = q->k, groups = q->groups;
+    float *xf = malloc((size_t)(k + groups) * sizeof(float)), *group_sums = xf + k;
+    if (!xf) return -1;
+    for (int64_t i = 0; i < k; i++) xf[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.0f;
+        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) sum += xf[i];
+        group_sums[g] = sum;
+    }
+    const void *xk = kind == DOT_INT4_BF16 ? x : (const void *)xf; /* what block_dot reads */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        if (r + GEMV_PREFETCH_ROWS < n) prefetch_row(fmt, q, r + GEMV_PREFETCH_ROWS);
+        float d[groups];
+        row_group_scales(q, r, d);
+        float res = row_dot_one(kind, q, r, xk, d);
+        if (fmt == FMT_INT4) res += row_offsets(q, r, group_sums);
+        if (bf16) ((bf16_t *)out)[r] = f32_to_bf16(res);
+        else ((float *)out)[r] = res;
+    }
+    free(xf);
+    return 0;
+}
+
+static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    if (fmt == FMT_INT8) return qgemv_kind(DOT_INT8_F32, FMT_INT8, bf16, x, q, out, num_threads);
+#ifdef __AVX512BF16__
+    if (bf16) return qgemv_kind(DOT_INT4_BF16, FMT_INT4, bf16, x, q, out, num_threads);
+#endif
+    return qgemv_kind(DOT_INT4_F32, FMT_INT4, bf16, x, q, out, num_threads);
+}
+#endif
+
 static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, const qmat *q, void *out, int num_threads) {
+#ifdef QK_AVX512
+    if (rows == 1 && fmt != FMT_FP8 && q->k % BLOCK == 0 && q->group % BLOCK == 0) return qgemv(fmt, bf16, x, q, out, num_threads);
+#endif
     const int64_t n = q->n, kp = (q->k + BLOCK - 1) / BLOCK * BLOCK;
     float *xf = padded_input(x, bf16, rows, q->k, kp);
     if (!xf) return -1;
@@ -296,23 +452,23 @@ static qmat make_qmat(const void *w, const void *scales, int scales_f16, const u
     return q;
 }
 
-/* Entry points. Return 0, or -1 when the input copy cannot be allocated. */
-int int8_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, int scales_f16, int64_t n,
-                int64_t k, int64_t group, void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, scales_f16, NULL, n, k, group);
-    return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
-}
+/* Entry point of the linears: one weight described once (engine.quant.kernels.QuantKernels.bind
+ * fills the struct at load), so a call passes six arguments, not eleven: a decode step makes about
+ * four calls per layer, and converting each ctypes argument costs about as much as a small kernel.
+ * Returns 0, or -1 when the input copy cannot be allocated. */
+typedef struct {
+    const void *w, *scales, *mins; /* mins: int4 only, or NULL */
+    int64_t n, k, group;
+    int32_t fmt, scales_f16;
+} quant_weight;
 
-int int4_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, const void *mins, int64_t n,
-                int64_t k, int64_t group, void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, 1, (const uint16_t *)mins, n, k, group);
-    return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
-}
-
-int fp8_linear(int bf16, const void *x, int64_t rows, const void *w, const void *scales, int64_t n, int64_t k, void *out,
-               int num_threads) {
-    qmat q = make_qmat(w, scales, 0, NULL, n, k, k);
-    return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
+int quant_linear(const quant_weight *d, int bf16, const void *x, int64_t rows, void *out, int num_threads) {
+    qmat q = make_qmat(d->w, d->scales, d->scales_f16, (const uint16_t *)d->mins, d->n, d->k, d->group);
+    switch (d->fmt) {
+    case FMT_INT8: return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
+    case FMT_INT4: return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
+    default: return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
+    }
 }
 
 /* Dequantize output rows [row0, row1) into out [row1 - row0, k] (float32 or bfloat16). */

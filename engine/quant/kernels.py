@@ -24,13 +24,18 @@ SOURCE = Path(__file__).parent.parent / "csrc" / "quant_kernels.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_FORMAT_CODES = {Int8Weight: 0, Int4Weight: 1, Fp8Weight: 2}  # quant_kernels.c's FMT_*
+
+
+class _QuantWeightDesc(ctypes.Structure):
+    """quant_kernels.c's quant_weight: one weight's pointers and sizes, filled once."""
+
+    _fields_ = [("w", _p), ("scales", _p), ("mins", _p), ("n", _i64), ("k", _i64), ("group", _i64), ("fmt", ctypes.c_int32), ("scales_f16", ctypes.c_int32)]
+
+
 _SIGNATURES = {
-    # bf16, x, rows, w, scales, scales_f16, n, k, group, out, threads
-    "int8_linear": ((_i32, _p, _i64, _p, _p, _i32, _i64, _i64, _i64, _p, _i32), _i32),
-    # bf16, x, rows, w, scales, mins, n, k, group, out, threads
-    "int4_linear": ((_i32, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _i32), _i32),
-    # bf16, x, rows, w, scales, n, k, out, threads
-    "fp8_linear": ((_i32, _p, _i64, _p, _p, _i64, _i64, _p, _i32), _i32),
+    # weight desc, bf16, x, rows, out, threads
+    "quant_linear": ((ctypes.POINTER(_QuantWeightDesc), _i32, _p, _i64, _p, _i32), _i32),
     # w, scales, scales_f16, n, k, group, row0, row1, bf16, out, threads
     "int8_dequantize": ((_p, _p, _i32, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # w, scales, mins, n, k, group, row0, row1, bf16, out, threads
@@ -55,26 +60,14 @@ class QuantKernels:
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, threads: int) -> torch.Tensor:
         """x [rows, in] @ dequantize(weight)^T -> [rows, out] in x's dtype."""
-        n, k = weight.shape
-        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
-            raise ValueError(f"quantized linear takes contiguous float32/bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+        return self.bind(weight)(x, threads)
+
+    def bind(self, weight: QuantizedWeight) -> "BoundQuantLinear":
+        """The kernel call for one weight with its pointers and sizes fixed (QuantLinear binds once)."""
         _check_contiguous(weight)
-        rows = x.shape[0]
-        out = torch.empty(rows, n, dtype=x.dtype)
-        code, xp, wp, sp = _DTYPE_CODES[x.dtype], x.data_ptr(), weight.qweight.data_ptr(), weight.scales.data_ptr()
-        if isinstance(weight, Int4Weight):
-            mins = None if weight.mins is None else weight.mins.data_ptr()
-            status = self._lib.int4_linear(code, xp, rows, wp, sp, mins, n, k, weight.group_size, out.data_ptr(), threads)
-        elif isinstance(weight, Int8Weight):
-            f16 = int(weight.scales.dtype == torch.float16)
-            status = self._lib.int8_linear(code, xp, rows, wp, sp, f16, n, k, weight.group_size, out.data_ptr(), threads)
-        elif isinstance(weight, Fp8Weight):
-            status = self._lib.fp8_linear(code, xp, rows, wp, sp, n, k, out.data_ptr(), threads)
-        else:
+        if type(weight) not in _FORMAT_CODES:
             raise TypeError(f"no kernel for {type(weight).__name__}")
-        if status != 0:
-            raise MemoryError(f"quantized linear: cannot allocate the {rows}x{k} float32 input copy")
-        return out
+        return BoundQuantLinear(self._lib.quant_linear, weight)
 
     def dequantize(self, weight: QuantizedWeight, row0: int, row1: int, out: torch.Tensor, threads: int) -> torch.Tensor:
         """Rows [row0, row1) of dequantize(weight) written into out (contiguous [row1 - row0, in],
@@ -94,6 +87,31 @@ class QuantKernels:
             self._lib.fp8_dequantize(wp, sp, n, k, row0, row1, code, out.data_ptr(), threads)
         else:
             raise TypeError(f"no kernel for {type(weight).__name__}")
+        return out
+
+
+class BoundQuantLinear:
+    """x [rows, in] -> x @ dequantize(weight)^T [rows, out] in x's dtype, through the C kernel. Holds
+    the weight (its tensors must outlive the pointers in the descriptor)."""
+
+    def __init__(self, fn, weight: QuantizedWeight) -> None:
+        self._fn, self._weight = fn, weight
+        self.out_features, self.in_features = weight.shape
+        mins = getattr(weight, "mins", None)
+        self._desc = _QuantWeightDesc(
+            weight.qweight.data_ptr(), weight.scales.data_ptr(), None if mins is None else mins.data_ptr(),
+            self.out_features, self.in_features, weight.group_size, _FORMAT_CODES[type(weight)],
+            int(weight.scales.dtype == torch.float16),
+        )  # fmt: skip
+        self._desc_ref = ctypes.byref(self._desc)
+
+    def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        k = self.in_features
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"quantized linear takes contiguous float32/bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        if self._fn(self._desc_ref, _DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], out.data_ptr(), threads) != 0:
+            raise MemoryError(f"quantized linear: cannot allocate the {x.shape[0]}x{k} float32 input copy")
         return out
 
 

@@ -52,6 +52,7 @@ class QuantLinear(nn.Module):
         self.weight_q = weight.contiguous()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._kernels = kernels
+        self._kernel = kernels.bind(self.weight_q) if kernels is not None else None  # pointers fixed once
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
 
@@ -85,14 +86,16 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
+        if x.dim() == 2 and x.is_contiguous():  # the model's flat batch: no reshapes (a decode step makes ~120 calls)
+            return self.run(x, self.path(x.shape[0], x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()
         return self.run(flat, self.path(flat.shape[0], x.dtype)).reshape(*x.shape[:-1], self.out_features)
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         """x [rows, in] (contiguous) through the named path (forward() picks it; benches and tests
         name it to compare paths)."""
-        if path == "kernel" and self._kernels is not None:
-            return self._kernels.linear(x, self.weight_q, torch.get_num_threads())
+        if path == "kernel" and self._kernel is not None:
+            return self._kernel(x, torch.get_num_threads())
         if path == "aten_int8" and self._aten_scales is not None:
             return torch.ops.aten._weight_int8pack_mm(x, self.weight_q.qweight, self._aten_scales)
         if path in ("dequant_mm", "torch"):

@@ -38,6 +38,12 @@ def test_forward_smoke(tmp_path):
     assert len(rows(out, name="prefill", config="tiny")) == 1
 
 
+
+def test_decode_profile_smoke():
+    out = run_script("bench/decode_profile.py", "--config", "tiny", "--dtype", "float32", "--threads", "1", "--steps", "2")
+    for part in ("decode step", "wqkv", "w13", "attention", "output head", "untimed"):
+        assert part in out, out
+
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     run_script("bench/throughput.py", "--config", "tiny", "--concurrency", "1,2", "--checkpoint-dir", str(tmp_path / "ckpt"),

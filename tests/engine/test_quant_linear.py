@@ -68,6 +68,22 @@ def test_int4_symmetric_and_group_sizes(kernels, dtype: torch.dtype) -> None:
             assert_matches(layer.run(x, path), x, layer)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [576, 1536])
+def test_one_row_kernel_every_group_layout(kernels, dtype: torch.dtype, cols: int) -> None:
+    """Decode at batch 1 takes the kernel's one-row path (block dots scaled once per block, the
+    offsets as one dot with per-group sums of x): Q4_1, Q4_0, wider groups, int8 per group and per
+    row, with group counts that are not a multiple of 16 (18 and 48 groups at group 32)."""
+    w = torch.randn(48, cols, generator=gen(cols)) * 0.05
+    x = torch.randn(1, cols, generator=gen(cols + 1)).to(dtype)
+    formats = (quantize_int4(w), quantize_int4(w, mins=False), quantize_int4(w, group_size=64), quantize_int4(w, group_size=192, mins=False),
+               quantize_int8(w, group_size=32), quantize_int8(w))  # fmt: skip
+    for q in formats:
+        layer = QuantLinear(q, kernels)
+        assert_matches(layer.run(x, "kernel"), x, layer)
+
+
 def test_kernel_vs_torch_fallback(kernels) -> None:
     """The C kernel and the torch-only module (no kernels) agree up to summation order."""
     for fmt in FORMATS:
@@ -207,6 +223,32 @@ def test_portable_build_without_avx512(kernels, tmp_path) -> None:
                 tile = torch.empty(40, cols, dtype=dtype)
                 portable.dequantize(layer.weight_q, 0, 40, tile, 1)
                 assert torch.equal(tile, layer.weight_q.dequantize(dtype))
+
+
+
+def test_avx512_build_without_bf16(kernels, tmp_path) -> None:
+    """AVX-512 CPUs without AVX512_BF16 (the prebuilt x86-64-v4 level) run the one-row path's
+    float32 code for bfloat16 inputs too: built here for that level, against the reference."""
+    import ctypes
+    import subprocess
+
+    from engine import cpu_kernels as ck
+    from engine.quant import kernels as qk
+
+    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) != "x86-64-v4":
+        pytest.skip("this CPU cannot run x86-64-v4 code")
+    target = tmp_path / "quant_kernels_v4.so"
+    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-march=x86-64-v4", "-Wno-psabi"]
+    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build an x86-64-v4 variant here: {built.stderr[-300:]}")
+    v4 = qk.QuantKernels(ctypes.CDLL(str(target)))
+    w = torch.randn(48, 576, generator=gen(21)) * 0.05
+    for q in (quantize_int4(w), quantize_int4(w, mins=False), quantize_int8(w, group_size=32)):
+        layer = QuantLinear(q, v4)
+        for dtype in DTYPES:
+            x = torch.randn(1, 576, generator=gen(22)).to(dtype)
+            assert_matches(layer.run(x, "kernel"), x, layer)
 
 
 def test_kernel_entry_points_check_layouts(kernels) -> None:

@@ -1,0 +1,125 @@
+"""Where a batch-1 decode step's time goes (a script, not a test).
+
+    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N]
+
+Loads a Meta-format checkpoint (e.g. ~/.cache/llamaserve/SmolLM2-135M-Instruct, or its
+`-native` Q4_1 copy: `--demo-weights native`) through ModelExecutor with the server's defaults, or
+random weights of a bench config, then times one-token decode steps with 128 tokens of context
+(head included: each step's token is its sequence's last), first plainly, then with every backend
+operation and linear wrapped in a timer: ms per step, calls and us per call for each. The wrapped
+run costs a little more (the timers); 'untimed' is what the timers do not see (module calls, the
+block's own code). CPU time per step is printed next to wall time: on a shared machine it is the
+steadier of the two. Figures are noisy there; say so when quoting them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import model_args  # noqa: E402
+from engine.runner import build_step_inputs  # noqa: E402
+from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
+
+CONTEXT_TOKENS = 128
+BLOCK_SIZE = 16
+BACKEND_OPS = ("attention_metadata", "add_rms_norm", "rope_and_cache_write", "attention", "silu_mul")
+
+
+def load(opts: argparse.Namespace):
+    """(forward(StepInputs), model) for the checkpoint or the random config."""
+    if opts.checkpoint:
+        from engine.checkpoint import resolve_checkpoint
+        from engine.config import EngineConfig
+        from engine.executor import ModelExecutor
+
+        spec = resolve_checkpoint(Path(opts.checkpoint).expanduser(), model_id="bench")
+        executor = ModelExecutor(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=64 << 20), max_seq_len=1024)
+        return executor.execute, executor._shard.model
+    from bench.forward import Bench
+
+    bench = Bench.build(model_args(opts.config), getattr(torch, opts.dtype), 64, pack=True)
+    return (lambda inputs: bench.model(inputs, bench.caches)), bench.model
+
+
+def timed(times: dict, counts: collections.Counter, label: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[label] += time.perf_counter() - started
+            counts[label] += 1
+
+    return wrapper
+
+
+def instrument(model) -> tuple[dict, collections.Counter]:
+    times, counts = collections.defaultdict(float), collections.Counter()
+    for name in BACKEND_OPS:
+        setattr(model.backend, name, timed(times, counts, name, getattr(model.backend, name)))
+    for layer in model.layers:
+        linears = {"wqkv": layer.attention.wqkv, "wo": layer.attention.wo, "w13": getattr(layer.feed_forward, "w13", None), "w2": getattr(layer.feed_forward, "w2", None)}
+        for name, linear in linears.items():
+            if linear is not None:
+                linear.forward = timed(times, counts, name, linear.forward)
+    model.output.forward = timed(times, counts, "output head", model.output.forward)
+    model.tok_embeddings.forward = timed(times, counts, "embedding", model.tok_embeddings.forward)
+    return times, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="a Meta-format checkpoint dir (default: random weights of --config)")
+    parser.add_argument("--config", default="demo", help="bench config without --checkpoint (bench/common.py)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=32)
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    forward, model = load(opts)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    seq = Sequence(0, "0", [7] * CONTEXT_TOKENS, CONTEXT_TOKENS, SamplingParams(temperature=0.0))
+    seq.block_table = list(range(-(-(CONTEXT_TOKENS + opts.steps) // BLOCK_SIZE)))
+    forward(build_step_inputs(ScheduledBatch([seq], [CONTEXT_TOKENS]), BLOCK_SIZE)[0])
+
+    def steps() -> tuple[float, float]:
+        del seq.token_ids[CONTEXT_TOKENS:]
+        seq.num_computed_tokens = CONTEXT_TOKENS
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(opts.steps):
+            seq.token_ids.append(7)
+            forward(build_step_inputs(ScheduledBatch([seq], [1]), BLOCK_SIZE)[0])
+            seq.num_computed_tokens += 1
+        return (time.perf_counter() - wall) / opts.steps * 1e3, (time.process_time() - cpu) / opts.steps * 1e3
+
+    steps()
+    plain = min(steps() for _ in range(3))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, {opts.checkpoint or opts.config}; shared machine: noisy")
+    print(f"decode step (batch 1, {CONTEXT_TOKENS} tokens of context): {plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
+    times, counts = instrument(model)
+    steps()
+    times.clear(), counts.clear()
+    total = steps()[0]
+    print(f"with timers: {total:.2f} ms wall per step")
+    for label, seconds in sorted(times.items(), key=lambda kv: -kv[1]):
+        per_step = seconds / opts.steps * 1e3
+        print(f"  {label:22s} {per_step:7.3f} ms/step {per_step / total:6.1%}  {counts[label] // opts.steps:3d} calls  {seconds / counts[label] * 1e6:8.1f} us/call")
+    untimed = total - sum(times.values()) / opts.steps * 1e3
+    print(f"  {'untimed':22s} {untimed:7.3f} ms/step {untimed / total:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
