@@ -197,9 +197,10 @@ class LiveServer:
 
 @contextlib.contextmanager
 def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
-                 server_settings: dict[str, Any] | None = None, **engine_overrides: Any) -> Iterator[LiveServer]:
+                 server_settings: dict[str, Any] | None = None, factory: Any = None,
+                 **engine_overrides: Any) -> Iterator[LiveServer]:
     """A LiveServer serving one trusted model, yielded once /ready answers 200; `server_settings` are
-    further ServerConfig fields."""
+    further ServerConfig fields, `factory` an EngineFactory instead of LocalEngineFactory."""
     from server.config import ServerConfig
     from server.model_spec import ModelSpec
 
@@ -210,7 +211,7 @@ def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
         drain_timeout_s=5.0,
         **(server_settings or {}),
     )
-    live = LiveServer(config).start()
+    live = LiveServer(config, factory).start()
     try:
         with live.http() as http:
             wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 
 import aiohttp
 import pytest
@@ -176,6 +177,31 @@ def _alive(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------------- worker death
+class GatedReloads:
+    """The real LocalEngineFactory, except that every load after the first waits for `gate`: the
+    test sees the server while a model reloads, however fast the reload would be."""
+
+    def __init__(self) -> None:
+        from engine.loader import LocalEngineFactory
+        from tests.e2e.conftest import engine_config
+
+        self._inner = LocalEngineFactory(engine_config(model_parallel_size=2))
+        self.gate = threading.Event()
+        self.loads = 0
+
+    def estimate_memory_bytes(self, spec):
+        return self._inner.estimate_memory_bytes(spec)
+
+    def load_progress(self, model_id: str):
+        return self._inner.load_progress(model_id)
+
+    async def load(self, spec):
+        self.loads += 1
+        if self.loads > 1 and not await asyncio.to_thread(self.gate.wait, 300):
+            raise RuntimeError("the test never opened the reload gate")
+        return await self._inner.load(spec)
+
+
 @pytest.mark.slow  # model parallel: a spawned worker per load
 def test_a_worker_killed_mid_generation_fails_in_flight_requests_clearly_and_the_model_recovers(base_checkpoint,
                                                                                                 checkpoints):
@@ -183,23 +209,43 @@ def test_a_worker_killed_mid_generation_fails_in_flight_requests_clearly_and_the
     import os
     import signal
 
-    import httpx
+    def workers() -> list:
+        return [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")]
 
-    with ready_server(MODEL, base_checkpoint, checkpoints.root, model_parallel_size=2) as server, \
-            server.http() as http:
-        (worker,) = [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")]
-        body = {"model": MODEL, "prompt": PROMPTS[1] * 4, "temperature": 0, "max_tokens": 300, "stream": True}
-        with server.http() as own, own.stream("POST", "/v1/completions", json=body) as response:
-            lines = (line for line in response.iter_lines() if line.startswith("data: "))
-            next(lines)
-            os.kill(worker.pid, signal.SIGKILL)
-            rest = list(lines)
-        error = json.loads(rest[-2][len("data: "):])["error"]
-        assert rest[-1] == "data: [DONE]" and error["code"] in ("engine_unavailable", "engine_error"), rest[-2:]
-        assert "gloo" not in error["message"] and "rank" not in error["message"]  # the details stay in the log
-        worker.join(30)
-        # As documented: a dead engine is retired and the next request loads the model again.
-        recovered = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
-                                                      "temperature": 0}, timeout=httpx.Timeout(180))
-        assert recovered.status_code == 200, recovered.text
-        assert [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")] != [worker]
+    factory = GatedReloads()
+    try:
+        with ready_server(MODEL, base_checkpoint, checkpoints.root, model_parallel_size=2, factory=factory) as server, \
+                server.http() as http:
+            (worker,) = workers()
+            body = {"model": MODEL, "prompt": PROMPTS[1] * 4, "temperature": 0, "max_tokens": 300, "stream": True}
+            with server.http() as own, own.stream("POST", "/v1/completions", json=body) as response:
+                lines = (line for line in response.iter_lines() if line.startswith("data: "))
+                next(lines)
+                os.kill(worker.pid, signal.SIGKILL)
+                rest = list(lines)
+            error = json.loads(rest[-2][len("data: "):])["error"]
+            assert rest[-1] == "data: [DONE]" and error["code"] in ("engine_unavailable", "engine_error"), rest[-2:]
+            assert "gloo" not in error["message"] and "rank" not in error["message"]  # the details stay in the log
+            worker.join(30)
+
+            # As documented: the dead engine is retired and the model reloads at once, in the background.
+            # Until it is back, /ready is 503 and a new request gets 503 + Retry-After at once.
+            wait_until(lambda: factory.loads == 2, timeout_s=30, what="the reload to start")
+            probe = http.get("/ready")
+            assert probe.status_code == 503 and probe.json()["status"] == "loading", probe.text
+            refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "model_loading" and int(refused.headers["Retry-After"]) >= 1
+
+            factory.gate.set()
+            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=180, interval_s=0.1,
+                       what="/ready once the model is back")
+            recovered = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                          "temperature": 0})
+            assert recovered.status_code == 200, recovered.text
+            (new_worker,) = workers()
+            assert new_worker.pid != worker.pid
+        new_worker.join(30)  # the server's stop stopped the reloaded worker too
+        assert not new_worker.is_alive()
+    finally:
+        factory.gate.set()  # never leave a reload waiting on a failed test
