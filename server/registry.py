@@ -52,6 +52,7 @@ import msgspec
 from aiohttp import web
 
 from engine.types import CheckpointError, EngineClient, InvalidRequest
+from server.drain import shutting_down_error
 from server.errors import ApiError
 from server.memory_budget import BudgetExceeded, MemoryBudget, Reservation
 from server.model_spec import EngineFactory, ModelSpec
@@ -631,7 +632,7 @@ def _weights_report(engine: Any) -> dict[str, Any] | None:
 
 
 def _shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", code="shutting_down")
+    return shutting_down_error()  # one message and Retry-After for every refusal while stopping
 
 
 def _not_found(model_id: str) -> ApiError:
