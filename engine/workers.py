@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, launched_by_torchrun  # noqa: F401 - re-exported for the executor
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead
 
@@ -65,10 +65,6 @@ def backend_for(device: torch.device) -> str:
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
 # --------------------------------------------------------------------------- the step protocol
