@@ -71,8 +71,9 @@ class Checkpoints:
     _written: dict[str, Path] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self, name: str, *, seed: int) -> Path:
-        """<root>/<name> with random weights of `seed` (params.json as E2E_PARAMS)."""
+    def get(self, name: str, *, seed: int, num_shards: int = 1) -> Path:
+        """<root>/<name> with random weights of `seed` (params.json as E2E_PARAMS), in `num_shards`
+        consolidated.NN.pth files (the same full weights whatever their number)."""
         import torch
 
         from engine.checkpoint import ModelArgs, write_random_checkpoint
@@ -81,8 +82,8 @@ class Checkpoints:
         key = str(out)
         with self._lock:
             if key not in self._written:
-                write_random_checkpoint(out, ModelArgs(**E2E_PARAMS), seed=seed, tokenizer_path=llama3_tokenizer_model(),
-                                        dtype=torch.float32)
+                write_random_checkpoint(out, ModelArgs(**E2E_PARAMS), num_shards=num_shards, seed=seed,
+                                        tokenizer_path=llama3_tokenizer_model(), dtype=torch.float32)
                 self._written[key] = out
             return self._written[key]
 
