@@ -123,7 +123,7 @@ class _Load:
 @dataclass(eq=False, slots=True)
 class _Failure:
     error: ApiError  # what the registering caller was told
-    retry_on_lease: bool  # a transient cause (memory budget): the next lease tries again
+    retry_on_lease: bool  # a transient cause (memory budget, a reload after a death): the next lease tries again
 
 
 @dataclass(eq=False, slots=True)

@@ -52,7 +52,7 @@ def _registry(request: web.Request) -> ModelRegistry:
 
 
 def _lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
-    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
+    """The model's engine for the whole request (a dead one is retired and reloaded by the registry)."""
     return _registry(request).lease(model_id)
 
 
