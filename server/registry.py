@@ -459,8 +459,10 @@ class ModelRegistry:
         slot.leases -= 1
         if slot.owner.active is slot:
             slot.owner.last_used = self._next_tick()
-            self._recover_if_dead(slot.owner)  # the request that saw the engine fail: reload now, not later
-        if slot.retired and slot.leases == 0:
+            # The request that saw the engine fail: reload now, not on the next lease (this retires
+            # the slot, and shuts it down if that was its last lease).
+            self._recover_if_dead(slot.owner)
+        elif slot.retired and slot.leases == 0:
             self._start_shutdown(slot)
 
     def _recover_if_dead(self, entry: _Entry) -> None:

@@ -580,9 +580,12 @@ async def test_the_request_that_sees_the_engine_die_starts_the_reload_when_it_en
         assert factory.loads() == ["m"]  # nothing has looked yet
     await settle()
     assert factory.loads() == ["m", "m"]  # releasing the lease did: reloading with no other request
+    await within(engine.closed.wait())
     assert registry.ready()
     async with registry.lease("m") as fresh:
         assert fresh is not engine
+    assert factory.events.count("shutdown m") == 1 and registry.lifecycle_stats().unloads_total == 1
+    assert registry.lifecycle_stats().memory_reserved_bytes == 100  # the dead engine's bytes came back, once
 
 
 async def test_a_failed_reload_keeps_ready_false_and_the_next_lease_tries_again(registry, root, factory) -> None:
