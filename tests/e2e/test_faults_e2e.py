@@ -4,9 +4,11 @@ the engine idle with every KV block free, read from /metrics as an operator woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import threading
+from typing import Iterator
 
 import aiohttp
 import pytest
@@ -91,13 +93,13 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow  # starts the server process with a model-parallel worker
-def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(base_checkpoint, tmp_path):
+@contextlib.contextmanager
+def mp_server_process(base_checkpoint, tmp_path) -> Iterator[tuple]:
+    """`python -m server` with MODEL_PARALLEL_SIZE=2 (one spawned worker), yielded once /ready is 200
+    as (process, url, log_path); killed on the way out if it is still running."""
     import os
-    import signal
     import subprocess
     import sys
-    import threading
     from pathlib import Path
 
     import httpx
@@ -113,7 +115,7 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "--model", MODEL, "--checkpoint-dir", str(base_checkpoint), "--port",
              str(port), "--dtype", "float32", "--max-seq-len", "512", "--cpu-kv-cache-bytes", "64MiB",
-             "--drain-timeout-s", "60", "--log-format", "console"],
+             "--drain-timeout-s", "60", "--batch-dir", str(tmp_path / "batches"), "--log-format", "console"],
             cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -126,6 +128,21 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
                     return False
 
             wait_until(ready, timeout_s=180, interval_s=0.2, what="/ready")
+        yield process, url, log_path
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
+@pytest.mark.slow  # starts the server process with a model-parallel worker
+def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(base_checkpoint, tmp_path):
+    import signal
+
+    import httpx
+
+    with mp_server_process(base_checkpoint, tmp_path) as (process, url, log_path):
+        with httpx.Client(base_url=url, timeout=60) as http:
             workers = children_of(process.pid)
             assert workers, "MODEL_PARALLEL_SIZE=2 spawns a worker process"
             endings: list[str] = []
@@ -156,10 +173,23 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
         assert endings == ["data: [DONE]"] * 4  # every in-flight stream ran to its end
         assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
         wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=30, what="the workers to exit")
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+
+@pytest.mark.slow  # starts the server process with a model-parallel worker
+def test_killing_the_server_leaves_no_orphan_worker(base_checkpoint, tmp_path):
+    import os
+    import signal
+
+    with mp_server_process(base_checkpoint, tmp_path) as (process, _, log_path):
+        workers = children_of(process.pid)
+        assert workers, "MODEL_PARALLEL_SIZE=2 spawns a worker process"
+        try:
+            process.send_signal(signal.SIGKILL)  # no drain, no STOP broadcast: the workers must notice alone
             process.wait(30)
+            wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=30, what="the orphaned workers to exit")
+        finally:
+            for worker in filter(_alive, workers):
+                os.kill(worker, signal.SIGKILL)  # a failed test leaves nothing behind
 
 
 def _alive(pid: int) -> bool:
