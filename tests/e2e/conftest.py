@@ -160,7 +160,7 @@ class LiveServer:
 
         factory = self._factory or LocalEngineFactory(self.config.engine, chat_template_path=self.config.chat_template)
         self.app = create_app(self.config, factory)
-        # As server/__main__.py's web.run_app: a client that leaves cancels its handler.
+        # As server/drain.py's runner: a client that leaves cancels its handler.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.drain_timeout_s)
         await self._runner.setup()
