@@ -51,7 +51,8 @@ def prompt(rng: random.Random) -> str:
 async def one(session, base: str, index: int, rng: random.Random, tally: Tally, *, cancel: bool, slow_read_s: float) -> None:
     import aiohttp
 
-    stream = rng.random() < 0.5 or slow_read_s > 0
+    stream = rng.random() < 0.5 or slow_read_s > 0 or cancel  # a cancelled request leaves mid-stream
+    cancel_after_events = rng.randint(1, 6)
     body = {"model": MODEL, "prompt": prompt(rng), "max_tokens": rng.choice([1, 8, 32, 128]), "temperature": 0,
             "stream": stream}
     started_s = time.perf_counter()
@@ -76,7 +77,7 @@ async def one(session, base: str, index: int, rng: random.Random, tally: Tally, 
                     if b'"error"' in line[:20]:
                         tally.add("error")
                         return
-                    if cancel and events >= rng.randint(1, 6):
+                    if cancel and events >= cancel_after_events:
                         tally.add("cancelled")
                         return
                     if slow_read_s:
@@ -98,6 +99,7 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
     semaphore = asyncio.Semaphore(args.streams)
     rss_after_warmup: list[int] = []
     slow = set(rng.sample(range(args.requests), args.slow_readers))
+    started_s = time.perf_counter()
 
     async def gated(session, index: int) -> None:
         async with semaphore:
@@ -106,6 +108,10 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
                       slow_read_s=args.slow_read_s if index in slow else 0.0)
         if index == args.warmup_requests - 1:
             rss_after_warmup.append(rss_bytes(server_pid))
+        done = sum(tally.outcomes.values())
+        if done % 200 == 0:  # progress on stderr: a long soak shows it is moving
+            print(f"soak: {done}/{args.requests} done in {time.perf_counter() - started_s:.0f} s {tally.outcomes}",
+                  file=sys.stderr, flush=True)
 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=args.streams + 8)) as session:

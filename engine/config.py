@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,3 +29,9 @@ class EngineConfig:
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
     mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective
+
+
+def launched_by_torchrun() -> bool:
+    """This process is one rank of a torchrun (torch.distributed.run) job: the launcher started every
+    rank, and the model-parallel group is fixed for the job's life. Torch-free: the server asks too."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)

@@ -292,7 +292,8 @@ class EngineClient(Protocol):
     @property
     def is_dead(self) -> bool:
         """The engine failed (a worker exited, a step crashed) and will serve nothing more: the
-        registry retires it on its next lease and loads the model again."""
+        registry retires it (when a lease ends, on the next lease or on /ready) and reloads the model
+        in the background."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -31,6 +31,7 @@ import datetime
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, launched_by_torchrun  # noqa: F401 - re-exported for the executor
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead
 
@@ -65,10 +66,6 @@ def backend_for(device: torch.device) -> str:
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
 # --------------------------------------------------------------------------- the step protocol
@@ -289,6 +286,12 @@ def follow(spec: Any, config: EngineConfig, *, max_seq_len: int) -> None:
     """Entry for ranks > 0 under torchrun: load this rank's weights, serve steps until STOP.
     spec is an engine.checkpoint.CheckpointSpec resolved from the same config as rank 0's."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun passes its SIGTERM (and a terminal's SIGINT reaches the whole group) to every rank at
+    # once: a follower that died then would cut the requests rank 0 is draining. Followers stop on
+    # rank 0's STOP, or when the group breaks because rank 0 is gone; the launcher still SIGKILLs a
+    # rank that outlives its grace period.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
     device = rank_device(config, int(os.environ.get("LOCAL_RANK", str(rank))))
     init_group(device, rank=rank, world_size=world_size, init_method="env://", timeout_s=FOLLOWER_TIMEOUT_S)
     try:

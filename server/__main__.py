@@ -118,12 +118,11 @@ def with_batch_dir(config: ServerConfig) -> ServerConfig:
 
 
 def serve(config: ServerConfig) -> None:
-    """Run until SIGINT/SIGTERM. aiohttp then stops accepting, gives in-flight requests up to
-    drain_timeout_s to finish (handler cancellation aborts the rest in the engine), and runs the
-    cleanup context, which stops every engine and its model-parallel workers."""
-    from aiohttp import web
-
+    """Run until SIGINT/SIGTERM, then drain (server/drain.py): new requests get 503 with Retry-After
+    while in-flight ones get up to drain_timeout_s to finish (handler cancellation aborts the rest
+    in the engine); then the cleanup context stops every engine and its model-parallel workers."""
     from engine.loader import LocalEngineFactory
+    from server import drain
     from server.app import create_app
     from server.safety import exposure_warning
     import structlog
@@ -133,16 +132,8 @@ def serve(config: ServerConfig) -> None:
         structlog.get_logger("llamaserve.startup").warning(f"SECURITY WARNING: {warning}")
     factory = LocalEngineFactory(config.engine, chat_template_path=config.chat_template)
     app = create_app(config, factory)
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        shutdown_timeout=config.drain_timeout_s,
-        handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
-        access_log=None,  # our middleware logs one structured line per request
-        print=None,
-        loop=new_event_loop(),
-    )
+    drain.run(app, host=config.host, port=config.port, drain_timeout_s=config.drain_timeout_s,
+              loop_factory=new_event_loop)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

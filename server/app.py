@@ -18,6 +18,7 @@ from aiohttp import web
 from server import auth, routes
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.config import ServerConfig, should_load
+from server.drain import drain_middleware
 from server.errors import ApiError, from_exception
 from server.metrics import ServerMetrics
 from server.model_spec import EngineFactory
@@ -35,7 +36,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
 
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[request_id_middleware, access_log_middleware, error_middleware, auth_middleware],
+        middlewares=[request_id_middleware, access_log_middleware, error_middleware, drain_middleware,
+                     auth_middleware],
     )
     registry = ModelRegistry(
         engine_factory,

@@ -19,6 +19,13 @@ class ServerState:
     draining: bool = False  # SIGTERM seen: /ready says 503 so balancers stop sending
     startup_errors: list[str] = field(default_factory=list)
     startup_task: asyncio.Task | None = None
+    in_flight: int = 0  # requests being handled, probes aside (server/drain.py)
+    idle: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))  # set while in_flight == 0
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 CONFIG_KEY = web.AppKey("config", ServerConfig)

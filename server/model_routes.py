@@ -23,6 +23,7 @@ from aiohttp import web
 
 from compat import limits
 from compat.protocol import validation_param
+from engine.config import launched_by_torchrun
 from engine.types import InvalidRequest
 from server.app import CONFIG_KEY
 from server.errors import ApiError
@@ -103,13 +104,25 @@ def _with_progress(body: dict[str, Any], registry: ModelRegistry) -> dict[str, A
     return body
 
 
+def refuse_under_torchrun(action: str) -> None:
+    """Under torchrun every rank loaded its shard of the configured model at launch and follows only
+    that model's steps: another model, a hot switch or an unload would leave the other ranks behind
+    (or stopped), so the model set is fixed for the job's life."""
+    if launched_by_torchrun():
+        raise ApiError(400, f"{action} is not supported under torchrun: the ranks serve the model they were "
+                       "launched with; restart the torchrun job with another --model instead",
+                       code="unsupported_under_torchrun")
+
+
 async def delete_model(request: web.Request) -> web.Response:
+    refuse_under_torchrun("unloading a model")
     model_id = request.match_info["model_id"]
     await request.app[REGISTRY_KEY].unregister(model_id)
     return _json({"id": model_id, "object": "model", "deleted": True})
 
 
 async def register_model(request: web.Request) -> web.Response:
+    refuse_under_torchrun("registering or hot-switching a model")
     registry = request.app[REGISTRY_KEY]
     body = _decode(_REQUEST_DECODER.decode, await request.read(), prefix="")
     spec, load = _spec_from_request(body, registry)

@@ -7,8 +7,14 @@ one loaded engine (a `_LoadedEngine`) for as long as it runs, so that:
 - hot switch (re-registering an id with another checkpoint) loads the new engine while the old
   one keeps serving, then points new leases at it; the old one serves the leases it has and shuts
   down when the last one ends. If the new load fails, the old engine stays;
-- unregister, eviction and a dead engine (`EngineClient.is_dead`, retired by the next lease)
-  never cut a running request: a retired engine shuts down when drained.
+- unregister, eviction and a dead engine never cut a running request: a retired engine shuts
+  down when drained.
+
+A dead engine (`EngineClient.is_dead`: a model-parallel worker exited, a step crashed) is noticed
+when a lease on it ends (the request that saw the failure), by the next lease, or by `ready()` (the
+/ready probe). It is retired and the model reloads at once in the background: until that load is
+done /ready is 503 and leases answer 503 `model_loading` with Retry-After at once (they never wait
+for a reload); a reload that fails leaves /ready 503 with the reason, and the next lease tries again.
 
 Memory (server/memory_budget.py does the arithmetic; the registry retires what it chooses): with a
 budget (bytes), a load reserves `factory.estimate_memory_bytes(spec)` before it starts and gives it
@@ -46,6 +52,7 @@ import msgspec
 from aiohttp import web
 
 from engine.types import CheckpointError, EngineClient, InvalidRequest
+from server.drain import shutting_down_error
 from server.errors import ApiError
 from server.memory_budget import BudgetExceeded, MemoryBudget, Reservation
 from server.model_spec import EngineFactory, ModelSpec
@@ -116,7 +123,7 @@ class _Load:
 @dataclass(eq=False, slots=True)
 class _Failure:
     error: ApiError  # what the registering caller was told
-    retry_on_lease: bool  # a transient cause (memory budget): the next lease tries again
+    retry_on_lease: bool  # a transient cause (memory budget, a reload after a death): the next lease tries again
 
 
 @dataclass(eq=False, slots=True)
@@ -128,7 +135,8 @@ class _Entry:
     active: _LoadedEngine | None = None
     load: _Load | None = None
     failure: _Failure | None = None
-    required: bool = False  # loaded at start by the server's own config: /ready waits for it
+    required: bool = False  # loaded at start by the server's own config, or reloading after a death: /ready waits
+    recovering: bool = False  # its engine died: leases answer 503 + Retry-After until a load succeeds
     removed: bool = False
     last_used: int = 0  # a tick of the registry's use counter, for LRU order
     last_load_time_s: float | None = None
@@ -320,7 +328,7 @@ class ModelRegistry:
         entry.last_used = self._next_tick()
         old, entry.active = entry.active, slot
         entry.failure = None
-        entry.required = False
+        entry.required = entry.recovering = False
         if old is not None:
             self._retire(entry, old)
         log.info(
@@ -361,7 +369,7 @@ class ModelRegistry:
             entry.spec = entry.active.spec
             entry.metadata = dict(entry.active.spec.metadata)
             return
-        entry.failure = _Failure(error, retry_on_lease=isinstance(exc, BudgetExceeded))
+        entry.failure = _Failure(error, retry_on_lease=entry.recovering or isinstance(exc, BudgetExceeded))
 
     # ------------------------------------------------------------------ memory budget
     def _make_room(self, entry: _Entry, need_bytes: int, budget: int) -> None:
@@ -407,9 +415,7 @@ class ModelRegistry:
             entry = self._entries.get(model_id)
             if entry is None:
                 raise _not_found(model_id)
-            if entry.active is not None and entry.active.engine.is_dead:
-                log.error("model %s: engine died; reloading it", model_id)
-                self._retire(entry, entry.active)  # requests still holding it end with their own errors
+            self._recover_if_dead(entry)
             if entry.active is not None:
                 entry.active.leases += 1
                 entry.last_used = self._next_tick()
@@ -418,9 +424,12 @@ class ModelRegistry:
                 if entry.failure is not None and not entry.failure.retry_on_lease:
                     raise _lease_failure(entry)
                 entry.failure = None
-                log.info("model %s loads on first use", model_id)
+                log.info("model %s loads on %s", model_id, "a request after a failed reload" if entry.recovering
+                         else "first use")
                 self._ensure_loading(entry)
             assert entry.load is not None
+            if entry.recovering:
+                raise self._still_loading(entry)  # a reload after a death: never held inside a request
             task = entry.load.task
             remaining_s = deadline - loop.time()
             if remaining_s > 0:
@@ -438,9 +447,10 @@ class ModelRegistry:
         if expected_s is None and self._loads_total:
             expected_s = self._load_seconds_total / self._loads_total  # a guess from other models
         retry_after_s = _DEFAULT_RETRY_AFTER_S if expected_s is None else max(1, math.ceil(expected_s - elapsed_s))
+        what = "reloading after its engine failed" if entry.recovering else "loading"
         return ApiError(
             503,
-            f"model {entry.model_id!r} is loading ({elapsed_s:.0f} s so far); retry later",
+            f"model {entry.model_id!r} is {what} ({elapsed_s:.0f} s so far); retry later",
             code="model_loading",
             headers={"Retry-After": str(retry_after_s)},
         )
@@ -449,8 +459,23 @@ class ModelRegistry:
         slot.leases -= 1
         if slot.owner.active is slot:
             slot.owner.last_used = self._next_tick()
-        if slot.retired and slot.leases == 0:
+            # The request that saw the engine fail: reload now, not on the next lease (this retires
+            # the slot, and shuts it down if that was its last lease).
+            self._recover_if_dead(slot.owner)
+        elif slot.retired and slot.leases == 0:
             self._start_shutdown(slot)
+
+    def _recover_if_dead(self, entry: _Entry) -> None:
+        """A dead active engine: retire it (requests holding it end with their own errors) and reload
+        in the background; /ready waits for the reload."""
+        slot = entry.active
+        if slot is None or not slot.engine.is_dead or entry.removed or self._closed:
+            return
+        log.error("model %s: engine died; reloading it in the background", entry.model_id)
+        self._retire(entry, slot)
+        entry.recovering = entry.required = True
+        entry.failure = None
+        self._ensure_loading(entry)
 
     def _retire(self, entry: _Entry, slot: _LoadedEngine) -> None:
         """No new leases for `slot`; it shuts down once the ones it has end."""
@@ -516,7 +541,10 @@ class ModelRegistry:
         return [(e.model_id, e.active.engine) for e in self._entries.values() if e.active is not None]
 
     def ready(self) -> bool:
-        """True once every model the server's own config loads at start has been loaded."""
+        """True once every model the server's own config loads at start has been loaded, and no model
+        is reloading after its engine died (this probe also notices a dead engine)."""
+        for entry in list(self._entries.values()):
+            self._recover_if_dead(entry)
         return not any(e.required for e in self._entries.values())
 
     def start_failures(self) -> list[str]:
@@ -606,7 +634,7 @@ def _weights_report(engine: Any) -> dict[str, Any] | None:
 
 
 def _shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", code="shutting_down")
+    return shutting_down_error()  # one message and Retry-After for every refusal while stopping
 
 
 def _not_found(model_id: str) -> ApiError:

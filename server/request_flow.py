@@ -29,7 +29,7 @@ Indexed = tuple[int, RequestOutput]
 
 
 def lease(request: web.Request, model_id: str) -> contextlib.AbstractAsyncContextManager[EngineClient]:
-    """The model's engine for the whole request (a dead one is replaced by the registry's next lease)."""
+    """The model's engine for the whole request (a dead one is retired and reloaded by the registry)."""
     return request.app[REGISTRY_KEY].lease(model_id)
 
 

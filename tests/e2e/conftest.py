@@ -71,8 +71,9 @@ class Checkpoints:
     _written: dict[str, Path] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self, name: str, *, seed: int) -> Path:
-        """<root>/<name> with random weights of `seed` (params.json as E2E_PARAMS)."""
+    def get(self, name: str, *, seed: int, num_shards: int = 1) -> Path:
+        """<root>/<name> with random weights of `seed` (params.json as E2E_PARAMS), in `num_shards`
+        consolidated.NN.pth files (the same full weights whatever their number)."""
         import torch
 
         from engine.checkpoint import ModelArgs, write_random_checkpoint
@@ -81,8 +82,8 @@ class Checkpoints:
         key = str(out)
         with self._lock:
             if key not in self._written:
-                write_random_checkpoint(out, ModelArgs(**E2E_PARAMS), seed=seed, tokenizer_path=llama3_tokenizer_model(),
-                                        dtype=torch.float32)
+                write_random_checkpoint(out, ModelArgs(**E2E_PARAMS), num_shards=num_shards, seed=seed,
+                                        tokenizer_path=llama3_tokenizer_model(), dtype=torch.float32)
                 self._written[key] = out
             return self._written[key]
 
@@ -159,7 +160,7 @@ class LiveServer:
 
         factory = self._factory or LocalEngineFactory(self.config.engine, chat_template_path=self.config.chat_template)
         self.app = create_app(self.config, factory)
-        # As server/__main__.py's web.run_app: a client that leaves cancels its handler.
+        # As server/drain.py's runner: a client that leaves cancels its handler.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.drain_timeout_s)
         await self._runner.setup()
@@ -197,9 +198,10 @@ class LiveServer:
 
 @contextlib.contextmanager
 def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
-                 server_settings: dict[str, Any] | None = None, **engine_overrides: Any) -> Iterator[LiveServer]:
+                 server_settings: dict[str, Any] | None = None, factory: Any = None,
+                 **engine_overrides: Any) -> Iterator[LiveServer]:
     """A LiveServer serving one trusted model, yielded once /ready answers 200; `server_settings` are
-    further ServerConfig fields."""
+    further ServerConfig fields, `factory` an EngineFactory instead of LocalEngineFactory."""
     from server.config import ServerConfig
     from server.model_spec import ModelSpec
 
@@ -210,7 +212,7 @@ def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
         drain_timeout_s=5.0,
         **(server_settings or {}),
     )
-    live = LiveServer(config).start()
+    live = LiveServer(config, factory).start()
     try:
         with live.http() as http:
             wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=120, interval_s=0.1, what="/ready")

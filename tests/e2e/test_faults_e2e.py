@@ -4,8 +4,11 @@ the engine idle with every KV block free, read from /metrics as an operator woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import threading
+from typing import Iterator
 
 import aiohttp
 import pytest
@@ -90,13 +93,13 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow  # starts the server process with a model-parallel worker
-def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(base_checkpoint, tmp_path):
+@contextlib.contextmanager
+def mp_server_process(base_checkpoint, tmp_path) -> Iterator[tuple]:
+    """`python -m server` with MODEL_PARALLEL_SIZE=2 (one spawned worker), yielded once /ready is 200
+    as (process, url, log_path); killed on the way out if it is still running."""
     import os
-    import signal
     import subprocess
     import sys
-    import threading
     from pathlib import Path
 
     import httpx
@@ -112,7 +115,7 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "--model", MODEL, "--checkpoint-dir", str(base_checkpoint), "--port",
              str(port), "--dtype", "float32", "--max-seq-len", "512", "--cpu-kv-cache-bytes", "64MiB",
-             "--drain-timeout-s", "60", "--log-format", "console"],
+             "--drain-timeout-s", "60", "--batch-dir", str(tmp_path / "batches"), "--log-format", "console"],
             cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -125,6 +128,21 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
                     return False
 
             wait_until(ready, timeout_s=180, interval_s=0.2, what="/ready")
+        yield process, url, log_path
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
+@pytest.mark.slow  # starts the server process with a model-parallel worker
+def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(base_checkpoint, tmp_path):
+    import signal
+
+    import httpx
+
+    with mp_server_process(base_checkpoint, tmp_path) as (process, url, log_path):
+        with httpx.Client(base_url=url, timeout=60) as http:
             workers = children_of(process.pid)
             assert workers, "MODEL_PARALLEL_SIZE=2 spawns a worker process"
             endings: list[str] = []
@@ -144,27 +162,34 @@ def test_sigterm_under_load_drains_streams_refuses_new_work_and_stops_workers(ba
                 thread.start()
             started.wait(60)  # four streams are generating
             process.send_signal(signal.SIGTERM)
-            wait_until(lambda: new_request_refused(url), timeout_s=30, what="new work to be refused while draining")
+            # Draining: the port stays open; /ready says 503 and new work gets 503 + Retry-After.
+            wait_until(lambda: http.get("/ready").status_code == 503, timeout_s=30, what="/ready 503 while draining")
+            assert http.get("/ready").json()["status"] == "draining"
+            refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+            assert int(refused.headers["Retry-After"]) >= 1
             for thread in threads:
                 thread.join(120)
         assert endings == ["data: [DONE]"] * 4  # every in-flight stream ran to its end
         assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
         wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=30, what="the workers to exit")
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+
+@pytest.mark.slow  # starts the server process with a model-parallel worker
+def test_killing_the_server_leaves_no_orphan_worker(base_checkpoint, tmp_path):
+    import os
+    import signal
+
+    with mp_server_process(base_checkpoint, tmp_path) as (process, _, log_path):
+        workers = children_of(process.pid)
+        assert workers, "MODEL_PARALLEL_SIZE=2 spawns a worker process"
+        try:
+            process.send_signal(signal.SIGKILL)  # no drain, no STOP broadcast: the workers must notice alone
             process.wait(30)
-
-
-def new_request_refused(url: str) -> bool:
-    import httpx
-
-    try:
-        with httpx.Client(base_url=url, timeout=10) as fresh:
-            response = fresh.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
-    except httpx.TransportError:
-        return True  # aiohttp closed the listener: new connections are refused
-    return response.status_code == 503  # a connection accepted before the close: the registry is draining
+            wait_until(lambda: not any(_alive(w) for w in workers), timeout_s=30, what="the orphaned workers to exit")
+        finally:
+            for worker in filter(_alive, workers):
+                os.kill(worker, signal.SIGKILL)  # a failed test leaves nothing behind
 
 
 def _alive(pid: int) -> bool:
@@ -176,6 +201,31 @@ def _alive(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------------- worker death
+class GatedReloads:
+    """The real LocalEngineFactory, except that every load after the first waits for `gate`: the
+    test sees the server while a model reloads, however fast the reload would be."""
+
+    def __init__(self) -> None:
+        from engine.loader import LocalEngineFactory
+        from tests.e2e.conftest import engine_config
+
+        self._inner = LocalEngineFactory(engine_config(model_parallel_size=2))
+        self.gate = threading.Event()
+        self.loads = 0
+
+    def estimate_memory_bytes(self, spec):
+        return self._inner.estimate_memory_bytes(spec)
+
+    def load_progress(self, model_id: str):
+        return self._inner.load_progress(model_id)
+
+    async def load(self, spec):
+        self.loads += 1
+        if self.loads > 1 and not await asyncio.to_thread(self.gate.wait, 300):
+            raise RuntimeError("the test never opened the reload gate")
+        return await self._inner.load(spec)
+
+
 @pytest.mark.slow  # model parallel: a spawned worker per load
 def test_a_worker_killed_mid_generation_fails_in_flight_requests_clearly_and_the_model_recovers(base_checkpoint,
                                                                                                 checkpoints):
@@ -183,23 +233,43 @@ def test_a_worker_killed_mid_generation_fails_in_flight_requests_clearly_and_the
     import os
     import signal
 
-    import httpx
+    def workers() -> list:
+        return [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")]
 
-    with ready_server(MODEL, base_checkpoint, checkpoints.root, model_parallel_size=2) as server, \
-            server.http() as http:
-        (worker,) = [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")]
-        body = {"model": MODEL, "prompt": PROMPTS[1] * 4, "temperature": 0, "max_tokens": 300, "stream": True}
-        with server.http() as own, own.stream("POST", "/v1/completions", json=body) as response:
-            lines = (line for line in response.iter_lines() if line.startswith("data: "))
-            next(lines)
-            os.kill(worker.pid, signal.SIGKILL)
-            rest = list(lines)
-        error = json.loads(rest[-2][len("data: "):])["error"]
-        assert rest[-1] == "data: [DONE]" and error["code"] in ("engine_unavailable", "engine_error"), rest[-2:]
-        assert "gloo" not in error["message"] and "rank" not in error["message"]  # the details stay in the log
-        worker.join(30)
-        # As documented: a dead engine is retired and the next request loads the model again.
-        recovered = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
-                                                      "temperature": 0}, timeout=httpx.Timeout(180))
-        assert recovered.status_code == 200, recovered.text
-        assert [p for p in multiprocessing.active_children() if p.name.startswith("llamaserve-mp")] != [worker]
+    factory = GatedReloads()
+    try:
+        with ready_server(MODEL, base_checkpoint, checkpoints.root, model_parallel_size=2, factory=factory) as server, \
+                server.http() as http:
+            (worker,) = workers()
+            body = {"model": MODEL, "prompt": PROMPTS[1] * 4, "temperature": 0, "max_tokens": 300, "stream": True}
+            with server.http() as own, own.stream("POST", "/v1/completions", json=body) as response:
+                lines = (line for line in response.iter_lines() if line.startswith("data: "))
+                next(lines)
+                os.kill(worker.pid, signal.SIGKILL)
+                rest = list(lines)
+            error = json.loads(rest[-2][len("data: "):])["error"]
+            assert rest[-1] == "data: [DONE]" and error["code"] in ("engine_unavailable", "engine_error"), rest[-2:]
+            assert "gloo" not in error["message"] and "rank" not in error["message"]  # the details stay in the log
+            worker.join(30)
+
+            # As documented: the dead engine is retired and the model reloads at once, in the background.
+            # Until it is back, /ready is 503 and a new request gets 503 + Retry-After at once.
+            wait_until(lambda: factory.loads == 2, timeout_s=30, what="the reload to start")
+            probe = http.get("/ready")
+            assert probe.status_code == 503 and probe.json()["status"] == "loading", probe.text
+            refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "model_loading" and int(refused.headers["Retry-After"]) >= 1
+
+            factory.gate.set()
+            wait_until(lambda: http.get("/ready").status_code == 200, timeout_s=180, interval_s=0.1,
+                       what="/ready once the model is back")
+            recovered = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                          "temperature": 0})
+            assert recovered.status_code == 200, recovered.text
+            (new_worker,) = workers()
+            assert new_worker.pid != worker.pid
+        new_worker.join(30)  # the server's stop stopped the reloaded worker too
+        assert not new_worker.is_alive()
+    finally:
+        factory.gate.set()  # never leave a reload waiting on a failed test

@@ -191,6 +191,46 @@ async def test_shutdown_drains_in_flight_requests_then_stops_engines(tmp_path):
     assert engine.is_shut_down and engine.aborted == []
 
 
+async def test_drain_refuses_new_work_with_retry_after_while_in_flight_requests_finish(tmp_path):
+    """server/drain.py, what SIGTERM starts before the listener closes: /ready 503, probes answer,
+    new requests get 503 shutting_down with Retry-After, the drain ends when the last request does."""
+    from server.drain import drain
+
+    factory = FakeEngineFactory()
+    app = create_app(ServerConfig(models=[fake_spec("fake", tmp_path)], checkpoint_roots=[tmp_path]), factory)
+    runner = web.AppRunner(app, shutdown_timeout=10, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    await app[STATE_KEY].startup_task
+    async with app[REGISTRY_KEY].lease("fake") as engine:
+        engine.hold = Hold(after=1)
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.create_task(session.post(base + "/v1/chat/completions", json=chat))
+            await asyncio.wait_for(engine.hold.reached.wait(), 5)
+            draining = asyncio.create_task(drain(app, drain_timeout_s=30))
+            await asyncio.sleep(0)  # let the drain start (no wall-clock wait)
+            async with session.post(base + "/v1/chat/completions", json=chat) as refused:
+                body = await refused.json()
+                assert refused.status == 503 and body["error"]["code"] == "shutting_down"
+                assert int(refused.headers["Retry-After"]) >= 1
+            async with session.get(base + "/ready") as ready:
+                assert ready.status == 503 and (await ready.json())["status"] == "draining"
+            async with session.get(base + "/health") as health:
+                assert health.status == 200
+            assert not draining.done()  # the in-flight request still runs
+            engine.hold.release.set()
+            response = await asyncio.wait_for(request, 10)
+            assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"]
+            await asyncio.wait_for(draining, 10)
+    finally:
+        await runner.cleanup()
+    assert engine.is_shut_down and engine.aborted == []
+
+
 def test_demo_adds_a_trusted_model(monkeypatch, tmp_path):
     from server.__main__ import with_demo_model
 

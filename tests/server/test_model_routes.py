@@ -11,6 +11,7 @@ from aiohttp import web
 from engine.types import CheckpointError
 from server.errors import ApiError
 from server.model_routes import add_model_routes
+from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelRegistry
 from tests.server.test_registry import FakeFactory, checkpoint, make_registry
 
@@ -302,3 +303,14 @@ async def test_in_the_real_app_a_registered_model_loads_on_its_first_chat(aiohtt
     loaded = await (await client.post("/v1/models", json={"model_id": "other", "checkpoint_dir": "ft2"})).json()
     assert loaded["status"] == "ready" and loaded["memory_bytes"] == 1 << 20
     assert (await client.get("/ready")).status == 200
+
+
+async def test_under_torchrun_register_hot_switch_and_unload_are_a_clear_400(client, registry, root, monkeypatch):
+    await registry.register(ModelSpec(model_id="m", checkpoint_dir=root / "m"), load=True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")  # what torchrun sets in every rank
+    for body in ({"model_id": "other", "checkpoint_dir": "v2"}, {"model_id": "m", "checkpoint_dir": "v2"}):
+        error = await expect_error(await client.post("/v1/models", json=body), 400, code="unsupported_under_torchrun")
+        assert "torchrun" in error["message"]
+    await expect_error(await client.delete("/v1/models/m"), 400, code="unsupported_under_torchrun")
+    listed = await (await client.get("/v1/models")).json()
+    assert [(m["id"], m["status"]) for m in listed["data"]] == [("m", "ready")]  # nothing changed

@@ -547,17 +547,63 @@ async def test_unknown_llama_model_lists_close_matches(registry, root) -> None:
     assert caught.value.status == 400 and caught.value.code == "unknown_llama_model"
 
 
-async def test_dead_engine_is_reloaded_on_the_next_lease(registry, root, factory) -> None:
+async def test_a_dead_engine_reloads_at_once_in_the_background_and_leases_meanwhile_get_503(registry, root,
+                                                                                              factory) -> None:
     await registry.register(spec_for(root, "m"), load=True)
+    assert registry.ready()
+    gate = factory.gate("m")  # the reload waits here: the test watches it in progress
+    factory.load_started("m").clear()
     async with registry.lease("m") as dead, registry.lease("m") as in_flight:
-        dead.is_dead = True  # say a model-parallel worker exited
-        async with registry.lease("m") as fresh:  # the next lease retires it and loads again
-            assert fresh is not dead and in_flight is dead
-            assert not dead.closed.is_set()  # leases still held on the dead engine are never cut
-    await within(dead.closed.wait())
-    async with registry.lease("m") as again:
-        assert again is fresh
+        dead.is_dead = True  # say a model-parallel worker exited during these requests' step
+        assert not registry.ready()  # the probe notices, retires the engine and starts the reload
+        await within(factory.load_started("m").wait())
+        with pytest.raises(ApiError) as caught:  # at once: a request never waits inside a reload
+            async with registry.lease("m"):
+                pass
+        assert caught.value.status == 503 and caught.value.code == "model_loading"
+        assert int(caught.value.headers["Retry-After"]) >= 1 and "reloading" in caught.value.message
+        assert in_flight is dead and not dead.closed.is_set()  # leases still held on it are never cut
+    await within(dead.closed.wait())  # retired: shut down once its last lease ended
+    assert not registry.ready() and registry.get("m").status == "loading"
+    gate.set()
+    await settle()
+    assert registry.ready() and registry.get("m").status == "ready"
+    async with registry.lease("m") as fresh:
+        assert fresh is not dead and not fresh.is_dead
     assert factory.events == ["load m", "load m", "shutdown m"]
+
+
+async def test_the_request_that_sees_the_engine_die_starts_the_reload_when_it_ends(registry, root, factory) -> None:
+    await registry.register(spec_for(root, "m"), load=True)
+    async with registry.lease("m") as engine:
+        engine.is_dead = True
+        assert factory.loads() == ["m"]  # nothing has looked yet
+    await settle()
+    assert factory.loads() == ["m", "m"]  # releasing the lease did: reloading with no other request
+    await within(engine.closed.wait())
+    assert registry.ready()
+    async with registry.lease("m") as fresh:
+        assert fresh is not engine
+    assert factory.events.count("shutdown m") == 1 and registry.lifecycle_stats().unloads_total == 1
+    assert registry.lifecycle_stats().memory_reserved_bytes == 100  # the dead engine's bytes came back, once
+
+
+async def test_a_failed_reload_keeps_ready_false_and_the_next_lease_tries_again(registry, root, factory) -> None:
+    await registry.register(spec_for(root, "m"), load=True)
+    factory.failures["m"] = CheckpointError("shard missing")
+    async with registry.lease("m") as engine:
+        engine.is_dead = True
+    await settle()
+    assert not registry.ready() and registry.start_failures() and registry.get("m").status == "failed"
+    del factory.failures["m"]
+    gate = factory.gate("m")
+    with pytest.raises(ApiError) as caught:  # starts another reload and answers at once
+        async with registry.lease("m"):
+            pass
+    assert caught.value.status == 503 and caught.value.headers.get("Retry-After")
+    gate.set()
+    await settle()
+    assert registry.ready() and factory.loads() == ["m", "m", "m"]
 
 
 async def test_real_descriptor_table_resolves_and_suggests(root, factory) -> None:
