@@ -87,6 +87,7 @@ def main() -> None:
                         "development machine llama.cpp's default repacking dies on Q4_1 with SIGILL)")
     args = parser.parse_args()
     args.skip_llamacpp, args.exact_check, args.f32_gguf, args.smoke = False, False, None, False
+    args.servers = "llamaserve,llama-server"
 
     from engine.offline.demo import DEMO_MODEL_ID, default_cache_dir
 
@@ -94,7 +95,7 @@ def main() -> None:
     gguf = peer_gguf(cache_dir, args.weights)
     checkpoint = our_checkpoint(cache_dir, args.weights, gguf)
 
-    def start_ours(port: int, _cache_dir: Path, log) -> subprocess.Popen:
+    def start_ours(port: int, _cache_dir: Path, log, _dtype: str = "", _extra=()) -> subprocess.Popen:
         command = [
             sys.executable, "-m", "server", "--model", DEMO_MODEL_ID, "--checkpoint-dir", str(checkpoint),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-batch-size", "32", "--log-level", "warning",
@@ -102,7 +103,7 @@ def main() -> None:
         return subprocess.Popen(command, cwd=bench.ROOT, stdout=log, stderr=log)
 
     bench.start_ours = start_ours
-    bench.make_f32_gguf = lambda _cache_dir: gguf
+    bench.llama_gguf = lambda _cache_dir, _dtype: gguf
     print(f"weights: {args.weights}: llama-server on {gguf} (flags: defaults{' ' + args.peer_args if args.peer_args else ''}), "
           f"llamaserve on {checkpoint} in {args.dtype}")  # fmt: skip
     sys.exit(asyncio.run(bench.main_async(args)))
