@@ -13,7 +13,7 @@ Both servers compute on the same blocks (bit-exact import, tests/engine/test_qua
 
 The workload, the servers' start-up, the alternation of rounds and the report are
 bench/demo_vs_llamacpp.py's (imported, not copied): this script only swaps which weights each
-server loads (its start_ours and make_f32_gguf). Its roofline line is the float32 checkpoint's.
+server loads (its start_ours and llama_gguf). Its roofline line is the float32 checkpoint's.
 Targets (issue 18): 1 stream TPOT <= 0.85x llama-server's; 32 streams output tok/s >= 2x.
 
 llama.cpp's CPU backend repacks Q4_0 / Q4_1 / Q8_0 weights at load into its interleaved layouts
@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample: checks the script runs, numbers meaningless")
     args = parser.parse_args()
     args.skip_llamacpp, args.exact_check, args.f32_gguf = False, False, None
+    args.servers = "llamaserve,llama-server"
 
     from engine.offline.demo import DEMO_MODEL_ID, default_cache_dir
 
@@ -164,7 +165,7 @@ def main() -> None:
     gguf = peer_gguf(cache_dir, args.weights)
     checkpoint = our_checkpoint(cache_dir, args.weights, gguf)
 
-    def start_ours(port: int, _cache_dir: Path, log) -> subprocess.Popen:
+    def start_ours(port: int, _cache_dir: Path, log, _dtype: str = "", _extra=()) -> subprocess.Popen:
         command = [
             sys.executable, "-m", "server", "--model", DEMO_MODEL_ID, "--checkpoint-dir", str(checkpoint),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-batch-size", "32", "--log-level", "warning",
@@ -172,7 +173,7 @@ def main() -> None:
         return subprocess.Popen(command, cwd=bench.ROOT, stdout=log, stderr=log)
 
     bench.start_ours = start_ours
-    bench.make_f32_gguf = lambda _cache_dir: gguf
+    bench.llama_gguf = lambda _cache_dir, _dtype: gguf
     instrument(gguf)
     extra = args.peer_args
     statuses = []

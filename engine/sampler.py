@@ -191,12 +191,23 @@ def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
+def _row_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's first best id and its value (NaN anywhere wins, as in torch.max). On CPU through
+    numpy: torch's max(dim=1) over a [32, 49152] float32 batch costs 1.5 ms on one thread and
+    several on two threads of a busy machine, numpy's argmax plus a gather a quarter of a ms."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        values, ids = x.max(dim=1)
+        return ids.tolist(), values.tolist()
+    array = x.numpy()
+    ids = array.argmax(axis=1)
+    return ids.tolist(), array[np.arange(array.shape[0]), ids].tolist()
+
+
 def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     """The all-greedy, nothing-else fast path: one pass over the logits."""
-    values, ids = logits.max(dim=1)
-    tokens = ids.tolist()
+    tokens, values = _row_max(logits)
     errors: dict[int, str] = {}
-    for row, value in enumerate(values.tolist()):
+    for row, value in enumerate(values):
         if not math.isfinite(value):  # NaN or +inf anywhere, or a row of -inf
             errors[seqs[row].seq_id] = f"the model produced non-finite logits (row max {value})"
             tokens[row] = -1
@@ -289,8 +300,8 @@ def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarS
 def _pick_greedy(x: torch.Tensor, rows: list[int]) -> _Picks:
     if not rows:
         return [], [], []
-    values, ids = _take(x, rows).max(dim=1)
-    return rows, ids.tolist(), values.tolist()
+    ids, values = _row_max(_take(x, rows))
+    return rows, ids, values
 
 
 def _weights(xs: torch.Tensor, temperature: list[float], min_p: list[float]) -> tuple[torch.Tensor, list[float]]:

@@ -116,9 +116,18 @@ def test_demo_vs_llamacpp_smoke_ours_only(tmp_path):
     except DemoUnavailable as exc:
         pytest.skip(f"demo model unavailable: {exc}")
     stdout = run_script("bench/demo_vs_llamacpp.py", "--skip-llamacpp", "--rounds", "1", "--streams", "1,2", "--prompt-tokens", "8",
-                        "--output-tokens", "4", "--smoke")
-    table = stdout.split("llamaserve (median of 1 rounds)")[1].splitlines()
+                        "--output-tokens", "4", "--smoke", "--out", str(tmp_path / "three_way"))
+    table = stdout.split("llamaserve (median of 1 rounds")[1].splitlines()
     assert [line.split()[0] for line in table[2:4]] == ["1", "2"]  # one row per stream count
+    rows_md = [line for line in (tmp_path / "three_way.md").read_text().splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in rows_md] == ["streams", "1", "2"]  # header, then one row per stream count
+    assert (tmp_path / "three_way.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_vs_llamacpp_help_names_the_three_servers():
+    stdout = run_script("bench/demo_vs_llamacpp.py", "--help")
+    for word in ("--servers", "--dtype", "--streams", "--out", "llama-server", "vllm"):
+        assert word in stdout
 
 
 @pytest.mark.parametrize("kind", ["F32", "BF16", "Q8_0"])

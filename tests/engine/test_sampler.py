@@ -271,6 +271,22 @@ def test_row_with_every_token_masked_fails_alone():
     assert list(result.errors) == [seqs[0].seq_id] and result.token_ids[1] == logits[1].argmax().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_greedy_is_torch_max_first_best_id_on_views_and_ties(dtype):
+    """The greedy path (numpy's argmax for float32 on CPU) picks what torch.max picks: the first of
+    tied best ids, on a row-sliced view too (the runner samples logits[:num_sampling])."""
+    logits = logits_for(6).to(dtype)
+    logits[2, 5] = logits[2, 40] = logits[2].max() + 1  # a tie: id 5 first
+    logits[3] = -math.inf
+    logits[3, 9] = logits[3, 11] = 0.0
+    view = logits[1:5]
+    seqs = [seq(SamplingParams(temperature=0)) for _ in range(4)]
+    mixed = [*seqs[:3], seq(SamplingParams(temperature=1.0, seed=1))]  # the general path's greedy rows
+    expected = view.max(dim=1).indices.tolist()
+    assert sample(view, seqs).token_ids == expected and expected[1] == 5 and expected[2] == 9
+    assert sample(view, mixed).token_ids[:3] == expected[:3]
+
+
 # ---------------------------------------------------------------------- non-finite rows
 @pytest.mark.parametrize("other", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, logprobs=2)])
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
