@@ -15,7 +15,7 @@ class EngineConfig:
     device: Device = "cpu"
     dtype: DType | None = None  # None: the backend decides (engine.backends.resolve_dtype)
     model_parallel_size: int = 1
-    max_batch_size: int = 64  # sequences per step (MAX_BATCH_SIZE); 64 streams in one batch: bench/NOTES.md
+    max_batch_size: int = 32  # sequences per step (MAX_BATCH_SIZE)
     max_seq_len: int | None = None  # None: the family's default, capped by the checkpoint (MAX_SEQ_LEN)
     max_num_batched_tokens: int = 512  # token budget of one step; prefills are chunked to fit
     block_size_tokens: int = 16  # KV cache block size

@@ -49,7 +49,7 @@ models:
 def test_defaults():
     config = config_from([])
     assert (config.host, config.port, config.api_key, config.models) == ("127.0.0.1", 8000, None, [])
-    assert config.engine.max_batch_size == 64 and config.checkpoint_roots == [Path("~/.llama/checkpoints").expanduser()]
+    assert config.engine.max_batch_size == 32 and config.checkpoint_roots == [Path("~/.llama/checkpoints").expanduser()]
 
 
 def test_yaml_values_and_models(run_yaml, tmp_path):
