@@ -22,14 +22,14 @@ def configure_logging(log_format: LogFormat = "json", level: str = "info", strea
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer()
+    # Engine and library logs (stdlib logging) go through the same renderer and the same handler.
+    handler = logging.StreamHandler(stream or sys.stderr)
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=lambda *_args: _HandlerWriter(handler),
         cache_logger_on_first_use=True,
     )
-    # Engine and library logs (stdlib logging) go through the same renderer.
-    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
@@ -40,3 +40,18 @@ def configure_logging(log_format: LogFormat = "json", level: str = "info", strea
     root.handlers[:] = [handler]
     root.setLevel(level_no)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # our access line replaces it
+
+
+class _HandlerWriter:
+    """structlog's output through the stdlib handler's stream and lock: one line, one write, so
+    the access log (event loop) and engine logs (other threads) never share a line."""
+
+    def __init__(self, handler: logging.StreamHandler) -> None:
+        self._handler = handler
+
+    def msg(self, message: str) -> None:
+        with self._handler.lock:
+            self._handler.stream.write(message + "\n")
+            self._handler.stream.flush()
+
+    log = debug = info = warn = warning = error = err = critical = exception = fatal = failure = msg
