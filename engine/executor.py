@@ -12,13 +12,13 @@ import logging
 import torch
 
 from engine.checkpoint import CheckpointSpec, check_parallel_size, quantized_formats
-from engine.config import EngineConfig
+from engine.config import EngineConfig, launched_by_torchrun
 from engine.quantization import WeightsReport, check_formats, check_quantization
 from engine.rank_shard import RankShard, without_omp_team
 from engine.progress import ProgressCallback
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead, InvalidRequest
-from engine.workers import ParallelGroup, group_in_use, launched_by_torchrun, rank_device
+from engine.workers import ParallelGroup, group_in_use, rank_device
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, launched_by_torchrun  # noqa: F401 - re-exported for the executor
+from engine.config import EngineConfig
 from engine.step_inputs import StepInputs
 from engine.types import EngineDead
 

@@ -218,7 +218,7 @@ class ModelRegistry:
 
     def _register_entry(self, spec: ModelSpec, *, load: bool) -> _Entry:
         if self._closed:
-            raise _shutting_down()
+            raise shutting_down_error()
         spec = self._validated(spec)
         entry = self._entries.get(spec.model_id)
         if entry is None:
@@ -411,7 +411,7 @@ class ModelRegistry:
         deadline = loop.time() + self._load_wait_timeout_s
         while True:
             if self._closed:
-                raise _shutting_down()
+                raise shutting_down_error()
             entry = self._entries.get(model_id)
             if entry is None:
                 raise _not_found(model_id)
@@ -631,10 +631,6 @@ def _weights_report(engine: Any) -> dict[str, Any] | None:
     load weights themselves (remote, fakes) have none."""
     report = getattr(engine, "weights", None)
     return dataclasses.asdict(report) if report is not None else None
-
-
-def _shutting_down() -> ApiError:
-    return shutting_down_error()  # one message and Retry-After for every refusal while stopping
 
 
 def _not_found(model_id: str) -> ApiError:

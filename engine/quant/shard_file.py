@@ -73,13 +73,9 @@ def load_shard(path: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.
 
 def read_formats(path: Path) -> set[str]:
     """The weight formats a shard declares (its header's metadata only; no tensor is mapped)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > os.fstat(f.fileno()).st_size - 8:
-            raise ValueError(f"{path}: truncated header")
-        metadata = json.loads(f.read(header_len)).get("__metadata__") or {}
-    described = json.loads(metadata.get(METADATA_KEY, '{"weights": {}}'))
-    return {str(header.get("format")) for header in described.get("weights", {}).values()}
+    header, _data_start = _read_header(Path(path))
+    described = json.loads((header.get("__metadata__") or {}).get(METADATA_KEY, '{"weights": {}}'))
+    return {str(weight.get("format")) for weight in described.get("weights", {}).values()}
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -110,14 +106,18 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    size = path.stat().st_size
+def _read_header(path: Path) -> tuple[dict, int]:
+    """(the JSON header, where the data section starts) of a safetensors file."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
+        if header_len > os.fstat(f.fileno()).st_size - 8:
             raise ValueError(f"{path}: truncated header")
-        header = json.loads(f.read(header_len))
-    data_start = 8 + header_len
+        return json.loads(f.read(header_len)), 8 + header_len
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    size = path.stat().st_size
+    header, data_start = _read_header(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="c") if size > data_start else np.zeros(0, np.uint8)
     metadata = header.pop("__metadata__", {}) or {}
     tensors = {}
