@@ -31,9 +31,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_fp8
+from engine.quant.linear import tiled_dequant_mm
 
-_FP8_MAX = 448.0
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
 TINYGEMM_MIN_CAPABILITY = (8, 0)  # mma.sync bf16 tensor cores, CUDA >= 12
 SCALED_MM_ROWWISE_MIN_CAPABILITY = (9, 0)
@@ -114,9 +114,10 @@ def inner_k_tiles(in_features: int) -> int:
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [rows, in], float32 scales [rows, 1]): each activation row's amax maps to 448."""
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    """(e4m3 codes [rows, in], float32 scales [rows, 1]): each activation row quantized as a weight
+    row is (its amax maps to 448)."""
+    rows = quantize_fp8(x)
+    return rows.qweight, rows.scales
 
 
 def scaled_mm_fp8(x: torch.Tensor, codes_t: torch.Tensor, scales_row: torch.Tensor) -> torch.Tensor:
@@ -171,17 +172,10 @@ class CudaQuantLinear(nn.Module):
 
 
 def dequant_mm(x: torch.Tensor, weight: QuantizedWeight, tile_elems: int = DEQUANT_TILE_ELEMS) -> torch.Tensor:
-    """x [rows, in] @ dequantize(weight)^T, the weight dequantized to x's compute dtype (bfloat16
-    for bfloat16 / float16 inputs, else float32) a tile of output rows at a time."""
+    """x [rows, in] @ dequantize(weight)^T, the weight dequantized to bfloat16 for bfloat16 / float16
+    inputs (cuBLAS's fast path), else float32, a tile of output rows at a time."""
     compute = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-    n, k = weight.shape
-    tile_rows = max(1, min(n, tile_elems // max(k, 1)))
-    xt = x.to(compute).t()
-    out_t = torch.empty(n, x.shape[0], dtype=compute, device=x.device)  # row slices contiguous: mm writes in place
-    for row0 in range(0, n, tile_rows):
-        row1 = min(n, row0 + tile_rows)
-        torch.mm(weight.rows(row0, row1).dequantize(compute), xt, out=out_t[row0:row1])
-    return out_t.t()
+    return tiled_dequant_mm(x, weight, compute, tile_elems=tile_elems)
 
 
 def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> CudaQuantLinear:

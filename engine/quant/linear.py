@@ -21,6 +21,7 @@ the caller (the backend seam).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -103,27 +104,37 @@ class QuantLinear(nn.Module):
         raise ValueError(f"path {path!r} is not available for this {self.weight_q.format} linear")
 
     def _dequant_mm(self, x: torch.Tensor, *, use_kernels: bool) -> torch.Tensor:
-        """out^T tile by tile: each tile of output rows dequantized into one reused buffer, then
-        multiplied (the transposed output's row slices are contiguous, so mm writes in place)."""
-        n, k = self.out_features, self.in_features
         compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        tile_rows = max(1, min(n, TILE_ELEMS // max(k, 1)))
-        buffer = torch.empty(tile_rows, k, dtype=compute)
-        out_t = torch.empty(n, x.shape[0], dtype=x.dtype)
-        xt = x.to(compute).t()
-        threads = torch.get_num_threads()
-        for row0 in range(0, n, tile_rows):
-            row1 = min(n, row0 + tile_rows)
-            tile = buffer[: row1 - row0]
-            if use_kernels and self._kernels is not None:
-                self._kernels.dequantize(self.weight_q, row0, row1, tile, threads)
-            else:
-                tile.copy_(self.weight_q.rows(row0, row1).dequantize(compute))
-            if compute == x.dtype:
-                torch.mm(tile, xt, out=out_t[row0:row1])
-            else:
-                out_t[row0:row1] = torch.mm(tile, xt).to(x.dtype)
-        return out_t.t().contiguous()
+        fill = None
+        if use_kernels and self._kernels is not None:
+            kernels, threads = self._kernels, torch.get_num_threads()
+            fill = lambda row0, row1, tile: kernels.dequantize(self.weight_q, row0, row1, tile, threads)  # noqa: E731
+        return tiled_dequant_mm(x, self.weight_q, compute, tile_elems=TILE_ELEMS, fill=fill)
+
+
+def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dtype, *, tile_elems: int,
+                     fill: Callable[[int, int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """x [rows, in] @ dequantize(weight)^T in x's dtype, on x's device: out^T tile by tile, each tile
+    of output rows dequantized to `compute` into one reused buffer (by `fill(row0, row1, tile)`,
+    else in torch), then multiplied (the transposed output's row slices are contiguous, so mm
+    writes in place)."""
+    n, k = weight.shape
+    tile_rows = max(1, min(n, tile_elems // max(k, 1)))
+    buffer = torch.empty(tile_rows, k, dtype=compute, device=x.device)
+    out_t = torch.empty(n, x.shape[0], dtype=x.dtype, device=x.device)
+    xt = x.to(compute).t()
+    for row0 in range(0, n, tile_rows):
+        row1 = min(n, row0 + tile_rows)
+        tile = buffer[: row1 - row0]
+        if fill is not None:
+            fill(row0, row1, tile)
+        else:
+            tile.copy_(weight.rows(row0, row1).dequantize(compute))
+        if compute == x.dtype:
+            torch.mm(tile, xt, out=out_t[row0:row1])
+        else:
+            out_t[row0:row1] = torch.mm(tile, xt).to(x.dtype)
+    return out_t.t().contiguous()
 
 
 def _aten_int8_scales(weight: QuantizedWeight) -> torch.Tensor | None:
