@@ -162,6 +162,7 @@ class ParallelGroup:
         world_size = int(os.environ["WORLD_SIZE"])
         if world_size != config.model_parallel_size:
             raise ValueError(f"torchrun WORLD_SIZE {world_size} != model_parallel_size {config.model_parallel_size}")
+        watch_parent(os.getppid(), "torchrun launcher")
         device = rank_device(config, int(os.environ.get("LOCAL_RANK", "0")))
         init_group(device, rank=0, world_size=world_size, init_method="env://", timeout_s=COLLECTIVE_TIMEOUT_S)
         return cls(world_size, device, [], step_timeout_s=config.mp_step_timeout_s)
@@ -292,6 +293,7 @@ def follow(spec: Any, config: EngineConfig, *, max_seq_len: int) -> None:
     # rank that outlives its grace period.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    watch_parent(os.getppid(), "torchrun launcher")
     device = rank_device(config, int(os.environ.get("LOCAL_RANK", str(rank))))
     init_group(device, rank=rank, world_size=world_size, init_method="env://", timeout_s=FOLLOWER_TIMEOUT_S)
     try:
@@ -305,7 +307,7 @@ def _spawned_main(
     parent_pid: int,
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s mp{rank} %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="llamaserve-parent-watch", daemon=True).start()
+    watch_parent(parent_pid, "server process")
     device = rank_device(config, rank)
     init_group(device, rank=rank, world_size=world_size, init_method=init_method, timeout_s=FOLLOWER_TIMEOUT_S)
     try:
@@ -314,12 +316,20 @@ def _spawned_main(
         destroy_group()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A follower whose server died (SIGKILL, OOM) would wait in a collective forever: once the
-    parent is gone (this process re-parented), exit at once."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(3)
+def watch_parent(parent_pid: int, what: str) -> None:
+    """Exit at once when the parent is gone (this process re-parented). A follower whose server died
+    (SIGKILL, OOM) would otherwise wait in a collective forever; under torchrun, every rank of a
+    launcher that was SIGKILLed would keep running (rank 0 serving, holding its port) with nothing
+    left to stop it. A thread polling getppid, not PR_SET_PDEATHSIG: that fires when the forking
+    *thread* exits, which for a launcher is not the launcher's death."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.error("the %s (pid %d) is gone: exiting", what, parent_pid)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="llamaserve-parent-watch", daemon=True).start()
 
 
 def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int) -> None:

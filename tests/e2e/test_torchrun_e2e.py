@@ -1,6 +1,7 @@
 """torchrun for real (issue 16): `torchrun --nproc-per-node 2 -m server ...` on CPU (gloo) serves a tiny
 2-shard Meta checkpoint with the same greedy tokens as one process, refuses to change its model set
-with a clear 400, and on SIGTERM drains, stops its follower and exits with every rank."""
+with a clear 400, and on SIGTERM drains, stops its follower and exits with every rank; a launcher
+killed outright (SIGKILL) leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -107,3 +108,39 @@ def test_torchrun_serves_a_two_shard_checkpoint_like_one_process_and_stops_every
         for pid in ranks:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)  # a failed test leaves no rank behind
+
+
+def test_a_sigkilled_torchrun_launcher_leaves_no_rank_behind(checkpoints, tmp_path):
+    """SIGKILL reaches only the launcher: its ranks are re-parented and, without a watch, rank 0 would
+    keep serving (and holding its port) and rank 1 following, with nothing left to stop them."""
+    two_shards = checkpoints.get("Llama3.2-1B-Instruct-2shards", seed=0, num_shards=2)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(torchrun_command(two_shards, port, tmp_path), cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+    ranks: list[int] = []
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            def ready() -> bool:
+                assert launcher.poll() is None, log_path.read_text()[-4000:]
+                try:
+                    return http.get("/ready").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_until(ready, timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
+            ranks = children_of(launcher.pid)
+            assert len(ranks) == 2, ranks
+        launcher.kill()
+        launcher.wait(30)
+        wait_until(lambda: not any(_alive(pid) for pid in ranks), timeout_s=30, what="every rank to exit")
+        assert "the torchrun launcher" in log_path.read_text(), log_path.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(30)
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
