@@ -4,6 +4,7 @@ CPU backend on the same weights and precision, one server at a time, in one run 
     python bench/demo_vs_llamacpp.py [--servers llamaserve,llama-server,vllm] [--dtype bfloat16|float32]
         [--streams 1,2,4,8,16,32,64] [--prompt-tokens 128] [--output-tokens 64] [--rounds 3]
         [--out bench/results/demo_three_way] [--llama-server PATH] [--vllm-serve PATH] [--exact-check]
+        [--model-gguf BIG1B.gguf --hf-dir BIG1B-HF]   # another model than the demo, same weights for all three
 
 Workload: N concurrent streaming /v1/completions requests, each a distinct prompt of
 --prompt-tokens random token ids (fresh ones every round and every N, so no server's prefix cache
@@ -144,9 +145,11 @@ async def wait_ready(base: str, path: str, process: subprocess.Popen) -> None:
     raise RuntimeError(f"{base} not ready after {READY_TIMEOUT_S} s")
 
 
-def start_ours(port: int, cache_dir: Path, log, dtype: str = "float32", extra: list[str] | tuple[str, ...] = ()) -> subprocess.Popen:
+def start_ours(port: int, cache_dir: Path, log, dtype: str = "float32", extra: list[str] | tuple[str, ...] = (),
+               model: "OtherModel | None" = None) -> subprocess.Popen:  # fmt: skip
+    serve = ["--demo", "--demo-cache-dir", str(cache_dir)] if model is None else model.our_args()
     command = [
-        sys.executable, "-m", "server", "--demo", "--demo-cache-dir", str(cache_dir), "--host", "127.0.0.1",
+        sys.executable, "-m", "server", *serve, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", dtype, "--log-level", "warning", *extra,
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log)
@@ -162,9 +165,12 @@ def start_llama_server(binary: Path, gguf: Path, port: int, log, extra: list[str
     return subprocess.Popen(command, stdout=log, stderr=log, env=env)
 
 
-def start_vllm(script: Path, port: int, dtype: str, log, extra: list[str] | tuple[str, ...] = ()) -> subprocess.Popen:
+def start_vllm(script: Path, port: int, dtype: str, log, extra: list[str] | tuple[str, ...] = (),
+               model: "OtherModel | None" = None) -> subprocess.Popen:  # fmt: skip
     """vLLM's CPU backend in the foreground of its own process group (its engine core is a child)."""
     env = {**os.environ, "FOREGROUND": "1"}
+    if model is not None:
+        env.update(MODEL_DIR=str(model.hf_dir), SERVED_NAME=model.name)
     return subprocess.Popen(["bash", str(script), str(port), dtype, *extra], stdout=log, stderr=log, env=env, start_new_session=True)
 
 
@@ -214,6 +220,37 @@ def peer_gguf(cache_dir: Path, kind: str = "F32") -> Path:
 
 def make_f32_gguf(cache_dir: Path) -> Path:
     return peer_gguf(cache_dir, "F32")
+
+
+@dataclass(frozen=True)
+class OtherModel:
+    """A model other than the demo (--model-gguf, e.g. ../shared/peers/make_big_gguf.py's 1.1B Llama):
+    llama-server runs the GGUF, we run it imported once into the cache (`llamaserve import-gguf`),
+    vLLM its HF folder (--hf-dir, ../shared/peers/vllm_cpu_build_hf.py)."""
+
+    name: str
+    gguf: Path
+    checkpoint_dir: Path
+    hf_dir: Path | None
+
+    def our_args(self) -> list[str]:
+        return ["--model", self.name, "--checkpoint-dir", str(self.checkpoint_dir), "--checkpoint-root", str(self.checkpoint_dir.parent)]
+
+
+def other_model(gguf: Path, hf_dir: Path | None, cache_dir: Path, dtype: str) -> OtherModel:
+    import torch
+
+    from engine.offline.gguf_import import import_gguf
+
+    name = gguf.stem.lower()
+    checkpoint_dir = cache_dir / "peers" / f"{name}-{dtype}-meta"
+    if not (checkpoint_dir / "params.json").exists():
+        print(f"importing {gguf} into {checkpoint_dir} (once) ...", flush=True)
+        checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=checkpoint_dir.parent) as tmp:
+            import_gguf(gguf, Path(tmp) / "checkpoint", progress=False, dtype=getattr(torch, dtype))
+            os.replace(Path(tmp) / "checkpoint", checkpoint_dir)
+    return OtherModel(name, gguf, checkpoint_dir, hf_dir)
 
 
 # --------------------------------------------------------------------------- the client
@@ -480,8 +517,11 @@ def llama_server_binary(args: argparse.Namespace) -> Path | None:
     return None
 
 
-def server_specs(args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path, levels: list[int]) -> list[ServerSpec] | None:
+def server_specs(args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path, levels: list[int],
+                 model: OtherModel | None = None) -> list[ServerSpec] | None:  # fmt: skip
     from engine.offline.demo import DEMO_MODEL_ID
+
+    model_id = DEMO_MODEL_ID if model is None else model.name
 
     names = ["llamaserve"] if args.skip_llamacpp else [n.strip() for n in getattr(args, "servers", "llamaserve,llama-server").split(",")]
     if unknown := [n for n in names if n not in SERVERS]:
@@ -490,11 +530,14 @@ def server_specs(args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path
     specs: list[ServerSpec] = []
     our_extra = getattr(args, "our_args", "").split()
     if "llamaserve" in names:
-        specs.append(ServerSpec("llamaserve", lambda port, log: start_ours(port, cache_dir, log, args.dtype, our_extra), "/ready", DEMO_MODEL_ID))
+        specs.append(ServerSpec("llamaserve", lambda port, log: start_ours(port, cache_dir, log, args.dtype, our_extra, model), "/ready", model_id))
     if "llama-server" in names:
         if (binary := llama_server_binary(args)) is None:
             return None
-        gguf = Path(args.f32_gguf) if args.f32_gguf and args.dtype == "float32" else llama_gguf(cache_dir, args.dtype)
+        if model is not None:
+            gguf = model.gguf
+        else:
+            gguf = Path(args.f32_gguf) if args.f32_gguf and args.dtype == "float32" else llama_gguf(cache_dir, args.dtype)
         slots = max(levels)
         context = max(16384, slots * (args.prompt_tokens + args.output_tokens + 64))
         specs.append(ServerSpec(
@@ -506,9 +549,12 @@ def server_specs(args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path
         if not script.is_file():
             print(f"vLLM's start script not found at {script} (see ../shared/peers/README.md; or leave vllm out of --servers)")
             return None
+        if model is not None and model.hf_dir is None:
+            print("--model-gguf with vllm needs --hf-dir (../shared/peers/vllm_cpu_build_hf.py makes it)")
+            return None
         vllm_extra = getattr(args, "vllm_args", "").split()
-        specs.append(ServerSpec("vllm", lambda port, log: start_vllm(script, port, args.dtype, log, vllm_extra), "/health",
-                                os.environ.get("SERVED_NAME", DEMO_MODEL_ID), group=True))  # fmt: skip
+        specs.append(ServerSpec("vllm", lambda port, log: start_vllm(script, port, args.dtype, log, vllm_extra, model), "/health",
+                                model_id if model is not None else os.environ.get("SERVED_NAME", DEMO_MODEL_ID), group=True))  # fmt: skip
     return specs
 
 
@@ -524,8 +570,12 @@ async def main_async(args: argparse.Namespace) -> int:
     demo = ensure_demo_checkpoint(cache_dir)
     levels = [int(n) for n in args.streams.split(",")]
     dtype = getattr(args, "dtype", "float32")
-    counts = model_counts(demo.checkpoint_dir)
-    specs = server_specs(args, cache_dir, demo.checkpoint_dir, levels)
+    model = None
+    if getattr(args, "model_gguf", None):
+        model = other_model(Path(args.model_gguf), Path(args.hf_dir) if args.hf_dir else None, cache_dir, dtype)
+    checkpoint_dir = demo.checkpoint_dir if model is None else model.checkpoint_dir
+    counts = model_counts(checkpoint_dir)
+    specs = server_specs(args, cache_dir, checkpoint_dir, levels, model)
     if specs is None:
         return 1
     moment = measure_moment(smoke=args.smoke)
@@ -577,6 +627,9 @@ def main() -> None:
     parser.add_argument("--vllm-serve", default=None, help=f"vLLM CPU start script (default: {PEERS / 'vllm_cpu_serve.sh'})")
     parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     parser.add_argument("--skip-llamacpp", action="store_true", help="measure llamaserve only (same as --servers llamaserve)")
+    parser.add_argument("--model-gguf", default=None, help="serve this GGUF's model instead of the demo (its precision must be --dtype's), "
+                        "e.g. ../shared/peers/make_big_gguf.py's 1.1B Llama")
+    parser.add_argument("--hf-dir", default=None, help="with --model-gguf and vllm: the same weights as an HF folder (vllm_cpu_build_hf.py)")
     parser.add_argument("--exact-check", action="store_true", help="also compare greedy chat tokens with llama-server in float32")
     parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample: checks the script runs (tests), numbers meaningless")
     sys.exit(asyncio.run(main_async(parser.parse_args())))

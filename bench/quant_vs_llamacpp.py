@@ -165,7 +165,7 @@ def main() -> None:
     gguf = peer_gguf(cache_dir, args.weights)
     checkpoint = our_checkpoint(cache_dir, args.weights, gguf)
 
-    def start_ours(port: int, _cache_dir: Path, log, _dtype: str = "", _extra=()) -> subprocess.Popen:
+    def start_ours(port: int, _cache_dir: Path, log, _dtype: str = "", _extra=(), _model=None) -> subprocess.Popen:
         command = [
             sys.executable, "-m", "server", "--model", DEMO_MODEL_ID, "--checkpoint-dir", str(checkpoint),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-batch-size", "32", "--log-level", "warning",
