@@ -90,6 +90,12 @@ class CpuKernels:
         if self._bf16_pairs is not None:
             self._bf16_pairs.argtypes, self._bf16_pairs.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), None
 
+    def address(self, name: str) -> int | None:
+        """The entry point `name` as a C function address (engine/csrc/decode_step.c calls the
+        kernels through these); None if this build has no such function."""
+        fn = getattr(self._lib, name, None)
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float, threads: int) -> None:
         """residual += delta (in place, if given); out = rms_norm(residual) * weight."""
         rows, dim = residual.shape

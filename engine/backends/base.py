@@ -46,6 +46,14 @@ class Linear(Protocol):
     def resident_bytes(self) -> int: ...
 
 
+class BatchOneDecodeStep(Protocol):
+    """step(h, meta, kv_caches): h [1, dim] the token's embedding (the residual stream, updated in
+    place) -> the final norm's output [1, dim], exactly as the per-op blocks compute it; or None,
+    untouched, when the step is not one decode token of one sequence (the model then runs its blocks)."""
+
+    def __call__(self, h: torch.Tensor, meta: "AttentionMetadata", kv_caches: list[KVCache]) -> torch.Tensor | None: ...
+
+
 @runtime_checkable
 class PreparedWeight(Protocol):
     """A weight in a form other than a dense tensor (a quantized format, say): it names its Linear.
@@ -239,6 +247,13 @@ class Backend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] silu(gate) * up, gate_up = [gate | up] [rows, 2 * hidden]."""
         raise NotImplementedError
+
+    # ----------------------------------------------------------------- load time, optional
+    def batch1_decode_step(self, model: nn.Module) -> BatchOneDecodeStep | None:
+        """A compiled form of one decode token of one sequence through all of `model`'s blocks and
+        its final norm (engine.model.Transformer, mp_size 1), built once at load; None (here): the
+        model runs its blocks op by op."""
+        return None
 
 
 class DenseLinear(nn.Module):

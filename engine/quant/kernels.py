@@ -69,6 +69,11 @@ class QuantKernels:
             raise TypeError(f"no kernel for {type(weight).__name__}")
         return BoundQuantLinear(self._lib.quant_linear, weight)
 
+    def linear_address(self) -> int:
+        """quant_linear as a C function address (engine/csrc/decode_step.c calls it with a bound
+        descriptor, BoundQuantLinear.descriptor_address)."""
+        return ctypes.cast(self._lib.quant_linear, ctypes.c_void_p).value
+
     def dequantize(self, weight: QuantizedWeight, row0: int, row1: int, out: torch.Tensor, threads: int) -> torch.Tensor:
         """Rows [row0, row1) of dequantize(weight) written into out (contiguous [row1 - row0, in],
         float32 or bfloat16); returns out."""
@@ -104,6 +109,11 @@ class BoundQuantLinear:
             int(weight.scales.dtype == torch.float16),
         )  # fmt: skip
         self._desc_ref = ctypes.byref(self._desc)
+
+    @property
+    def descriptor_address(self) -> int:
+        """The bound quant_weight descriptor's address; valid while this object lives."""
+        return ctypes.addressof(self._desc)
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         k = self.in_features

@@ -84,6 +84,14 @@ class QuantLinear(nn.Module):
         min_rows = self._policy.dequant_min_rows_bf16 if bf16 else self._policy.dequant_min_rows_f32
         return "dequant_mm" if rows >= min_rows else "kernel"
 
+    def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
+        """("quant", bound descriptor address, out, in) when one input row of `dtype` runs through the
+        C kernel (what a compiled decode step calls, engine/backends/cpu_step.py); None otherwise
+        (another path is faster there, or no kernels)."""
+        if self._kernel is None or self.path(1, dtype) != "kernel":
+            return None
+        return "quant", self._kernel.descriptor_address, self.out_features, self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
