@@ -8,6 +8,8 @@ best implementation depends on the device and dtype goes through a Backend chose
   the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
 - linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
+- batch1_decode_step(model), optional: one decode token of one sequence through all blocks in one
+  call, built once at load (the model falls back to its per-op blocks wherever it gives None).
 - attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
   (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
 

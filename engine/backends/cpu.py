@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes
+from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.cpu_kernels import CpuKernels
 from engine.step_inputs import StepInputs
