@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
-from engine.cpu_kernels import CpuKernels, _build, default_cache_dir
+from engine.cpu_kernels import CpuKernels, library_path
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class _Token(ctypes.Structure):
 @functools.cache
 def _load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build(cache_dir or default_cache_dir(), SOURCE)))
+        lib = ctypes.CDLL(str(library_path(SOURCE, cache_dir)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("compiled decode step unavailable (%s); decode runs op by op", exc)
         return None

@@ -1,8 +1,8 @@
 """ctypes entry points over engine/csrc/quant_kernels.c (low-bit linears and dequantizers).
 
-Built and cached exactly like the fused CPU kernels (engine.cpu_kernels._build: the system C
-compiler, -march=native, a cache dir keyed by source, flags, compiler and CPU). None where it cannot
-be built: engine.quant.linear then runs its torch path, which computes the same numbers.
+Built and cached exactly like the fused CPU kernels (engine.cpu_kernels.library_path: prebuilt per
+x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by source,
+flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch path, which computes the same numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import _build, default_cache_dir
+from engine.cpu_kernels import library_path
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _check_contiguous(weight: QuantizedWeight) -> None:
 def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
     """The kernels, built on first use; None (logged once) where they cannot be built here."""
     try:
-        return QuantKernels(ctypes.CDLL(str(_build(cache_dir or default_cache_dir(), SOURCE))))
+        return QuantKernels(ctypes.CDLL(str(library_path(SOURCE, cache_dir))))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("quantized-linear C kernels unavailable (%s); using the torch path", exc)
         return None
