@@ -110,6 +110,23 @@ def test_weights_without_a_one_row_form_run_the_per_op_path(tiny_checkpoint, mon
         executor.shutdown()
 
 
+@pytest.mark.parametrize("missing", ["step library", "quantized kernels"])
+def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatch, missing):
+    import engine.quant.kernels as quant_kernels
+
+    if missing == "step library":
+        monkeypatch.setattr(cpu_step, "_load_library", lambda: None)
+    else:
+        monkeypatch.setattr(quant_kernels, "load_quant_kernels", lambda: None)  # QuantLinear: torch path
+    executor = make_executor(tiny_checkpoint, dtype="float32", quantization="int8")
+    try:
+        assert executor._shard.model.decode_step is None
+        results = run_random_schedule(executor, random_prompts(256, [4], seed=2), seed=1, max_new=2)
+        assert all(torch.isfinite(logits).all() for logits, _ in results.values())
+    finally:
+        executor.shutdown()
+
+
 def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
     """A prefill, or several sequences' decodes: the step returns None and leaves h untouched."""
     from engine.runner import build_step_inputs
