@@ -195,8 +195,10 @@ void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, in
  * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
 #define MIN_BLOCKS_PER_TASK 4
 
+/* Into all cache levels (T0): the non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x
+ * slower over 30 layers' caches, its lines evicted before they were read (bench/NOTES.md). */
 static inline void prefetch_block(const char *block, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 0);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
 }
 
 typedef struct {
