@@ -5,7 +5,9 @@ of its work, ~1.5 ms of a demo step (bench/NOTES.md). The program holds every bl
 their one-row forms (PackedCpuLinear's interleaved copies, QuantLinear's bound descriptors), the
 norms, scratch rows and the kernels' addresses; per step Python passes the token's position, slot
 and block table. It calls the same kernels in the same order as the per-op path (the tests check
-the logits agree), so it is an optimisation of dispatch only.
+the logits agree), so it is an optimisation of dispatch only. The output head stays the model's
+own module call after it (one call a step; a dense head is oneDNN's, as fast as a one-row copy
+would be, bench/NOTES.md).
 
 Built only where every block linear has a one-row form for the model dtype; otherwise (a weight
 too large for an interleaved copy, a quantized path that another kernel serves faster at one row,
@@ -121,7 +123,8 @@ class DecodeStep:
             raise ValueError(f"{len(kv_caches)} KV caches for {self._program.n_layers} layers")
         dtype, first = self._keep[0].dtype, kv_caches[0][0]  # a scratch row: the model dtype
         for i, (k_cache, v_cache) in enumerate(kv_caches):
-            if k_cache.shape[1:] != first.shape[1:] or tuple(k_cache.shape[2:]) != (self._program.kv_heads, self._program.head_dim) or v_cache.shape != k_cache.shape:
+            # one shape for all: attention_metadata checked the step's block ids against layer 0's
+            if k_cache.shape != first.shape or tuple(k_cache.shape[2:]) != (self._program.kv_heads, self._program.head_dim) or v_cache.shape != k_cache.shape:
                 raise ValueError(f"layer {i}: KV cache {list(k_cache.shape)} does not fit the decode step")
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != dtype or v_cache.dtype != dtype:
                 raise ValueError(f"layer {i}: KV caches must be contiguous {dtype}")
