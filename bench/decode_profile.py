@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes (a script, not a test).
 
-    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N]
+    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS]
 
 Loads a Meta-format checkpoint (e.g. ~/.cache/llamaserve/SmolLM2-135M-Instruct, or its
 `-native` Q4_1 copy: `--demo-weights native`) through ModelExecutor with the server's defaults, or
@@ -10,6 +10,11 @@ operation and linear wrapped in a timer: ms per step, calls and us per call for 
 run costs a little more (the timers); 'untimed' is what the timers do not see (module calls, the
 block's own code). CPU time per step is printed next to wall time: on a shared machine it is the
 steadier of the two. Figures are noisy there; say so when quoting them.
+
+The compiled batch-1 step (engine/backends/cpu_step.py: all blocks and the final norm in one C
+call) runs where the backend built one; the per-op profile turns it off (its timers wrap the
+per-op calls). --ab ROUNDS: that many interleaved rounds of the per-op path ('old') and the
+compiled step ('step'), each the best of two runs of --steps steps, and their ratio per round.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="A/B rounds: per-op path vs the compiled step")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -107,8 +113,13 @@ def main() -> None:
 
     steps()
     plain = min(steps() for _ in range(3))
+    compiled = model.decode_step
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, {opts.checkpoint or opts.config}; shared machine: noisy")
-    print(f"decode step (batch 1, {CONTEXT_TOKENS} tokens of context): {plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
+    print(f"decode step (batch 1, {CONTEXT_TOKENS} tokens of context, {'compiled step' if compiled else 'per-op: no compiled step'}): "
+          f"{plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
+    if opts.ab and compiled is not None:
+        ab_rounds(model, compiled, steps, opts.ab)
+    model.decode_step = None  # the profile below times the per-op calls
     times, counts = instrument(model)
     steps()
     times.clear(), counts.clear()
@@ -119,6 +130,23 @@ def main() -> None:
         print(f"  {label:22s} {per_step:7.3f} ms/step {per_step / total:6.1%}  {counts[label] // opts.steps:3d} calls  {seconds / counts[label] * 1e6:8.1f} us/call")
     untimed = total - sum(times.values()) / opts.steps * 1e3
     print(f"  {'untimed':22s} {untimed:7.3f} ms/step {untimed / total:6.1%}")
+
+
+def ab_rounds(model, compiled, steps, rounds: int) -> None:
+    """Interleaved rounds of the per-op path and the compiled step: (wall, CPU) ms per step, best of two runs each."""
+    ratios_cpu, ratios_wall = [], []
+    for i in range(rounds):
+        timings = {}
+        for label, step in (("old", None), ("step", compiled)) if i % 2 == 0 else (("step", compiled), ("old", None)):
+            model.decode_step = step
+            timings[label] = min(steps() for _ in range(2))
+        ratios_wall.append(timings["step"][0] / timings["old"][0])
+        ratios_cpu.append(timings["step"][1] / timings["old"][1])
+        print(f"  A/B round {i}: old {timings['old'][0]:.2f} ms wall {timings['old'][1]:.2f} ms CPU; "
+              f"step {timings['step'][0]:.2f} ms wall {timings['step'][1]:.2f} ms CPU; step/old wall x{ratios_wall[-1]:.3f} CPU x{ratios_cpu[-1]:.3f}")
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"A/B median step/old: wall x{median(ratios_wall):.3f}, CPU x{median(ratios_cpu):.3f} over {rounds} rounds")
+    model.decode_step = compiled
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ or that others may write is refused (the torch path runs instead). No compiler, 
 path, which computes the same thing (tests check the two agree). The library links the libgomp
 torch already loaded, so its parallel loops share the calling thread's OpenMP team.
 
-Prebuilt (the container image): `python -m engine.cpu_kernels prebuild DIR` compiles the source
+Prebuilt (the container image): `python -m engine.cpu_kernels prebuild DIR` compiles every engine/csrc source
 once per x86-64 microarchitecture level (v2: SSE4.2, v3: AVX2+FMA, v4: AVX-512) and
 LLAMASERVE_PREBUILT_KERNELS=DIR makes the loader take the highest level this CPU's flags allow,
 so the image needs no compiler. Measured here (Xeon with AVX-512, a decode step of the 'tiny'
@@ -90,6 +90,12 @@ class CpuKernels:
         if self._bf16_pairs is not None:
             self._bf16_pairs.argtypes, self._bf16_pairs.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), None
 
+    def address(self, name: str) -> int | None:
+        """The entry point `name` as a C function address (engine/csrc/decode_step.c calls the
+        kernels through these); None if this build has no such function."""
+        fn = getattr(self._lib, name, None)
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float, threads: int) -> None:
         """residual += delta (in place, if given); out = rms_norm(residual) * weight."""
         rows, dim = residual.shape
@@ -163,13 +169,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/llamaserve/kernels").expanduser()
 
 
+def library_path(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
+    """The shared library of one engine/csrc source: prebuilt for this CPU's level when
+    LLAMASERVE_PREBUILT_KERNELS holds it, else built on first use (OSError, SubprocessError if it
+    cannot be)."""
+    prebuilt = find_prebuilt(Path(os.environ[PREBUILT_DIR_ENV]), source) if os.environ.get(PREBUILT_DIR_ENV) else None
+    return prebuilt or _build(cache_dir or default_cache_dir(), source)
+
+
 @functools.cache
 def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
-    """The kernels: prebuilt for this CPU's level when LLAMASERVE_PREBUILT_KERNELS holds them, else
-    built on first use; None (logged once) where neither works here."""
-    prebuilt = find_prebuilt(Path(os.environ[PREBUILT_DIR_ENV])) if os.environ.get(PREBUILT_DIR_ENV) else None
+    """The kernels (library_path); None (logged once) where they cannot be loaded here."""
     try:
-        return CpuKernels(ctypes.CDLL(str(prebuilt or _build(cache_dir or default_cache_dir()))))
+        return CpuKernels(ctypes.CDLL(str(library_path(SOURCE, cache_dir))))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("fused CPU kernels unavailable (%s); using the torch path", exc)
         return None
@@ -186,37 +198,47 @@ def x86_level(cpu_flags: set[str] | frozenset[str]) -> str | None:
     return level
 
 
-def _source_key() -> str:
-    """Prebuilt libraries are named by the source and flags they came from: a stale one is never loaded."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+def _source_key(source: Path = SOURCE) -> str:
+    """Prebuilt libraries are named by the source, headers and flags they came from: a stale one is never loaded."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-def prebuilt_name(level: str) -> str:
-    return f"cpu_kernels-{_source_key()}-{level}.so"
+def prebuilt_name(level: str, source: Path = SOURCE) -> str:
+    return f"{source.stem}-{_source_key(source)}-{level}.so"
 
 
-def find_prebuilt(directory: Path) -> Path | None:
-    """The library in `directory` for the best level this CPU runs; None (logged) if there is none."""
+def all_sources() -> list[Path]:
+    """Every C file the engine loads (this module's kernels, engine.quant.kernels', the compiled decode step)."""
+    return sorted(SOURCE.parent.glob("*.c"))
+
+
+def find_prebuilt(directory: Path, source: Path = SOURCE) -> Path | None:
+    """The library of `source` in `directory` for the best level this CPU runs; None (logged) if there is none."""
     level = x86_level(set(_cpu_flags().split(":", 1)[-1].split()))
     candidates = list(X86_LEVELS)[: list(X86_LEVELS).index(level) + 1] if level else []
     for name in reversed(candidates):
-        path = directory / prebuilt_name(name)
+        path = directory / prebuilt_name(name, source)
         if path.is_file():
-            log.info("fused CPU kernels: prebuilt %s for this CPU (%s)", path.name, level)
+            log.info("%s: prebuilt %s for this CPU (%s)", source.name, path.name, level)
             return path
-    log.warning("no prebuilt CPU kernels in %s for this CPU (level %s); building them if a compiler is here", directory, level)
+    log.warning("no prebuilt %s in %s for this CPU (level %s); building it if a compiler is here", source.name, directory, level)
     return None
 
 
-def prebuild(out_dir: Path, levels: list[str] | None = None) -> list[Path]:
-    """Compile one library per x86-64 level into `out_dir` (the image's builder stage runs this)."""
+def prebuild(out_dir: Path, levels: list[str] | None = None, sources: list[Path] | None = None) -> list[Path]:
+    """Compile one library per source (default: all_sources()) and x86-64 level into `out_dir` (the
+    image's builder stage runs this)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     built = []
-    for level in levels or list(X86_LEVELS):
-        flags = [f"-march={level}" if f == "-march=native" else f for f in _FLAGS] + ["-Wno-psabi"]  # v16f returns: static inline only
-        target = out_dir / prebuilt_name(level)
-        subprocess.run([_compiler(), *flags, "-o", str(target), str(SOURCE)], check=True, timeout=_BUILD_TIMEOUT_S)
-        built.append(target)
+    for source in sources or all_sources():
+        for level in levels or list(X86_LEVELS):
+            flags = [f"-march={level}" if f == "-march=native" else f for f in _FLAGS] + ["-Wno-psabi"]  # v16f returns: static inline only
+            target = out_dir / prebuilt_name(level, source)
+            subprocess.run([_compiler(), *flags, "-o", str(target), str(source)], check=True, timeout=_BUILD_TIMEOUT_S)
+            built.append(target)
     return built
 
 

@@ -260,6 +260,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
         weights.check_all_taken()
+        # a batch-1 decode step compiled by the backend (all blocks and the final norm in one call),
+        # or None: forward's per-op loop. Built for this class's blocks only (Llama 4 has its own).
+        self.decode_step = backend.batch1_decode_step(self) if mp_size == 1 and self.block is TransformerBlock else None
         # the RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)
         real = torch.float64 if backend.dtype == torch.float64 else torch.float32
         self.freqs_cis = self._rope_table(args, max_seq_len, real).to(backend.device)
@@ -296,11 +299,14 @@ class Transformer(nn.Module):
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
         """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
         meta = self.backend.attention_metadata(inputs, self.freqs_cis, kv_caches[0])
-        h, delta = self.tok_embeddings(inputs.input_ids), None
-        for layer, cache in zip(self.layers, kv_caches):
-            h, delta = layer(h, delta, cache, meta)
-        _, h = self.norm(h, delta)
-        return self.output(h.index_select(0, inputs.logits_indices)).float()
+        h = self.tok_embeddings(inputs.input_ids)
+        normed = self.decode_step(h, meta, kv_caches) if self.decode_step is not None else None  # None: not its shape of step
+        if normed is None:
+            delta = None
+            for layer, cache in zip(self.layers, kv_caches):
+                h, delta = layer(h, delta, cache, meta)
+            _, normed = self.norm(h, delta)
+        return self.output(normed.index_select(0, inputs.logits_indices)).float()
 
     def weight_bytes(self) -> int:
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each

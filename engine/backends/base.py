@@ -8,6 +8,8 @@ best implementation depends on the device and dtype goes through a Backend chose
   the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
 - linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
+- batch1_decode_step(model), optional: one decode token of one sequence through all blocks in one
+  call, built once at load (the model falls back to its per-op blocks wherever it gives None).
 - attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
   (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
 
@@ -44,6 +46,14 @@ class Linear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def resident_bytes(self) -> int: ...
+
+
+class BatchOneDecodeStep(Protocol):
+    """step(h, meta, kv_caches): h [1, dim] the token's embedding (the residual stream, updated in
+    place) -> the final norm's output [1, dim], exactly as the per-op blocks compute it; or None,
+    untouched, when the step is not one decode token of one sequence (the model then runs its blocks)."""
+
+    def __call__(self, h: torch.Tensor, meta: "AttentionMetadata", kv_caches: list[KVCache]) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
@@ -239,6 +249,13 @@ class Backend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] silu(gate) * up, gate_up = [gate | up] [rows, 2 * hidden]."""
         raise NotImplementedError
+
+    # ----------------------------------------------------------------- load time, optional
+    def batch1_decode_step(self, model: nn.Module) -> BatchOneDecodeStep | None:
+        """A compiled form of one decode token of one sequence through all of `model`'s blocks and
+        its final norm (engine.model.Transformer, mp_size 1), built once at load; None (here): the
+        model runs its blocks op by op."""
+        return None
 
 
 class DenseLinear(nn.Module):

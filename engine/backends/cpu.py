@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes
+from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.cpu_kernels import CpuKernels
 from engine.step_inputs import StepInputs
@@ -68,6 +69,15 @@ class PackedCpuLinear(nn.Module):
         if self._one_row is not None and x.shape[0] == 1:
             return self._one_row(x.contiguous(), torch.get_num_threads())
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+
+    def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
+        """(layout, weight address, out, in) of the one-row copy for a compiled decode step
+        (engine/backends/cpu_step.py): "pairs" ([out / 16, in / 2, 16, 2] bfloat16) or "interleaved"
+        ([out / 16, in, 16]); None without one (too large, or no kernels)."""
+        if self._one_row is None or self.interleaved.dtype != dtype:
+            return None
+        layout = "pairs" if self.interleaved.dim() == 4 else "interleaved"
+        return layout, self.interleaved.data_ptr(), self.out_features, self.in_features
 
     def resident_bytes(self) -> int:
         copies = [self.packed_weight] + ([self.interleaved] if self.interleaved is not None else [])
@@ -123,6 +133,9 @@ class CpuKernelBackend(OneDnnBackend):
         meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
         return meta
+
+    def batch1_decode_step(self, model: nn.Module) -> DecodeStep | None:
+        return build_decode_step(model, self.kernels)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty_like(residual)

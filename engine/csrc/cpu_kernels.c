@@ -195,8 +195,10 @@ void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, in
  * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
 #define MIN_BLOCKS_PER_TASK 4
 
+/* Into all cache levels (T0): the non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x
+ * slower over 30 layers' caches, its lines evicted before they were read (bench/NOTES.md). */
 static inline void prefetch_block(const char *block, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 0);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
 }
 
 typedef struct {
@@ -425,18 +427,25 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
         const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
         for (int64_t m = 0; m < rows; m++) {
             const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* four chains hide the latency */
+            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
+             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             int64_t i = 0;
 #define PAIR_STEP(acc, j) \
     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
-            for (; i + 4 <= pairs; i += 4) {
+            for (; i + 8 <= pairs; i += 8) {
                 PAIR_STEP(a0, i);
                 PAIR_STEP(a1, i + 1);
                 PAIR_STEP(a2, i + 2);
                 PAIR_STEP(a3, i + 3);
+                PAIR_STEP(a4, i + 4);
+                PAIR_STEP(a5, i + 5);
+                PAIR_STEP(a6, i + 6);
+                PAIR_STEP(a7, i + 7);
             }
             for (; i < pairs; i++) PAIR_STEP(a0, i);
 #undef PAIR_STEP
+            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
             float sums[16];
             _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
             store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);

@@ -1,8 +1,8 @@
 """ctypes entry points over engine/csrc/quant_kernels.c (low-bit linears and dequantizers).
 
-Built and cached exactly like the fused CPU kernels (engine.cpu_kernels._build: the system C
-compiler, -march=native, a cache dir keyed by source, flags, compiler and CPU). None where it cannot
-be built: engine.quant.linear then runs its torch path, which computes the same numbers.
+Built and cached exactly like the fused CPU kernels (engine.cpu_kernels.library_path: prebuilt per
+x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by source,
+flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch path, which computes the same numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import _build, default_cache_dir
+from engine.cpu_kernels import library_path
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,11 @@ class QuantKernels:
             raise TypeError(f"no kernel for {type(weight).__name__}")
         return BoundQuantLinear(self._lib.quant_linear, weight)
 
+    def linear_address(self) -> int:
+        """quant_linear as a C function address (engine/csrc/decode_step.c calls it with a bound
+        descriptor, BoundQuantLinear.descriptor_address)."""
+        return ctypes.cast(self._lib.quant_linear, ctypes.c_void_p).value
+
     def dequantize(self, weight: QuantizedWeight, row0: int, row1: int, out: torch.Tensor, threads: int) -> torch.Tensor:
         """Rows [row0, row1) of dequantize(weight) written into out (contiguous [row1 - row0, in],
         float32 or bfloat16); returns out."""
@@ -105,6 +110,11 @@ class BoundQuantLinear:
         )  # fmt: skip
         self._desc_ref = ctypes.byref(self._desc)
 
+    @property
+    def descriptor_address(self) -> int:
+        """The bound quant_weight descriptor's address; valid while this object lives."""
+        return ctypes.addressof(self._desc)
+
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         k = self.in_features
         if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
@@ -125,7 +135,7 @@ def _check_contiguous(weight: QuantizedWeight) -> None:
 def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
     """The kernels, built on first use; None (logged once) where they cannot be built here."""
     try:
-        return QuantKernels(ctypes.CDLL(str(_build(cache_dir or default_cache_dir(), SOURCE))))
+        return QuantKernels(ctypes.CDLL(str(library_path(SOURCE, cache_dir))))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("quantized-linear C kernels unavailable (%s); using the torch path", exc)
         return None

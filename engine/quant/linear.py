@@ -84,6 +84,14 @@ class QuantLinear(nn.Module):
         min_rows = self._policy.dequant_min_rows_bf16 if bf16 else self._policy.dequant_min_rows_f32
         return "dequant_mm" if rows >= min_rows else "kernel"
 
+    def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
+        """("quant", bound descriptor address, out, in) when one input row of `dtype` runs through the
+        C kernel (what a compiled decode step calls, engine/backends/cpu_step.py); None otherwise
+        (another path is faster there, or no kernels)."""
+        if self._kernel is None or self.path(1, dtype) != "kernel":
+            return None
+        return "quant", self._kernel.descriptor_address, self.out_features, self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
@@ -157,13 +165,23 @@ class QuantEmbedding(nn.Module):
     """An embedding table kept quantized (GGUF's Q8_0 token embeddings): only the looked-up rows
     are dequantized, into the model dtype."""
 
-    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype, kernels: QuantKernels | None = None) -> None:
         super().__init__()
         self.table = table.contiguous()  # a plain attribute, as QuantLinear's (model.to() must not convert it)
         self.num_embeddings, self.embedding_dim = table.shape
         self.dtype = dtype
+        on_cpu = self.table.qweight.device.type == "cpu"
+        self._kernels = kernels if kernels is not None and on_cpu and supports(dtype) else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None and ids.dim() == 1 and ids.numel() == 1:
+            # a batch-1 decode step's token: its row dequantized by the C kernel (the same numbers) in
+            # a few us, not the ~90 us of torch ops gathering codes and scales (bench/NOTES.md)
+            row = int(ids[0])
+            if not 0 <= row < self.num_embeddings:
+                raise IndexError(f"token id {row} is outside the embedding table [0, {self.num_embeddings})")
+            out = torch.empty(1, self.embedding_dim, dtype=self.dtype)
+            return self._kernels.dequantize(self.table, row, row + 1, out, 1)
         return self.table.lookup(ids, self.dtype)
 
     @property
@@ -180,5 +198,7 @@ class QuantEmbedding(nn.Module):
 def embedding(table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> nn.Module:
     """ids -> rows of `table`: nn.Embedding over a float table, QuantEmbedding over a quantized one."""
     if isinstance(table, QuantizedWeight):
-        return QuantEmbedding(table, dtype)
+        from engine.quant.kernels import load_quant_kernels
+
+        return QuantEmbedding(table, dtype, load_quant_kernels() if table.qweight.device.type == "cpu" else None)
     return nn.Embedding.from_pretrained(table, freeze=True)

@@ -695,7 +695,7 @@ def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch
     if level is None:
         pytest.skip("not an x86-64-v2 CPU")
     try:
-        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"])
+        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
     (tmp_path / built.name.replace("-x86-64-v2", "-x86-64-v4").replace(ck._source_key(), "0" * 16)).write_bytes(b"stale")
@@ -706,3 +706,21 @@ def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch
     expected = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
     kernels.add_rms_norm(residual, None, weight, out, 1e-5, THREADS)
     assert_close(out, expected, torch.float32)
+
+
+def test_every_source_is_prebuilt_and_loaded_from_the_image_dir(tmp_path, monkeypatch):
+    """The image has no compiler: the quantized kernels and the compiled decode step come prebuilt
+    too, and library_path takes them from LLAMASERVE_PREBUILT_KERNELS instead of building."""
+    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) is None:
+        pytest.skip("not an x86-64-v2 CPU")
+    try:
+        built = ck.prebuild(tmp_path, ["x86-64-v2"])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    assert {path.name.split("-")[0] for path in built} == {"cpu_kernels", "decode_step", "quant_kernels"}
+    monkeypatch.setenv(ck.PREBUILT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent-compiler")  # building instead would fail
+    for source in ck.all_sources():
+        path = ck.library_path(source, tmp_path / "cache")
+        assert path in built
+        ctypes.CDLL(str(path))

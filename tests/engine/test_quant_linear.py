@@ -261,3 +261,21 @@ def test_kernel_entry_points_check_layouts(kernels) -> None:
         kernels.linear(torch.randn(2, 32), q.cols(0, 32), 1)
     with pytest.raises(ValueError, match="dequantize rows"):
         kernels.dequantize(q, 0, 17, torch.empty(17, 64), 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_one_token_through_the_kernel_equals_torch_lookup(kernels, fmt, dtype):
+    """A decode step's single id is dequantized by the C kernel: the same numbers as the torch lookup."""
+    from engine.quant.linear import QuantEmbedding
+
+    table = quantize(torch.randn(40, 96, generator=gen(11)), fmt)
+    fast, plain = QuantEmbedding(table, dtype, kernels), QuantEmbedding(table, dtype)
+    for row in (0, 17, 39):
+        ids = torch.tensor([row])
+        got = fast(ids)
+        assert got.shape == (1, 96) and got.dtype == dtype
+        assert torch.equal(got, plain(ids))
+    assert torch.equal(fast(torch.tensor([3, 5])), plain(torch.tensor([3, 5])))  # several ids: the torch lookup
+    with pytest.raises(IndexError):
+        fast(torch.tensor([40]))
