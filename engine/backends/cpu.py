@@ -115,11 +115,18 @@ class CpuKernelBackend(OneDnnBackend):
         block_size = k_cache.shape[1]
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
+        rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
+        if chunk_size is None and _one_paged_call(inputs, k_cache.shape[-1]):
+            meta = PagedAttentionMetadata(
+                inputs.positions, inputs.slot_mapping, [], None, rope,
+                inputs.query_start_loc.contiguous(), inputs.seq_lens.contiguous(), inputs.block_tables.contiguous(),
+            )  # fmt: skip
+            check_paged_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
+            return meta
         starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         paged = _paged_decodes(inputs, decodes, starts) if decodes else None
         if paged is not None and chunk_size is not None:
             paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
-        rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
         return meta
@@ -142,6 +149,12 @@ class CpuKernelBackend(OneDnnBackend):
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
         k_cache, v_cache = cache
+        if isinstance(meta, PagedAttentionMetadata):  # the whole step, prefill chunks and decodes, in one call
+            self.kernels.paged_attention(
+                qkv, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache, v_cache, heads.heads,
+                heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
+            )  # fmt: skip
+            return out
         if meta.decodes is not None:
             paged = meta.decodes
             self.kernels.paged_decode_attention(
@@ -159,6 +172,25 @@ class CpuKernelBackend(OneDnnBackend):
         hidden = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
         self.kernels.silu_mul(gate_up, hidden, torch.get_num_threads())
         return hidden
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata(AttentionMetadata):
+    """Every sequence of the step, prefill chunks and decodes alike, as CpuKernels.paged_attention
+    reads it: the step's own index tensors, no per-sequence metadata, no masks (prefills and
+    decodes stay empty)."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each sequence after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+
+
+def _one_paged_call(inputs: StepInputs, head_dim: int) -> bool:
+    """paged_attention for the step, unless it is a few decodes only: those keep
+    paged_decode_attention, which splits one long sequence's blocks over the threads (one item per
+    KV head here would leave threads idle at batch 1). head_dim: the kernel's 16-wide runs."""
+    few_decodes = inputs.num_tokens == inputs.num_seqs and inputs.num_seqs < 2 * torch.get_num_threads()
+    return head_dim % 16 == 0 and not few_decodes
 
 
 def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
@@ -181,6 +213,24 @@ def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: in
     return PagedDecodes(paged.rows, tables, seq_lens)
 
 
+def check_paged_indices(inputs: StepInputs, meta: PagedAttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
+    """check_indices for PagedAttentionMetadata: also each sequence's new-token count, between 1 and
+    its K/V length, and the rows they cover, exactly the step's."""
+    counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    ranges = [
+        (inputs.positions, num_positions, "position", torch.int64),
+        (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64),
+        (meta.block_tables, num_blocks, "KV block id", torch.int32),
+        (meta.seq_lens - 1, meta.block_tables.shape[1] * block_size, "K/V length - 1", torch.int32),
+        (meta.query_start_loc, inputs.num_tokens + 1, "query start", torch.int32),
+        (meta.seq_lens - counts, meta.block_tables.shape[1] * block_size, "cached prefix length", torch.int32),
+        (counts - 1, inputs.num_tokens, "new-token count - 1", torch.int32),
+    ]  # fmt: skip
+    _check_ranges(ranges)
+    if int(meta.query_start_loc[0]) != 0 or int(meta.query_start_loc[-1]) != inputs.num_tokens:
+        raise ValueError(f"query starts must run from 0 to {inputs.num_tokens} tokens")
+
+
 def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
     """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
     (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
@@ -192,6 +242,11 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
             (paged.seq_lens - 1, paged.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
             (paged.rows, inputs.num_tokens, "decode row", torch.int64),
         ]  # fmt: skip
+    _check_ranges(ranges)
+
+
+def _check_ranges(ranges: list[tuple[torch.Tensor, int, str, torch.dtype]]) -> None:
+    """Each (values, limit, what, dtype): values a contiguous tensor of dtype, all in [0, limit)."""
     for values, limit, what, dtype in ranges:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")

@@ -444,3 +444,178 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
     }
 }
 #endif
+
+/* ------------------------------------------------------------------------------------------ paged attention
+ * Every sequence of a step, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
+ * the same): sequence b's new tokens are rows query_start_loc[b] .. query_start_loc[b + 1] of qkv,
+ * the last of its seq_lens[b] keys; token t of them sits at position seq_lens[b] - n_new + t and sees
+ * keys 0 .. that position (its cached prefix and the chunk up to itself). K/V are read in place
+ * through the block table: no gather, no repeat_kv, no mask materialised.
+ *
+ * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows), a query row being one
+ * (token, query head) of the n_rep heads sharing the KV head, so a tile's keys and values are
+ * converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
+ * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
+ * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
+ * values per row. head_dim a multiple of 16. */
+typedef float pa_v16f __attribute__((vector_size(64)));
+typedef uint16_t pa_v16h __attribute__((vector_size(32)));
+typedef uint32_t pa_v16u __attribute__((vector_size(64)));
+typedef int32_t pa_v16i __attribute__((vector_size(64)));
+#define PA_TILE_ROWS 48
+#define PA_KEYS 16
+
+static inline pa_v16f pa_load16(const char *p, int bf16) {
+    pa_v16f f;
+    if (bf16) {
+        pa_v16h h;
+        memcpy(&h, p, sizeof(h));
+        pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
+        memcpy(&f, &u, sizeof(f));
+    } else {
+        memcpy(&f, p, sizeof(f));
+    }
+    return f;
+}
+
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
+ * vectors of partial products into one vector of 16 dot products (lane j: key j). */
+#define PA_COMBINE(a, b, w)                                                                                   \
+    (__builtin_shuffle((a), (b), (pa_v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),   \
+                                           PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),   \
+                                           PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),            \
+                                           PA_I1(w, 14), PA_I1(w, 15)}) +                                     \
+     __builtin_shuffle((a), (b), (pa_v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),   \
+                                           PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),   \
+                                           PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),            \
+                                           PA_I2(w, 14), PA_I2(w, 15)}))
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : 16 + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : 16 + (l))
+
+static inline pa_v16f pa_sum16(const pa_v16f p[16]) {
+    pa_v16f q[8], r[4], s[2];
+    for (int i = 0; i < 8; i++) q[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < 4; i++) r[i] = PA_COMBINE(q[2 * i], q[2 * i + 1], 2);
+    for (int i = 0; i < 2; i++) s[i] = PA_COMBINE(r[2 * i], r[2 * i + 1], 4);
+    return PA_COMBINE(s[0], s[1], 8);
+}
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    int64_t n_rep, block_size, slot_elems, q_stride, out_stride; /* elements */
+    int bf16;
+    float scale;
+} PagedArgs;
+
+/* One work item: query rows [tok0, tok1) x the n_rep heads of KV head g of one sequence. */
+static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
+                                                          char *out, const int32_t *table, int64_t prefix,
+                                                          int64_t tok0, int64_t tok1, int64_t g) {
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / 16;
+    const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
+    const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
+    pa_v16f qv[PA_TILE_ROWS][DV], acc[PA_TILE_ROWS][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    float row_max[PA_TILE_ROWS], row_sum[PA_TILE_ROWS];
+    for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
+        const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        for (int64_t c = 0; c < DV; c++) {
+            qv[r][c] = pa_load16(src + (size_t)(c * 16) * es, a->bf16) * a->scale;
+            acc[r][c] = (pa_v16f){0};
+        }
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    for (int64_t key0 = 0; key0 < n_keys;) {
+        const int64_t off = key0 % bs, left_in_block = bs - off;
+        int64_t n = n_keys - key0 < PA_KEYS ? n_keys - key0 : PA_KEYS;
+        n = n < left_in_block ? n : left_in_block;
+        const size_t first = ((size_t)table[key0 / bs] * bs + off) * slot_bytes + head_off;
+        for (int64_t j = 0; j < PA_KEYS; j++) {
+            for (int64_t c = 0; c < DV; c++) {
+                kf[j][c] = j < n ? pa_load16(a->k_cache + first + j * slot_bytes + (size_t)(c * 16) * es, a->bf16) : (pa_v16f){0};
+                vf[j][c] = j < n ? pa_load16(a->v_cache + first + j * slot_bytes + (size_t)(c * 16) * es, a->bf16) : (pa_v16f){0};
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
+            if (visible <= 0) continue;
+            const int64_t m = visible < n ? visible : n;
+            pa_v16f p[PA_KEYS];
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                pa_v16f dot = qv[r][0] * kf[j][0];
+                for (int64_t c = 1; c < DV; c++) dot += qv[r][c] * kf[j][c];
+                p[j] = dot;
+            }
+            float s[PA_KEYS];
+            const pa_v16f scores = pa_sum16(p);
+            memcpy(s, &scores, sizeof(s));
+            float new_max = row_max[r];
+            for (int64_t j = 0; j < m; j++) new_max = s[j] > new_max ? s[j] : new_max;
+            const float rescale = row_max[r] == -INFINITY ? 0.0f : exp_approx(row_max[r] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                /* masked keys weigh 0; below e^-46 a weight changes no float sum (and keeps denormal
+                 * products out of the loop), as in paged_decode_attention */
+                s[j] = j >= m || s[j] - new_max < -46.0f ? 0.0f : exp_approx(s[j] - new_max);
+                sum += s[j];
+            }
+            row_sum[r] = row_sum[r] * rescale + sum;
+            row_max[r] = new_max;
+            for (int64_t c = 0; c < DV; c++) {
+                pa_v16f o = acc[r][c] * rescale;
+                for (int64_t j = 0; j < m; j++) o += vf[j][c] * s[j];
+                acc[r][c] = o;
+            }
+        }
+        key0 += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        const float inv_sum = 1.0f / row_sum[r];
+        float o[D];
+        for (int64_t c = 0; c < DV; c++) {
+            const pa_v16f v = acc[r][c] * inv_sum;
+            memcpy(o + c * 16, &v, sizeof(v));
+        }
+        store_row(dst, o, D, a->bf16);
+    }
+}
+
+void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
+                     const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t n_rep = heads / kv_heads, tile_tokens = n_rep < PA_TILE_ROWS ? PA_TILE_ROWS / n_rep : 1;
+    /* items: sequence b's are [item_begin[b], item_begin[b + 1]), KV head major */
+    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    item_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b];
+        item_begin[b + 1] = item_begin[b] + kv_heads * ((n_new + tile_tokens - 1) / tile_tokens);
+        work += n_new * seq_lens[b];
+    }
+    const int64_t items = item_begin[num_seqs];
+    const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
+                            q_stride, heads * head_dim, bf16, scale};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = 0;
+        while (item_begin[b + 1] <= item) b++;
+        const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b], tiles = (item_begin[b + 1] - item_begin[b]) / kv_heads;
+        const int64_t g = (item - item_begin[b]) / tiles, tile = (item - item_begin[b]) % tiles;
+        const int64_t tok0 = tile * tile_tokens, tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
+        const char *q = (const char *)qkv + (size_t)query_start_loc[b] * q_stride * es;
+        char *o = (char *)out + (size_t)query_start_loc[b] * heads * head_dim * es;
+        const int32_t *table = block_tables + b * max_blocks;
+        const int64_t prefix = seq_lens[b] - n_new;
+        if (head_dim == 64)
+            pa_tile(&args, 64, q, o, table, prefix, tok0, tok1, g);
+        else if (head_dim == 128)
+            pa_tile(&args, 128, q, o, table, prefix, tok0, tok1, g);
+        else
+            pa_tile(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+    }
+    free(item_begin);
+}
