@@ -13,7 +13,8 @@ the bf16 matmul rate measured at start (the roofline of the moment). Step shapes
     pfx           28 decodes + 4 prompts' last 28 tokens behind a 100-token cached prefix
     p512 / p2048  4 / 16 whole 128-token prompts (one step of a 512 / 2048 budget)
 
-On a machine shared with other jobs the absolute times are noisy; the shares are what carry over.
+On a machine shared with other jobs the absolute times are noisy (--threads 1 times thread CPU
+instead of wall: far steadier there); the shares are what carry over.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ DECODE_CONTEXT = 160
 MAX_TOKENS = PROMPT_TOKENS + OUTPUT_TOKENS
 
 
+def clock() -> float:
+    """Seconds for the timers: wall, or with --threads 1 the calling thread's CPU time (every op
+    then runs on it), which a machine busy with other jobs disturbs far less."""
+    return CLOCK[0]()
+
+
+CLOCK = [time.perf_counter]
+
+
 class Timers:
     """Accumulated wall seconds and call counts per key; `wrap` times a callable under a key."""
 
@@ -72,9 +82,9 @@ class Timers:
     def wrap(self, key: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             out = fn(*args, **kwargs)
-            self.add(key, time.perf_counter() - started)
+            self.add(key, clock() - started)
             return out
 
         return timed
@@ -91,10 +101,9 @@ def instrument(model: Transformer, timers: Timers) -> None:
     attention = backend.attention
 
     def timed_attention(qkv, heads, cache, meta):
-        started = time.perf_counter()
+        started = clock()
         out = attention(qkv, heads, cache, meta)
-        key = "attention (" + "+".join(k for k, on in (("decode", meta.decodes is not None), ("prefill", bool(meta.prefills))) if on) + ")"
-        timers.add(key, time.perf_counter() - started)
+        timers.add("attention", clock() - started)
         return out
 
     backend.attention = timed_attention
@@ -104,9 +113,9 @@ def instrument(model: Transformer, timers: Timers) -> None:
             forward = module.forward
 
             def timed_linear(x, _forward=forward, _role=role, _n=module.out_features, _k=module.in_features):
-                started = time.perf_counter()
+                started = clock()
                 out = _forward(x)
-                timers.add(f"linear {_role} [{x.shape[0]}x{_n}x{_k}]", time.perf_counter() - started, 2.0 * x.shape[0] * _n * _k)
+                timers.add(f"linear {_role} [{x.shape[0]}x{_n}x{_k}]", clock() - started, 2.0 * x.shape[0] * _n * _k)
                 return out
 
             module.forward = timed_linear
@@ -158,6 +167,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14, help="rows printed per step")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    if opts.threads == 1:
+        CLOCK[0] = time.thread_time
     args = model_args("demo")
     dtype = torch.bfloat16
     backend = select_backend(EngineConfig(dtype="bfloat16"), torch.device("cpu"))
@@ -169,21 +180,21 @@ def main() -> None:
     instrument(model, timers)
     sampler = Sampler()
     peak = matmul_flops_per_s(dtype)
-    print(f"backend {backend.name}, {opts.threads} threads, bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
+    print(f"backend {backend.name}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
     for name in opts.steps.split(","):
         seqs, counts = step_shape(name)
         runs = []
         for _ in range(opts.repeats + 1):
             timers.reset()
-            started = time.perf_counter()
+            started = clock()
             inputs, sampling = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
-            timers.add("build_step_inputs", time.perf_counter() - started)
-            forward_started = time.perf_counter()
+            timers.add("build_step_inputs", clock() - started)
+            forward_started = clock()
             logits = model(inputs, caches)
-            timers.add("forward (all)", time.perf_counter() - forward_started)
-            sample_started = time.perf_counter()
+            timers.add("forward (all)", clock() - forward_started)
+            sample_started = clock()
             sampler.sample(logits, [seqs[i] for i in sampling])
-            timers.add("sampling", time.perf_counter() - sample_started)
+            timers.add("sampling", clock() - sample_started)
             runs.append((timers.seconds["forward (all)"], dict(timers.seconds), dict(timers.calls), dict(timers.flops)))
         runs = sorted(runs[1:], key=lambda run: run[0])
         forward_s, seconds, calls, flops = runs[len(runs) // 2]

@@ -446,9 +446,9 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
 #endif
 
 /* ------------------------------------------------------------------------------------------ paged attention
- * Every sequence of a step, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
- * the same): sequence b's new tokens are rows query_start_loc[b] .. query_start_loc[b + 1] of qkv,
- * the last of its seq_lens[b] keys; token t of them sits at position seq_lens[b] - n_new + t and sees
+ * Many sequences' new tokens, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
+ * the same): sequence b's are rows row_start[b] .. row_start[b] + new_tokens[b] of qkv and out, the
+ * last of its seq_lens[b] keys; token t of them sits at position seq_lens[b] - n_new + t and sees
  * keys 0 .. that position (its cached prefix and the chunk up to itself). K/V are read in place
  * through the block table: no gather, no repeat_kv, no mask materialised.
  *
@@ -582,8 +582,8 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
 }
 
-void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *query_start_loc,
-                     const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
+void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                     const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
                      const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, float scale, int num_threads) {
     const size_t es = elem_size(bf16);
@@ -592,7 +592,7 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
     int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
     item_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b];
+        const int64_t n_new = new_tokens[b];
         item_begin[b + 1] = item_begin[b] + kv_heads * ((n_new + tile_tokens - 1) / tile_tokens);
         work += n_new * seq_lens[b];
     }
@@ -603,11 +603,11 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
     for (int64_t item = 0; item < items; item++) {
         int64_t b = 0;
         while (item_begin[b + 1] <= item) b++;
-        const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b], tiles = (item_begin[b + 1] - item_begin[b]) / kv_heads;
+        const int64_t n_new = new_tokens[b], tiles = (item_begin[b + 1] - item_begin[b]) / kv_heads;
         const int64_t g = (item - item_begin[b]) / tiles, tile = (item - item_begin[b]) % tiles;
         const int64_t tok0 = tile * tile_tokens, tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
-        const char *q = (const char *)qkv + (size_t)query_start_loc[b] * q_stride * es;
-        char *o = (char *)out + (size_t)query_start_loc[b] * heads * head_dim * es;
+        const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * es;
+        char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * es;
         const int32_t *table = block_tables + b * max_blocks;
         const int64_t prefix = seq_lens[b] - n_new;
         if (head_dim == 64)

@@ -40,7 +40,8 @@ def paged_batch(new_tokens: list[int], kv_lens: list[int], heads: int, kv_heads:
     for n in new_tokens:
         starts.append(starts[-1] + n)
     index = (
-        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(starts[:-1], dtype=torch.int32),
+        torch.tensor(new_tokens, dtype=torch.int32),
         torch.tensor(kv_lens, dtype=torch.int32),
         torch.tensor(tables, dtype=torch.int32),
     )
@@ -49,19 +50,19 @@ def paged_batch(new_tokens: list[int], kv_lens: list[int], heads: int, kv_heads:
 
 def reference(qkv, k_cache, v_cache, index, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """float64 causal attention, sequence by sequence, K/V heads repeated (the model's repeat_kv)."""
-    starts, kv_lens, tables = (t.tolist() for t in index)
+    starts, counts, kv_lens, tables = (t.tolist() for t in index)
     block_size, n_rep, scale = k_cache.shape[1], heads // kv_heads, head_dim**-0.5
     out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.float64)
     for b, kv_len in enumerate(kv_lens):
-        n_new = starts[b + 1] - starts[b]
+        n_new = counts[b]
         ids = torch.tensor(tables[b][: -(-kv_len // block_size)])
         keys = k_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len].double().repeat_interleave(n_rep, dim=1)
         values = v_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len].double().repeat_interleave(n_rep, dim=1)
-        q = qkv[starts[b] : starts[b + 1], : heads * head_dim].double().view(n_new, heads, head_dim)
+        q = qkv[starts[b] : starts[b] + n_new, : heads * head_dim].double().view(n_new, heads, head_dim)
         scores = torch.einsum("thd,khd->thk", q, keys) * scale
         positions = torch.arange(kv_len - n_new, kv_len)[:, None, None]
         scores = scores.masked_fill(torch.arange(kv_len)[None, None, :] > positions, float("-inf"))
-        out[starts[b] : starts[b + 1]] = torch.einsum("thk,khd->thd", scores.softmax(-1), values).reshape(n_new, -1)
+        out[starts[b] : starts[b] + n_new] = torch.einsum("thk,khd->thd", scores.softmax(-1), values).reshape(n_new, -1)
     return out
 
 
@@ -89,8 +90,7 @@ def test_paged_attention_matches_reference(kernels, dtype, heads, kv_heads, head
     new_tokens, kv_lens = BATCHES[batch]
     qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads + head_dim)
     out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
-    starts, seq_lens, tables = index
-    kernels.paged_attention(qkv, out, starts, seq_lens, tables, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    kernels.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
     assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
 
 
@@ -100,8 +100,7 @@ def test_paged_attention_block_sizes(kernels, block_size):
     heads, kv_heads, head_dim = 6, 2, 64
     qkv, k_cache, v_cache, index = paged_batch([1, 30, 7], [50, 45, 7], heads, kv_heads, head_dim, block_size, torch.float32, seed=block_size)
     out = torch.empty(qkv.shape[0], heads * head_dim)
-    starts, seq_lens, tables = index
-    kernels.paged_attention(qkv, out, starts, seq_lens, tables, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    kernels.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
     assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), torch.float32)
 
 
@@ -114,3 +113,19 @@ def test_paged_attention_threads_agree(kernels):
         kernels.paged_attention(qkv, out, *index, k_cache, v_cache, 9, 3, 0.125, threads)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_paged_attention_some_sequences_only(kernels):
+    """The backend leaves whole prompts to SDPA: the kernel gets the other sequences' rows only,
+    attends exactly those, and leaves every other row as it was."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv, k_cache, v_cache, index = paged_batch([1, 12, 30, 1, 5], [40, 12, 30, 17, 25], heads, kv_heads, head_dim, 16, torch.float32, seed=9)
+    expected = reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim)
+    chosen = torch.tensor([0, 3, 4])
+    subset = tuple(t.index_select(0, chosen).contiguous() for t in index)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0)
+    kernels.paged_attention(qkv, out, *subset, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    rows = torch.tensor([0, 43, 44, 45, 46, 47, 48])  # sequences 0, 3 and 4
+    others = torch.tensor([r for r in range(qkv.shape[0]) if r not in rows.tolist()])
+    assert_close(out[rows], expected[rows], torch.float32)
+    assert (out[others] == 123.0).all()
