@@ -465,17 +465,44 @@ typedef int32_t pa_v16i __attribute__((vector_size(64)));
 #define PA_TILE_ROWS 48
 #define PA_KEYS 16
 
-static inline pa_v16f pa_load16(const char *p, int bf16) {
-    pa_v16f f;
-    if (bf16) {
-        pa_v16h h;
-        memcpy(&h, p, sizeof(h));
-        pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
-        memcpy(&f, &u, sizeof(f));
-    } else {
-        memcpy(&f, p, sizeof(f));
+/* A row of D values as D / 16 float32 vectors, bfloat16 ones in the kernel's lane order: each run of
+ * 32 values as its even-indexed then its odd-indexed values (a 32-bit lane holds one of each: the
+ * odd one is the lane with its low half cleared, the even one the lane shifted up; no widening
+ * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
+ * products and weighted sums do not depend on the order as long as q, K, V and the output share
+ * it; pa_store_row puts the output back. A last run of 16 values is widened as is. */
+static inline void pa_load_row(pa_v16f *dst, const char *src, int64_t DV, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)DV * sizeof(pa_v16f));
+        return;
     }
-    return f;
+    int64_t c = 0;
+    for (; c + 2 <= DV; c += 2) {
+        pa_v16u u;
+        memcpy(&u, src + c * 32, sizeof(u));
+        const pa_v16u even = u << 16, odd = u & 0xffff0000u;
+        memcpy(&dst[c], &even, sizeof(even));
+        memcpy(&dst[c + 1], &odd, sizeof(odd));
+    }
+    if (c < DV) {
+        pa_v16h h;
+        memcpy(&h, src + c * 32, sizeof(h));
+        const pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
+        memcpy(&dst[c], &u, sizeof(u));
+    }
+}
+
+/* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
+static inline void pa_unpermute(float *dst, const pa_v16f *src, int64_t DV, int bf16) {
+    const float *f = (const float *)src;
+    int64_t c = 0;
+    if (bf16)
+        for (; c + 2 <= DV; c += 2)
+            for (int64_t i = 0; i < 16; i++) {
+                dst[c * 16 + 2 * i] = f[c * 16 + i];
+                dst[c * 16 + 2 * i + 1] = f[(c + 1) * 16 + i];
+            }
+    memcpy(dst + c * 16, f + c * 16, (size_t)(DV - c) * 16 * sizeof(float));
 }
 
 /* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
@@ -518,8 +545,9 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     float row_max[PA_TILE_ROWS], row_sum[PA_TILE_ROWS];
     for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
         const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        pa_load_row(qv[r], src, DV, a->bf16);
         for (int64_t c = 0; c < DV; c++) {
-            qv[r][c] = pa_load16(src + (size_t)(c * 16) * es, a->bf16) * a->scale;
+            qv[r][c] *= a->scale;
             acc[r][c] = (pa_v16f){0};
         }
         row_max[r] = -INFINITY;
@@ -530,12 +558,12 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
         int64_t n = n_keys - key0 < PA_KEYS ? n_keys - key0 : PA_KEYS;
         n = n < left_in_block ? n : left_in_block;
         const size_t first = ((size_t)table[key0 / bs] * bs + off) * slot_bytes + head_off;
-        for (int64_t j = 0; j < PA_KEYS; j++) {
-            for (int64_t c = 0; c < DV; c++) {
-                kf[j][c] = j < n ? pa_load16(a->k_cache + first + j * slot_bytes + (size_t)(c * 16) * es, a->bf16) : (pa_v16f){0};
-                vf[j][c] = j < n ? pa_load16(a->v_cache + first + j * slot_bytes + (size_t)(c * 16) * es, a->bf16) : (pa_v16f){0};
-            }
+        for (int64_t j = 0; j < n; j++) {
+            pa_load_row(kf[j], a->k_cache + first + j * slot_bytes, DV, a->bf16);
+            pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
         }
+        for (int64_t j = n; j < PA_KEYS; j++)
+            for (int64_t c = 0; c < DV; c++) kf[j][c] = (pa_v16f){0}; /* scores of keys past the run: masked */
         for (int64_t r = 0; r < rows; r++) {
             const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
             if (visible <= 0) continue;
@@ -550,14 +578,18 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             const pa_v16f scores = pa_sum16(p);
             memcpy(s, &scores, sizeof(s));
             float new_max = row_max[r];
-            for (int64_t j = 0; j < m; j++) new_max = s[j] > new_max ? s[j] : new_max;
+#pragma omp simd reduction(max : new_max)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                s[j] = j < m ? s[j] : -INFINITY; /* keys past the row's position or the run */
+                new_max = s[j] > new_max ? s[j] : new_max;
+            }
             const float rescale = row_max[r] == -INFINITY ? 0.0f : exp_approx(row_max[r] - new_max);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < PA_KEYS; j++) {
                 /* masked keys weigh 0; below e^-46 a weight changes no float sum (and keeps denormal
                  * products out of the loop), as in paged_decode_attention */
-                s[j] = j >= m || s[j] - new_max < -46.0f ? 0.0f : exp_approx(s[j] - new_max);
+                s[j] = s[j] - new_max < -46.0f ? 0.0f : exp_approx(s[j] - new_max);
                 sum += s[j];
             }
             row_sum[r] = row_sum[r] * rescale + sum;
@@ -574,10 +606,8 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
         char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
         const float inv_sum = 1.0f / row_sum[r];
         float o[D];
-        for (int64_t c = 0; c < DV; c++) {
-            const pa_v16f v = acc[r][c] * inv_sum;
-            memcpy(o + c * 16, &v, sizeof(v));
-        }
+        for (int64_t c = 0; c < DV; c++) acc[r][c] *= inv_sum;
+        pa_unpermute(o, acc[r], DV, a->bf16);
         store_row(dst, o, D, a->bf16);
     }
 }
