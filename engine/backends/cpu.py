@@ -116,11 +116,11 @@ class CpuKernelBackend(OneDnnBackend):
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
-        if chunk_size is None and _paged_kernel_runs(inputs, k_cache.shape[-1]):
-            meta = _paged_attention_metadata(inputs, rope)
+        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
+        if chunk_size is None and k_cache.shape[-1] % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
+            meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
             check_paged_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
             return meta
-        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         paged = _paged_decodes(inputs, decodes, starts) if decodes else None
         if paged is not None and chunk_size is not None:
             paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
@@ -146,12 +146,11 @@ class CpuKernelBackend(OneDnnBackend):
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
         k_cache, v_cache = cache
-        if isinstance(meta, PagedAttentionMetadata):  # decodes and prefix chunks in one call; whole prompts below
-            if meta.seq_lens.numel():
-                self.kernels.paged_attention(
-                    qkv, out, meta.row_start, meta.new_tokens, meta.seq_lens, meta.block_tables, k_cache, v_cache,
-                    heads.heads, heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
-                )  # fmt: skip
+        if isinstance(meta, PagedAttentionMetadata):  # the decodes in one call; prefill chunks below
+            self.kernels.paged_attention(
+                qkv, out, meta.row_start, meta.new_tokens, meta.seq_lens, meta.block_tables, k_cache, v_cache,
+                heads.heads, heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
+            )  # fmt: skip
         elif meta.decodes is not None:
             paged = meta.decodes
             self.kernels.paged_decode_attention(
@@ -173,43 +172,32 @@ class CpuKernelBackend(OneDnnBackend):
 
 @dataclass(slots=True)
 class PagedAttentionMetadata(AttentionMetadata):
-    """The step as CpuKernels.paged_attention reads it: the decodes and the prefill chunks behind a
-    cached prefix, by index tensors (no per-sequence metadata, no masks). Chunks that are a whole
-    prompt stay in `prefills` for torch's SDPA, whose flash kernel multiplies bf16 blocks with
-    oneDNN/AMX and beats the kernel's float32 loops there; `decodes` stays None."""
+    """The decodes as CpuKernels.paged_attention reads them (`decodes` stays None); prefill chunks
+    stay in `prefills` for torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
+    loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams')."""
 
-    row_start: torch.Tensor  # [n] int32, first flat-batch row of each sequence's new tokens
-    new_tokens: torch.Tensor  # [n] int32
-    seq_lens: torch.Tensor  # [n] int32, K/V length of each sequence after this step
-    block_tables: torch.Tensor  # [n, max_blocks] int32
-
-
-_NO_BLOCKS = torch.empty(0, dtype=torch.int64)  # a whole prompt's chunk reads its own K/V, no blocks
+    row_start: torch.Tensor  # [decodes] int32, flat-batch row of each decode token
+    new_tokens: torch.Tensor  # [decodes] int32, all 1
+    seq_lens: torch.Tensor  # [decodes] int32, K/V length including this step's token
+    block_tables: torch.Tensor  # [decodes, max_blocks] int32
 
 
-def _paged_kernel_runs(inputs: StepInputs, head_dim: int) -> bool:
-    """paged_attention for the step, unless it is a few decodes only: those keep
-    paged_decode_attention, which splits one long sequence's blocks over the threads (one item per
-    KV head here would leave threads idle at batch 1). head_dim: the kernel's 16-wide runs."""
-    few_decodes = inputs.num_tokens == inputs.num_seqs and inputs.num_seqs < 2 * torch.get_num_threads()
-    return head_dim % 16 == 0 and not few_decodes
-
-
-def _paged_attention_metadata(inputs: StepInputs, rope: torch.Tensor) -> PagedAttentionMetadata:
-    starts = inputs.query_start_loc
-    row_start, new_tokens = starts[:-1], starts[1:] - starts[:-1]
-    seq_lens, tables = inputs.seq_lens, inputs.block_tables
-    whole = (new_tokens > 1) & (new_tokens == seq_lens)  # whole prompts: SDPA, plain causal
-    prefills = []
-    if bool(whole.any()):
-        prompts = whole.nonzero().squeeze(1)
-        firsts, counts = row_start[prompts].tolist(), new_tokens[prompts].tolist()
-        prefills = [PrefillChunk(slice(first, first + count), _NO_BLOCKS, count, None) for first, count in zip(firsts, counts)]
-        rest = (~whole).nonzero().squeeze(1)
-        row_start, new_tokens, seq_lens, tables = (t.index_select(0, rest) for t in (row_start, new_tokens, seq_lens, tables))
+def _paged_attention_metadata(
+    inputs: StepInputs, rope: torch.Tensor, prefills: list[PrefillChunk], decodes: list[int], starts: list[int]
+) -> PagedAttentionMetadata:  # fmt: skip
+    """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
+    sequence's blocks over the threads is what a few decodes need, this kernel's one item per
+    (sequence, KV head) is faster from there (1.8x at 32 decodes, 1 thread)."""
+    if len(decodes) == inputs.num_seqs:  # every sequence decodes: the step's tensors as they are
+        row_start, seq_lens, tables = inputs.query_start_loc[:-1], inputs.seq_lens, inputs.block_tables
+    else:
+        index = torch.tensor(decodes, dtype=torch.int64)
+        row_start = torch.tensor([starts[i] for i in decodes], dtype=torch.int32)
+        seq_lens, tables = inputs.seq_lens.index_select(0, index), inputs.block_tables.index_select(0, index)
+    ones = torch.ones(len(decodes), dtype=torch.int32)
     return PagedAttentionMetadata(
         inputs.positions, inputs.slot_mapping, prefills, None, rope,
-        row_start.contiguous(), new_tokens.contiguous(), seq_lens.contiguous(), tables.contiguous(),
+        row_start.contiguous(), ones, seq_lens.contiguous(), tables.contiguous(),
     )  # fmt: skip
 
 
@@ -234,18 +222,14 @@ def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: in
 
 
 def check_paged_indices(inputs: StepInputs, meta: PagedAttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
-    """check_indices for PagedAttentionMetadata: also each sequence's rows inside the batch, and
-    its new-token count between 1 and its K/V length."""
-    ranges = [(inputs.positions, num_positions, "position", torch.int64), (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64)]
-    if meta.seq_lens.numel():
-        ranges += [
-            (meta.block_tables, num_blocks, "KV block id", torch.int32),
-            (meta.seq_lens - 1, meta.block_tables.shape[1] * block_size, "K/V length - 1", torch.int32),
-            (meta.new_tokens - 1, inputs.num_tokens, "new-token count - 1", torch.int32),
-            (meta.seq_lens - meta.new_tokens, meta.block_tables.shape[1] * block_size, "cached prefix length", torch.int32),
-            (meta.row_start + meta.new_tokens - 1, inputs.num_tokens, "last row", torch.int32),
-            (meta.row_start, inputs.num_tokens, "first row", torch.int32),
-        ]  # fmt: skip
+    """check_indices for PagedAttentionMetadata."""
+    ranges = [
+        (inputs.positions, num_positions, "position", torch.int64),
+        (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64),
+        (meta.block_tables, num_blocks, "KV block id", torch.int32),
+        (meta.seq_lens - 1, meta.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
+        (meta.row_start, inputs.num_tokens, "decode row", torch.int32),
+    ]  # fmt: skip
     _check_ranges(ranges)
 
 

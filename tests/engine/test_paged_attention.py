@@ -129,3 +129,35 @@ def test_paged_attention_some_sequences_only(kernels):
     others = torch.tensor([r for r in range(qkv.shape[0]) if r not in rows.tolist()])
     assert_close(out[rows], expected[rows], torch.float32)
     assert (out[others] == 123.0).all()
+
+
+# --------------------------------------------------------------------------- through the model
+from tests.engine.test_cpu_kernels import TwoPaths, build_model, make_seqs  # noqa: E402  (the fused-model harness)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def fused_model(request, kernels, tiny_checkpoint):
+    return build_model(tiny_checkpoint, request.param, kernels), build_model(tiny_checkpoint, request.param, None)
+
+
+def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch):
+    """Steps with at least two decodes per thread take paged_attention for the decodes (prefill
+    chunks, with and without a cached prefix, stay with SDPA in the same step); logits, caches and
+    greedy tokens match the torch path's, step after step."""
+    calls = []
+    kernels = fused_model[0].backend.kernels
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    paths = TwoPaths(fused_model)
+    vocab = fused_model[0].vocab_size
+    short = make_seqs(vocab, [3, 5, 9, 12, 17, 2, 8, 6], seed=11)
+    long = make_seqs(vocab, [40], seed=12)[0]
+    long.seq_id = len(short)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 8 decodes: two per thread and more
+    paths.step(short, [s.num_tokens for s in short])  # prompts only: no kernel call
+    assert not calls
+    for _ in range(3):  # 8 decodes in rows 0..7, then the long prompt's chunk (behind a prefix from the 2nd)
+        paths.step(short + [long], [1] * len(short) + [10])
+    paths.step([long] + short, [10] + [1] * len(short))  # the decodes in rows 10..17
+    assert long.num_computed_tokens == 40
+    paths.step([long] + short, [1] * (len(short) + 1))  # every sequence decodes
+    assert len(calls) == len(fused_model[0].layers) * 5
