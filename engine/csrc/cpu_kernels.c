@@ -452,7 +452,8 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
  * keys 0 .. that position (its cached prefix and the chunk up to itself). K/V are read in place
  * through the block table: no gather, no repeat_kv, no mask materialised.
  *
- * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows), a query row being one
+ * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows, or one token's n_rep rows
+ * if that is more), a query row being one
  * (token, query head) of the n_rep heads sharing the KV head, so a tile's keys and values are
  * converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
@@ -541,8 +542,9 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / 16;
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
     const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
-    pa_v16f qv[PA_TILE_ROWS][DV], acc[PA_TILE_ROWS][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
-    float row_max[PA_TILE_ROWS], row_sum[PA_TILE_ROWS];
+    /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
+    pa_v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    float row_max[rows], row_sum[rows];
     for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
         const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
         pa_load_row(qv[r], src, DV, a->bf16);

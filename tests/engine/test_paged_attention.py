@@ -84,7 +84,8 @@ BATCHES = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 32), (24, 1, 16)], ids=str)
+# n_rep 3 (the demo), 4, 1, 8, 24 and 64 (more query heads per KV head than a tile's 48 rows)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 32), (24, 1, 16), (64, 1, 32)], ids=str)
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_paged_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim, batch):
     new_tokens, kv_lens = BATCHES[batch]
