@@ -453,12 +453,12 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
  * through the block table: no gather, no repeat_kv, no mask materialised.
  *
  * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows, or one token's n_rep rows
- * if that is more), a query row being one
- * (token, query head) of the n_rep heads sharing the KV head, so a tile's keys and values are
- * converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
+ * if that is more), a query row being one (token, query head) of the n_rep heads sharing the KV
+ * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
- * values per row. head_dim a multiple of 16. */
+ * values per row. head_dim a multiple of 16. CpuKernelBackend runs the decodes through it; prefill
+ * chunks stay with torch's SDPA, whose bf16 GEMMs beat these float32 loops (bench/NOTES.md). */
 typedef float pa_v16f __attribute__((vector_size(64)));
 typedef uint16_t pa_v16h __attribute__((vector_size(32)));
 typedef uint32_t pa_v16u __attribute__((vector_size(64)));
@@ -471,7 +471,7 @@ typedef int32_t pa_v16i __attribute__((vector_size(64)));
  * odd one is the lane with its low half cleared, the even one the lane shifted up; no widening
  * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
  * products and weighted sums do not depend on the order as long as q, K, V and the output share
- * it; pa_store_row puts the output back. A last run of 16 values is widened as is. */
+ * it; pa_unpermute puts the output back. A last run of 16 values is widened as is. */
 static inline void pa_load_row(pa_v16f *dst, const char *src, int64_t DV, int bf16) {
     if (!bf16) {
         memcpy(dst, src, (size_t)DV * sizeof(pa_v16f));
