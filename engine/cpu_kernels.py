@@ -49,11 +49,9 @@ X86_LEVELS: dict[str, frozenset[str]] = {
 }
 # -fassociative-math (with the two flags it needs) lets reductions such as dot products end in a
 # vector add tree instead of 16 dependent scalar adds; -fno-math-errno keeps sqrtf inline.
-# -mprefer-vector-width=512: GCC's auto-vectorizer otherwise stops at 256 bits on AVX-512 CPUs
-# (SiLU-mul 1.4x, add+RMSNorm 1.3x faster at 32-512 rows; bench/NOTES.md 'Many streams').
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC",
-    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512",
+    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
 )  # fmt: skip
 _BUILD_TIMEOUT_S = 300
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
