@@ -69,6 +69,9 @@ _SIGNATURES = {
     "paged_decode_attention": (_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32),
     # dtype, x, weight (interleaved), out, rows, n, k, threads
     "interleaved_linear": (_i32, _p, _p, _p, _i64, _i64, _i64, _i32),
+    # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
+    # k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, threads
+    "paged_attention": (_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32),
 }
 
 
@@ -131,6 +134,23 @@ class CpuKernels:
             _DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[1], out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.shape[0],
             heads, kv_heads, head_dim, block_size, scale, threads,
+        )  # fmt: skip
+
+    def paged_attention(
+        self, qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, new_tokens: torch.Tensor, seq_lens: torch.Tensor,
+        block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, scale: float,
+        threads: int,
+    ) -> None:  # fmt: skip
+        """out[row_start[b] : row_start[b] + new_tokens[b]] = causal attention of qkv's query heads on
+        those rows (the last new_tokens[b] of sequence b's seq_lens[b] keys) over its cached K/V:
+        prefill chunks (with or without a cached prefix) and decodes alike; other rows untouched.
+        row_start, new_tokens, seq_lens [num_seqs] and block_tables [num_seqs, max_blocks] int32;
+        head_dim a multiple of 16."""
+        _, block_size, _, head_dim = k_cache.shape
+        self._lib.paged_attention(
+            _DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[1], out.data_ptr(), row_start.data_ptr(), new_tokens.data_ptr(),
+            seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.shape[0], k_cache.data_ptr(),
+            v_cache.data_ptr(), heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
 
     def interleave(self, weight: torch.Tensor) -> torch.Tensor:

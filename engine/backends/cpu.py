@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes
+from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes, PrefillChunk
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.cpu_kernels import CpuKernels
@@ -125,11 +125,15 @@ class CpuKernelBackend(OneDnnBackend):
         block_size = k_cache.shape[1]
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
+        rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
+        if chunk_size is None and k_cache.shape[-1] % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
+            meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
+            check_paged_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
+            return meta
         paged = _paged_decodes(inputs, decodes, starts) if decodes else None
         if paged is not None and chunk_size is not None:
             paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
-        rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
         return meta
@@ -155,7 +159,12 @@ class CpuKernelBackend(OneDnnBackend):
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
         k_cache, v_cache = cache
-        if meta.decodes is not None:
+        if isinstance(meta, PagedAttentionMetadata):  # the decodes in one call; prefill chunks below
+            self.kernels.paged_attention(
+                qkv, out, meta.row_start, meta.new_tokens, meta.seq_lens, meta.block_tables, k_cache, v_cache,
+                heads.heads, heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
+            )  # fmt: skip
+        elif meta.decodes is not None:
             paged = meta.decodes
             self.kernels.paged_decode_attention(
                 qkv, out, paged.rows, k_cache, v_cache, paged.block_tables, paged.seq_lens, heads.heads,
@@ -172,6 +181,37 @@ class CpuKernelBackend(OneDnnBackend):
         hidden = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
         self.kernels.silu_mul(gate_up, hidden, torch.get_num_threads())
         return hidden
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata(AttentionMetadata):
+    """The decodes as CpuKernels.paged_attention reads them (`decodes` stays None); prefill chunks
+    stay in `prefills` for torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
+    loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams')."""
+
+    row_start: torch.Tensor  # [decodes] int32, flat-batch row of each decode token
+    new_tokens: torch.Tensor  # [decodes] int32, all 1
+    seq_lens: torch.Tensor  # [decodes] int32, K/V length including this step's token
+    block_tables: torch.Tensor  # [decodes, max_blocks] int32
+
+
+def _paged_attention_metadata(
+    inputs: StepInputs, rope: torch.Tensor, prefills: list[PrefillChunk], decodes: list[int], starts: list[int]
+) -> PagedAttentionMetadata:  # fmt: skip
+    """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
+    sequence's blocks over the threads is what a few decodes need, this kernel's one item per
+    (sequence, KV head) is faster from there (1.8x at 32 decodes, 1 thread)."""
+    if len(decodes) == inputs.num_seqs:  # every sequence decodes: the step's tensors as they are
+        row_start, seq_lens, tables = inputs.query_start_loc[:-1], inputs.seq_lens, inputs.block_tables
+    else:
+        index = torch.tensor(decodes, dtype=torch.int64)
+        row_start = torch.tensor([starts[i] for i in decodes], dtype=torch.int32)
+        seq_lens, tables = inputs.seq_lens.index_select(0, index), inputs.block_tables.index_select(0, index)
+    ones = torch.ones(len(decodes), dtype=torch.int32)
+    return PagedAttentionMetadata(
+        inputs.positions, inputs.slot_mapping, prefills, None, rope,
+        row_start.contiguous(), ones, seq_lens.contiguous(), tables.contiguous(),
+    )  # fmt: skip
 
 
 def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
@@ -194,6 +234,18 @@ def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: in
     return PagedDecodes(paged.rows, tables, seq_lens)
 
 
+def check_paged_indices(inputs: StepInputs, meta: PagedAttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
+    """check_indices for PagedAttentionMetadata."""
+    ranges = [
+        (inputs.positions, num_positions, "position", torch.int64),
+        (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64),
+        (meta.block_tables, num_blocks, "KV block id", torch.int32),
+        (meta.seq_lens - 1, meta.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
+        (meta.row_start, inputs.num_tokens, "decode row", torch.int32),
+    ]  # fmt: skip
+    _check_ranges(ranges)
+
+
 def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
     """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
     (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
@@ -205,6 +257,11 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
             (paged.seq_lens - 1, paged.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
             (paged.rows, inputs.num_tokens, "decode row", torch.int64),
         ]  # fmt: skip
+    _check_ranges(ranges)
+
+
+def _check_ranges(ranges: list[tuple[torch.Tensor, int, str, torch.dtype]]) -> None:
+    """Each (values, limit, what, dtype): values a contiguous tensor of dtype, all in [0, limit)."""
     for values, limit, what, dtype in ranges:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")

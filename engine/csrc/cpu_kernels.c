@@ -453,3 +453,225 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
     }
 }
 #endif
+
+/* ------------------------------------------------------------------------------------------ paged attention
+ * Many sequences' new tokens, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
+ * the same): sequence b's are rows row_start[b] .. row_start[b] + new_tokens[b] of qkv and out, the
+ * last of its seq_lens[b] keys; token t of them sits at position seq_lens[b] - n_new + t and sees
+ * keys 0 .. that position (its cached prefix and the chunk up to itself). K/V are read in place
+ * through the block table: no gather, no repeat_kv, no mask materialised.
+ *
+ * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows, or one token's n_rep rows
+ * if that is more), a query row being one (token, query head) of the n_rep heads sharing the KV
+ * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
+ * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
+ * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
+ * values per row. head_dim a multiple of 16. CpuKernelBackend runs the decodes through it; prefill
+ * chunks stay with torch's SDPA, whose bf16 GEMMs beat these float32 loops (bench/NOTES.md). */
+typedef float pa_v16f __attribute__((vector_size(64)));
+typedef uint16_t pa_v16h __attribute__((vector_size(32)));
+typedef uint32_t pa_v16u __attribute__((vector_size(64)));
+typedef int32_t pa_v16i __attribute__((vector_size(64)));
+#define PA_TILE_ROWS 48
+#define PA_KEYS 16
+
+/* A row of D values as D / 16 float32 vectors, bfloat16 ones in the kernel's lane order: each run of
+ * 32 values as its even-indexed then its odd-indexed values (a 32-bit lane holds one of each: the
+ * odd one is the lane with its low half cleared, the even one the lane shifted up; no widening
+ * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
+ * products and weighted sums do not depend on the order as long as q, K, V and the output share
+ * it; pa_unpermute puts the output back. A last run of 16 values is widened as is. */
+static inline void pa_load_row(pa_v16f *dst, const char *src, int64_t DV, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)DV * sizeof(pa_v16f));
+        return;
+    }
+    int64_t c = 0;
+    for (; c + 2 <= DV; c += 2) {
+        pa_v16u u;
+        memcpy(&u, src + c * 32, sizeof(u));
+        const pa_v16u even = u << 16, odd = u & 0xffff0000u;
+        memcpy(&dst[c], &even, sizeof(even));
+        memcpy(&dst[c + 1], &odd, sizeof(odd));
+    }
+    if (c < DV) {
+        pa_v16h h;
+        memcpy(&h, src + c * 32, sizeof(h));
+        const pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
+        memcpy(&dst[c], &u, sizeof(u));
+    }
+}
+
+/* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
+static inline void pa_unpermute(float *dst, const pa_v16f *src, int64_t DV, int bf16) {
+    const float *f = (const float *)src;
+    int64_t c = 0;
+    if (bf16)
+        for (; c + 2 <= DV; c += 2)
+            for (int64_t i = 0; i < 16; i++) {
+                dst[c * 16 + 2 * i] = f[c * 16 + i];
+                dst[c * 16 + 2 * i + 1] = f[(c + 1) * 16 + i];
+            }
+    memcpy(dst + c * 16, f + c * 16, (size_t)(DV - c) * 16 * sizeof(float));
+}
+
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
+ * vectors of partial products into one vector of 16 dot products (lane j: key j). */
+#define PA_COMBINE(a, b, w)                                                                                   \
+    (__builtin_shuffle((a), (b), (pa_v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),   \
+                                           PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),   \
+                                           PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),            \
+                                           PA_I1(w, 14), PA_I1(w, 15)}) +                                     \
+     __builtin_shuffle((a), (b), (pa_v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),   \
+                                           PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),   \
+                                           PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),            \
+                                           PA_I2(w, 14), PA_I2(w, 15)}))
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : 16 + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : 16 + (l))
+
+static inline pa_v16f pa_sum16(const pa_v16f p[16]) {
+    pa_v16f q[8], r[4], s[2];
+    for (int i = 0; i < 8; i++) q[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < 4; i++) r[i] = PA_COMBINE(q[2 * i], q[2 * i + 1], 2);
+    for (int i = 0; i < 2; i++) s[i] = PA_COMBINE(r[2 * i], r[2 * i + 1], 4);
+    return PA_COMBINE(s[0], s[1], 8);
+}
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    int64_t n_rep, block_size, slot_elems, q_stride, out_stride; /* elements */
+    int bf16;
+    float scale;
+} PagedArgs;
+
+/* Keys in the run starting at key0: up to PA_KEYS, never past the block or the last key. */
+static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_size) {
+    const int64_t left = n_keys - key0, in_block = block_size - key0 % block_size;
+    const int64_t n = left < in_block ? left : in_block;
+    return n < PA_KEYS ? n : PA_KEYS;
+}
+
+/* One work item: query rows [tok0, tok1) x the n_rep heads of KV head g of one sequence. */
+static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
+                                                          char *out, const int32_t *table, int64_t prefix,
+                                                          int64_t tok0, int64_t tok1, int64_t g) {
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / 16;
+    const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
+    const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
+    /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
+    pa_v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    float row_max[rows], row_sum[rows];
+    for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
+        const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        pa_load_row(qv[r], src, DV, a->bf16);
+        for (int64_t c = 0; c < DV; c++) {
+            qv[r][c] *= a->scale;
+            acc[r][c] = (pa_v16f){0};
+        }
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    for (int64_t key0 = 0; key0 < n_keys;) {
+        const int64_t n = pa_run_length(key0, n_keys, bs);
+        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
+                                  * memory (the layer's weights evicted them), 1.2x on 32 decodes */
+            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
+            for (int64_t j = 0; j < n1; j++)
+                for (size_t line = 0; line < (size_t)D * es; line += 64) {
+                    __builtin_prefetch(a->k_cache + next + j * slot_bytes + line, 0, 1);
+                    __builtin_prefetch(a->v_cache + next + j * slot_bytes + line, 0, 1);
+                }
+        }
+        for (int64_t j = 0; j < n; j++) {
+            pa_load_row(kf[j], a->k_cache + first + j * slot_bytes, DV, a->bf16);
+            pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
+        }
+        for (int64_t j = n; j < PA_KEYS; j++)
+            for (int64_t c = 0; c < DV; c++) kf[j][c] = (pa_v16f){0}; /* scores of keys past the run: masked */
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
+            if (visible <= 0) continue;
+            const int64_t m = visible < n ? visible : n;
+            pa_v16f p[PA_KEYS];
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                pa_v16f dot = qv[r][0] * kf[j][0];
+                for (int64_t c = 1; c < DV; c++) dot += qv[r][c] * kf[j][c];
+                p[j] = dot;
+            }
+            float s[PA_KEYS];
+            const pa_v16f scores = pa_sum16(p);
+            memcpy(s, &scores, sizeof(s));
+            float new_max = row_max[r];
+#pragma omp simd reduction(max : new_max)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                s[j] = j < m ? s[j] : -INFINITY; /* keys past the row's position or the run */
+                new_max = s[j] > new_max ? s[j] : new_max;
+            }
+            const float rescale = row_max[r] == -INFINITY ? 0.0f : exp_approx(row_max[r] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                /* masked keys weigh 0; below e^-46 a weight changes no float sum (and keeps denormal
+                 * products out of the loop), as in paged_decode_attention */
+                s[j] = s[j] - new_max < -46.0f ? 0.0f : exp_approx(s[j] - new_max);
+                sum += s[j];
+            }
+            row_sum[r] = row_sum[r] * rescale + sum;
+            row_max[r] = new_max;
+            for (int64_t c = 0; c < DV; c++) {
+                pa_v16f o = acc[r][c] * rescale;
+                for (int64_t j = 0; j < m; j++) o += vf[j][c] * s[j];
+                acc[r][c] = o;
+            }
+        }
+        key0 += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        const float inv_sum = 1.0f / row_sum[r];
+        float o[D];
+        for (int64_t c = 0; c < DV; c++) acc[r][c] *= inv_sum;
+        pa_unpermute(o, acc[r], DV, a->bf16);
+        store_row(dst, o, D, a->bf16);
+    }
+}
+
+void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                     const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
+                     const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t n_rep = heads / kv_heads, tile_tokens = n_rep < PA_TILE_ROWS ? PA_TILE_ROWS / n_rep : 1;
+    /* items: sequence b's are [item_begin[b], item_begin[b + 1]), KV head major */
+    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    item_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t n_new = new_tokens[b];
+        item_begin[b + 1] = item_begin[b] + kv_heads * ((n_new + tile_tokens - 1) / tile_tokens);
+        work += n_new * seq_lens[b];
+    }
+    const int64_t items = item_begin[num_seqs];
+    const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
+                            q_stride, heads * head_dim, bf16, scale};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = 0;
+        while (item_begin[b + 1] <= item) b++;
+        const int64_t n_new = new_tokens[b], tiles = (item_begin[b + 1] - item_begin[b]) / kv_heads;
+        const int64_t g = (item - item_begin[b]) / tiles, tile = (item - item_begin[b]) % tiles;
+        const int64_t tok0 = tile * tile_tokens, tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
+        const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * es;
+        char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * es;
+        const int32_t *table = block_tables + b * max_blocks;
+        const int64_t prefix = seq_lens[b] - n_new;
+        if (head_dim == 64)
+            pa_tile(&args, 64, q, o, table, prefix, tok0, tok1, g);
+        else if (head_dim == 128)
+            pa_tile(&args, 128, q, o, table, prefix, tok0, tok1, g);
+        else
+            pa_tile(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+    }
+    free(item_begin);
+}

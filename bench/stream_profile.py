@@ -1,0 +1,217 @@
+"""Where a many-streams step's forward goes, by operation (a script, not a test).
+
+    python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...]
+
+Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16, the CPU backend
+ModelExecutor picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
+tokens produces, timing every backend call and every linear (by its [M, N, K] shape) with wall
+clocks around each (CPU ops are synchronous). Each linear's achieved GFLOP/s is printed next to
+the bf16 matmul rate measured at start (the roofline of the moment). Step shapes:
+
+    d32 / d64     32 / 64 decodes at 160 tokens of context (the middle of 128 + 64)
+    m32           28 decodes + 3 whole prompts + the first 100 tokens of a 4th (a 512 budget)
+    pfx           28 decodes + 4 prompts' last 28 tokens behind a 100-token cached prefix
+    p512 / p2048  4 / 16 whole 128-token prompts (one step of a 512 / 2048 budget)
+
+On a machine shared with other jobs the absolute times are noisy (--threads 1 times thread CPU
+instead of wall: far steadier there); the shares are what carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+# what the server sets before torch loads (server/__main__.py): libgomp's default spin at each
+# barrier makes 2-thread timings meaningless whenever anything else runs on the cores
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import load_average, model_args  # noqa: E402
+from bench.forward import matmul_flops_per_s  # noqa: E402
+from engine.backends import select_backend  # noqa: E402
+from engine.backends.cpu import PackedCpuLinear  # noqa: E402
+from engine.checkpoint import random_state_dict  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.model import Transformer, allocate_kv_caches  # noqa: E402
+from engine.runner import build_step_inputs  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
+from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
+
+BLOCK_SIZE = 16
+PROMPT_TOKENS = 128
+OUTPUT_TOKENS = 64
+DECODE_CONTEXT = 160
+MAX_TOKENS = PROMPT_TOKENS + OUTPUT_TOKENS
+
+
+def clock() -> float:
+    """Seconds for the timers: wall, or with --threads 1 the calling thread's CPU time (every op
+    then runs on it), which a machine busy with other jobs disturbs far less."""
+    return CLOCK[0]()
+
+
+CLOCK = [time.perf_counter]
+
+
+class Timers:
+    """Accumulated wall seconds and call counts per key; `wrap` times a callable under a key."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self.flops: dict[str, float] = collections.defaultdict(float)
+
+    def add(self, key: str, seconds: float, flops: float = 0.0) -> None:
+        self.seconds[key] += seconds
+        self.calls[key] += 1
+        self.flops[key] += flops
+
+    def wrap(self, key: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            started = clock()
+            out = fn(*args, **kwargs)
+            self.add(key, clock() - started)
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear(), self.calls.clear(), self.flops.clear()
+
+
+def instrument(model: Transformer, timers: Timers) -> None:
+    """Wall timers around every backend operation and every packed linear (keyed by shape)."""
+    backend = model.backend
+    for name in ("attention_metadata", "add_rms_norm", "rope_and_cache_write", "silu_mul"):
+        setattr(backend, name, timers.wrap(name, getattr(backend, name)))
+    attention = backend.attention
+
+    def timed_attention(qkv, heads, cache, meta):
+        started = clock()
+        out = attention(qkv, heads, cache, meta)
+        timers.add("attention", clock() - started)
+        return out
+
+    backend.attention = timed_attention
+    for module_name, module in model.named_modules():
+        if isinstance(module, PackedCpuLinear):
+            role = "head" if module_name.startswith("output") else module_name.rsplit(".", 1)[-1]
+            forward = module.forward
+
+            def timed_linear(x, _forward=forward, _role=role, _n=module.out_features, _k=module.in_features):
+                started = clock()
+                out = _forward(x)
+                timers.add(f"linear {_role} [{x.shape[0]}x{_n}x{_k}]", clock() - started, 2.0 * x.shape[0] * _n * _k)
+                return out
+
+            module.forward = timed_linear
+    embed = model.tok_embeddings.forward
+    model.tok_embeddings.forward = timers.wrap("embedding", embed)
+
+
+def sequence(seq_id: int, slot: int, num_tokens: int, computed: int) -> Sequence:
+    blocks = math.ceil(MAX_TOKENS / BLOCK_SIZE)
+    seq = Sequence(seq_id, str(seq_id), [(seq_id * 7919 + i) % 40000 + 100 for i in range(num_tokens)], PROMPT_TOKENS, SamplingParams(temperature=0.0))
+    seq.block_table = list(range(slot * blocks, (slot + 1) * blocks))
+    seq.num_computed_tokens = computed
+    return seq
+
+
+def step_shape(name: str) -> tuple[list[Sequence], list[int]]:
+    """(sequences, new tokens each) of one named step (module docstring)."""
+    seqs, counts = [], []
+
+    def decodes(n: int) -> None:
+        for _ in range(n):
+            seqs.append(sequence(len(seqs), len(seqs), DECODE_CONTEXT, DECODE_CONTEXT - 1))
+            counts.append(1)
+
+    def prompts(n: int, new: int, prefix: int = 0) -> None:
+        for _ in range(n):
+            seqs.append(sequence(len(seqs), len(seqs), PROMPT_TOKENS, prefix))
+            counts.append(new)
+
+    if name in ("d32", "d64"):
+        decodes(int(name[1:]))
+    elif name == "m32":
+        decodes(28), prompts(3, PROMPT_TOKENS), prompts(1, 100)
+        seqs[-1].token_ids = seqs[-1].token_ids[:PROMPT_TOKENS]  # its first 100 tokens: no sample
+    elif name == "pfx":
+        decodes(28), prompts(4, PROMPT_TOKENS - 100, prefix=100)
+    elif name in ("p512", "p2048"):
+        prompts(int(name[1:]) // PROMPT_TOKENS, PROMPT_TOKENS)
+    else:
+        raise SystemExit(f"unknown step {name!r}")
+    return seqs, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each step (after one warm-up); the median step is kept")
+    parser.add_argument("--steps", default="d32,m32,pfx,d64,p512,p2048")
+    parser.add_argument("--top", type=int, default=14, help="rows printed per step")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    if opts.threads == 1:
+        CLOCK[0] = time.thread_time
+    args = model_args("demo")
+    dtype = torch.bfloat16
+    backend = select_backend(EngineConfig(dtype="bfloat16"), torch.device("cpu"))
+    model = Transformer.from_state_dict(args, random_state_dict(args, seed=0, dtype=dtype), backend, max_seq_len=2048)
+    caches = allocate_kv_caches(args, 1, 70 * math.ceil(MAX_TOKENS / BLOCK_SIZE), BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
+    for k_cache, v_cache in caches:  # K/V values of a realistic size
+        k_cache.normal_(), v_cache.normal_()
+    timers = Timers()
+    instrument(model, timers)
+    sampler = Sampler()
+    peak = matmul_flops_per_s(dtype)
+    print(f"backend {backend.name}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
+    for name in opts.steps.split(","):
+        seqs, counts = step_shape(name)
+        runs = []
+        for _ in range(opts.repeats + 1):
+            timers.reset()
+            started = clock()
+            inputs, sampling = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
+            timers.add("build_step_inputs", clock() - started)
+            forward_started = clock()
+            logits = model(inputs, caches)
+            timers.add("forward (all)", clock() - forward_started)
+            sample_started = clock()
+            sampler.sample(logits, [seqs[i] for i in sampling])
+            timers.add("sampling", clock() - sample_started)
+            runs.append((timers.seconds["forward (all)"], dict(timers.seconds), dict(timers.calls), dict(timers.flops)))
+        runs = sorted(runs[1:], key=lambda run: run[0])
+        forward_s, seconds, calls, flops = runs[len(runs) // 2]
+        tokens = sum(counts)
+        timed = sum(s for k, s in seconds.items() if k not in ("forward (all)", "build_step_inputs", "sampling"))
+        seconds["untimed (python, modules)"] = forward_s - timed
+        linear_s = sum(s for k, s in seconds.items() if k.startswith("linear"))
+        linear_flops = sum(flops.values())
+        print(
+            f"\n== {name}: {len(seqs)} seqs, {tokens} tokens; forward {forward_s * 1e3:.1f} ms ({tokens / forward_s:.0f} tok/s); "
+            f"linears {linear_s / forward_s:.0%} at {linear_flops / linear_s / 1e9:.0f} GFLOP/s ({linear_flops / linear_s / peak:.0%} of roofline)"
+        )
+        for key, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: opts.top]:
+            rate = f"  {flops[key] / s / 1e9:6.0f} GFLOP/s" if flops.get(key) else ""
+            share = f"{s / forward_s:5.1%}" if key not in ("forward (all)",) else "     "
+            print(f"  {key:42s} {s * 1e3:8.2f} ms {share} x{calls.get(key, 0):<4d}{rate}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""engine.cpu_kernels' paged_attention (one call for a step's prefill chunks and decodes) against
+float64 torch maths on random paged caches, and the CPU backend's forward with it against the torch
+backend's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_kernels as ck
+
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ck.CpuKernels:
+    loaded = ck.load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("fused CPU kernels could not be built here (no working C compiler?)")
+    return loaded
+
+
+def paged_batch(new_tokens: list[int], kv_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, seed: int):
+    """qkv rows for the new tokens, a cache holding every sequence's keys in shuffled blocks (NaN in
+    every slot no sequence owns, so a read outside a sequence shows), and the int32 index tensors."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    max_blocks, num_blocks = max(blocks_per_seq), sum(blocks_per_seq) + 3
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[pool.pop() for _ in range(n)] + [0] * (max_blocks - n) for n in blocks_per_seq]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for table, n in zip(tables, kv_lens):
+        for t in range(n):
+            k_cache[table[t // block_size], t % block_size] = (2 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
+            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(sum(new_tokens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    starts = [0]
+    for n in new_tokens:
+        starts.append(starts[-1] + n)
+    index = (
+        torch.tensor(starts[:-1], dtype=torch.int32),
+        torch.tensor(new_tokens, dtype=torch.int32),
+        torch.tensor(kv_lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+    )
+    return qkv, k_cache, v_cache, index
+
+
+def reference(qkv, k_cache, v_cache, index, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """float64 causal attention, sequence by sequence, K/V heads repeated (the model's repeat_kv)."""
+    starts, counts, kv_lens, tables = (t.tolist() for t in index)
+    block_size, n_rep, scale = k_cache.shape[1], heads // kv_heads, head_dim**-0.5
+    out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.float64)
+    for b, kv_len in enumerate(kv_lens):
+        n_new = counts[b]
+        ids = torch.tensor(tables[b][: -(-kv_len // block_size)])
+        keys = k_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len].double().repeat_interleave(n_rep, dim=1)
+        values = v_cache[ids].reshape(-1, kv_heads, head_dim)[:kv_len].double().repeat_interleave(n_rep, dim=1)
+        q = qkv[starts[b] : starts[b] + n_new, : heads * head_dim].double().view(n_new, heads, head_dim)
+        scores = torch.einsum("thd,khd->thk", q, keys) * scale
+        positions = torch.arange(kv_len - n_new, kv_len)[:, None, None]
+        scores = scores.masked_fill(torch.arange(kv_len)[None, None, :] > positions, float("-inf"))
+        out[starts[b] : starts[b] + n_new] = torch.einsum("thk,khd->thd", scores.softmax(-1), values).reshape(n_new, -1)
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    else:  # inputs already bf16: only the output's rounding and float32 sums differ
+        torch.testing.assert_close(actual.double(), expected, atol=1e-2, rtol=1.6e-2)
+
+
+# (new tokens, K/V lengths): prefills without a prefix, with one (odd lengths, across blocks),
+# decodes, and a step mixing them, decodes first and last
+BATCHES = {
+    "prefill": ([7, 1, 33, 16], [7, 1, 33, 16]),
+    "prefix": ([5, 20, 3], [21, 52, 3 + 16]),
+    "decodes": ([1, 1, 1, 1, 1], [1, 15, 16, 17, 100]),
+    "mixed": ([1, 40, 1, 9, 1], [30, 57, 1, 9, 64]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# n_rep 3 (the demo), 4, 1, 8, 24 and 64 (more query heads per KV head than a tile's 48 rows)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 32), (24, 1, 16), (64, 1, 32)], ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_paged_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim, batch):
+    new_tokens, kv_lens = BATCHES[batch]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads + head_dim)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
+    kernels.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+def test_paged_attention_block_sizes(kernels, block_size):
+    """Blocks smaller than, not a multiple of, and larger than the kernel's 16-key runs."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    qkv, k_cache, v_cache, index = paged_batch([1, 30, 7], [50, 45, 7], heads, kv_heads, head_dim, block_size, torch.float32, seed=block_size)
+    out = torch.empty(qkv.shape[0], heads * head_dim)
+    kernels.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), torch.float32)
+
+
+def test_paged_attention_threads_agree(kernels):
+    """Each item (sequence, KV head, query tile) is one thread's: 1 and 2 threads give the same bits."""
+    qkv, k_cache, v_cache, index = paged_batch([1, 70, 1, 5], [90, 80, 3, 40], 9, 3, 64, 16, torch.bfloat16, seed=5)
+    outs = []
+    for threads in (1, 2):
+        out = torch.empty(qkv.shape[0], 9 * 64, dtype=torch.bfloat16)
+        kernels.paged_attention(qkv, out, *index, k_cache, v_cache, 9, 3, 0.125, threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_paged_attention_some_sequences_only(kernels):
+    """The backend leaves whole prompts to SDPA: the kernel gets the other sequences' rows only,
+    attends exactly those, and leaves every other row as it was."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv, k_cache, v_cache, index = paged_batch([1, 12, 30, 1, 5], [40, 12, 30, 17, 25], heads, kv_heads, head_dim, 16, torch.float32, seed=9)
+    expected = reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim)
+    chosen = torch.tensor([0, 3, 4])
+    subset = tuple(t.index_select(0, chosen).contiguous() for t in index)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0)
+    kernels.paged_attention(qkv, out, *subset, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    rows = torch.tensor([0, 43, 44, 45, 46, 47, 48])  # sequences 0, 3 and 4
+    others = torch.tensor([r for r in range(qkv.shape[0]) if r not in rows.tolist()])
+    assert_close(out[rows], expected[rows], torch.float32)
+    assert (out[others] == 123.0).all()
+
+
+# --------------------------------------------------------------------------- through the model
+from tests.engine.test_cpu_kernels import TwoPaths, build_model, make_seqs  # noqa: E402  (the fused-model harness)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def fused_model(request, kernels, tiny_checkpoint):
+    return build_model(tiny_checkpoint, request.param, kernels), build_model(tiny_checkpoint, request.param, None)
+
+
+def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch):
+    """Steps with at least two decodes per thread take paged_attention for the decodes (prefill
+    chunks, with and without a cached prefix, stay with SDPA in the same step); logits, caches and
+    greedy tokens match the torch path's, step after step."""
+    calls = []
+    kernels = fused_model[0].backend.kernels
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    paths = TwoPaths(fused_model)
+    vocab = fused_model[0].vocab_size
+    short = make_seqs(vocab, [3, 5, 9, 12, 17, 2, 8, 6], seed=11)
+    long = make_seqs(vocab, [40], seed=12)[0]
+    long.seq_id = len(short)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 8 decodes: two per thread and more
+    paths.step(short, [s.num_tokens for s in short])  # prompts only: no kernel call
+    assert not calls
+    for _ in range(3):  # 8 decodes in rows 0..7, then the long prompt's chunk (behind a prefix from the 2nd)
+        paths.step(short + [long], [1] * len(short) + [10])
+    paths.step([long] + short, [10] + [1] * len(short))  # the decodes in rows 10..17
+    assert long.num_computed_tokens == 40
+    paths.step([long] + short, [1] * (len(short) + 1))  # every sequence decodes
+    assert len(calls) == len(fused_model[0].layers) * 5
