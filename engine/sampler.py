@@ -159,7 +159,7 @@ class Sampler:
     def _pick_sampled(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> _Picks:
         if not rows:
             return [], [], []
-        device, vocab = x.device, x.shape[1]
+        vocab = x.shape[1]
         params = [seqs[row].params for row in rows]
         weights, row_max = _weights(_take(x, rows), [p.temperature for p in params], [p.min_p for p in params])
         states = [
