@@ -179,8 +179,8 @@ def test_step_memory_smoke():
     stdout = run_script("bench/step_memory.py", "--what", "linear", "--steps", "6", "--warmup-steps", "2", "--max-rows", "40",
                         "--candidates", "none,buckets+trim")
     assert "  none " in stdout and "  buckets+trim " in stdout, stdout
-    stdout = run_script("bench/step_memory.py", "--speed", "--speed-rows", "2,17", "--repeats", "1")
-    assert "rows   17 ->   32: x" in stdout and "malloc_trim(0)" in stdout, stdout
+    stdout = run_script("bench/step_memory.py", "--speed", "--speed-rows", "2,17", "--repeats", "1", "--layers", "1", "--max-rows", "40")
+    assert "rows   17 ->   18: x" in stdout and "40-row step: malloc_trim(0)" in stdout, stdout
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))
