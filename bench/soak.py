@@ -9,7 +9,8 @@ Starts `python -m server --demo` on a free port and sends `--requests` (2,000) r
 - leaked_kv_blocks: KV blocks still in use once the server is idle (/metrics); must be 0;
 - rss_drift: the server's resident memory at the end (idle, every stream closed) over after the
   first `--warmup-requests` (200) requests completed (within 5%), and rss_trace_mib, RSS every
-  `--progress-every` (200) requests, to see whether it plateaus;
+  `--progress-every` (200) requests, to see whether it plateaus; rss_idle_mib: RSS once the server
+  has been idle `--idle-settle-s` more (a CPU engine trims its heap when idle: engine/memory.py);
 - p99 latency (s) of complete requests per quarter of the run, and outcome counts.
 
 Numbers, not a test: the machine's load changes them.
@@ -121,7 +122,9 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=args.streams + 8)) as session:
         await asyncio.gather(*(gated(session, i) for i in range(args.requests)))
         leaked = await idle_kv_blocks(session, base)
-    rss_end = rss_bytes(server_pid)
+        rss_end = rss_bytes(server_pid)
+        await asyncio.sleep(args.idle_settle_s)
+    rss_idle = rss_bytes(server_pid)
     quarter = args.requests // 4
     p99 = {f"q{q + 1}": p99_of([s for i, s in tally.latencies_s if q * quarter <= i < (q + 1) * quarter])
            for q in range(4)}
@@ -130,6 +133,7 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
             "lost": tally.outcomes.get("lost", 0), "leaked_kv_blocks": leaked,
             "rss_after_warmup_mib": round(baseline / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
             "rss_drift": round(rss_end / baseline - 1, 4), "rss_trace_mib": rss_trace_mib,
+            "rss_idle_mib": round(rss_idle / 2**20, 1),
             "p99_latency_s_per_quarter": p99}
 
 
@@ -171,6 +175,7 @@ def main() -> None:
     parser.add_argument("--slow-read-s", type=float, default=1.0)
     parser.add_argument("--warmup-requests", type=int, default=200, help="the RSS baseline: after this many requests")
     parser.add_argument("--progress-every", type=int, default=200, help="print progress and sample RSS every this many requests")
+    parser.add_argument("--idle-settle-s", type=float, default=5.0, help="idle this long before rss_idle_mib")
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/llamaserve").expanduser())
@@ -188,7 +193,8 @@ def main() -> None:
             stop(process)
     print(json.dumps(result, indent=2))
     print(f"RSS after the first {args.warmup_requests} requests {result['rss_after_warmup_mib']:.1f} MiB, at the end "
-          f"{result['rss_end_mib']:.1f} MiB ({100 * result['rss_drift']:+.1f}%; the goal is within 5%)")
+          f"{result['rss_end_mib']:.1f} MiB ({100 * result['rss_drift']:+.1f}%; the goal is within 5%), idle "
+          f"{args.idle_settle_s:g} s later {result['rss_idle_mib']:.1f} MiB")
 
 
 if __name__ == "__main__":

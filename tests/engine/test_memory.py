@@ -1,15 +1,22 @@
 """engine/memory.py: the row buckets of packed oneDNN linears (a handful of primitives serve every
-step size) and the process's allocator settings. Resident memory itself is measured by
+step size) and the heap trim a CPU engine runs once idle. Resident memory itself is measured by
 bench/step_memory.py and bench/soak.py, not here."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes.util
+import sys
+import threading
+
 import pytest
 import torch
 
+import engine.async_engine
 import engine.backends.cpu as cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available
-from engine.memory import EXACT_ROWS, onednn_rows
+from engine.memory import EXACT_ROWS, idle_heap_trim, onednn_rows
+from tests.engine.test_async_engine import collect, make_engine, request, wait_until
 
 
 def test_rows_up_to_exact_rows_run_as_they_are():
@@ -57,3 +64,57 @@ def test_inputs_with_more_than_two_dimensions_are_not_padded():
         y = PackedCpuLinear(pack_weight(weight))(x)
     assert y.shape == (3, 17, 32)
     torch.testing.assert_close(y, x @ weight.T)
+
+
+def test_heap_trim_is_for_cpu_engines_on_glibc():
+    assert idle_heap_trim("cuda") is None
+    if not sys.platform.startswith("linux") or "libc.so.6" not in (ctypes.util.find_library("c") or ""):
+        pytest.skip("not glibc")
+    trim = idle_heap_trim("cpu")
+    assert trim is not None and trim() in (0, 1)  # malloc_trim: 1 when it returned memory
+
+
+class TrimRecorder:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.called = threading.Event()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.called.set()
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> TrimRecorder:
+    trim = TrimRecorder()
+    monkeypatch.setattr(engine.async_engine, "idle_heap_trim", lambda device: trim if device == "cpu" else None)
+    monkeypatch.setattr(engine.async_engine, "IDLE_TRIM_AFTER_S", 0.01)
+    return trim
+
+
+async def test_an_idle_engine_trims_the_heap_once_after_steps(recorder: TrimRecorder):
+    eng = make_engine()
+    try:
+        await asyncio.sleep(0.05)
+        assert recorder.calls == 0  # no step has run: nothing to give back
+        outs = await collect(eng, request("a", "abc"))
+        assert outs[-1].finished
+        assert await asyncio.to_thread(recorder.called.wait, 10.0)
+        await asyncio.sleep(0.05)
+        assert recorder.calls == 1  # once per idle spell, not every timeout
+        recorder.called.clear()
+        await collect(eng, request("b", "abcd"))
+        assert await asyncio.to_thread(recorder.called.wait, 10.0)
+        await wait_until(lambda: recorder.calls == 2)
+    finally:
+        await eng.shutdown()
+
+
+async def test_cuda_engines_never_trim(recorder: TrimRecorder):
+    eng = make_engine(device="cuda")
+    try:
+        await collect(eng, request("a", "abc"))
+        await asyncio.sleep(0.05)
+        assert eng._heap_trim is None and recorder.calls == 0
+    finally:
+        await eng.shutdown()
