@@ -19,10 +19,12 @@ Candidates (combine with '+', e.g. buckets+trim):
 - mmap: mallopt(M_MMAP_THRESHOLD, 1 MiB) (a fixed threshold: big buffers mmapped, returned on free);
 - arena2: mallopt(M_ARENA_MAX, 2);
 - trim: malloc_trim(0) every --trim-every steps (what an idle hook does when the engine idles);
-- cap32: ONEDNN_PRIMITIVE_CACHE_CAPACITY=32 (a smaller primitive cache).
+- cap32: ONEDNN_PRIMITIVE_CACHE_CAPACITY=32 (a smaller primitive cache);
+- lru32: LRU_CACHE_CAPACITY=32 (ideep's cache of primitives, torch's oneDNN glue; 1024 by default).
 
-`--speed` instead times padded against exact row counts at decode and prefill sizes, interleaved
-(ratios; the machine's load moves absolute times), and the cost of one malloc_trim(0).
+`--speed` instead times padded against exact row counts at decode and prefill sizes, interleaved,
+in CPU time (the machine's load moves wall times), and what a malloc_trim(0) costs: itself, and
+the step after it (the pages it gave back fault in again).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def libc() -> ctypes.CDLL:
 def apply_before_torch(knobs: set[str]) -> None:
     if "cap32" in knobs:
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "32"
+    if "lru32" in knobs:
+        os.environ["LRU_CACHE_CAPACITY"] = "32"  # ideep's own cache of primitives (torch's oneDNN glue)
     if "mmap" in knobs:
         libc().mallopt(M_MMAP_THRESHOLD, 1 << 20)
     if "arena2" in knobs:
@@ -155,9 +159,10 @@ def child(opts: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- speed
 def best_s(fn, min_sample_s: float = 0.01) -> float:
-    """Seconds per call of fn, from one sample of enough calls to last min_sample_s."""
-    calls, started_s = 0, time.perf_counter()
-    while (elapsed_s := time.perf_counter() - started_s) < min_sample_s or calls == 0:
+    """CPU seconds per call of fn (process time: on a shared machine the time this process waits
+    for a core does not count), from one sample of enough calls to last min_sample_s."""
+    calls, started_s = 0, time.process_time()
+    while (elapsed_s := time.process_time() - started_s) < min_sample_s or calls == 0:
         fn()
         calls += 1
     return elapsed_s / calls
@@ -174,8 +179,8 @@ def speed(opts: argparse.Namespace) -> None:
     dtype = getattr(torch, opts.dtype)
     driver = LinearDriver(dtype)
     exact, padded = (lambda rows: rows), onednn_rows
-    print(f"{opts.dtype}, {torch.get_num_threads()} threads; padded / exact time of the four demo linears (best of "
-          f"{opts.repeats} samples each, interleaved; the machine's load moves absolute times)")
+    print(f"{opts.dtype}, {torch.get_num_threads()} threads; padded / exact time of the four demo linears (CPU time, best "
+          f"of {opts.repeats} samples each, interleaved)")
     with torch.inference_mode():
         for rows in [int(s) for s in opts.speed_rows.split(",")]:
             xs = [torch.randn(rows, layer.in_features, dtype=dtype) for layer in driver.layers]
@@ -186,26 +191,43 @@ def speed(opts: argparse.Namespace) -> None:
                     best[name] = min(best[name], best_s(lambda: [layer(x) for layer, x in zip(driver.layers, xs)]))
             print(f"  rows {rows:4d} -> {onednn_rows(rows):4d}: x{best['padded'] / best['exact']:.3f}", flush=True)
         cpu.onednn_rows = padded
-        trim_cost(opts, dtype)
+        model = ModelDriver(dtype, opts.max_rows, opts.layers)
+        step_cost(opts, model, cpu)
+        trim_cost(opts, model)
 
 
-def trim_cost(opts: argparse.Namespace, dtype) -> None:
+def step_cost(opts: argparse.Namespace, model: ModelDriver, cpu) -> None:
+    """A whole model step (a prefill chunk and decodes, attention and norms included) with its
+    linears padded over exact, interleaved, in CPU time."""
+    from engine.memory import onednn_rows
+
+    for rows in (20, 72, 129, 300):
+        best = {"exact": math.inf, "padded": math.inf}
+        for _ in range(opts.repeats):
+            for name, rule in (("exact", lambda rows: rows), ("padded", onednn_rows)):
+                cpu.onednn_rows = rule
+                best[name] = min(best[name], best_s(lambda: model.step(rows, random.Random(rows)), 0.0))
+        cpu.onednn_rows = onednn_rows
+        print(f"{opts.layers}-layer model, {rows}-row step -> {onednn_rows(rows)}: padded x{best['padded'] / best['exact']:.3f} "
+              f"of exact", flush=True)
+
+
+def trim_cost(opts: argparse.Namespace, model: ModelDriver) -> None:
     """malloc_trim(0) alone, and a model step right after one over a step without (pages come back
     as the step touches them again), interleaved."""
-    model = ModelDriver(dtype, opts.max_rows, opts.layers)
     for rows in (opts.max_rows, 64):
         best = {"step": math.inf, "trim": math.inf, "step after trim": math.inf}
         for _ in range(opts.repeats):
             model.step(rows, random.Random(rows))
-            started_s = time.perf_counter()
+            started_s = time.process_time()
             model.step(rows, random.Random(rows))
-            best["step"] = min(best["step"], time.perf_counter() - started_s)
-            started_s = time.perf_counter()
+            best["step"] = min(best["step"], time.process_time() - started_s)
+            started_s = time.process_time()
             libc().malloc_trim(0)
-            best["trim"] = min(best["trim"], time.perf_counter() - started_s)
-            started_s = time.perf_counter()
+            best["trim"] = min(best["trim"], time.process_time() - started_s)
+            started_s = time.process_time()
             model.step(rows, random.Random(rows))
-            best["step after trim"] = min(best["step after trim"], time.perf_counter() - started_s)
+            best["step after trim"] = min(best["step after trim"], time.process_time() - started_s)
         print(f"{opts.layers}-layer model, {rows}-row step: malloc_trim(0) {1e3 * best['trim']:.2f} ms; the step after "
               f"it x{best['step after trim'] / best['step']:.3f} of a step without", flush=True)
 
