@@ -18,8 +18,9 @@ idle_heap_trim() gives a CPU engine glibc's malloc_trim(0), which the engine thr
 has been idle for IDLE_TRIM_AFTER_S: glibc keeps the pages of freed activations and scratch
 buffers in its arenas for reuse, so after a burst of long prompts the process would hold its peak
 for good. Measured, not assumed: glibc allocator settings at start-up (a fixed M_MMAP_THRESHOLD,
-trims while busy) cost steps their speed, and a smaller oneDNN primitive cache only slowed the
-growth (bench/NOTES.md, "Soak").
+trims while busy) cost steps their speed, and a smaller oneDNN primitive cache alone only slowed
+the growth (torch's ideep glue keeps its own, LRU_CACHE_CAPACITY); bounding both caches instead of
+padding is the measured alternative (bench/NOTES.md, "Soak").
 """
 
 from __future__ import annotations
