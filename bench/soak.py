@@ -7,7 +7,10 @@ Starts `python -m server --demo` on a free port and sends `--requests` (2,000) r
 - lost: requests that got neither a complete answer nor a clear error (an OpenAI error body or an
   in-band error event); must be 0;
 - leaked_kv_blocks: KV blocks still in use once the server is idle (/metrics); must be 0;
-- rss_drift: the server's resident memory at the end over after the first 200 requests (within 5%);
+- rss_drift: the server's resident memory at the end (idle, every stream closed) over after the
+  first `--warmup-requests` (200) requests completed (within 5%), and rss_trace_mib, RSS every
+  `--progress-every` (200) requests, to see whether it plateaus; rss_idle_mib: RSS once the server
+  has been idle `--idle-settle-s` more (a CPU engine trims its heap when idle: engine/memory.py);
 - p99 latency (s) of complete requests per quarter of the run, and outcome counts.
 
 Numbers, not a test: the machine's load changes them.
@@ -98,6 +101,7 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
     tally = Tally()
     semaphore = asyncio.Semaphore(args.streams)
     rss_after_warmup: list[int] = []
+    rss_trace_mib: list[tuple[int, float]] = []  # (requests done, server RSS MiB)
     slow = set(rng.sample(range(args.requests), args.slow_readers))
     started_s = time.perf_counter()
 
@@ -106,18 +110,21 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
             request_rng = random.Random(rng.random())
             await one(session, base, index, request_rng, tally, cancel=request_rng.random() < args.cancel_fraction,
                       slow_read_s=args.slow_read_s if index in slow else 0.0)
-        if index == args.warmup_requests - 1:
-            rss_after_warmup.append(rss_bytes(server_pid))
         done = sum(tally.outcomes.values())
-        if done % 200 == 0:  # progress on stderr: a long soak shows it is moving
-            print(f"soak: {done}/{args.requests} done in {time.perf_counter() - started_s:.0f} s {tally.outcomes}",
-                  file=sys.stderr, flush=True)
+        if done == args.warmup_requests:
+            rss_after_warmup.append(rss_bytes(server_pid))
+        if done % args.progress_every == 0:  # progress on stderr: a long soak shows it is moving
+            rss_trace_mib.append((done, round(rss_bytes(server_pid) / 2**20, 1)))
+            print(f"soak: {done}/{args.requests} done in {time.perf_counter() - started_s:.0f} s, server RSS "
+                  f"{rss_trace_mib[-1][1]:.1f} MiB, {tally.outcomes}", file=sys.stderr, flush=True)
 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=args.streams + 8)) as session:
         await asyncio.gather(*(gated(session, i) for i in range(args.requests)))
         leaked = await idle_kv_blocks(session, base)
-    rss_end = rss_bytes(server_pid)
+        rss_end = rss_bytes(server_pid)
+        await asyncio.sleep(args.idle_settle_s)
+    rss_idle = rss_bytes(server_pid)
     quarter = args.requests // 4
     p99 = {f"q{q + 1}": p99_of([s for i, s in tally.latencies_s if q * quarter <= i < (q + 1) * quarter])
            for q in range(4)}
@@ -125,7 +132,9 @@ async def run(base: str, args: argparse.Namespace, server_pid: int) -> dict:
     return {"requests": args.requests, "streams": args.streams, "outcomes": tally.outcomes,
             "lost": tally.outcomes.get("lost", 0), "leaked_kv_blocks": leaked,
             "rss_after_warmup_mib": round(baseline / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
-            "rss_drift": round(rss_end / baseline - 1, 4), "p99_latency_s_per_quarter": p99}
+            "rss_drift": round(rss_end / baseline - 1, 4), "rss_trace_mib": rss_trace_mib,
+            "rss_idle_mib": round(rss_idle / 2**20, 1),
+            "p99_latency_s_per_quarter": p99}
 
 
 def p99_of(values: list[float]) -> float | None:
@@ -164,7 +173,9 @@ def main() -> None:
     parser.add_argument("--cancel-fraction", type=float, default=0.10)
     parser.add_argument("--slow-readers", type=int, default=2)
     parser.add_argument("--slow-read-s", type=float, default=1.0)
-    parser.add_argument("--warmup-requests", type=int, default=200)
+    parser.add_argument("--warmup-requests", type=int, default=200, help="the RSS baseline: after this many requests")
+    parser.add_argument("--progress-every", type=int, default=200, help="print progress and sample RSS every this many requests")
+    parser.add_argument("--idle-settle-s", type=float, default=5.0, help="idle this long before rss_idle_mib")
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/llamaserve").expanduser())
@@ -181,6 +192,9 @@ def main() -> None:
         finally:
             stop(process)
     print(json.dumps(result, indent=2))
+    print(f"RSS after the first {args.warmup_requests} requests {result['rss_after_warmup_mib']:.1f} MiB, at the end "
+          f"{result['rss_end_mib']:.1f} MiB ({100 * result['rss_drift']:+.1f}%; the goal is within 5%), idle "
+          f"{args.idle_settle_s:g} s later {result['rss_idle_mib']:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The event loop only does I/O: `generate()` validates, hands the request to the e
 awaits the request's own slot. The engine thread applies adds and aborts, runs one step, and sends
 each event loop the step's deltas in one `call_soon_threadsafe`. A slot merges deltas its consumer
 has not taken yet, so a slow reader never holds up the step or anyone else. When idle the engine
-thread sleeps on a condition variable; nothing polls.
+thread sleeps on a condition variable; nothing polls. A CPU engine idle for a while after steps
+hands the C heap's free pages back once (engine.memory.idle_heap_trim).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.memory import IDLE_TRIM_AFTER_S, idle_heap_trim
 from engine.output import DetokenizerFactory
 from engine.quantization import WeightsReport
 from engine.sequence import ModelRunner
@@ -117,6 +119,8 @@ class AsyncEngine:
         self._active: dict[str, _Mailbox] = {}  # event-loop side: requests whose generator is open
         self._slots: dict[str, _Mailbox] = {}  # engine-thread side: where each request's deltas go
         self._runner_shut_down = False
+        self._heap_trim = idle_heap_trim(config.device)  # None: nothing to trim (CUDA, not glibc)
+        self._idle_trim_after_s = IDLE_TRIM_AFTER_S
         self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
         self._thread.start()
 
@@ -198,10 +202,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        trim_owed = False  # steps ran since the heap was last trimmed
         while True:
             with self._cond:
-                while not (self._inbox or self._stopping or self.core.has_unfinished):
-                    self._cond.wait()
+                trim_owed = self._wait_for_work(trim_owed)
                 inbox, self._inbox = self._inbox, []
                 self._num_adds_posted = 0
                 stopping = self._stopping
@@ -220,9 +224,21 @@ class AsyncEngine:
                 self._fail_everything(dead, inbox)
                 return
             self._send(items)
+            trim_owed = trim_owed or self.core.timing.num_steps != steps_before
             if self.core.has_unfinished and self.core.timing.num_steps == steps_before:
                 with self._cond:  # nothing could be scheduled (should not happen): wait for news, not spin
                     self._cond.wait(timeout=0.01)
+
+    def _wait_for_work(self, trim_owed: bool) -> bool:
+        """With _cond held: sleep until there is work. Idle for _idle_trim_after_s with a trim owed,
+        trim the heap (a few ms; a request posted meanwhile waits that long). Returns trim_owed."""
+        while not (self._inbox or self._stopping or self.core.has_unfinished):
+            if not trim_owed or self._heap_trim is None:
+                self._cond.wait()
+            elif not self._cond.wait(timeout=self._idle_trim_after_s):
+                self._heap_trim()
+                trim_owed = False
+        return trim_owed
 
     def _apply(self, inbox: list[tuple[str, Any, _Mailbox | None]]) -> list[tuple[_Mailbox, Any]]:
         """Adds and aborts, in the order they were posted."""

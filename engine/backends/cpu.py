@@ -21,6 +21,7 @@ from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout,
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.cpu_kernels import CpuKernels
+from engine.memory import onednn_rows
 from engine.step_inputs import StepInputs
 
 # The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
@@ -68,7 +69,16 @@ class PackedCpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._one_row is not None and x.shape[0] == 1:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows padded to engine.memory.onednn_rows' buckets: oneDNN keeps a primitive per row count."""
+        rows = x.shape[0]
+        padded_rows = onednn_rows(rows) if x.dim() == 2 else rows
+        if padded_rows != rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded_rows - rows))
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        return y[:rows] if padded_rows != rows else y
 
     def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
         """(layout, weight address, out, in) of the one-row copy for a compiled decode step

@@ -175,6 +175,14 @@ def test_server_overhead_smoke():
     assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout
 
 
+def test_step_memory_smoke():
+    stdout = run_script("bench/step_memory.py", "--what", "linear", "--steps", "6", "--warmup-steps", "2", "--max-rows", "40",
+                        "--candidates", "none,buckets+trim")
+    assert "  none " in stdout and "  buckets+trim " in stdout, stdout
+    stdout = run_script("bench/step_memory.py", "--speed", "--speed-rows", "2,17", "--repeats", "1", "--layers", "1", "--max-rows", "40")
+    assert "rows   17 ->   18: x" in stdout and "40-row step: malloc_trim(0)" in stdout, stdout
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))
 def test_every_bench_script_imports_and_explains_itself(script):
     """--help imports each script's engine and server pieces: a renamed module or class fails here,

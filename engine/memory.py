@@ -1,0 +1,63 @@
+"""CPU resident memory: why a serving process plateaus early and then stays flat.
+
+Under mixed prompt lengths with chunked prefill a step carries any token count from 1 to the step
+budget. oneDNN creates, and caches (up to ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default), a
+primitive with its own buffers for every distinct row count M of a packed linear, and glibc keeps
+the memory its scratch buffers were freed into: a 2,000-request soak's resident memory grew 12.8%
+after its first 200 requests, still meeting new M values (bench/NOTES.md, "Soak").
+
+onednn_rows() pads a packed linear's rows up to a few buckets, so a handful of primitives per
+weight shape serve every step: they are all created early, and memory stops growing once they are.
+Rows at most 16 (small decode batches) run as they are; above that there are 8 buckets per doubling
+of the row count, so padding adds less than 1/8 of the rows: on a CPU the multiply is already
+compute-bound at a few dozen f32 rows, so coarser buckets (multiples of 16, say) would cost a
+decode batch of 17 up to 88% more linear time. Up to 512 rows that is 56 sizes instead of 512,
+about 0.5 MiB of oneDNN state each per weight shape (bench/step_memory.py measures memory and speed).
+
+idle_heap_trim() gives a CPU engine glibc's malloc_trim(0), which the engine thread calls once it
+has been idle for IDLE_TRIM_AFTER_S: glibc keeps the pages of freed activations and scratch
+buffers in its arenas for reuse, so after a burst of long prompts the process would hold its peak
+for good. Measured, not assumed: glibc allocator settings at start-up (a fixed M_MMAP_THRESHOLD,
+trims while busy) cost steps their speed, and a smaller oneDNN primitive cache alone only slowed
+the growth (torch's ideep glue keeps its own, LRU_CACHE_CAPACITY); bounding both caches instead of
+padding is the measured alternative (bench/NOTES.md, "Soak").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Callable
+
+# Row counts up to this run at their own size: few, and seen early (decode batches).
+EXACT_ROWS = 16
+# Buckets per doubling of the row count: padding stays under 1/8 of the rows.
+BUCKETS_PER_OCTAVE = 8
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a packed oneDNN linear runs at for `rows` input rows (>= rows): rows itself up
+    to EXACT_ROWS, then the next multiple of 2^k / 8 for rows in (2^k, 2^(k+1)]: 18, 20, ..., 32,
+    36, ..., 64, 72, ..., 128, 144, ..., 256, 288, ..., 512."""
+    if rows <= EXACT_ROWS:
+        return rows
+    octave_start = 1 << ((rows - 1).bit_length() - 1)  # the power of two just below rows
+    step = octave_start // BUCKETS_PER_OCTAVE
+    return -(-rows // step) * step
+
+
+# Idle this long before the heap is trimmed: a client that sends requests one after another does
+# not pay for its pages coming back (page faults) on every request.
+IDLE_TRIM_AFTER_S = 2.0
+
+
+def idle_heap_trim(device: str) -> Callable[[], object] | None:
+    """malloc_trim(0) for an engine on `device`: None on CUDA (steps allocate on the GPU, the host
+    heap stays small) and where the C library is not glibc."""
+    if device != "cpu":
+        return None
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl, macOS: no malloc_trim
+        return None
+    return functools.partial(malloc_trim, 0)
