@@ -46,31 +46,53 @@ def torchrun_command(checkpoint_dir: Path, http_port: int, tmp_path: Path) -> li
             "--cpu-kv-cache-bytes", "8MiB", "--batch-dir", str(tmp_path / "batches"), "--log-format", "console"]
 
 
-def test_torchrun_serves_a_two_shard_checkpoint_like_one_process_and_stops_every_rank(checkpoints, tmp_path):
-    two_shards = checkpoints.get("Llama3.2-1B-Instruct-2shards", seed=0, num_shards=2)
-    with ready_server(MODEL, two_shards, checkpoints.root) as one_process, one_process.http() as http:
-        expected = greedy_texts(http)
-
+def start_torchrun(checkpoint_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    """The job started as README shows, its output in a log file: (launcher, HTTP port, log path)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
     env["PYTHONUNBUFFERED"] = "1"
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(torchrun_command(two_shards, port, tmp_path), cwd=REPO, env=env, stdout=log,
+        launcher = subprocess.Popen(torchrun_command(checkpoint_dir, port, tmp_path), cwd=REPO, env=env, stdout=log,
                                     stderr=subprocess.STDOUT)
+    return launcher, port, log_path
+
+
+def wait_ready_ranks(http: httpx.Client, launcher: subprocess.Popen, log_path: Path) -> list[int]:
+    """Wait for rank 0's /ready; the job's two ranks (rank 0 serves HTTP, rank 1 follows its steps)."""
+    def ready() -> bool:
+        assert launcher.poll() is None, log_path.read_text()[-4000:]
+        try:
+            return http.get("/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
+    ranks = children_of(launcher.pid)
+    assert len(ranks) == 2, ranks
+    return ranks
+
+
+def stop_everything(launcher: subprocess.Popen, ranks: list[int]) -> None:
+    """A failed test leaves no rank behind."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait(30)
+    for pid in ranks:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_serves_a_two_shard_checkpoint_like_one_process_and_stops_every_rank(checkpoints, tmp_path):
+    two_shards = checkpoints.get("Llama3.2-1B-Instruct-2shards", seed=0, num_shards=2)
+    with ready_server(MODEL, two_shards, checkpoints.root) as one_process, one_process.http() as http:
+        expected = greedy_texts(http)
+
+    launcher, port, log_path = start_torchrun(two_shards, tmp_path)
     ranks: list[int] = []
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-            def ready() -> bool:
-                assert launcher.poll() is None, log_path.read_text()[-4000:]
-                try:
-                    return http.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(ready, timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
-            ranks = children_of(launcher.pid)
-            assert len(ranks) == 2, ranks  # rank 0 serves HTTP, rank 1 follows its steps
+            ranks = wait_ready_ranks(http, launcher, log_path)
 
             assert greedy_texts(http) == expected  # the same greedy tokens as one process
 
@@ -102,45 +124,21 @@ def test_torchrun_serves_a_two_shard_checkpoint_like_one_process_and_stops_every
         assert "model-parallel rank 1 stopping" in log_text, log_text[-4000:]  # rank 0's STOP, not a kill
         assert "could not send STOP" not in log_text, log_text[-4000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(30)
-        for pid in ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)  # a failed test leaves no rank behind
+        stop_everything(launcher, ranks)
 
 
 def test_a_sigkilled_torchrun_launcher_leaves_no_rank_behind(checkpoints, tmp_path):
     """SIGKILL reaches only the launcher: its ranks are re-parented and, without a watch, rank 0 would
     keep serving (and holding its port) and rank 1 following, with nothing left to stop them."""
     two_shards = checkpoints.get("Llama3.2-1B-Instruct-2shards", seed=0, num_shards=2)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_")}
-    log_path = tmp_path / "torchrun.log"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(torchrun_command(two_shards, port, tmp_path), cwd=REPO, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
+    launcher, port, log_path = start_torchrun(two_shards, tmp_path)
     ranks: list[int] = []
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-            def ready() -> bool:
-                assert launcher.poll() is None, log_path.read_text()[-4000:]
-                try:
-                    return http.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(ready, timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
-            ranks = children_of(launcher.pid)
-            assert len(ranks) == 2, ranks
+            ranks = wait_ready_ranks(http, launcher, log_path)
         launcher.kill()
         launcher.wait(30)
         wait_until(lambda: not any(_alive(pid) for pid in ranks), timeout_s=30, what="every rank to exit")
         assert "the torchrun launcher" in log_path.read_text(), log_path.read_text()[-4000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(30)
-        for pid in ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_everything(launcher, ranks)

@@ -42,6 +42,21 @@ DTYPES = [torch.float32, torch.bfloat16]
 THREADS = 2  # the kernels' OpenMP team; parallel branches need more than one thread to mean anything
 
 
+
+def nan_filled_caches(tables: list[list[int]], kv_lens: list[int], num_blocks: int, block_size: int, kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches with random keys in each sequence's slots and NaN everywhere else, so a kernel
+    that reads outside a sequence shows it."""
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for table, n in zip(tables, kv_lens):
+        for t in range(n):
+            k_cache[table[t // block_size], t % block_size] = (2 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
+            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    return k_cache, v_cache
+
+
 @pytest.fixture(scope="module")
 def kernels() -> ck.CpuKernels:
     loaded = ck.load_cpu_kernels()
@@ -239,14 +254,7 @@ def test_paged_decode_attention(kernels, dtype, heads, kv_heads, head_dim):
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     rows = torch.tensor(DECODE_ROWS, dtype=torch.int64)
 
-    # caches: NaN wherever no sequence has a key, so a read outside a sequence shows
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    for table, n in zip(tables, SEQ_LENS):
-        for t in range(n):
-            k_cache[table[t // block_size], t % block_size] = (2 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
-            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    k_cache, v_cache = nan_filled_caches(tables, SEQ_LENS, num_blocks, block_size, kv_heads, head_dim, dtype, g)
     width = (heads + 2 * kv_heads) * head_dim  # q rows strided by the whole qkv row
     qkv = torch.randn(num_rows, width, generator=g).to(dtype)
     out = torch.full((num_rows, heads * head_dim), 123.0, dtype=dtype)

@@ -13,6 +13,8 @@ THREADS = 2
 
 
 @pytest.fixture(scope="module")
+
+
 def kernels() -> ck.CpuKernels:
     loaded = ck.load_cpu_kernels()
     if loaded is None:
@@ -28,13 +30,7 @@ def paged_batch(new_tokens: list[int], kv_lens: list[int], heads: int, kv_heads:
     max_blocks, num_blocks = max(blocks_per_seq), sum(blocks_per_seq) + 3
     pool = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[pool.pop() for _ in range(n)] + [0] * (max_blocks - n) for n in blocks_per_seq]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    for table, n in zip(tables, kv_lens):
-        for t in range(n):
-            k_cache[table[t // block_size], t % block_size] = (2 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
-            v_cache[table[t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    k_cache, v_cache = nan_filled_caches(tables, kv_lens, num_blocks, block_size, kv_heads, head_dim, dtype, g)
     qkv = torch.randn(sum(new_tokens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     starts = [0]
     for n in new_tokens:
@@ -133,7 +129,7 @@ def test_paged_attention_some_sequences_only(kernels):
 
 
 # --------------------------------------------------------------------------- through the model
-from tests.engine.test_cpu_kernels import TwoPaths, build_model, make_seqs  # noqa: E402  (the fused-model harness)
+from tests.engine.test_cpu_kernels import TwoPaths, build_model, make_seqs, nan_filled_caches  # noqa: E402  (the fused-model harness)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
