@@ -42,7 +42,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 THREADS = 2  # the kernels' OpenMP team; parallel branches need more than one thread to mean anything
 
 
-
 def nan_filled_caches(tables: list[list[int]], kv_lens: list[int], num_blocks: int, block_size: int, kv_heads: int,
                       head_dim: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V caches with random keys in each sequence's slots and NaN everywhere else, so a kernel
