@@ -13,8 +13,8 @@ path, which computes the same thing (tests check the two agree). The library lin
 torch already loaded, so its parallel loops share the calling thread's OpenMP team.
 
 Prebuilt (the container image): `python -m engine.cpu_kernels prebuild DIR` compiles every engine/csrc source
-once per x86-64 microarchitecture level (v2: SSE4.2, v3: AVX2+FMA, v4: AVX-512) and
-LLAMASERVE_PREBUILT_KERNELS=DIR makes the loader take the highest level this CPU's flags allow,
+once per x86-64 microarchitecture level (v2: SSE4.2, v3: AVX2+FMA, v4: AVX-512; and v4-bf16, AVX-512
+with AVX512_BF16, for the bfloat16 pairs and int4 x bf16 kernels) and LLAMASERVE_PREBUILT_KERNELS=DIR makes the loader take the highest level this CPU's flags allow,
 so the image needs no compiler. Measured here (Xeon with AVX-512, a decode step of the 'tiny'
 config, one thread): the v4 build ran within noise of -march=native.
 """
@@ -46,7 +46,12 @@ X86_LEVELS: dict[str, frozenset[str]] = {
     "x86-64-v2": frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
     "x86-64-v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
     "x86-64-v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    # not a psABI level: v4 plus AVX512_BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4), whose
+    # vdpbf16ps the bfloat16 one-row linears and the int4 x bf16 dots use (bench/NOTES.md)
+    "x86-64-v4-bf16": frozenset({"avx512_bf16"}),
 }
+# what each level compiles with in place of -march=native (default: -march=LEVEL)
+LEVEL_MARCH: dict[str, tuple[str, ...]] = {"x86-64-v4-bf16": ("-march=x86-64-v4", "-mavx512bf16")}
 # -fassociative-math (with the two flags it needs) lets reductions such as dot products end in a
 # vector add tree instead of 16 dependent scalar adds; -fno-math-errno keeps sqrtf inline.
 _FLAGS = (
@@ -255,7 +260,8 @@ def prebuild(out_dir: Path, levels: list[str] | None = None, sources: list[Path]
     built = []
     for source in sources or all_sources():
         for level in levels or list(X86_LEVELS):
-            flags = [f"-march={level}" if f == "-march=native" else f for f in _FLAGS] + ["-Wno-psabi"]  # v16f returns: static inline only
+            march = LEVEL_MARCH.get(level, (f"-march={level}",))
+            flags = [g for f in _FLAGS for g in (march if f == "-march=native" else (f,))] + ["-Wno-psabi"]  # v16f returns: static inline only
             target = out_dir / prebuilt_name(level, source)
             subprocess.run([_compiler(), *flags, "-o", str(target), str(source)], check=True, timeout=_BUILD_TIMEOUT_S)
             built.append(target)

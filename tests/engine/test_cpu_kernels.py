@@ -691,6 +691,8 @@ V3 = V2 | ck.X86_LEVELS["x86-64-v3"]
     (V3, "x86-64-v3"),
     (V3 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v4"),
     (V2 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v2"),  # AVX-512 without AVX2 cannot be v4
+    (V3 | ck.X86_LEVELS["x86-64-v4"] | {"avx512_bf16"}, "x86-64-v4-bf16"),
+    (V3 | {"avx512_bf16"}, "x86-64-v3"),
 ])  # fmt: skip
 def test_x86_level_from_cpu_flags(flags, level):
     assert ck.x86_level(flags) == level
@@ -713,6 +715,25 @@ def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch
     expected = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
     kernels.add_rms_norm(residual, None, weight, out, 1e-5, THREADS)
     assert_close(out, expected, torch.float32)
+
+
+def test_the_bf16_level_is_built_with_avx512_bf16(tmp_path):
+    """The image's best build on an AVX512_BF16 CPU has the bfloat16 pairs kernel (vdpbf16ps), which a
+    plain x86-64-v4 build lacks, and computes the same one-row linear as torch."""
+    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) != "x86-64-v4-bf16":
+        pytest.skip("not an AVX-512 CPU with AVX512_BF16")
+    try:
+        built = {level: ck.prebuild(tmp_path, [level], [ck.SOURCE])[0] for level in ("x86-64-v4", "x86-64-v4-bf16")}
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    assert ck.find_prebuilt(tmp_path) == built["x86-64-v4-bf16"]
+    assert ck.CpuKernels(ctypes.CDLL(str(built["x86-64-v4"])))._bf16_pairs is None
+    kernels = ck.CpuKernels(ctypes.CDLL(str(built["x86-64-v4-bf16"])))
+    assert kernels._bf16_pairs is not None
+    weight = torch.randn(64, 96, generator=gen(7)).to(torch.bfloat16)
+    x = torch.randn(1, 96, generator=gen(8)).to(torch.bfloat16)
+    one_row = kernels.bind_interleaved(kernels.interleave(weight))
+    assert_close(one_row(x, THREADS), F.linear(x.float(), weight.float()).to(torch.bfloat16), torch.bfloat16)
 
 
 def test_every_source_is_prebuilt_and_loaded_from_the_image_dir(tmp_path, monkeypatch):
