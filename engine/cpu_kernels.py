@@ -223,11 +223,18 @@ def x86_level(cpu_flags: set[str] | frozenset[str]) -> str | None:
     return level
 
 
-def _source_key(source: Path = SOURCE) -> str:
-    """Prebuilt libraries are named by the source, headers and flags they came from: a stale one is never loaded."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode())
+def _source_digest(source: Path) -> "hashlib._Hash":
+    """A digest of `source` and the headers it may #include."""
+    digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):
         digest.update(header.read_bytes())
+    return digest
+
+
+def _source_key(source: Path = SOURCE) -> str:
+    """Prebuilt libraries are named by the source, headers and flags they came from: a stale one is never loaded."""
+    digest = _source_digest(source)
+    digest.update(" ".join(_FLAGS).encode())
     return digest.hexdigest()[:16]
 
 
@@ -273,9 +280,7 @@ def _compiler() -> str:
 
 
 def _build_key(compiler: str, source: Path = SOURCE) -> str:
-    digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):  # what the sources #include
-        digest.update(header.read_bytes())
+    digest = _source_digest(source)
     digest.update(" ".join((compiler, *_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest.update(version.encode())

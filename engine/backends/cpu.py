@@ -139,7 +139,7 @@ class CpuKernelBackend(OneDnnBackend):
         starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         if chunk_size is None and k_cache.shape[-1] % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
             meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
-            check_paged_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
+            check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
             return meta
         paged = _paged_decodes(inputs, decodes, starts) if decodes else None
         if paged is not None and chunk_size is not None:
@@ -211,25 +211,23 @@ def _paged_attention_metadata(
     """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
     sequence's blocks over the threads is what a few decodes need, this kernel's one item per
     (sequence, KV head) is faster from there (1.8x at 32 decodes, 1 thread)."""
-    if len(decodes) == inputs.num_seqs:  # every sequence decodes: the step's tensors as they are
-        row_start, seq_lens, tables = inputs.query_start_loc[:-1], inputs.seq_lens, inputs.block_tables
-    else:
-        index = torch.tensor(decodes, dtype=torch.int64)
-        row_start = torch.tensor([starts[i] for i in decodes], dtype=torch.int32)
-        seq_lens, tables = inputs.seq_lens.index_select(0, index), inputs.block_tables.index_select(0, index)
+    row_start, tables, seq_lens = _decode_rows(inputs, decodes, starts, torch.int32)
     ones = torch.ones(len(decodes), dtype=torch.int32)
-    return PagedAttentionMetadata(
-        inputs.positions, inputs.slot_mapping, prefills, None, rope,
-        row_start.contiguous(), ones, seq_lens.contiguous(), tables.contiguous(),
-    )  # fmt: skip
+    return PagedAttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, None, rope, row_start, ones, seq_lens, tables)
 
 
 def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
+    return PagedDecodes(*_decode_rows(inputs, decodes, starts, torch.int64))
+
+
+def _decode_rows(inputs: StepInputs, decodes: list[int], starts: list[int], row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat-batch row of each decode token in row_dtype, block tables, seq_lens) of the decoding
+    sequences, each contiguous."""
     if len(decodes) == len(starts) - 1:  # every sequence decodes: the step's tensors as they are
-        return PagedDecodes(inputs.query_start_loc[:-1].to(torch.int64), inputs.block_tables.contiguous(), inputs.seq_lens.contiguous())
+        return inputs.query_start_loc[:-1].to(row_dtype).contiguous(), inputs.block_tables.contiguous(), inputs.seq_lens.contiguous()
     index = torch.tensor(decodes, dtype=torch.int64)
-    rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64)
-    return PagedDecodes(rows, inputs.block_tables[index].contiguous(), inputs.seq_lens[index].contiguous())
+    rows = torch.tensor([starts[i] for i in decodes], dtype=row_dtype)
+    return rows, inputs.block_tables.index_select(0, index).contiguous(), inputs.seq_lens.index_select(0, index).contiguous()
 
 
 def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: int) -> PagedDecodes:
@@ -244,34 +242,22 @@ def _window_paged_decodes(paged: PagedDecodes, chunk_blocks: int, block_size: in
     return PagedDecodes(paged.rows, tables, seq_lens)
 
 
-def check_paged_indices(inputs: StepInputs, meta: PagedAttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
-    """check_indices for PagedAttentionMetadata."""
-    ranges = [
-        (inputs.positions, num_positions, "position", torch.int64),
-        (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64),
-        (meta.block_tables, num_blocks, "KV block id", torch.int32),
-        (meta.seq_lens - 1, meta.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
-        (meta.row_start, inputs.num_tokens, "decode row", torch.int32),
-    ]  # fmt: skip
-    _check_ranges(ranges)
-
-
 def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions: int, num_blocks: int, block_size: int) -> None:
     """The C kernels index raw memory with positions, slots and block ids: an out-of-range value
     (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
     ranges = [(inputs.positions, num_positions, "position", torch.int64), (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64)]
-    if meta.decodes is not None:
-        paged = meta.decodes
+    decode = None  # (block tables, seq_lens, rows, the rows' dtype), as the step's kernel reads them
+    if isinstance(meta, PagedAttentionMetadata):
+        decode = (meta.block_tables, meta.seq_lens, meta.row_start, torch.int32)
+    elif meta.decodes is not None:
+        decode = (meta.decodes.block_tables, meta.decodes.seq_lens, meta.decodes.rows, torch.int64)
+    if decode is not None:
+        tables, seq_lens, rows, row_dtype = decode
         ranges += [
-            (paged.block_tables, num_blocks, "KV block id", torch.int32),
-            (paged.seq_lens - 1, paged.block_tables.shape[1] * block_size, "decode length - 1", torch.int32),
-            (paged.rows, inputs.num_tokens, "decode row", torch.int64),
+            (tables, num_blocks, "KV block id", torch.int32),
+            (seq_lens - 1, tables.shape[1] * block_size, "decode length - 1", torch.int32),
+            (rows, inputs.num_tokens, "decode row", row_dtype),
         ]  # fmt: skip
-    _check_ranges(ranges)
-
-
-def _check_ranges(ranges: list[tuple[torch.Tensor, int, str, torch.dtype]]) -> None:
-    """Each (values, limit, what, dtype): values a contiguous tensor of dtype, all in [0, limit)."""
     for values, limit, what, dtype in ranges:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
