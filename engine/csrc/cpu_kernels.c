@@ -149,8 +149,46 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
     for (int64_t i = 0; i < dim; i++) out[i] = res[i] * inv_rms * w[i];
 }
 
-static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const bf16_t *weight, bf16_t *out, int64_t dim, float eps) {
-    float x[dim], w[dim];
+/* One bfloat16 row; w: the weight as float32, x: dim floats of scratch (both the caller's, per thread). */
+#ifdef HAVE_AVX512_ROWS
+/* res[i..i+16) (+= delta, rounded and stored back), as float32 into x; returns it for the sum of squares */
+static inline __m512 add_row16_bf16(bf16_t *res, const bf16_t *delta, float *x, int64_t i, __mmask16 m) {
+    __m512 v = bf16x16_load(res + i, m);
+    if (delta != NULL) {
+        const __m256i r = bf16x16_round(_mm512_add_ps(v, bf16x16_load(delta + i, m)));
+        _mm256_mask_storeu_epi16(res + i, m, r);
+        v = bf16x16_to_f32(r);
+    }
+    _mm512_mask_storeu_ps(x + i, m, v);
+    return v;
+}
+
+static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t dim, float eps) {
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps(); /* two chains: FMA latency */
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32) { /* constant masks: plain loads and stores (masked stores do not forward) */
+        const __m512 v0 = add_row16_bf16(res, delta, x, i, 0xffff), v1 = add_row16_bf16(res, delta, x, i + 16, 0xffff);
+        sum0 = _mm512_fmadd_ps(v0, v0, sum0);
+        sum1 = _mm512_fmadd_ps(v1, v1, sum1);
+    }
+    for (; i < dim; i += 16) {
+        const __m512 v = add_row16_bf16(res, delta, x, i, row_mask(dim - i));
+        sum0 = _mm512_fmadd_ps(v, v, sum0);
+    }
+    const float inv_rms = 1.0f / sqrtf(_mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1)) / (float)dim + eps);
+    const __m512 scale = _mm512_set1_ps(inv_rms);
+    for (i = 0; i + 16 <= dim; i += 16) {
+        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
+        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round_mul(normed, _mm512_loadu_ps(w + i)));
+    }
+    if (i < dim) {
+        const __mmask16 m = row_mask(dim - i);
+        const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale);
+        _mm256_mask_storeu_epi16(out + i, m, bf16x16_round_mul(normed, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+#else
+static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t dim, float eps) {
     load_row(x, res, dim, 1);
     if (delta != NULL) {
         float d[dim];
@@ -163,23 +201,29 @@ static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const bf16_t *we
 #pragma omp simd reduction(+ : sum_sq)
     for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
     const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-    load_row(w, weight, dim, 1);
 #pragma omp simd
     for (int64_t i = 0; i < dim; i++) x[i] = round_bf16(round_bf16(x[i] * inv_rms) * w[i]);
     store_row(out, x, dim, 1);
 }
+#endif
 
 void add_rms_norm(int bf16, void *residual, const void *delta, const void *weight, void *out, int64_t rows,
                   int64_t dim, float eps, int num_threads) {
+    if (!bf16) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        if (bf16) {
-            add_rms_norm_bf16((bf16_t *)residual + r * dim, delta ? (const bf16_t *)delta + r * dim : NULL,
-                              (const bf16_t *)weight, (bf16_t *)out + r * dim, dim, eps);
-        } else {
+        for (int64_t r = 0; r < rows; r++)
             add_rms_norm_f32((float *)residual + r * dim, delta ? (const float *)delta + r * dim : NULL,
                              (const float *)weight, (float *)out + r * dim, dim, eps);
-        }
+        return;
+    }
+#pragma omp parallel num_threads(num_threads) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
+    {
+        float w[dim], x[dim]; /* the weight widened once per thread, not once per row */
+        load_row(w, weight, dim, 1);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_bf16((bf16_t *)residual + r * dim, delta ? (const bf16_t *)delta + r * dim : NULL, w,
+                              (bf16_t *)out + r * dim, x, dim, eps);
     }
 }
 
