@@ -297,28 +297,50 @@ void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hi
  * position's angles (adjacent pairs (x[2i], x[2i+1]) as complex numbers, the reference's layout),
  * rope [max_pos, head_dim / 2, 2] float32 (cos, sin); then k and v copied to their cache slot:
  * caches [num_slots, kv_heads, head_dim]. */
+/* One token's heads [rot_heads, head_dim] rotated in place by its angles [head_dim / 2, 2]. */
+#ifdef HAVE_AVX512_ROWS
+/* 16 lanes are 8 (re, im) pairs: re' = re * c - im * s, im' = re * s + im * c with the products of re
+ * fused, as GCC's vectorized scalar loop rounds them (same bits): fmaddsub(re re, c s, im im * s c).
+ * Each chunk of the angles serves every head. */
+static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
+    for (int64_t i = 0; i < head_dim; i += 16) {
+        const __mmask16 m = row_mask(head_dim - i);
+        const __m512 cs = _mm512_maskz_loadu_ps(m, angles + i), sc = _mm512_permute_ps(cs, 0xB1);
+        for (int64_t h = 0; h < rot_heads; h++) {
+            const __m512 x = row16_load(heads, h * head_dim + i, m, bf16);
+            const __m512 y = _mm512_fmaddsub_ps(_mm512_moveldup_ps(x), cs, _mm512_mul_ps(_mm512_movehdup_ps(x), sc));
+            row16_store(heads, h * head_dim + i, m, y, bf16);
+        }
+    }
+}
+#else
+static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
+    const size_t es = elem_size(bf16);
+    float x[head_dim];
+    for (int64_t h = 0; h < rot_heads; h++) {
+        char *head = (char *)heads + (size_t)h * head_dim * es;
+        load_row(x, head, head_dim, bf16);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim / 2; i++) {
+            const float re = x[2 * i], im = x[2 * i + 1], c = angles[2 * i], s = angles[2 * i + 1];
+            x[2 * i] = re * c - im * s;
+            x[2 * i + 1] = re * s + im * c;
+        }
+        store_row(head, x, head_dim, bf16);
+    }
+}
+#endif
+
 void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
                           const int64_t *positions, const float *rope, const int64_t *slots, void *k_cache,
                           void *v_cache, int num_threads) {
     const size_t es = elem_size(bf16);
-    const int64_t row_elems = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+    const int64_t row_elems = (heads + 2 * kv_heads) * head_dim;
     const size_t kv_bytes = (size_t)kv_heads * head_dim * es;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * row_elems >= PARALLEL_MIN_ELEMS && tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         char *row = (char *)qkv + (size_t)t * row_elems * es;
-        const float *angles = rope + positions[t] * half * 2;
-        float x[head_dim];
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            char *head = row + (size_t)h * head_dim * es;
-            load_row(x, head, head_dim, bf16);
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float re = x[2 * i], im = x[2 * i + 1], c = angles[2 * i], s = angles[2 * i + 1];
-                x[2 * i] = re * c - im * s;
-                x[2 * i + 1] = re * s + im * c;
-            }
-            store_row(head, x, head_dim, bf16);
-        }
+        rope_heads(row, rope + positions[t] * head_dim, heads + kv_heads, head_dim, bf16);
         const char *k = row + (size_t)heads * head_dim * es;
         memcpy((char *)k_cache + (size_t)slots[t] * kv_bytes, k, kv_bytes);
         memcpy((char *)v_cache + (size_t)slots[t] * kv_bytes, k + kv_bytes, kv_bytes);
