@@ -231,6 +231,49 @@ def test_rope_position_zero_is_identity(kernels):
     assert torch.equal(caches[1][1, 1], before[0, (heads + 1) * head_dim :].view(1, head_dim))
 
 
+# bfloat16 results below float32's normal range keep torch's rounding (the C kernels' hardware
+# conversion, vcvtneps2bf16, would flush them to zero), in cases whose arithmetic is exact
+BF16_DENORMALS = torch.arange(1, 128, dtype=torch.int16).view(torch.bfloat16)  # every positive one
+BF16_DENORMALS = torch.cat([BF16_DENORMALS, -BF16_DENORMALS])
+
+
+def test_silu_mul_bf16_denormals(kernels):
+    """SiLU of a denormal is half of it, times up = 1: one rounding, torch's."""
+    gate_up = torch.ones(2, 2 * 160, dtype=torch.bfloat16)
+    gate_up[:, :127], gate_up[:, 127:160] = BF16_DENORMALS[:127], BF16_DENORMALS[127:160]
+    out = torch.empty(2, 160, dtype=torch.bfloat16)
+    kernels.silu_mul(gate_up, out, THREADS)
+    assert torch.equal(out, F.silu(gate_up[:, :160]).mul(gate_up[:, 160:]))
+    assert (out != 0).any()
+
+
+def test_add_rms_norm_bf16_denormals(kernels):
+    """Denormal residuals plus a zero delta stay; a tiny weight makes denormal outputs, zero only where torch's are."""
+    dtype = torch.bfloat16
+    residual = torch.randn(40, 576, generator=gen(11)).to(dtype)
+    residual[:, ::3] = BF16_DENORMALS[: 576 // 3].repeat(40, 1)
+    before = residual.clone()
+    weight = torch.full((576,), 2.0**-130, dtype=dtype)
+    out = torch.empty_like(residual)
+    kernels.add_rms_norm(residual, torch.zeros_like(residual), weight, out, 1e-5, THREADS)
+    assert torch.equal(residual, before)
+    expected = rms_norm_reference(residual, weight, 1e-5)
+    assert (expected.float().abs() < 1.1754944e-38).float().mean() > 0.9
+    assert torch.equal(out == 0, expected == 0)
+    assert_close(out.double() * 2.0**130, expected.double() * 2.0**130, dtype)  # in the normal range
+
+
+def test_rope_bf16_denormals(kernels):
+    """Position 0 rotates denormal q and k by angle 0: they come back exactly."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    rope = torch.view_as_real(precompute_freqs_cis(head_dim, 4, 10000.0, False))
+    qkv = BF16_DENORMALS.repeat(8)[: (heads + 2 * kv_heads) * head_dim].view(1, -1).clone()
+    before = qkv.clone()
+    caches = tuple(torch.zeros(2, 2, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    kernels.rope_and_cache_write(qkv, heads, kv_heads, head_dim, torch.tensor([0]), rope, torch.tensor([3]), *caches, 1)
+    assert torch.equal(qkv, before)
+
+
 SEQ_LENS = [1, 15, 16, 17, 100]
 DECODE_ROWS = [8, 2, 5, 0, 7]  # in an output of 9 rows, not in order; rows 1, 3, 4, 6 are no decode's
 
