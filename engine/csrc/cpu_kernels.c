@@ -17,34 +17,11 @@
 
 #include "bf16.h"
 
-static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
-    if (bf16) {
-        const bf16_t *s = (const bf16_t *)src;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
-    if (bf16) {
-        bf16_t *d = (bf16_t *)dst;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
-
-static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
-
 /* AVX-512 rows of 16 (the v4 and v4-bf16 builds, -march=native on such CPUs): GCC's vectorizer stops
  * at 256 bits there and emulates bfloat16 rounding in ~8 integer ops a vector; these take 512-bit
- * steps with masked tails and, on AVX512_BF16, round with vcvtneps2bf16. Other builds keep the
- * portable loops; both give the same bits (f32_to_bf16's round to nearest even). */
+ * steps with masked tails and, on AVX512_BF16, round with vcvtneps2bf16 (load_row, store_row and the
+ * elementwise kernels below). Other builds keep the portable loops; both give the same bits
+ * (f32_to_bf16's round to nearest even). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define HAVE_AVX512_ROWS 1
 #include <immintrin.h>
@@ -104,6 +81,41 @@ static inline void row16_store(void *row, int64_t i, __mmask16 m, __m512 x, int 
         _mm512_mask_storeu_ps((float *)row + i, m, x);
 }
 #endif
+
+static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const bf16_t *s = (const bf16_t *)src;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, row_mask(n - i), bf16x16_load(s + i, row_mask(n - i)));
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        bf16_t *d = (bf16_t *)dst;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = row_mask(n - i);
+            _mm256_mask_storeu_epi16(d + i, m, bf16x16_round(_mm512_maskz_loadu_ps(m, src + i)));
+        }
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
+
+static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
 
 /* exp(x) to ~1e-7 relative error: 2^k * 2^f with Cephes' exp2f polynomial for f in [-0.5, 0.5].
  * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
