@@ -162,7 +162,8 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
     for (int64_t i = 0; i < dim; i++) out[i] = res[i] * inv_rms * w[i];
 }
 
-/* One bfloat16 row; w: the weight as float32, x: dim floats of scratch (both the caller's, per thread). */
+/* bfloat16 rows, NORM_ROWS at a time (add_rms_norm_rows_bf16); w: the weight as float32, x: NORM_ROWS * dim
+ * floats of scratch (both the caller's, per thread). */
 #ifdef HAVE_AVX512_ROWS
 /* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
  * (GCC prefers 256 bits there), so results keep their bits: a 16-lane order changed a few outputs in
