@@ -80,6 +80,14 @@ class PackedCpuLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
         return y[:rows] if padded_rows != rows else y
 
+    def move_one_row_copy(self, copy: torch.Tensor) -> None:
+        """Serve one-row inputs from `copy`, an equal copy of the interleaved weight placed elsewhere
+        (engine.memory.WeightArena: the decode step's weights on huge pages, in the order it reads them)."""
+        if self.interleaved is None or copy.shape != self.interleaved.shape or copy.dtype != self.interleaved.dtype:
+            raise ValueError("move_one_row_copy: not a copy of this linear's interleaved weight")
+        self.interleaved = copy
+        self._one_row = self._kernels.bind_interleaved(copy)
+
     def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
         """(layout, weight address, out, in) of the one-row copy for a compiled decode step
         (engine/backends/cpu_step.py): "pairs" ([out / 16, in / 2, 16, 2] bfloat16) or "interleaved"

@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
 from engine.cpu_kernels import CpuKernels, library_path
+from engine.memory import WeightArena
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,11 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | Non
     dtype = model.backend.dtype
     if dtype not in _DTYPE_CODES:
         return None
+    gather_one_row_copies([linear for block in model.layers for linear in _block_linears(block)])
     layers, keep = [], []
     for i, block in enumerate(model.layers):
         att, ff = block.attention, block.feed_forward
-        forms = {name: _one_row(linear, dtype) for name, linear in (("wqkv", att.wqkv), ("wo", att.wo), ("w13", ff.w13), ("w2", ff.w2))}
+        forms = {name: _one_row(linear, dtype) for name, linear in zip(("wqkv", "wo", "w13", "w2"), _block_linears(block))}
         if any(form is None for form in forms.values()):
             log.info("decode step: layer %d's %s has no one-row form; decode runs op by op", i, [n for n, f in forms.items() if f is None])
             return None
@@ -170,6 +172,24 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | Non
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
     return DecodeStep(lib.decode_step, program, keep)
+
+
+def _block_linears(block: nn.Module) -> tuple[nn.Module, ...]:
+    """A block's linears in the order a decode step runs them."""
+    return block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2
+
+
+def gather_one_row_copies(linears: list[nn.Module]) -> WeightArena | None:
+    """Moves the linears' interleaved one-row copies (PackedCpuLinear's) into one WeightArena, in
+    this order: a batch-1 step then streams one huge-page buffer front to back instead of a
+    hundred allocations, most of them on 4 KiB pages (engine/memory.py). None when none has one."""
+    movable = [linear for linear in linears if getattr(linear, "interleaved", None) is not None and hasattr(linear, "move_one_row_copy")]
+    if not movable:
+        return None
+    arena = WeightArena([linear.interleaved for linear in movable])
+    for linear, copy in zip(movable, arena.tensors):
+        linear.move_one_row_copy(copy)
+    return arena
 
 
 def _quant_linear_address() -> int | None:

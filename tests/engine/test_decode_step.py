@@ -70,6 +70,26 @@ def test_decode_step_matches_per_op_path(tiny_checkpoint, dtype, quantization):
         executor.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoint, dtype):
+    """build_decode_step moves every block linear's one-row copy into one WeightArena (huge pages),
+    in the order the step reads them, and the per-op path's one-row calls read the same copies."""
+    executor = make_executor(tiny_checkpoint, dtype=dtype)
+    try:
+        model = executor._shard.model
+        assert model.decode_step is not None
+        linears = [linear for block in model.layers for linear in cpu_step._block_linears(block)]
+        addresses = [linear.interleaved.data_ptr() for linear in linears]
+        storages = {linear.interleaved.untyped_storage().data_ptr() for linear in linears}
+        assert len(storages) == 1 and addresses == sorted(addresses)
+        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in ("wqkv", "wo", "w13", "w2")]
+        assert program_addresses == addresses
+        x = torch.randn(1, linears[0].in_features).to(getattr(torch, dtype))
+        torch.testing.assert_close(linears[0](x), linears[0]._onednn(x), rtol=2e-2, atol=2e-2)  # the moved copy serves one row
+    finally:
+        executor.shutdown()
+
+
 @pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
 def native_gguf(request, tmp_path_factory):
     """A tiny GGUF with its matrices (and tied embedding) in one of llama.cpp's block formats,

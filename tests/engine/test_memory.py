@@ -15,7 +15,7 @@ import torch
 import engine.async_engine
 import engine.backends.cpu as cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available
-from engine.memory import EXACT_ROWS, idle_heap_trim, onednn_rows
+from engine.memory import ARENA_ALIGN_BYTES, HUGE_PAGE_BYTES, EXACT_ROWS, WeightArena, idle_heap_trim, onednn_rows
 from tests.engine.test_async_engine import collect, make_engine, request, wait_until
 
 
@@ -118,3 +118,29 @@ async def test_cuda_engines_never_trim(recorder: TrimRecorder):
         assert eng._heap_trim is None and recorder.calls == 0
     finally:
         await eng.shutdown()
+
+
+def thp_enabled() -> bool:
+    """Transparent huge pages on in some mode (always / madvise): madvise(MADV_HUGEPAGE) succeeds."""
+    try:
+        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+
+
+def test_weight_arena_holds_equal_copies_back_to_back_on_cache_lines():
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in (((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 16, 2), torch.bfloat16), ((1,), torch.float32))]
+    arena = WeightArena(tensors)
+    assert arena.buffer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert [c.data_ptr() - arena.buffer.data_ptr() for c in arena.tensors] == arena.offsets == [0, 64, 128, 384]
+    for original, copy in zip(tensors, arena.tensors):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
+        assert copy.data_ptr() % ARENA_ALIGN_BYTES == 0 and copy.untyped_storage().data_ptr() == arena.tensors[0].untyped_storage().data_ptr()
+    assert arena.nbytes == 384 + 4
+    assert arena.huge_pages == thp_enabled()
+
+
+def test_an_empty_weight_arena():
+    arena = WeightArena([])
+    assert arena.tensors == [] and arena.nbytes == 0 and not arena.huge_pages
