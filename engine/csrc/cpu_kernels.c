@@ -775,16 +775,17 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     float *scores = (float *)(scratch + qt_bytes);
     bf16_t *p = (bf16_t *)(scratch + qt_bytes + scores_bytes);
     float inv_sum[kv_heads * N];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
     for (int64_t g = 0; g < kv_heads; g++)
-        for (int64_t r = 0; r < N; r++) {
+        for (int64_t r = 0; r < N; r++) { /* query row r's 16 dim pairs of each chunk down column r */
             const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2;
-            for (int64_t i = 0; i < D / 2; i++) memcpy(&qt[((g * chunks + i / 16) * 16 + i % 16) * N + r], src + 4 * i, 4);
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_i32scatter_epi32(qt + (g * chunks + c) * 16 * N + r, column, _mm512_loadu_si512(src + c * 64), 4);
         }
     AmxTileConfig cfg_scores, cfg_values;
     amx_configs(&cfg_scores, &cfg_values, N);
     float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][N] of three heads */
-    const __m512i key_index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32((int)N));
     _tile_loadconfig(&cfg_scores);
     for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
         const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
@@ -832,7 +833,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                 for (int64_t r = 0; r < N; r++) {
                     const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
                     const __mmask16 keep = m >= 16 ? 0xffff : (m <= 0 ? 0 : (__mmask16)((1u << m) - 1));
-                    const __m512 raw = _mm512_i32gather_ps(key_index, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
+                    const __m512 raw = _mm512_i32gather_ps(column, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
                     const __m512 s = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
                     _mm512_store_ps(scores + (h * N + r) * padded + key0, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
                 }
@@ -899,13 +900,18 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             _tile_stored(5, o[1], 64);
             _tile_stored(6, o[2], 64);
             _tile_stored(7, o[3], 64);
+            /* dims 32 h + 0..15 and 32 h + 16..31 from groups 2 h and 2 h + 1 (lane 16 + t: the second's t) */
+            const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+            const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
             for (int64_t r = 0; r < N; r++) {
                 char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D + d0)) * 2;
-                float row[64];
-                const float inv = inv_sum[g * N + r];
-                for (int c = 0; c < 4; c++)
-                    for (int t = 0; t < 16; t++) row[32 * (c / 2) + 8 * (t / 4) + 4 * (c % 2) + t % 4] = o[c][r][t] * inv;
-                store_row(dst, row, 64, 1);
+                const __m512 inv = _mm512_set1_ps(inv_sum[g * N + r]);
+                for (int h = 0; h < 2; h++) {
+                    const __m512 x = _mm512_load_ps(o[2 * h][r]), y = _mm512_load_ps(o[2 * h + 1][r]);
+                    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(x, low, y), inv);
+                    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(x, high, y), inv);
+                    _mm512_storeu_si512(dst + h * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
             }
         }
     free(scratch);
