@@ -4,7 +4,7 @@ OneDnnBackend: the torch backend's operations with every dense linear's weight r
 load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
 bfloat16 alike; bench/NOTES.md).
 
-CpuKernelBackend: also norms, RoPE + cache write, paged decode attention and SiLU-mul through
+CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX) and SiLU-mul through
 engine.cpu_kernels (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).

@@ -466,8 +466,10 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
  * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
- * values per row. head_dim a multiple of 16. CpuKernelBackend runs the decodes through it; prefill
- * chunks stay with torch's SDPA, whose bf16 GEMMs beat these float32 loops (bench/NOTES.md). */
+ * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
+ * (below) instead, which also beats torch's SDPA on prefill chunks; elsewhere CpuKernelBackend runs
+ * the decodes through this path and prefill chunks stay with SDPA, whose bf16 GEMMs beat these
+ * float32 loops (bench/NOTES.md). */
 typedef float pa_v16f __attribute__((vector_size(64)));
 typedef uint16_t pa_v16h __attribute__((vector_size(32)));
 typedef uint32_t pa_v16u __attribute__((vector_size(64)));
