@@ -163,8 +163,7 @@ class CpuKernels:
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether paged_attention runs on AMX tiles for caches of this dtype, head_dim and block size
         here (bfloat16, head_dim a multiple of 64, blocks a multiple of 16 keys, a CPU and OS that
-        grant AMX; at most 16 query heads per KV head, more take the vector path): then it also beats
-        torch's SDPA on prefill chunks."""
+        grant AMX): then it also beats torch's SDPA on prefill chunks."""
         return dtype in _DTYPE_CODES and bool(self._lib.paged_attention_on_tiles(_DTYPE_CODES[dtype], head_dim, block_size))
 
     def interleave(self, weight: torch.Tensor) -> torch.Tensor:

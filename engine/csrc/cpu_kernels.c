@@ -695,7 +695,7 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
 #ifdef PA_AMX
 /* ------------------------------------------------------------------------------------------ paged attention on AMX tiles
  * paged_attention for bfloat16 caches on CPUs with AMX (head_dim a multiple of 64, blocks a multiple
- * of 16 keys, at most 16 query heads per KV head). Items are (sequence, tile of tokens) with every
+ * of 16 keys). Items are (sequence, tile of tokens) with every
  * KV head in them, so a run of 16 keys is one block's contiguous K (and V) rows for all heads.
  * Two passes per item, no online rescaling:
  * - scores: S^T [16 keys, N query rows] = K Q^T per KV head and run, K the cache's rows as they are
@@ -762,24 +762,25 @@ static inline __m512 pa_amx_exp(__m512 x) {
     return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(scale));
 }
 
-/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads;
- * N = (tok1 - tok0) * n_rep query rows per KV head. */
+/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
+ * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
+ * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. */
 static inline __attribute__((always_inline)) void pa_amx_item(
-    const PagedArgs *a, const int64_t D, int64_t kv_heads, const char *q, char *out, const int32_t *table,
+    const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
     int64_t prefix, int64_t tok0, int64_t tok1) {
     const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
     const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
     /* one allocation: Q^T [g][chunk][dim pair][N], scores [g][N][padded], their softmax rounded (same shape) */
-    const size_t qt_bytes = (size_t)(kv_heads * chunks * 16 * N) * 4, scores_bytes = (size_t)(kv_heads * N * padded) * 4;
+    const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
     char *scratch = aligned_alloc(64, qt_bytes + scores_bytes + (scores_bytes / 2 + 63) / 64 * 64);
     uint32_t *qt = (uint32_t *)scratch;
     float *scores = (float *)(scratch + qt_bytes);
     bf16_t *p = (bf16_t *)(scratch + qt_bytes + scores_bytes);
-    float inv_sum[kv_heads * N];
+    float inv_sum[groups * N];
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
-    for (int64_t g = 0; g < kv_heads; g++)
+    for (int64_t g = 0; g < groups; g++)
         for (int64_t r = 0; r < N; r++) { /* query row r's 16 dim pairs of each chunk down column r */
             const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2;
             for (int64_t c = 0; c < chunks; c++)
@@ -797,16 +798,16 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         /* Tiles are not renamed: a load into a tile waits for the multiply still reading it. So the
          * heads take turns over three S^T tiles, and the K and Q^T chunks alternate between two tiles
          * each: the next multiply's operands load while the last one runs. */
-        for (int64_t g = 0; g < kv_heads; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             if (key1 < n_keys) { /* the next run's K and V rows (one contiguous span each), a head's
                                   * share at a time so the misses spread over this run's work */
-                const size_t lo = run_bytes * g / kv_heads & ~(size_t)63, hi = run_bytes * (g + 1) / kv_heads;
+                const size_t lo = run_bytes * g / groups & ~(size_t)63, hi = run_bytes * (g + 1) / groups;
                 for (size_t line = lo; line < hi; line += 64) {
                     __builtin_prefetch(a->k_cache + next + line, 0, 3);
                     __builtin_prefetch(a->v_cache + next + line, 0, 3);
                 }
             }
-            const char *k = a->k_cache + run + (size_t)(g * D) * 2;
+            const char *k = a->k_cache + run + (size_t)(g / split * D) * 2;
             const uint32_t *qg = qt + g * chunks * 16 * N;
             for (int64_t c = 0; c < chunks; c++) {
 #define PA_AMX_QK(S, K, Q)                                                                                 \
@@ -830,7 +831,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             case 1: _tile_stored(1, s_g, 4 * N); break;
             default: _tile_stored(2, s_g, 4 * N); break;
             }
-            if (g + 1 < kv_heads && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
+            if (g + 1 < groups && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
             for (int64_t h = g - g % 3; h <= g; h++)
                 for (int64_t r = 0; r < N; r++) {
                     const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
@@ -841,7 +842,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                 }
         }
     }
-    for (int64_t row = 0; row < kv_heads * N; row++) { /* softmax; weights rounded to bfloat16 */
+    for (int64_t row = 0; row < groups * N; row++) { /* softmax; weights rounded to bfloat16 */
         const float *s = scores + row * padded;
         __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
@@ -856,7 +857,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     uint32_t v_pairs[4][PA_AMX_KEYS / 2][16] __attribute__((aligned(64))); /* V of a run, 64 dims: [dim group][key pair][16] */
     float o[4][16][16] __attribute__((aligned(64)));
     _tile_loadconfig(&cfg_values);
-    for (int64_t g = 0; g < kv_heads; g++)
+    for (int64_t g = 0; g < groups; g++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             _tile_zero(4);
             _tile_zero(5);
@@ -864,7 +865,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             _tile_zero(7);
             for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
                 const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
-                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g * D + d0) * 2;
+                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
                 /* keys 2i and 2i + 1 side by side per dim; the unpacks work within 128-bit lanes, so group
                  * c holds dims 32 (c / 2) + 8 L + 4 (c % 2) + u in lane 4 L + u (undone at the store) */
                 for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
@@ -925,9 +926,12 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
                                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                int num_threads) {
-    const int64_t n_rep = heads / kv_heads;
-    if (head_dim % 64 || block_size % PA_AMX_KEYS || n_rep > 16 || !amx_permitted()) return 0;
-    const int64_t tile_tokens = 16 / n_rep; /* at most 16 query rows per KV head: a tile's columns */
+    if (head_dim % 64 || block_size % PA_AMX_KEYS || !amx_permitted()) return 0;
+    /* at most 16 query rows per group of a KV head's query heads (a tile's columns): more than 16
+     * query heads per KV head split into equal groups */
+    int64_t split = (heads / kv_heads + 15) / 16;
+    while ((heads / kv_heads) % split) split++;
+    const int64_t n_rep = heads / kv_heads / split, tile_tokens = 16 / n_rep;
     int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
     item_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -949,9 +953,9 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
             char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * 2;
             const int32_t *table = block_tables + b * max_blocks;
             if (head_dim == 64)
-                pa_amx_item(&args, 64, kv_heads, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+                pa_amx_item(&args, 64, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
             else
-                pa_amx_item(&args, head_dim, kv_heads, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+                pa_amx_item(&args, head_dim, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
         }
         _tile_release(); /* the thread's tile state back to init: no 8 KB of it saved at each switch */
     }
@@ -960,9 +964,9 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
 }
 #endif
 
-/* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles (with at
- * most 16 query heads per KV head; more take pa_tile): then it beats torch's SDPA on prefill chunks
- * too (bench/NOTES.md), and CpuKernelBackend hands it those as well. */
+/* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles: then it
+ * beats torch's SDPA on prefill chunks too (bench/NOTES.md), and CpuKernelBackend hands it those as
+ * well. */
 int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 #ifdef PA_AMX
     return bf16 && head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_permitted();

@@ -165,9 +165,12 @@ def on_tiles(kernels: ck.CpuKernels, head_dim: int, block_size: int) -> bool:
     return kernels.paged_attention_on_tiles(torch.bfloat16, head_dim, block_size)
 
 
-# query heads per KV head 16 (a tile's 16 columns, one token each), 5 (3 tokens of 15 rows), 2;
-# prompts with and without a prefix, over several 16-key runs, odd lengths, decodes beside them
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(16, 1, 64), (10, 2, 64), (6, 3, 128)], ids=str)
+# query heads per KV head 16 (a tile's 16 columns, one token each), 5 (3 tokens of 15 rows), 2, and
+# past a tile's columns: 20 (two groups of 10), 17 (17 groups of 1); prompts with and without a
+# prefix, over several 16-key runs, odd lengths, decodes beside them
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(16, 1, 64), (10, 2, 64), (6, 3, 128), (40, 2, 64), (17, 1, 64)], ids=str
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_attention_tiles_match_reference(kernels, heads, kv_heads, head_dim, block_size):
     if not on_tiles(kernels, head_dim, block_size):
