@@ -97,6 +97,8 @@ class CpuKernels:
         self._bf16_pairs = getattr(lib, "interleaved_linear_bf16_pairs", None)
         if self._bf16_pairs is not None:
             self._bf16_pairs.argtypes, self._bf16_pairs.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), None
+        self._lib.paged_attention_on_tiles.argtypes = (_i32, _i64, _i64)  # dtype, head_dim, block_size
+        self._lib.paged_attention_on_tiles.restype = ctypes.c_int
 
     def address(self, name: str) -> int | None:
         """The entry point `name` as a C function address (engine/csrc/decode_step.c calls the
@@ -157,6 +159,12 @@ class CpuKernels:
             seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.shape[0], k_cache.data_ptr(),
             v_cache.data_ptr(), heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
+
+    def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether paged_attention runs on AMX tiles for caches of this dtype, head_dim and block size
+        here (bfloat16, head_dim a multiple of 64, blocks a multiple of 16 keys, a CPU and OS that
+        grant AMX): then it also beats torch's SDPA on prefill chunks."""
+        return dtype in _DTYPE_CODES and bool(self._lib.paged_attention_on_tiles(_DTYPE_CODES[dtype], head_dim, block_size))
 
     def interleave(self, weight: torch.Tensor) -> torch.Tensor:
         """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16); bfloat16

@@ -4,7 +4,7 @@ OneDnnBackend: the torch backend's operations with every dense linear's weight r
 load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
 bfloat16 alike; bench/NOTES.md).
 
-CpuKernelBackend: also norms, RoPE + cache write, paged decode attention and SiLU-mul through
+CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX) and SiLU-mul through
 engine.cpu_kernels (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
@@ -145,7 +145,12 @@ class CpuKernelBackend(OneDnnBackend):
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
-        if chunk_size is None and k_cache.shape[-1] % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
+        head_dim = k_cache.shape[-1]
+        if chunk_size is None and prefills and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size):
+            meta = _all_sequences_metadata(inputs, rope)  # prefill chunks and decodes in one call
+            check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
+            return meta
+        if chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
             meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
             check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
             return meta
@@ -203,14 +208,16 @@ class CpuKernelBackend(OneDnnBackend):
 
 @dataclass(slots=True)
 class PagedAttentionMetadata(AttentionMetadata):
-    """The decodes as CpuKernels.paged_attention reads them (`decodes` stays None); prefill chunks
-    stay in `prefills` for torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
-    loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams')."""
+    """Sequences as CpuKernels.paged_attention reads them (`decodes` stays None). Where the kernel
+    runs on AMX tiles (CpuKernels.paged_attention_on_tiles) a step with prefill chunks gives it every
+    sequence (1.3-2.5x faster than SDPA on them, bench/NOTES.md); elsewhere it gets the decodes only
+    and prefill chunks stay in `prefills` for torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the
+    kernel's float32 loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams')."""
 
-    row_start: torch.Tensor  # [decodes] int32, flat-batch row of each decode token
-    new_tokens: torch.Tensor  # [decodes] int32, all 1
-    seq_lens: torch.Tensor  # [decodes] int32, K/V length including this step's token
-    block_tables: torch.Tensor  # [decodes, max_blocks] int32
+    row_start: torch.Tensor  # [sequences] int32, flat-batch row of each sequence's first new token
+    new_tokens: torch.Tensor  # [sequences] int32, its new tokens (1 for a decode)
+    seq_lens: torch.Tensor  # [sequences] int32, K/V length including this step's tokens
+    block_tables: torch.Tensor  # [sequences, max_blocks] int32
 
 
 def _paged_attention_metadata(
@@ -222,6 +229,17 @@ def _paged_attention_metadata(
     row_start, tables, seq_lens = _decode_rows(inputs, decodes, starts, torch.int32)
     ones = torch.ones(len(decodes), dtype=torch.int32)
     return PagedAttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, None, rope, row_start, ones, seq_lens, tables)
+
+
+def _all_sequences_metadata(inputs: StepInputs, rope: torch.Tensor) -> PagedAttentionMetadata:
+    """Every sequence of the step, prefill chunks (with or without a cached prefix) and decodes
+    alike, for one paged_attention call; no prefills left for SDPA."""
+    starts = inputs.query_start_loc.to(torch.int32)
+    row_start, new_tokens = starts[:-1].contiguous(), (starts[1:] - starts[:-1]).contiguous()
+    return PagedAttentionMetadata(
+        inputs.positions, inputs.slot_mapping, [], None, rope, row_start, new_tokens, inputs.seq_lens.contiguous(),
+        inputs.block_tables.contiguous(),
+    )  # fmt: skip
 
 
 def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
@@ -257,6 +275,12 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
     decode = None  # (block tables, seq_lens, rows, the rows' dtype), as the step's kernel reads them
     if isinstance(meta, PagedAttentionMetadata):
         decode = (meta.block_tables, meta.seq_lens, meta.row_start, torch.int32)
+        # a sequence's new tokens: at least 1, no more than its K/V, rows inside the step
+        ranges += [
+            (meta.new_tokens - 1, 1 << 30, "new token count - 1", torch.int32),
+            (meta.seq_lens - meta.new_tokens, 1 << 30, "cached prefix length", torch.int32),
+            (meta.row_start + meta.new_tokens - 1, inputs.num_tokens, "last new row", torch.int32),
+        ]  # fmt: skip
     elif meta.decodes is not None:
         decode = (meta.decodes.block_tables, meta.decodes.seq_lens, meta.decodes.rows, torch.int64)
     if decode is not None:

@@ -697,8 +697,10 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
  * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
- * values per row. head_dim a multiple of 16. CpuKernelBackend runs the decodes through it; prefill
- * chunks stay with torch's SDPA, whose bf16 GEMMs beat these float32 loops (bench/NOTES.md). */
+ * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
+ * (below) instead, which also beats torch's SDPA on prefill chunks; elsewhere CpuKernelBackend runs
+ * the decodes through this path and prefill chunks stay with SDPA, whose bf16 GEMMs beat these
+ * float32 loops (bench/NOTES.md). */
 typedef float pa_v16f __attribute__((vector_size(64)));
 typedef uint16_t pa_v16h __attribute__((vector_size(32)));
 typedef uint32_t pa_v16u __attribute__((vector_size(64)));
@@ -869,10 +871,24 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PA_AMX 1 /* paged_attention_amx below */
+static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                               const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
+                               int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               int num_threads);
+#endif
+
 void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
                      const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
                      const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, float scale, int num_threads) {
+#ifdef PA_AMX
+    if (bf16 && paged_attention_amx(qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks,
+                                    num_seqs, k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, num_threads))
+        return;
+#endif
     const size_t es = elem_size(bf16);
     const int64_t n_rep = heads / kv_heads, tile_tokens = n_rep < PA_TILE_ROWS ? PA_TILE_ROWS / n_rep : 1;
     /* items: sequence b's are [item_begin[b], item_begin[b + 1]), KV head major */
@@ -905,4 +921,288 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
             pa_tile(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
     }
     free(item_begin);
+}
+
+#ifdef PA_AMX
+/* ------------------------------------------------------------------------------------------ paged attention on AMX tiles
+ * paged_attention for bfloat16 caches on CPUs with AMX (head_dim a multiple of 64, blocks a multiple
+ * of 16 keys). Items are (sequence, tile of tokens) with every
+ * KV head in them, so a run of 16 keys is one block's contiguous K (and V) rows for all heads.
+ * Two passes per item, no online rescaling:
+ * - scores: S^T [16 keys, N query rows] = K Q^T per KV head and run, K the cache's rows as they are
+ *   (a tile load with the slot stride: no copy, no transpose), Q^T packed once per item; then an
+ *   exact softmax per row over all its keys, the weights rounded to bfloat16 (as torch's bfloat16
+ *   SDPA rounds them before P V) and summed as rounded, so each output is their weighted mean;
+ * - values: O [N, 64] += P [N, 16 keys] V [16 keys, 64] per run, V's key pairs interleaved (what
+ *   the tile multiply reads) into an L1 buffer, O accumulating in four tiles over all runs.
+ * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
+ * rounding pa_tile lacks is P's. */
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) AmxTileConfig;
+
+/* Linux hands out the AMX tile state on request only (ARCH_REQ_XCOMP_PERM for XTILEDATA), once per
+ * process; the answer is cached because it cannot change (oneDNN asks the same). */
+static int amx_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
+    }
+    return s > 0;
+}
+
+/* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
+ * values pass: tile 0 P [N, 16 keys], 1-3 V [8 key pairs, 16 dims], 4-7 O [N, 16 dims] */
+static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n) {
+    memset(scores, 0, sizeof(*scores));
+    memset(values, 0, sizeof(*values));
+    scores->palette = values->palette = 1;
+    for (int t = 0; t <= 6; t++) scores->rows[t] = PA_AMX_KEYS, scores->colsb[t] = t == 3 || t == 4 ? 64 : (uint16_t)(4 * n);
+    values->rows[0] = (uint8_t)n;
+    values->colsb[0] = 2 * PA_AMX_KEYS;
+    for (int t = 1; t <= 3; t++) values->rows[t] = PA_AMX_KEYS / 2, values->colsb[t] = 64;
+    for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
+}
+
+/* exp_approx on 16 lanes (in intrinsics: the auto-vectorized loop split into 256-bit halves, whose
+ * stores a 512-bit reload could not forward), 0 below -46 as in pa_tile (such a weight changes no
+ * float sum) */
+static inline __m512 pa_amx_exp(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(scale));
+}
+
+/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
+ * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
+ * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. */
+static inline __attribute__((always_inline)) void pa_amx_item(
+    const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
+    int64_t prefix, int64_t tok0, int64_t tok1) {
+    const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
+    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
+    const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
+    /* one allocation: Q^T [g][chunk][dim pair][N], scores [g][N][padded], their softmax rounded (same shape) */
+    const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
+    char *scratch = aligned_alloc(64, qt_bytes + scores_bytes + (scores_bytes / 2 + 63) / 64 * 64);
+    uint32_t *qt = (uint32_t *)scratch;
+    float *scores = (float *)(scratch + qt_bytes);
+    bf16_t *p = (bf16_t *)(scratch + qt_bytes + scores_bytes);
+    float inv_sum[groups * N];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t r = 0; r < N; r++) { /* query row r's 16 dim pairs of each chunk down column r */
+            const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2;
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_i32scatter_epi32(qt + (g * chunks + c) * 16 * N + r, column, _mm512_loadu_si512(src + c * 64), 4);
+        }
+    AmxTileConfig cfg_scores, cfg_values;
+    amx_configs(&cfg_scores, &cfg_values, N);
+    float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][N] of three heads */
+    _tile_loadconfig(&cfg_scores);
+    for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
+        const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
+        const size_t run = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes;
+        const int64_t key1 = key0 + PA_AMX_KEYS;
+        const size_t next = key1 < n_keys ? ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes : 0;
+        /* Tiles are not renamed: a load into a tile waits for the multiply still reading it. So the
+         * heads take turns over three S^T tiles, and the K and Q^T chunks alternate between two tiles
+         * each: the next multiply's operands load while the last one runs. */
+        for (int64_t g = 0; g < groups; g++) {
+            if (key1 < n_keys) { /* the next run's K and V rows (one contiguous span each), a head's
+                                  * share at a time so the misses spread over this run's work */
+                const size_t lo = run_bytes * g / groups & ~(size_t)63, hi = run_bytes * (g + 1) / groups;
+                for (size_t line = lo; line < hi; line += 64) {
+                    __builtin_prefetch(a->k_cache + next + line, 0, 3);
+                    __builtin_prefetch(a->v_cache + next + line, 0, 3);
+                }
+            }
+            const char *k = a->k_cache + run + (size_t)(g / split * D) * 2;
+            const uint32_t *qg = qt + g * chunks * 16 * N;
+            for (int64_t c = 0; c < chunks; c++) {
+#define PA_AMX_QK(S, K, Q)                                                                                 \
+    do {                                                                                                   \
+        if (c == 0) _tile_zero(S);                                                                         \
+        _tile_loadd(K, k + c * 64, (long)slot_bytes);                                                      \
+        _tile_loadd(Q, qg + c * 16 * N, 4 * N);                                                            \
+        _tile_dpbf16ps(S, K, Q);                                                                           \
+    } while (0)
+                const int64_t turn = (g * chunks + c) & 1;
+                switch (g % 3) {
+                case 0: if (turn) PA_AMX_QK(0, 4, 6); else PA_AMX_QK(0, 3, 5); break;
+                case 1: if (turn) PA_AMX_QK(1, 4, 6); else PA_AMX_QK(1, 3, 5); break;
+                default: if (turn) PA_AMX_QK(2, 4, 6); else PA_AMX_QK(2, 3, 5); break;
+                }
+#undef PA_AMX_QK
+            }
+            float *s_g = s_t + (g % 3) * PA_AMX_KEYS * 16;
+            switch (g % 3) {
+            case 0: _tile_stored(0, s_g, 4 * N); break;
+            case 1: _tile_stored(1, s_g, 4 * N); break;
+            default: _tile_stored(2, s_g, 4 * N); break;
+            }
+            if (g + 1 < groups && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
+            for (int64_t h = g - g % 3; h <= g; h++)
+                for (int64_t r = 0; r < N; r++) {
+                    const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
+                    const __mmask16 keep = m >= 16 ? 0xffff : (m <= 0 ? 0 : (__mmask16)((1u << m) - 1));
+                    const __m512 raw = _mm512_i32gather_ps(column, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
+                    const __m512 s = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
+                    _mm512_store_ps(scores + (h * N + r) * padded + key0, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
+                }
+        }
+    }
+    for (int64_t row = 0; row < groups * N; row++) { /* softmax; weights rounded to bfloat16 */
+        const float *s = scores + row * padded;
+        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        for (int64_t j = 0; j < padded; j += 16) {
+            const __m256bh w = _mm512_cvtneps_pbh(pa_amx_exp(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
+            _mm256_store_si256((__m256i *)(p + row * padded + j), (__m256i)w);
+            vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
+        }
+        inv_sum[row] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    uint32_t v_pairs[4][PA_AMX_KEYS / 2][16] __attribute__((aligned(64))); /* V of a run, 64 dims: [dim group][key pair][16] */
+    float o[4][16][16] __attribute__((aligned(64)));
+    _tile_loadconfig(&cfg_values);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
+                const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
+                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
+                /* keys 2i and 2i + 1 side by side per dim; the unpacks work within 128-bit lanes, so group
+                 * c holds dims 32 (c / 2) + 8 L + 4 (c % 2) + u in lane 4 L + u (undone at the store) */
+                for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
+                    const char *ka = v + (size_t)(2 * i) * slot_bytes, *kb = ka + slot_bytes;
+                    const __m512i zero = _mm512_setzero_si512();
+                    const __m512i a0 = 2 * i < n ? _mm512_loadu_si512(ka) : zero, a1 = 2 * i < n ? _mm512_loadu_si512(ka + 64) : zero;
+                    const __m512i b0 = 2 * i + 1 < n ? _mm512_loadu_si512(kb) : zero, b1 = 2 * i + 1 < n ? _mm512_loadu_si512(kb + 64) : zero;
+                    _mm512_store_si512(v_pairs[0][i], _mm512_unpacklo_epi16(a0, b0));
+                    _mm512_store_si512(v_pairs[1][i], _mm512_unpackhi_epi16(a0, b0));
+                    _mm512_store_si512(v_pairs[2][i], _mm512_unpacklo_epi16(a1, b1));
+                    _mm512_store_si512(v_pairs[3][i], _mm512_unpackhi_epi16(a1, b1));
+                }
+                _tile_loadd(0, p + g * N * padded + key0, padded * 2);
+                /* the four groups' V through tiles 1-3 in turn, continuing from run to run, so each
+                 * load finds its tile's last multiply two multiplies back */
+#define PA_AMX_PV(A, B, C, D)                 \
+    do {                                      \
+        _tile_loadd(A, v_pairs[0], 64);       \
+        _tile_dpbf16ps(4, 0, A);              \
+        _tile_loadd(B, v_pairs[1], 64);       \
+        _tile_dpbf16ps(5, 0, B);              \
+        _tile_loadd(C, v_pairs[2], 64);       \
+        _tile_dpbf16ps(6, 0, C);              \
+        _tile_loadd(D, v_pairs[3], 64);       \
+        _tile_dpbf16ps(7, 0, D);              \
+    } while (0)
+                switch (key0 / PA_AMX_KEYS % 3) {
+                case 0: PA_AMX_PV(1, 2, 3, 1); break;
+                case 1: PA_AMX_PV(2, 3, 1, 2); break;
+                default: PA_AMX_PV(3, 1, 2, 3); break;
+                }
+#undef PA_AMX_PV
+            }
+            _tile_stored(4, o[0], 64);
+            _tile_stored(5, o[1], 64);
+            _tile_stored(6, o[2], 64);
+            _tile_stored(7, o[3], 64);
+            /* dims 32 h + 0..15 and 32 h + 16..31 from groups 2 h and 2 h + 1 (lane 16 + t: the second's t) */
+            const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+            const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+            for (int64_t r = 0; r < N; r++) {
+                char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D + d0)) * 2;
+                const __m512 inv = _mm512_set1_ps(inv_sum[g * N + r]);
+                for (int h = 0; h < 2; h++) {
+                    const __m512 x = _mm512_load_ps(o[2 * h][r]), y = _mm512_load_ps(o[2 * h + 1][r]);
+                    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(x, low, y), inv);
+                    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(x, high, y), inv);
+                    _mm512_storeu_si512(dst + h * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+        }
+    free(scratch);
+}
+
+/* paged_attention through pa_amx_item where it applies (returns 1), else 0 and nothing done. */
+static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                               const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
+                               int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               int num_threads) {
+    if (head_dim % 64 || block_size % PA_AMX_KEYS || !amx_permitted()) return 0;
+    /* at most 16 query rows per group of a KV head's query heads (a tile's columns): more than 16
+     * query heads per KV head split into equal groups */
+    int64_t split = (heads / kv_heads + 15) / 16;
+    while ((heads / kv_heads) % split) split++;
+    const int64_t n_rep = heads / kv_heads / split, tile_tokens = 16 / n_rep;
+    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    item_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        item_begin[b + 1] = item_begin[b] + (new_tokens[b] + tile_tokens - 1) / tile_tokens;
+        work += new_tokens[b] * seq_lens[b];
+    }
+    const int64_t items = item_begin[num_seqs];
+    const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
+                            q_stride, heads * head_dim, 1, scale};
+#pragma omp parallel num_threads(num_threads) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            int64_t b = 0;
+            while (item_begin[b + 1] <= item) b++;
+            const int64_t n_new = new_tokens[b], tok0 = (item - item_begin[b]) * tile_tokens;
+            const int64_t tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
+            const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * 2;
+            char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * 2;
+            const int32_t *table = block_tables + b * max_blocks;
+            if (head_dim == 64)
+                pa_amx_item(&args, 64, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+            else
+                pa_amx_item(&args, head_dim, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+        }
+        _tile_release(); /* the thread's tile state back to init: no 8 KB of it saved at each switch */
+    }
+    free(item_begin);
+    return 1;
+}
+#endif
+
+/* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles: then it
+ * beats torch's SDPA on prefill chunks too (bench/NOTES.md), and CpuKernelBackend hands it those as
+ * well. */
+int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
+#ifdef PA_AMX
+    return bf16 && head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_permitted();
+#else
+    (void)bf16, (void)head_dim, (void)block_size;
+    return 0;
+#endif
 }

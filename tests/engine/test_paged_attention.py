@@ -158,3 +158,70 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     assert long.num_computed_tokens == 40
     paths.step([long] + short, [1] * (len(short) + 1))  # every sequence decodes
     assert len(calls) == len(fused_model[0].layers) * 5
+
+
+# --------------------------------------------------------------------------- on AMX tiles (bfloat16)
+def on_tiles(kernels: ck.CpuKernels, head_dim: int, block_size: int) -> bool:
+    return kernels.paged_attention_on_tiles(torch.bfloat16, head_dim, block_size)
+
+
+# query heads per KV head 16 (a tile's 16 columns, one token each), 5 (3 tokens of 15 rows), 2, and
+# past a tile's columns: 20 (two groups of 10), 17 (17 groups of 1); prompts with and without a
+# prefix, over several 16-key runs, odd lengths, decodes beside them
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(16, 1, 64), (10, 2, 64), (6, 3, 128), (40, 2, 64), (17, 1, 64)], ids=str
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_tiles_match_reference(kernels, heads, kv_heads, head_dim, block_size):
+    if not on_tiles(kernels, head_dim, block_size):
+        pytest.skip("no AMX tiles here: the vector path, which the other tests cover")
+    new_tokens, kv_lens = [1, 70, 33, 1, 16, 1], [161, 120, 33, 16, 47, 2]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=heads)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=torch.bfloat16)
+    kernels.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), torch.bfloat16)
+
+
+def test_paged_attention_on_tiles_shapes(kernels):
+    """Never for float32, head_dims other than multiples of 64, or blocks not a multiple of 16 keys."""
+    assert not kernels.paged_attention_on_tiles(torch.float32, 64, 16)
+    assert not kernels.paged_attention_on_tiles(torch.bfloat16, 32, 16)
+    assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 8)
+    assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 24)
+
+
+@pytest.fixture(scope="module")
+def head64_checkpoint(tmp_path_factory, tiny_model_args):
+    """The tiny model with head_dim 64 (dim 256, 4 query / 2 KV heads): the shape the tiles take."""
+    import dataclasses
+
+    from engine.checkpoint import write_random_checkpoint
+
+    args = dataclasses.replace(tiny_model_args, dim=256)
+    return write_random_checkpoint(tmp_path_factory.mktemp("head64"), args, num_shards=1, seed=0, dtype=torch.float32)
+
+
+def test_prefill_chunks_on_tiles_match_torch(kernels, head64_checkpoint, monkeypatch):
+    """Where the kernel runs on tiles, steps with prefill chunks (with and without a cached prefix,
+    decodes beside them) go to it whole, SDPA unused; logits, caches and greedy tokens match the
+    torch path's step after step."""
+    if not on_tiles(kernels, 64, 16):
+        pytest.skip("no AMX tiles here: prefill chunks stay with SDPA")
+    models = build_model(head64_checkpoint, torch.bfloat16, kernels), build_model(head64_checkpoint, torch.bfloat16, None)
+    calls = []
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    monkeypatch.setattr("engine.backends.cpu.prefill_attention", None)  # the fused path's SDPA: any call fails
+    monkeypatch.setattr("tests.engine.test_cpu_kernels.BLOCK_SIZE", 16)  # the harness's 8 is not a tile's 16
+    paths = TwoPaths(models)
+    vocab = models[0].vocab_size
+    short = make_seqs(vocab, [3, 5, 20, 12], seed=13)
+    long = make_seqs(vocab, [60], seed=14)[0]
+    long.seq_id = len(short)
+    paths.step(short, [s.num_tokens for s in short])  # prompts only
+    assert len(calls) == len(models[0].layers)
+    for _ in range(3):  # decodes beside the long prompt's chunks (behind a prefix from the 2nd)
+        paths.step(short + [long], [1] * len(short) + [17])
+    paths.step([long] + short, [9] + [1] * len(short))
+    assert long.num_computed_tokens == 60
+    assert len(calls) == len(models[0].layers) * 5
+
