@@ -11,15 +11,25 @@ the median per round is printed (the machine may be shared: read the ratios).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+# as the server does (server/__main__.py): libgomp's default spin at each barrier makes 2-thread
+# timings meaningless whenever anything else runs on the cores
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-from engine.amx_linear import load_amx_linear
-from engine.backends.cpu import pack_weight
-from engine.cpu_kernels import load_cpu_kernels
-from engine.memory import onednn_rows
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.amx_linear import load_amx_linear  # noqa: E402
+from engine.backends.cpu import pack_weight  # noqa: E402
+from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
+from engine.memory import onednn_rows  # noqa: E402
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # qkv, w13, wo, w2 [out, in]
 

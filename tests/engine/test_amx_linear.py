@@ -139,3 +139,14 @@ def test_the_plain_x86_64_v2_build_runs_the_tiles(kernels, amx, tmp_path):
     weight, x = torch.randn(96, 64).bfloat16(), torch.randn(19, 64).bfloat16()
     pairs = kernels.interleave(weight)
     assert torch.equal(v2.linear(x, pairs, 2), amx.linear(x, pairs, 2))
+
+
+def test_the_bfloat16_kernel_backend_packs_for_amx(kernels, amx):
+    """CpuKernelBackend at bfloat16 hands its packed linears the AMX kernel (so the fused-model tests
+    in test_cpu_kernels.py run their 2..64-row steps through it); at float32 it does not."""
+    from engine.backends.cpu import CpuKernelBackend
+
+    bf16 = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels)
+    layer = bf16.special_linear(bf16.prepare_linear(torch.randn(96, 64).bfloat16()))
+    assert isinstance(layer, PackedCpuLinear) and layer._many_rows is not None
+    assert CpuKernelBackend(torch.device("cpu"), torch.float32, kernels).amx is None
