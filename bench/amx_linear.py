@@ -11,6 +11,7 @@ the median per round is printed (the machine may be shared: read the ratios).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in DEMO_SHAPES), help="OUTxIN,...")
     parser.add_argument("--cold-mb", type=int, default=600, help="weight bytes rotated per shape")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels, amx = load_cpu_kernels(), load_amx_linear()
@@ -57,7 +59,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         copies = max(2, args.cold_mb * 2**20 // (n * k * 2))
-        packed = [pack_weight(torch.randn(n, k).to(torch.bfloat16), kernels) for _ in range(copies)]
+        # every weight gets its pairs copy here, whatever its size (pack_weight keeps one up to 8 MiB)
+        packed = [dataclasses.replace(p, interleaved=kernels.interleave(p_w)) for p_w in (torch.randn(n, k).to(torch.bfloat16) for _ in range(copies)) for p in (pack_weight(p_w),)]
         weight_gb = n * k * 2 / 1e9
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(torch.bfloat16)
@@ -65,7 +68,7 @@ def main() -> None:
             onednn = lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p.packed, None, "none", [], "")  # noqa: E731
             tiles = lambda p: amx.linear(x, p.interleaved, args.threads)  # noqa: E731
             pairs = lambda p: kernels.interleaved_linear(x, p.interleaved, args.threads)  # noqa: E731
-            paths = {"onednn": onednn, "amx": tiles, "pairs": pairs}
+            paths = {name: fn for name, fn in {"onednn": onednn, "amx": tiles, "pairs": pairs}.items() if name in args.paths.split(",")}
             times = {name: [] for name in paths}
             for fn in paths.values():  # warm-up: primitives created, pages touched
                 fn(packed[0])
@@ -74,7 +77,7 @@ def main() -> None:
                     times[name].append(time_per_call_us(fn, packed, copies))
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = "  ".join(f"{name} {us:7.1f} us ({weight_gb / us * 1e6:5.1f} GB/s)" for name, us in med.items())
-            print(f"[{n}x{k}] rows {rows:3d}: {cells}  onednn/amx {med['onednn'] / med['amx']:.2f}", flush=True)
+            print(f"[{n}x{k}] rows {rows:3d}: {cells}  onednn/amx {med.get('onednn', 0) / med.get('amx', 1):.2f}", flush=True)
         del packed
 
 
