@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.amx_linear import AmxLinear, load_amx_linear
 from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes, PrefillChunk
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
-from engine.amx_linear import AmxLinear, load_amx_linear
 from engine.cpu_kernels import CpuKernels
 from engine.memory import onednn_rows
 from engine.step_inputs import StepInputs
@@ -35,9 +35,9 @@ PACK_BATCH_HINT = 16
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/csrc/amx_linear.c) on the
-# pairs copy where the CPU has them: it streamed the demo's weights 1.1-2x faster than oneDNN at
-# every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
-# (prefill chunks) stay with oneDNN.
+# pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES): it streamed the demo's and the 1.1B model's weights 1.1-1.7x
+# faster than oneDNN at every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears');
+# larger batches (prefill chunks) stay with oneDNN, level with it or ahead at up to 256 rows only.
 AMX_MAX_ROWS = 64
 
 
