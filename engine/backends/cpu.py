@@ -35,9 +35,10 @@ PACK_BATCH_HINT = 16
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/csrc/amx_linear.c) on the
-# pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES): it streamed the demo's and the 1.1B model's weights 1.1-1.7x
-# faster than oneDNN at every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears');
-# larger batches (prefill chunks) stay with oneDNN, level with it or ahead at up to 256 rows only.
+# pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
+# the kernel streamed the demo's and the 1.1B model's weight shapes 1.1-1.7x faster than oneDNN at
+# every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
+# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows.
 AMX_MAX_ROWS = 64
 
 
