@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.amx_linear import AmxLinear, load_amx_linear
 from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes, PrefillChunk
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
@@ -32,6 +33,13 @@ PACK_BATCH_HINT = 16
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
 # for larger weights the copy would cost memory for little (bench/NOTES.md).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
+
+# bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/csrc/amx_linear.c) on the
+# pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
+# the kernel streamed the demo's and the 1.1B model's weight shapes 1.1-1.7x faster than oneDNN at
+# every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
+# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows.
+AMX_MAX_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +63,10 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None) -> Pack
 
 class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
-    when there is one."""
+    when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows through AMX tiles on
+    that same copy (the pairs layout is the AMX weight-tile layout: no further copy)."""
 
-    def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None) -> None:
         super().__init__()
         self.register_buffer("packed_weight", weight.packed, persistent=False)
         self.out_features, self.in_features = weight.out_features, weight.in_features
@@ -65,10 +74,16 @@ class PackedCpuLinear(nn.Module):
         self._kernels = kernels
         # bound once: the decode step's ~120 calls skip the module's buffer lookups
         self._one_row = kernels.bind_interleaved(weight.interleaved) if kernels is not None and weight.interleaved is not None else None
+        self._many_rows = None
+        if self._one_row is not None and amx is not None and AmxLinear.supports(weight.interleaved):
+            self._many_rows = amx.bind(weight.interleaved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_row is not None and x.shape[0] == 1:
+        rows = x.shape[0]
+        if self._one_row is not None and rows == 1:
             return self._one_row(x.contiguous(), torch.get_num_threads())
+        if self._many_rows is not None and 2 <= rows <= AMX_MAX_ROWS and x.dim() == 2 and x.dtype == torch.bfloat16:
+            return self._many_rows(x.contiguous(), torch.get_num_threads())
         return self._onednn(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,13 +133,14 @@ class OneDnnBackend(TorchBackend):
 
     name = "onednn"
     kernels: CpuKernels | None = None
+    amx: AmxLinear | None = None
 
     def prepare_linear(self, weight):
         return pack_weight(weight, self.kernels) if isinstance(weight, torch.Tensor) else weight
 
     def special_linear(self, weight) -> Linear:
         if isinstance(weight, PackedWeight):
-            return PackedCpuLinear(weight, self.kernels)
+            return PackedCpuLinear(weight, self.kernels, self.amx)
         return super().special_linear(weight)
 
 
@@ -137,6 +153,7 @@ class CpuKernelBackend(OneDnnBackend):
     def __init__(self, device: torch.device, dtype: torch.dtype, kernels: CpuKernels, *, quantization: str | None = None) -> None:
         super().__init__(device, dtype, quantization=quantization)
         self.kernels = kernels
+        self.amx = load_amx_linear() if dtype == torch.bfloat16 else None
 
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         k_cache = cache[0]

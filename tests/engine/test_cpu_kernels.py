@@ -788,7 +788,7 @@ def test_every_source_is_prebuilt_and_loaded_from_the_image_dir(tmp_path, monkey
         built = ck.prebuild(tmp_path, ["x86-64-v2"])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
-    assert {path.name.split("-")[0] for path in built} == {"cpu_kernels", "decode_step", "quant_kernels"}
+    assert {path.name.split("-")[0] for path in built} == {"amx_linear", "cpu_kernels", "decode_step", "quant_kernels"}
     monkeypatch.setenv(ck.PREBUILT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent-compiler")  # building instead would fail
     for source in ck.all_sources():

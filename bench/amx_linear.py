@@ -1,0 +1,90 @@
+"""Cold-weight A/B of bfloat16 linears: engine/csrc/amx_linear.c (AMX tiles) against oneDNN on its
+packed weight (PackedCpuLinear._onednn's call) and the one-row pairs kernel, for decode batch sizes.
+
+Each shape gets enough distinct weights (over --cold-mb in all) that every call reads its weight
+from DRAM, as in a decode step over 30 layers; the paths run interleaved, round after round, and
+the median per round is printed (the machine may be shared: read the ratios).
+
+    python bench/amx_linear.py --threads 2 --rows 2,8,16,32,64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# as the server does (server/__main__.py): libgomp's default spin at each barrier makes 2-thread
+# timings meaningless whenever anything else runs on the cores
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.amx_linear import load_amx_linear  # noqa: E402
+from engine.backends.cpu import PackedWeight, pack_weight  # noqa: E402
+from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
+from engine.memory import onednn_rows  # noqa: E402
+
+DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # qkv, w13, wo, w2 [out, in]
+
+
+def with_pairs(weight: torch.Tensor, kernels) -> PackedWeight:
+    """pack_weight's copies, with the pairs copy whatever the weight's size (pack_weight keeps one up
+    to INTERLEAVED_MAX_WEIGHT_BYTES only): the 1.1B model's shapes are timed too."""
+    return dataclasses.replace(pack_weight(weight), interleaved=kernels.interleave(weight))
+
+
+def time_per_call_us(fn, weights: list, calls_per_round: int) -> float:
+    start = time.perf_counter()
+    for i in range(calls_per_round):
+        fn(weights[i % len(weights)])
+    return (time.perf_counter() - start) / calls_per_round * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="2,4,8,16,32,64")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in DEMO_SHAPES), help="OUTxIN,...")
+    parser.add_argument("--cold-mb", type=int, default=600, help="weight bytes rotated per shape")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels, amx = load_cpu_kernels(), load_amx_linear()
+    if kernels is None or amx is None:
+        raise SystemExit("needs the CPU kernels and AMX (amx_init failed or no compiler)")
+    print(f"threads {args.threads}, {args.cold_mb} MB of weights per shape, median of {args.rounds} interleaved rounds")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        copies = max(2, args.cold_mb * 2**20 // (n * k * 2))
+        packed = [with_pairs(torch.randn(n, k).to(torch.bfloat16), kernels) for _ in range(copies)]
+        weight_gb = n * k * 2 / 1e9
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            x_pad = torch.nn.functional.pad(x, (0, 0, 0, onednn_rows(rows) - rows))
+            onednn = lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p.packed, None, "none", [], "")  # noqa: E731
+            tiles = lambda p: amx.linear(x, p.interleaved, args.threads)  # noqa: E731
+            pairs = lambda p: kernels.interleaved_linear(x, p.interleaved, args.threads)  # noqa: E731
+            paths = {name: fn for name, fn in {"onednn": onednn, "amx": tiles, "pairs": pairs}.items() if name in args.paths.split(",")}
+            times = {name: [] for name in paths}
+            for fn in paths.values():  # warm-up: primitives created, pages touched
+                fn(packed[0])
+            for _ in range(args.rounds):
+                for name, fn in paths.items():
+                    times[name].append(time_per_call_us(fn, packed, copies))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            cells = "  ".join(f"{name} {us:7.1f} us ({weight_gb / us * 1e6:5.1f} GB/s)" for name, us in med.items())
+            print(f"[{n}x{k}] rows {rows:3d}: {cells}  onednn/amx {med.get('onednn', 0) / med.get('amx', 1):.2f}", flush=True)
+        del packed
+
+
+if __name__ == "__main__":
+    main()

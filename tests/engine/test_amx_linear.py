@@ -1,0 +1,152 @@
+"""The AMX bfloat16 linear (engine/amx_linear.py, engine/csrc/amx_linear.c) against torch: float32
+matmul of the same bfloat16 inputs, rounded once; thread counts agree bit for bit; shapes it cannot
+take are refused; PackedCpuLinear routes 2..AMX_MAX_ROWS bfloat16 rows through it on the pairs
+copy (no further weight copy) and the rest through oneDNN / the one-row kernel.
+
+Skipped (with the reason) where this CPU or OS has no AMX bfloat16 tiles or no compiler."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from engine import amx_linear as amx_mod
+from engine.backends import cpu
+from engine.backends.cpu import PackedCpuLinear, pack_weight
+from engine.cpu_kernels import library_path, load_cpu_kernels
+
+DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # [out, in]: qkv, w13, wo, w2
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    if k is None or k._bf16_pairs is None:
+        pytest.skip("no CPU kernels with the AVX512_BF16 pairs layout here")
+    return k
+
+
+@pytest.fixture(scope="module")
+def amx():
+    a = amx_mod.load_amx_linear()
+    if a is None:
+        pytest.skip("no AMX bfloat16 tiles on this CPU/OS (amx_init returned 0) or no compiler")
+    return a
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.float() @ weight.float().T
+
+
+def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Within one bfloat16 rounding of the float32 result plus float32 summation-order error."""
+    ref = reference(x, weight)
+    sum_scale = (x.float().abs() @ weight.float().abs().T)  # bounds the float32 rounding of any order
+    tol = ref.abs() * 2**-8 + sum_scale * 2**-20
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("n,k", DEMO_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65])
+def test_matches_float32_matmul(kernels, amx, n, k, rows):
+    torch.manual_seed(rows * 7 + n + k)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    out = amx.linear(x, kernels.interleave(weight), 2)
+    assert_close_to_reference(out, x, weight)
+
+
+def test_large_row_counts_and_odd_column_blocks(kernels, amx):
+    """More rows than one 32-row pass, and n an odd number of 16-column blocks (a last lone block)."""
+    torch.manual_seed(1)
+    weight, x = torch.randn(48, 64).bfloat16(), torch.randn(130, 64).bfloat16()
+    assert_close_to_reference(amx.linear(x, kernels.interleave(weight), 2), x, weight)
+
+
+@pytest.mark.parametrize("rows", [2, 17, 64])
+def test_thread_counts_agree_bit_for_bit(kernels, amx, rows):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(3072, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    pairs = kernels.interleave(weight)
+    assert torch.equal(amx.linear(x, pairs, 1), amx.linear(x, pairs, 2))
+
+
+def test_exact_on_integers(kernels, amx):
+    """Small integers: every product and sum is exact in float32 and bfloat16 alike."""
+    torch.manual_seed(2)
+    weight = torch.randint(-3, 4, (64, 96)).bfloat16()
+    x = torch.randint(-3, 4, (5, 96)).bfloat16()
+    assert torch.equal(amx.linear(x, kernels.interleave(weight), 2).float(), reference(x, weight))
+
+
+def test_k_not_a_multiple_of_32_is_refused(kernels, amx):
+    """The kernel has no partial k tile: such weights are refused at bind (and the C entry point
+    refuses the shape itself before touching memory)."""
+    pairs = kernels.interleave(torch.randn(32, 48).bfloat16())
+    assert not amx.supports(pairs)
+    with pytest.raises(ValueError):
+        amx.bind(pairs)
+    lib = ctypes.CDLL(str(library_path(amx_mod.SOURCE)))
+    x, out = torch.randn(2, 48).bfloat16(), torch.empty(2, 32, dtype=torch.bfloat16)
+    rc = lib.amx_linear_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(pairs.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                             ctypes.c_int64(2), ctypes.c_int64(32), ctypes.c_int64(48), ctypes.c_int(1))  # fmt: skip
+    assert rc == -1
+
+
+def test_packed_linear_routes_batches_through_amx(kernels, amx, monkeypatch):
+    """2..AMX_MAX_ROWS bfloat16 rows through the tiles, the rest through oneDNN; the pairs copy is
+    the only extra copy (resident_bytes unchanged by AMX)."""
+    torch.manual_seed(3)
+    weight = torch.randn(960, 576).bfloat16()
+    packed = pack_weight(weight, kernels)
+    with_amx, without = PackedCpuLinear(packed, kernels, amx), PackedCpuLinear(packed, kernels)
+    assert with_amx.resident_bytes() == without.resident_bytes()
+    calls = []
+    real_bind = amx.bind
+
+    def counting_bind(pairs):
+        fn = real_bind(pairs)
+        return lambda x, threads: calls.append(x.shape[0]) or fn(x, threads)
+
+    monkeypatch.setattr(amx, "bind", counting_bind)
+    layer = PackedCpuLinear(packed, kernels, amx)
+    for rows in (1, 2, 33, cpu.AMX_MAX_ROWS, cpu.AMX_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 576).bfloat16()
+        assert_close_to_reference(layer(x), x, weight)
+    assert calls == [2, 33, cpu.AMX_MAX_ROWS]
+
+
+def test_float32_layers_never_take_amx(kernels, amx):
+    packed = pack_weight(torch.randn(64, 64), kernels)
+    assert PackedCpuLinear(packed, kernels, amx)._many_rows is None
+
+
+def test_the_plain_x86_64_v2_build_runs_the_tiles(kernels, amx, tmp_path):
+    """The image's prebuilt libraries: amx_linear.c carries its own target attributes, so even the
+    lowest level's build runs AMX where amx_init allows it."""
+    import engine.cpu_kernels as ck
+
+    try:
+        (path,) = ck.prebuild(tmp_path, ["x86-64-v2"], [amx_mod.SOURCE])
+    except (OSError, ck.subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    lib = ctypes.CDLL(str(path))
+    assert lib.amx_init() == 1
+    v2 = amx_mod.AmxLinear(lib)
+    torch.manual_seed(4)
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(19, 64).bfloat16()
+    pairs = kernels.interleave(weight)
+    assert torch.equal(v2.linear(x, pairs, 2), amx.linear(x, pairs, 2))
+
+
+def test_the_bfloat16_kernel_backend_packs_for_amx(kernels, amx):
+    """CpuKernelBackend at bfloat16 hands its packed linears the AMX kernel (so the fused-model tests
+    in test_cpu_kernels.py run their 2..64-row steps through it); at float32 it does not."""
+    from engine.backends.cpu import CpuKernelBackend
+
+    bf16 = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels)
+    layer = bf16.special_linear(bf16.prepare_linear(torch.randn(96, 64).bfloat16()))
+    assert isinstance(layer, PackedCpuLinear) and layer._many_rows is not None
+    assert CpuKernelBackend(torch.device("cpu"), torch.float32, kernels).amx is None
