@@ -32,7 +32,6 @@ from pathlib import Path
 # barrier makes 2-thread timings meaningless whenever anything else runs on the cores
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 

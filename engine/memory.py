@@ -23,11 +23,13 @@ the growth (torch's ideep glue keeps its own, LRU_CACHE_CAPACITY); bounding both
 padding is the measured alternative (bench/NOTES.md, "Soak").
 
 WeightArena puts weights that a step streams in full (the one-row copies a batch-1 decode reads)
-into one buffer on 2 MiB transparent huge pages, in the order they are read. torch's allocator
-(THP_MEM_ALLOC_ENABLE) advises huge pages only for allocations of 2 MiB and more and the pages of
-each allocation's partial last 2 MiB stay 4 KiB ones, so a model's small linears streamed from
-4 KiB pages, a TLB miss every 4 KiB: the demo's 30 layers of one-row copies ran at 23-25 GB/s
-there against 25-27 GB/s from one huge-page buffer (bench/NOTES.md, "Huge pages").
+into one buffer on 2 MiB transparent huge pages, in the order they are read: on 4 KiB pages each
+4 KiB is a TLB miss, and the demo's one-row copies streamed at 23-25 GB/s from separate
+allocations against 25-27 GB/s from one huge-page buffer. Huge pages are asked for here, for
+long-lived buffers only, not process-wide through torch's THP_MEM_ALLOC_ENABLE: that makes every
+allocation of 2 MiB or more a fresh 2 MiB-aligned mapping, faulted in and zeroed again each step
+(a 64-decode step's logits alone), which cost a 64-decode demo step 38 -> 49 ms (bench/NOTES.md,
+"Huge pages").
 """
 
 from __future__ import annotations

@@ -32,11 +32,6 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Before torch allocates anything: its CPU allocator then backs large tensors (weights, KV cache)
-# with 2 MiB transparent huge pages where the kernel allows them (THP "madvise" mode included).
-# A decode step streams every weight once; with 4 KiB pages that is a TLB miss every 4 KiB, costly
-# under virtualisation (bench/NOTES.md).
-HUGE_PAGES_ENV = ("THP_MEM_ALLOC_ENABLE", "1")
 # libgomp (torch's OpenMP) spins ~300k rounds at every barrier of the ~150 parallel regions of a
 # step; when other work shares the cores a spinner burns the time slice its partner needs: a demo
 # 8-stream run took 74 s instead of 7 s on a busy 2-core machine (bench/NOTES.md). A shorter spin
@@ -45,7 +40,6 @@ OMP_SPIN_ENV = ("GOMP_SPINCOUNT", "100000")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault(*HUGE_PAGES_ENV)
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault(*OMP_SPIN_ENV)
     argv = list(sys.argv[1:] if argv is None else argv)
