@@ -92,23 +92,28 @@ def _advise_huge_pages(address: int, nbytes: int) -> bool:
 
 
 class WeightArena:
-    """One buffer holding copies of tensors back to back (each on a cache line), advised onto huge
-    pages before its first touch. The buffer lives as long as any tensor taken from it."""
+    """One buffer for tensors of the given (shape, dtype)s back to back (each on a cache line),
+    advised onto huge pages before its first touch; place(i, t) copies t into slot i. The buffer
+    lives as long as any tensor placed in it."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]]) -> None:
+        self.specs = list(specs)
         self.offsets, end = [], 0
-        for t in tensors:
+        for shape, dtype in self.specs:
             start = -(-end // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
             self.offsets.append(start)
-            end = start + t.numel() * t.element_size()
+            end = start + shape.numel() * dtype.itemsize
         self.nbytes = end
         advised = -(-end // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # whole huge pages
-        raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)  # untouched until the copies below
+        raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)  # untouched until placed
         skip = -raw.data_ptr() % HUGE_PAGE_BYTES
         self.buffer = raw[skip : skip + end]
         self.huge_pages = end > 0 and _advise_huge_pages(raw.data_ptr() + skip, advised)
-        self.tensors = [self._copy_of(t, offset) for t, offset in zip(tensors, self.offsets)]
 
-    def _copy_of(self, t: torch.Tensor, offset: int) -> torch.Tensor:
-        view = self.buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        return view.copy_(t)
+    def place(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Slot i holding a copy of t (of slot i's shape and dtype)."""
+        shape, dtype = self.specs[i]
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"slot {i} holds {dtype} {tuple(shape)}, not {t.dtype} {tuple(t.shape)}")
+        start = self.offsets[i]
+        return self.buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape).copy_(t)

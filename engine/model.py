@@ -292,8 +292,11 @@ class Transformer(nn.Module):
         weights = cls._prepare_weights(state, args)
         if args.tie_word_embeddings and "output.weight" not in weights:
             weights["output.weight"] = weights["tok_embeddings.weight"]
-        prepared = backend.prepare(weights, cls._linear_names(args))
-        return cls(args, _Weights(prepared, source), backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
+        # the fused float weights and the prepared dict are let go here: during __init__ each prepared
+        # weight is referenced by its module only (engine.memory.WeightArena then moves the one-row
+        # copies with one extra weight at a time, not a second copy of the model)
+        weights = _Weights(backend.prepare(weights, cls._linear_names(args)), source)
+        return cls(args, weights, backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:

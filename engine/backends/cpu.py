@@ -31,33 +31,43 @@ PACK_BATCH_HINT = 16
 
 # Linears of at most this many weight bytes also keep a copy in engine.cpu_kernels' interleaved
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
-# for larger weights the copy would cost memory for little (bench/NOTES.md).
+# for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
+# weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/csrc/amx_linear.c) on the
 # pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
 # the kernel streamed the demo's and the 1.1B model's weight shapes 1.1-1.7x faster than oneDNN at
 # every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
-# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows.
+# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows, except
+# for weights with no oneDNN copy (pack_weight), which run every row count on the tiles.
 AMX_MAX_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A linear weight in oneDNN's blocked layout, plus (small weights, with the kernels) a copy in
-    the layout CpuKernels.interleaved_linear reads for one-row inputs."""
+    the layout CpuKernels.interleaved_linear reads for one-row inputs; a large bfloat16 weight on an
+    AMX CPU has the pairs copy only (AMX tiles serve every row count from it)."""
 
-    packed: torch.Tensor  # opaque oneDNN layout of the [out, in] weight
+    packed: torch.Tensor | None  # opaque oneDNN layout of the [out, in] weight; None: AMX only
     out_features: int
     in_features: int
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None) -> PackedWeight:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None) -> PackedWeight:
+    """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
+    `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
+    copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
+    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
     interleaved = None
-    if kernels is not None and weight.shape[0] % 16 == 0 and weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
-        interleaved = kernels.interleave(weight)
+    if kernels is not None and weight.shape[0] % 16 == 0:
+        if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
+            interleaved = kernels.interleave(weight)
+        elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
+            return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
 
@@ -74,15 +84,21 @@ class PackedCpuLinear(nn.Module):
         self._kernels = kernels
         # bound once: the decode step's ~120 calls skip the module's buffer lookups
         self._one_row = kernels.bind_interleaved(weight.interleaved) if kernels is not None and weight.interleaved is not None else None
-        self._many_rows = None
-        if self._one_row is not None and amx is not None and AmxLinear.supports(weight.interleaved):
-            self._many_rows = amx.bind(weight.interleaved)
+        self._amx = amx
+        self._many_rows = self._bind_many_rows(weight.interleaved)
+        if weight.packed is None and self._many_rows is None:
+            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel")
+
+    def _bind_many_rows(self, interleaved: torch.Tensor | None):
+        if self._one_row is None or self._amx is None or not AmxLinear.supports(interleaved):
+            return None
+        return self._amx.bind(interleaved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._one_row is not None and rows == 1:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if self._many_rows is not None and 2 <= rows <= AMX_MAX_ROWS and x.dim() == 2 and x.dtype == torch.bfloat16:
+        if self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and (rows <= AMX_MAX_ROWS or self.packed_weight is None):
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         return self._onednn(x)
 
@@ -102,6 +118,7 @@ class PackedCpuLinear(nn.Module):
             raise ValueError("move_one_row_copy: not a copy of this linear's interleaved weight")
         self.interleaved = copy
         self._one_row = self._kernels.bind_interleaved(copy)
+        self._many_rows = self._bind_many_rows(copy)  # the AMX tiles read the same copy
 
     def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
         """(layout, weight address, out, in) of the one-row copy for a compiled decode step
@@ -113,7 +130,7 @@ class PackedCpuLinear(nn.Module):
         return layout, self.interleaved.data_ptr(), self.out_features, self.in_features
 
     def resident_bytes(self) -> int:
-        copies = [self.packed_weight] + ([self.interleaved] if self.interleaved is not None else [])
+        copies = [t for t in (self.packed_weight, self.interleaved) if t is not None]
         return sum(t.numel() * t.element_size() for t in copies)
 
 
@@ -136,7 +153,7 @@ class OneDnnBackend(TorchBackend):
     amx: AmxLinear | None = None
 
     def prepare_linear(self, weight):
-        return pack_weight(weight, self.kernels) if isinstance(weight, torch.Tensor) else weight
+        return pack_weight(weight, self.kernels, self.amx) if isinstance(weight, torch.Tensor) else weight
 
     def special_linear(self, weight) -> Linear:
         if isinstance(weight, PackedWeight):

@@ -186,9 +186,9 @@ def gather_one_row_copies(linears: list[nn.Module]) -> WeightArena | None:
     movable = [linear for linear in linears if getattr(linear, "interleaved", None) is not None and hasattr(linear, "move_one_row_copy")]
     if not movable:
         return None
-    arena = WeightArena([linear.interleaved for linear in movable])
-    for linear, copy in zip(movable, arena.tensors):
-        linear.move_one_row_copy(copy)
+    arena = WeightArena([(linear.interleaved.shape, linear.interleaved.dtype) for linear in movable])
+    for i, linear in enumerate(movable):  # one at a time: each old copy is freed as its linear moves
+        linear.move_one_row_copy(arena.place(i, linear.interleaved))
     return arena
 
 

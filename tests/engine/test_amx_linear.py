@@ -150,3 +150,36 @@ def test_the_bfloat16_kernel_backend_packs_for_amx(kernels, amx):
     layer = bf16.special_linear(bf16.prepare_linear(torch.randn(96, 64).bfloat16()))
     assert isinstance(layer, PackedCpuLinear) and layer._many_rows is not None
     assert CpuKernelBackend(torch.device("cpu"), torch.float32, kernels).amx is None
+
+
+def test_a_large_weight_keeps_the_pairs_copy_only(kernels, amx, monkeypatch):
+    """Past INTERLEAVED_MAX_WEIGHT_BYTES a bfloat16 weight the tiles take gets the pairs copy in
+    place of oneDNN's: one row through the one-row kernel, every other row count (prefill chunks
+    included) through the tiles; without AMX (or for k the tiles refuse) it stays on oneDNN."""
+    monkeypatch.setattr(cpu, "INTERLEAVED_MAX_WEIGHT_BYTES", 64 * 96 * 2 - 1)  # a small weight counts as large
+    torch.manual_seed(5)
+    weight = torch.randn(64, 96).bfloat16()
+    packed = pack_weight(weight, kernels, amx)
+    assert packed.packed is None and packed.interleaved is not None
+    layer = PackedCpuLinear(packed, kernels, amx)
+    assert layer.resident_bytes() == weight.numel() * 2
+    for rows in (1, 2, cpu.AMX_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        assert_close_to_reference(layer(x), x, weight)
+    assert pack_weight(weight, kernels).packed is not None and pack_weight(weight, kernels).interleaved is None
+    assert pack_weight(torch.randn(64, 48).bfloat16(), kernels, amx).packed is not None  # k % 32: oneDNN
+    with pytest.raises(ValueError, match="AMX"):
+        PackedCpuLinear(packed, kernels)
+
+
+def test_moving_the_copy_moves_the_tiles_too(kernels, amx):
+    """move_one_row_copy (the decode step's huge-page arena) rebinds the AMX call as well: the old
+    copy is not read, nor kept alive, by either path."""
+    torch.manual_seed(6)
+    weight = torch.randn(96, 64).bfloat16()
+    layer = PackedCpuLinear(pack_weight(weight, kernels), kernels, amx)
+    moved = layer.interleaved.clone()
+    layer.move_one_row_copy(moved)
+    assert layer._many_rows.weight is moved and layer._one_row.weight is moved
+    x = torch.randn(5, 64).bfloat16()
+    assert_close_to_reference(layer(x), x, weight)

@@ -131,16 +131,19 @@ def thp_enabled() -> bool:
 def test_weight_arena_holds_equal_copies_back_to_back_on_cache_lines():
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in (((3, 5), torch.float32), ((7,), torch.bfloat16), ((4, 16, 2), torch.bfloat16), ((1,), torch.float32))]
-    arena = WeightArena(tensors)
+    arena = WeightArena([(t.shape, t.dtype) for t in tensors])
+    copies = [arena.place(i, t) for i, t in enumerate(tensors)]
     assert arena.buffer.data_ptr() % HUGE_PAGE_BYTES == 0
-    assert [c.data_ptr() - arena.buffer.data_ptr() for c in arena.tensors] == arena.offsets == [0, 64, 128, 384]
-    for original, copy in zip(tensors, arena.tensors):
+    assert [c.data_ptr() - arena.buffer.data_ptr() for c in copies] == arena.offsets == [0, 64, 128, 384]
+    for original, copy in zip(tensors, copies):
         assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
-        assert copy.data_ptr() % ARENA_ALIGN_BYTES == 0 and copy.untyped_storage().data_ptr() == arena.tensors[0].untyped_storage().data_ptr()
+        assert copy.data_ptr() % ARENA_ALIGN_BYTES == 0 and copy.untyped_storage().data_ptr() == copies[0].untyped_storage().data_ptr()
     assert arena.nbytes == 384 + 4
     assert arena.huge_pages == thp_enabled()
+    with pytest.raises(ValueError, match="slot 1"):
+        arena.place(1, tensors[0])
 
 
 def test_an_empty_weight_arena():
     arena = WeightArena([])
-    assert arena.tensors == [] and arena.nbytes == 0 and not arena.huge_pages
+    assert arena.nbytes == 0 and not arena.huge_pages
