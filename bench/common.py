@@ -37,6 +37,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "small": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
     # the demo model's shape (SmolLM2-135M-Instruct: FFN 1536, tied output head), random weights
     "demo": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, multiple_of=256, rope_theta=100000.0, tie_word_embeddings=True),
+    # ../shared/peers/make_big_gguf.py's 1.1B Llama (FFN 8192, tied head), random weights
+    "big1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=49152, multiple_of=4096, rope_theta=100000.0, tie_word_embeddings=True),
 }
 
 

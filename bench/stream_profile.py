@@ -164,11 +164,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each step (after one warm-up); the median step is kept")
     parser.add_argument("--steps", default="d32,m32,pfx,d64,p512,p2048")
     parser.add_argument("--top", type=int, default=14, help="rows printed per step")
+    parser.add_argument("--config", default="demo", help="the model shape (bench/common.py CONFIGS), e.g. big1b")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     if opts.threads == 1:
         CLOCK[0] = time.thread_time
-    args = model_args("demo")
+    args = model_args(opts.config)
     dtype = torch.bfloat16
     backend = select_backend(EngineConfig(dtype="bfloat16"), torch.device("cpu"))
     model = Transformer.from_state_dict(args, random_state_dict(args, seed=0, dtype=dtype), backend, max_seq_len=2048)
