@@ -15,32 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
-#define AMX_COMPILED 1
-#include <cpuid.h>
+#include "amx.h"
+#ifdef AMX_COMPILED
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 /* 1 where the kernel may run in this process (asks Linux for the tile state on first use), else 0. */
-int amx_init(void) {
-#ifdef AMX_COMPILED
-    unsigned a, b, c, d;
-    if (__get_cpuid_max(0, 0) < 7) return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512f = (b >> 16) & 1;
-    __cpuid_count(7, 1, a, b, c, d);
-    const int avx512_bf16 = (a >> 5) & 1;
-    if (!(amx_bf16 && amx_tile && avx512f && avx512_bf16)) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-    return 0;
-#endif
-}
+int amx_init(void) { return amx_tiles_permitted(); }
 
 #ifdef AMX_COMPILED
 #pragma GCC push_options

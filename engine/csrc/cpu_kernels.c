@@ -871,8 +871,9 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PA_AMX 1 /* paged_attention_amx below */
+#include "amx.h"
+#ifdef AMX_COMPILED
+#define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
 static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
                                const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
@@ -938,8 +939,8 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
  * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
  * rounding pa_tile lacks is P's. */
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
 
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
 
@@ -948,18 +949,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((aligned(64))) AmxTileConfig;
-
-/* Linux hands out the AMX tile state on request only (ARCH_REQ_XCOMP_PERM for XTILEDATA), once per
- * process; the answer is cached because it cannot change (oneDNN asks the same). */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
-    }
-    return s > 0;
-}
 
 /* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
  * values pass: tile 0 P [N, 16 keys], 1-3 V [8 key pairs, 16 dims], 4-7 O [N, 16 dims] */
@@ -1157,7 +1146,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
                                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                int num_threads) {
-    if (head_dim % 64 || block_size % PA_AMX_KEYS || !amx_permitted()) return 0;
+    if (head_dim % 64 || block_size % PA_AMX_KEYS || !amx_tiles_permitted()) return 0;
     /* at most 16 query rows per group of a KV head's query heads (a tile's columns): more than 16
      * query heads per KV head split into equal groups */
     int64_t split = (heads / kv_heads + 15) / 16;
@@ -1193,6 +1182,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     free(item_begin);
     return 1;
 }
+#pragma GCC pop_options
 #endif
 
 /* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles: then it
@@ -1200,7 +1190,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
  * well. */
 int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 #ifdef PA_AMX
-    return bf16 && head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_permitted();
+    return bf16 && head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_tiles_permitted();
 #else
     (void)bf16, (void)head_dim, (void)block_size;
     return 0;

@@ -190,6 +190,29 @@ def test_paged_attention_on_tiles_shapes(kernels):
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 24)
 
 
+def test_the_plain_x86_64_v2_build_runs_attention_on_tiles(kernels, tmp_path):
+    """The image's prebuilt libraries: the tile path carries its own target attributes (amx.h), so
+    even the lowest level's build runs it where the CPU and Linux allow tiles, bit for bit as the
+    build for this CPU does."""
+    if not on_tiles(kernels, 64, 16):
+        pytest.skip("no AMX tiles here")
+    import ctypes
+
+    try:
+        (path,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
+    except (OSError, ck.subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    v2 = ck.CpuKernels(ctypes.CDLL(str(path)))
+    assert v2.paged_attention_on_tiles(torch.bfloat16, 64, 16)
+    qkv, k_cache, v_cache, index = paged_batch([1, 40, 1], [90, 40, 17], 6, 2, 64, 16, torch.bfloat16, seed=7)
+    outs = []
+    for lib in (kernels, v2):
+        out = torch.empty(qkv.shape[0], 6 * 64, dtype=torch.bfloat16)
+        lib.paged_attention(qkv, out, *index, k_cache, v_cache, 6, 2, 64**-0.5, THREADS)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.fixture(scope="module")
 def head64_checkpoint(tmp_path_factory, tiny_model_args):
     """The tiny model with head_dim 64 (dim 256, 4 query / 2 KV heads): the shape the tiles take."""
