@@ -81,18 +81,18 @@ class PackedCpuLinear(nn.Module):
         self.register_buffer("packed_weight", weight.packed, persistent=False)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
-        self._kernels = kernels
-        # bound once: the decode step's ~120 calls skip the module's buffer lookups
-        self._one_row = kernels.bind_interleaved(weight.interleaved) if kernels is not None and weight.interleaved is not None else None
-        self._amx = amx
-        self._many_rows = self._bind_many_rows(weight.interleaved)
+        self._kernels, self._amx = kernels, amx
+        self._bind(weight.interleaved)
         if weight.packed is None and self._many_rows is None:
             raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel")
 
-    def _bind_many_rows(self, interleaved: torch.Tensor | None):
-        if self._one_row is None or self._amx is None or not AmxLinear.supports(interleaved):
-            return None
-        return self._amx.bind(interleaved)
+    def _bind(self, interleaved: torch.Tensor | None) -> None:
+        """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
+        rows (the tiles read the same pairs layout). Bound once: the decode step's ~120 calls skip
+        the module's buffer lookups."""
+        self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
+        supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
+        self._many_rows = self._amx.bind(interleaved) if supported else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -117,8 +117,7 @@ class PackedCpuLinear(nn.Module):
         if self.interleaved is None or copy.shape != self.interleaved.shape or copy.dtype != self.interleaved.dtype:
             raise ValueError("move_one_row_copy: not a copy of this linear's interleaved weight")
         self.interleaved = copy
-        self._one_row = self._kernels.bind_interleaved(copy)
-        self._many_rows = self._bind_many_rows(copy)  # the AMX tiles read the same copy
+        self._bind(copy)
 
     def one_row_descriptor(self, dtype: torch.dtype) -> tuple[str, int, int, int] | None:
         """(layout, weight address, out, in) of the one-row copy for a compiled decode step
@@ -178,12 +177,14 @@ class CpuKernelBackend(OneDnnBackend):
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
-        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         head_dim = k_cache.shape[-1]
-        if chunk_size is None and prefills and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size):
-            meta = _all_sequences_metadata(inputs, rope)  # prefill chunks and decodes in one call
+        has_prefill = bool((inputs.query_start_loc.diff() > 1).any())  # a sequence with 2+ new tokens
+        if chunk_size is None and has_prefill and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size):
+            # prefill chunks and decodes in one call: no per-chunk block ids and masks to build
+            meta = _all_sequences_metadata(inputs, rope)
             check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
             return meta
+        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         if chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
             meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
             check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)

@@ -47,8 +47,11 @@ class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("weight", _p), ("n", _i64), ("k", _i64)]
 
 
+_BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")  # a block's linears in step order (decode_step.c's step_layer)
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("attention_norm", _p), ("ffn_norm", _p), ("wqkv", _Linear), ("wo", _Linear), ("w13", _Linear), ("w2", _Linear), ("k_cache", _p), ("v_cache", _p)]
+    _fields_ = [("attention_norm", _p), ("ffn_norm", _p), *((name, _Linear) for name in _BLOCK_LINEARS), ("k_cache", _p), ("v_cache", _p)]
 
 
 _SCRATCH = ("normed", "qkv", "attn", "attn_out", "gate_up", "act", "ffn_out")
@@ -144,14 +147,13 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | Non
     gather_one_row_copies([linear for block in model.layers for linear in _block_linears(block)])
     layers, keep = [], []
     for i, block in enumerate(model.layers):
-        att, ff = block.attention, block.feed_forward
-        forms = {name: _one_row(linear, dtype) for name, linear in zip(("wqkv", "wo", "w13", "w2"), _block_linears(block))}
+        forms = {name: _one_row(linear, dtype) for name, linear in zip(_BLOCK_LINEARS, _block_linears(block))}
         if any(form is None for form in forms.values()):
             log.info("decode step: layer %d's %s has no one-row form; decode runs op by op", i, [n for n, f in forms.items() if f is None])
             return None
-        keep += [att.wqkv, att.wo, ff.w13, ff.w2]  # the owners of the addresses in `forms`
+        keep += _block_linears(block)  # the owners of the addresses in `forms`
         layers.append(_Layer(block.attention_norm.weight.data_ptr(), block.ffn_norm.weight.data_ptr(), **forms))
-    uses_quant = any(getattr(layer, name).kind == _LINEAR_KINDS["quant"] for layer in layers for name in ("wqkv", "wo", "w13", "w2"))
+    uses_quant = any(getattr(layer, name).kind == _LINEAR_KINDS["quant"] for layer in layers for name in _BLOCK_LINEARS)
     quant_address = _quant_linear_address() if uses_quant else None
     lib = _load_library()
     if lib is None or (uses_quant and quant_address is None):
@@ -175,7 +177,7 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | Non
 
 
 def _block_linears(block: nn.Module) -> tuple[nn.Module, ...]:
-    """A block's linears in the order a decode step runs them."""
+    """A block's linears in the order a decode step runs them (_BLOCK_LINEARS)."""
     return block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2
 
 
