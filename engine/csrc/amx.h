@@ -10,6 +10,7 @@
 #if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
 #define AMX_COMPILED 1
 #include <cpuid.h>
+#include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -32,6 +33,18 @@ static int amx_tiles_permitted(void) {
     }
     return s > 0;
 }
+
+/* The instruction sets tile code compiles for, around it: AMX_TARGET_BEGIN ... AMX_TARGET_END. */
+#define AMX_TARGET_BEGIN \
+    _Pragma("GCC push_options") _Pragma("GCC target(\"amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16\")")
+#define AMX_TARGET_END _Pragma("GCC pop_options")
+
+/* ldtilecfg's operand, palette 1: each tile's bytes per row and rows */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) AmxTileConfig;
 #else
 static int amx_tiles_permitted(void) { return 0; }
 #endif

@@ -24,19 +24,12 @@
 int amx_init(void) { return amx_tiles_permitted(); }
 
 #ifdef AMX_COMPILED
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+AMX_TARGET_BEGIN
 
 /* Tiles: 0..3 accumulators (row block r, column block c at 2r + c), 4..5 x (row blocks), 6..7 W
  * (column blocks). Every tile is 16 rows of 64 bytes: x is padded to whole 16-row blocks. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 static void configure_tiles(void) {
-    TileConfig cfg;
+    AmxTileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
@@ -151,7 +144,7 @@ int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, 
     return 0;
 }
 
-#pragma GCC pop_options
+AMX_TARGET_END
 #else
 int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     (void)x, (void)weight, (void)out, (void)rows, (void)n, (void)k, (void)num_threads;

@@ -939,16 +939,9 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
  * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
  * rounding pa_tile lacks is P's. */
 #include <immintrin.h>
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
+AMX_TARGET_BEGIN
 
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) AmxTileConfig;
 
 /* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
  * values pass: tile 0 P [N, 16 keys], 1-3 V [8 key pairs, 16 dims], 4-7 O [N, 16 dims] */
@@ -1182,7 +1175,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     free(item_begin);
     return 1;
 }
-#pragma GCC pop_options
+AMX_TARGET_END
 #endif
 
 /* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles: then it
