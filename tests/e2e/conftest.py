@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -231,6 +232,21 @@ def wait_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {value!r})")
         time.sleep(interval_s)
+
+
+def wait_answering(http: httpx.Client, process: subprocess.Popen, log_path: Path, path: str, *, timeout_s: float,
+                   interval_s: float, what: str) -> None:
+    """Poll GET `path` until it answers 200; a server process that exits meanwhile fails the wait at
+    once, with its log's tail."""
+
+    def answering() -> bool:
+        assert process.poll() is None, f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+        try:
+            return http.get(path).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answering, timeout_s=timeout_s, interval_s=interval_s, what=what)
 
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")

@@ -26,6 +26,7 @@ from tests.e2e.conftest import (
     metric,
     ready_server,
     scrape,
+    wait_answering,
     wait_until,
 )
 from tests.e2e.test_cli_e2e import REPO, free_port
@@ -206,14 +207,8 @@ def start_server(port: int, batch_dir: Path, checkpoint: Path, root: Path, log_p
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def ready() -> bool:
-        assert process.poll() is None, f"server exited:\n{log_path.read_text()[-4000:]}"
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, timeout_s=120, interval_s=0.1, what="the server's /ready")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+        wait_answering(http, process, log_path, "/ready", timeout_s=120, interval_s=0.1, what="the server's /ready")
     return process
 
 

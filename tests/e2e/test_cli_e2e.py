@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, KV_CACHE_BYTES, MAX_SEQ_LEN, wait_until
+from tests.e2e.conftest import BASE_DESCRIPTOR, KV_CACHE_BYTES, MAX_SEQ_LEN, wait_answering, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-e2e-inference"
@@ -63,14 +63,7 @@ def cli_server(tmp_path_factory, checkpoints, base_checkpoint):
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=30) as anonymous:
-            def health_ok() -> bool:
-                assert process.poll() is None, f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
-                try:
-                    return anonymous.get("/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(health_ok, timeout_s=120, interval_s=0.1, what="the CLI server's /health")
+            wait_answering(anonymous, process, log_path, "/health", timeout_s=120, interval_s=0.1, what="the CLI server's /health")
         yield process, url, log_path
     finally:
         if process.poll() is None:
@@ -162,14 +155,7 @@ def test_cli_from_env_alone_exits_cleanly_on_sigterm_while_loading(tmp_path, bas
                                    stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            def health_ok() -> bool:
-                assert process.poll() is None, log_path.read_text()[-4000:]
-                try:
-                    return http.get("/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(health_ok, timeout_s=120, interval_s=0.05, what="/health")
+            wait_answering(http, process, log_path, "/health", timeout_s=120, interval_s=0.05, what="/health")
             ready = http.get("/ready")
             assert ready.status_code == 503 and ready.json()["status"] == "loading"  # the port opens before the load ends
         process.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ from typing import Iterator
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, metric, ready_server, scrape, wait_until
+from tests.e2e.conftest import BASE_DESCRIPTOR, metric, ready_server, scrape, wait_answering, wait_until
 
 MODEL = BASE_DESCRIPTOR
 NUM_STREAMS = 200
@@ -120,14 +120,7 @@ def mp_server_process(base_checkpoint, tmp_path) -> Iterator[tuple]:
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            def ready() -> bool:
-                assert process.poll() is None, log_path.read_text()[-4000:]
-                try:
-                    return http.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(ready, timeout_s=180, interval_s=0.2, what="/ready")
+            wait_answering(http, process, log_path, "/ready", timeout_s=180, interval_s=0.2, what="/ready")
         yield process, url, log_path
     finally:
         if process.poll() is None:

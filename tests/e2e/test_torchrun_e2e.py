@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, E2E_DTYPE, MAX_SEQ_LEN, ready_server, wait_until
+from tests.e2e.conftest import BASE_DESCRIPTOR, E2E_DTYPE, MAX_SEQ_LEN, ready_server, wait_answering, wait_until
 from tests.e2e.test_cli_e2e import free_port
 from tests.e2e.test_faults_e2e import _alive, children_of
 
@@ -60,14 +60,7 @@ def start_torchrun(checkpoint_dir: Path, tmp_path: Path) -> tuple[subprocess.Pop
 
 def wait_ready_ranks(http: httpx.Client, launcher: subprocess.Popen, log_path: Path) -> list[int]:
     """Wait for rank 0's /ready; the job's two ranks (rank 0 serves HTTP, rank 1 follows its steps)."""
-    def ready() -> bool:
-        assert launcher.poll() is None, log_path.read_text()[-4000:]
-        try:
-            return http.get("/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
+    wait_answering(http, launcher, log_path, "/ready", timeout_s=240, interval_s=0.2, what="/ready of the torchrun job")
     ranks = children_of(launcher.pid)
     assert len(ranks) == 2, ranks
     return ranks
