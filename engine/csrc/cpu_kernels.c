@@ -942,17 +942,18 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
 AMX_TARGET_BEGIN
 
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
+#define PA_AMX_PV_KEYS 32 /* keys per P V multiply: a tile row's 64 bytes of bfloat16 weights (two runs) */
 
 /* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
- * values pass: tile 0 P [N, 16 keys], 1-3 V [8 key pairs, 16 dims], 4-7 O [N, 16 dims] */
+ * values pass: tile 0 P [N, 32 keys], 1-3 V [16 key pairs, 16 dims], 4-7 O [N, 16 dims] */
 static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n) {
     memset(scores, 0, sizeof(*scores));
     memset(values, 0, sizeof(*values));
     scores->palette = values->palette = 1;
     for (int t = 0; t <= 6; t++) scores->rows[t] = PA_AMX_KEYS, scores->colsb[t] = t == 3 || t == 4 ? 64 : (uint16_t)(4 * n);
     values->rows[0] = (uint8_t)n;
-    values->colsb[0] = 2 * PA_AMX_KEYS;
-    for (int t = 1; t <= 3; t++) values->rows[t] = PA_AMX_KEYS / 2, values->colsb[t] = 64;
+    values->colsb[0] = 2 * PA_AMX_PV_KEYS;
+    for (int t = 1; t <= 3; t++) values->rows[t] = PA_AMX_PV_KEYS / 2, values->colsb[t] = 64;
     for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
 }
 
@@ -975,6 +976,24 @@ static inline __m512 pa_amx_exp(__m512 x) {
     return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(scale));
 }
 
+/* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
+ * prefetched a few at a time between the scores pass's tile work: issued as one burst per head they
+ * filled the line fill buffers and stalled the tile work behind them (32 decodes x 160 keys over 30
+ * layers' caches, 1 thread: 5% slower, bench/NOTES.md). */
+typedef struct {
+    const char *k, *v;
+    size_t at, end; /* bytes of the span left to prefetch: [at, end) */
+} PaPrefetch;
+
+#define PA_PREFETCH_LINES 4 /* lines of K and of V per call between tile steps; 8 was no better */
+
+static inline void pa_prefetch_some(PaPrefetch *pf, size_t lines) {
+    for (; lines > 0 && pf->at < pf->end; lines--, pf->at += 64) {
+        __builtin_prefetch(pf->k + pf->at, 0, 3);
+        __builtin_prefetch(pf->v + pf->at, 0, 3);
+    }
+}
+
 /* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
  * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
  * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. */
@@ -982,7 +1001,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
     int64_t prefix, int64_t tok0, int64_t tok1) {
     const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
-    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
+    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_PV_KEYS - 1) / PA_AMX_PV_KEYS * PA_AMX_PV_KEYS;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
     /* one allocation: Q^T [g][chunk][dim pair][N], scores [g][N][padded], their softmax rounded (same shape) */
     const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
@@ -1003,23 +1022,20 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     amx_configs(&cfg_scores, &cfg_values, N);
     float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][N] of three heads */
     _tile_loadconfig(&cfg_scores);
+    PaPrefetch pf = {a->k_cache, a->v_cache, 0, 0};
     for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
         const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
         const size_t run = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes;
+        pa_prefetch_some(&pf, SIZE_MAX); /* this run's lines not prefetched yet */
         const int64_t key1 = key0 + PA_AMX_KEYS;
-        const size_t next = key1 < n_keys ? ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes : 0;
+        if (key1 < n_keys) {
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes;
+            pf = (PaPrefetch){a->k_cache + next, a->v_cache + next, 0, run_bytes};
+        }
         /* Tiles are not renamed: a load into a tile waits for the multiply still reading it. So the
          * heads take turns over three S^T tiles, and the K and Q^T chunks alternate between two tiles
          * each: the next multiply's operands load while the last one runs. */
         for (int64_t g = 0; g < groups; g++) {
-            if (key1 < n_keys) { /* the next run's K and V rows (one contiguous span each), a head's
-                                  * share at a time so the misses spread over this run's work */
-                const size_t lo = run_bytes * g / groups & ~(size_t)63, hi = run_bytes * (g + 1) / groups;
-                for (size_t line = lo; line < hi; line += 64) {
-                    __builtin_prefetch(a->k_cache + next + line, 0, 3);
-                    __builtin_prefetch(a->v_cache + next + line, 0, 3);
-                }
-            }
             const char *k = a->k_cache + run + (size_t)(g / split * D) * 2;
             const uint32_t *qg = qt + g * chunks * 16 * N;
             for (int64_t c = 0; c < chunks; c++) {
@@ -1030,6 +1046,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         _tile_loadd(Q, qg + c * 16 * N, 4 * N);                                                            \
         _tile_dpbf16ps(S, K, Q);                                                                           \
     } while (0)
+                pa_prefetch_some(&pf, PA_PREFETCH_LINES);
                 const int64_t turn = (g * chunks + c) & 1;
                 switch (g % 3) {
                 case 0: if (turn) PA_AMX_QK(0, 4, 6); else PA_AMX_QK(0, 3, 5); break;
@@ -1047,6 +1064,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             if (g + 1 < groups && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
             for (int64_t h = g - g % 3; h <= g; h++)
                 for (int64_t r = 0; r < N; r++) {
+                    pa_prefetch_some(&pf, PA_PREFETCH_LINES);
                     const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
                     const __mmask16 keep = m >= 16 ? 0xffff : (m <= 0 ? 0 : (__mmask16)((1u << m) - 1));
                     const __m512 raw = _mm512_i32gather_ps(column, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
@@ -1055,19 +1073,21 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                 }
         }
     }
+    const int64_t runs_end = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS; /* the scores pass wrote up to here */
     for (int64_t row = 0; row < groups * N; row++) { /* softmax; weights rounded to bfloat16 */
         const float *s = scores + row * padded;
         __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
+        for (int64_t j = 0; j < runs_end; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
         const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        for (int64_t j = 0; j < padded; j += 16) {
+        for (int64_t j = 0; j < runs_end; j += 16) {
             const __m256bh w = _mm512_cvtneps_pbh(pa_amx_exp(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
             _mm256_store_si256((__m256i *)(p + row * padded + j), (__m256i)w);
             vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
         }
+        if (runs_end < padded) _mm256_store_si256((__m256i *)(p + row * padded + runs_end), _mm256_setzero_si256());
         inv_sum[row] = 1.0f / _mm512_reduce_add_ps(vsum);
     }
-    uint32_t v_pairs[4][PA_AMX_KEYS / 2][16] __attribute__((aligned(64))); /* V of a run, 64 dims: [dim group][key pair][16] */
+    uint32_t v_pairs[4][PA_AMX_PV_KEYS / 2][16] __attribute__((aligned(64))); /* V of 32 keys, 64 dims: [dim group][key pair][16] */
     float o[4][16][16] __attribute__((aligned(64)));
     _tile_loadconfig(&cfg_values);
     for (int64_t g = 0; g < groups; g++)
@@ -1076,23 +1096,27 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             _tile_zero(5);
             _tile_zero(6);
             _tile_zero(7);
-            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
-                const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
-                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
+            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_PV_KEYS) {
                 /* keys 2i and 2i + 1 side by side per dim; the unpacks work within 128-bit lanes, so group
-                 * c holds dims 32 (c / 2) + 8 L + 4 (c % 2) + u in lane 4 L + u (undone at the store) */
-                for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
-                    const char *ka = v + (size_t)(2 * i) * slot_bytes, *kb = ka + slot_bytes;
-                    const __m512i zero = _mm512_setzero_si512();
-                    const __m512i a0 = 2 * i < n ? _mm512_loadu_si512(ka) : zero, a1 = 2 * i < n ? _mm512_loadu_si512(ka + 64) : zero;
-                    const __m512i b0 = 2 * i + 1 < n ? _mm512_loadu_si512(kb) : zero, b1 = 2 * i + 1 < n ? _mm512_loadu_si512(kb + 64) : zero;
-                    _mm512_store_si512(v_pairs[0][i], _mm512_unpacklo_epi16(a0, b0));
-                    _mm512_store_si512(v_pairs[1][i], _mm512_unpackhi_epi16(a0, b0));
-                    _mm512_store_si512(v_pairs[2][i], _mm512_unpacklo_epi16(a1, b1));
-                    _mm512_store_si512(v_pairs[3][i], _mm512_unpackhi_epi16(a1, b1));
+                 * c holds dims 32 (c / 2) + 8 L + 4 (c % 2) + u in lane 4 L + u (undone at the store). The
+                 * two runs of 16 keys may lie in different blocks; keys past the last weigh 0 and read as 0. */
+                for (int64_t half = 0; half < 2; half++) {
+                    const int64_t run0 = key0 + half * PA_AMX_KEYS, n = n_keys - run0 < PA_AMX_KEYS ? n_keys - run0 : PA_AMX_KEYS;
+                    const char *v = n > 0 ? a->v_cache + ((size_t)table[run0 / bs] * bs + run0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2 : NULL;
+                    for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
+                        const int64_t pair = half * PA_AMX_KEYS / 2 + i;
+                        const __m512i zero = _mm512_setzero_si512();
+                        const char *ka = 2 * i < n ? v + (size_t)(2 * i) * slot_bytes : NULL, *kb = 2 * i + 1 < n ? ka + slot_bytes : NULL;
+                        const __m512i a0 = ka ? _mm512_loadu_si512(ka) : zero, a1 = ka ? _mm512_loadu_si512(ka + 64) : zero;
+                        const __m512i b0 = kb ? _mm512_loadu_si512(kb) : zero, b1 = kb ? _mm512_loadu_si512(kb + 64) : zero;
+                        _mm512_store_si512(v_pairs[0][pair], _mm512_unpacklo_epi16(a0, b0));
+                        _mm512_store_si512(v_pairs[1][pair], _mm512_unpackhi_epi16(a0, b0));
+                        _mm512_store_si512(v_pairs[2][pair], _mm512_unpacklo_epi16(a1, b1));
+                        _mm512_store_si512(v_pairs[3][pair], _mm512_unpackhi_epi16(a1, b1));
+                    }
                 }
                 _tile_loadd(0, p + g * N * padded + key0, padded * 2);
-                /* the four groups' V through tiles 1-3 in turn, continuing from run to run, so each
+                /* the four groups' V through tiles 1-3 in turn, continuing from window to window, so each
                  * load finds its tile's last multiply two multiplies back */
 #define PA_AMX_PV(A, B, C, D)                 \
     do {                                      \
@@ -1105,7 +1129,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         _tile_loadd(D, v_pairs[3], 64);       \
         _tile_dpbf16ps(7, 0, D);              \
     } while (0)
-                switch (key0 / PA_AMX_KEYS % 3) {
+                switch (key0 / PA_AMX_PV_KEYS % 3) {
                 case 0: PA_AMX_PV(1, 2, 3, 1); break;
                 case 1: PA_AMX_PV(2, 3, 1, 2); break;
                 default: PA_AMX_PV(3, 1, 2, 3); break;
