@@ -994,12 +994,40 @@ static inline void pa_prefetch_some(PaPrefetch *pf, size_t lines) {
     }
 }
 
+/* A call's items, handed out one at a time (dynamic scheduling by hand): a thread claims its next
+ * item once the current one's scores pass is done, and prefetches that item's first runs during the
+ * current one's softmax and values pass, which otherwise leave memory idle (their K/V were fetched
+ * by the scores pass). */
+typedef struct {
+    int64_t next; /* the first unclaimed item (atomic) */
+    int64_t items;
+    const int64_t *item_begin; /* sequence b's items: [item_begin[b], item_begin[b + 1]) */
+    const int32_t *seq_lens, *new_tokens, *block_tables;
+    int64_t max_blocks;
+} PaItems;
+
+/* Claim the next item (it->items where none is left) and point *ahead at its first run's K/V span
+ * (every item's scores pass starts at key 0 of its sequence). Its first two runs instead were no
+ * better on blocks in order and slower on scattered ones: the values pass's own reads from L2 then
+ * wait for fill buffers. */
+static inline int64_t pa_claim(PaItems *it, const PagedArgs *a, PaPrefetch *ahead) {
+    const int64_t item = __atomic_fetch_add(&it->next, 1, __ATOMIC_RELAXED);
+    *ahead = (PaPrefetch){a->k_cache, a->v_cache, 0, 0};
+    if (item >= it->items) return it->items;
+    int64_t b = 0;
+    while (it->item_begin[b + 1] <= item) b++;
+    const size_t slot_bytes = (size_t)a->slot_elems * 2, first = (size_t)it->block_tables[b * it->max_blocks] * a->block_size * slot_bytes;
+    *ahead = (PaPrefetch){a->k_cache + first, a->v_cache + first, 0, PA_AMX_KEYS * slot_bytes};
+    return item;
+}
+
 /* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
  * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
- * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. */
+ * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
+ * `items` into *claimed (pa_claim) when its scores pass is done. */
 static inline __attribute__((always_inline)) void pa_amx_item(
     const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
-    int64_t prefix, int64_t tok0, int64_t tok1) {
+    int64_t prefix, int64_t tok0, int64_t tok1, PaItems *items, int64_t *claimed) {
     const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
     const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_PV_KEYS - 1) / PA_AMX_PV_KEYS * PA_AMX_PV_KEYS;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
@@ -1073,8 +1101,11 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                 }
         }
     }
+    PaPrefetch ahead;
+    *claimed = pa_claim(items, a, &ahead);
     const int64_t runs_end = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS; /* the scores pass wrote up to here */
     for (int64_t row = 0; row < groups * N; row++) { /* softmax; weights rounded to bfloat16 */
+        pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
         const float *s = scores + row * padded;
         __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < runs_end; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
@@ -1104,6 +1135,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                     const int64_t run0 = key0 + half * PA_AMX_KEYS, n = n_keys - run0 < PA_AMX_KEYS ? n_keys - run0 : PA_AMX_KEYS;
                     const char *v = n > 0 ? a->v_cache + ((size_t)table[run0 / bs] * bs + run0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2 : NULL;
                     for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
+                        pa_prefetch_some(&ahead, 1);
                         const int64_t pair = half * PA_AMX_KEYS / 2 + i;
                         const __m512i zero = _mm512_setzero_si512();
                         const char *ka = 2 * i < n ? v + (size_t)(2 * i) * slot_bytes : NULL, *kb = 2 * i + 1 < n ? ka + slot_bytes : NULL;
@@ -1154,6 +1186,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
                 }
             }
         }
+    pa_prefetch_some(&ahead, SIZE_MAX); /* what the values pass left */
     free(scratch);
 }
 
@@ -1178,10 +1211,11 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     const int64_t items = item_begin[num_seqs];
     const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
                             q_stride, heads * head_dim, 1, scale};
+    PaItems sched = {0, items, item_begin, seq_lens, new_tokens, block_tables, max_blocks};
 #pragma omp parallel num_threads(num_threads) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
+        int64_t item = __atomic_fetch_add(&sched.next, 1, __ATOMIC_RELAXED);
+        while (item < items) {
             int64_t b = 0;
             while (item_begin[b + 1] <= item) b++;
             const int64_t n_new = new_tokens[b], tok0 = (item - item_begin[b]) * tile_tokens;
@@ -1189,10 +1223,14 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
             const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * 2;
             char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * 2;
             const int32_t *table = block_tables + b * max_blocks;
+            int64_t next = items;
             if (head_dim == 64)
-                pa_amx_item(&args, 64, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+                pa_amx_item(&args, 64, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1,
+                            &sched, &next);
             else
-                pa_amx_item(&args, head_dim, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1);
+                pa_amx_item(&args, head_dim, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1,
+                            &sched, &next);
+            item = next;
         }
         _tile_release(); /* the thread's tile state back to init: no 8 KB of it saved at each switch */
     }
