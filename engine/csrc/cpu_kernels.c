@@ -957,12 +957,13 @@ static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n)
     for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
 }
 
-/* exp_approx on 16 lanes (in intrinsics: the auto-vectorized loop split into 256-bit halves, whose
- * stores a 512-bit reload could not forward), 0 below -46 as in pa_tile (such a weight changes no
- * float sum) */
+/* exp_approx on 16 lanes for x <= 0 (a score less its row's maximum; in intrinsics: the
+ * auto-vectorized loop split into 256-bit halves, whose stores a 512-bit reload could not forward),
+ * 0 below -46 as in pa_tile (such a weight changes no float sum). The lanes kept lie in [-46, 0], so
+ * exp_approx's clamps change none of them, and scaling by 2^k with vscalefps gives the bits its
+ * exponent arithmetic does, in one instruction instead of three. */
 static inline __m512 pa_amx_exp(__m512 x) {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
@@ -972,8 +973,7 @@ static inline __m512 pa_amx_exp(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(scale));
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, p, k);
 }
 
 /* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
