@@ -942,18 +942,17 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
 AMX_TARGET_BEGIN
 
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
-#define PA_AMX_PV_KEYS 32 /* keys per P V multiply: a tile row's 64 bytes of bfloat16 weights (two runs) */
 
 /* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
- * values pass: tile 0 P [N, 32 keys], 1-3 V [16 key pairs, 16 dims], 4-7 O [N, 16 dims] */
+ * values pass: tiles 0-1 P [N, 16 keys as (w, 0) / (0, w) pairs], 2-3 V [16 keys, 32 dims], 4-7 O [N, 16
+ * even or odd dims] */
 static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n) {
     memset(scores, 0, sizeof(*scores));
     memset(values, 0, sizeof(*values));
     scores->palette = values->palette = 1;
     for (int t = 0; t <= 6; t++) scores->rows[t] = PA_AMX_KEYS, scores->colsb[t] = t == 3 || t == 4 ? 64 : (uint16_t)(4 * n);
-    values->rows[0] = (uint8_t)n;
-    values->colsb[0] = 2 * PA_AMX_PV_KEYS;
-    for (int t = 1; t <= 3; t++) values->rows[t] = PA_AMX_PV_KEYS / 2, values->colsb[t] = 64;
+    for (int t = 0; t <= 1; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 4 * PA_AMX_KEYS;
+    for (int t = 2; t <= 3; t++) values->rows[t] = PA_AMX_KEYS, values->colsb[t] = 64;
     for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
 }
 
@@ -1029,14 +1028,14 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
     int64_t prefix, int64_t tok0, int64_t tok1, PaItems *items, int64_t *claimed) {
     const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
-    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_PV_KEYS - 1) / PA_AMX_PV_KEYS * PA_AMX_PV_KEYS;
+    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
-    /* one allocation: Q^T [g][chunk][dim pair][N], scores [g][N][padded], their softmax rounded (same shape) */
+    /* one allocation: Q^T [g][chunk][dim pair][N], 64 zero bytes, scores [g][N][padded] (then the weights) */
     const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
-    char *scratch = aligned_alloc(64, qt_bytes + scores_bytes + (scores_bytes / 2 + 63) / 64 * 64);
+    char *scratch = aligned_alloc(64, qt_bytes + 64 + scores_bytes);
     uint32_t *qt = (uint32_t *)scratch;
-    float *scores = (float *)(scratch + qt_bytes);
-    bf16_t *p = (bf16_t *)(scratch + qt_bytes + scores_bytes);
+    memset(scratch + qt_bytes, 0, 64);
+    float *scores = (float *)(scratch + qt_bytes + 64);
     float inv_sum[groups * N];
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
@@ -1103,23 +1102,26 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     }
     PaPrefetch ahead;
     *claimed = pa_claim(items, a, &ahead);
-    const int64_t runs_end = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS; /* the scores pass wrote up to here */
-    for (int64_t row = 0; row < groups * N; row++) { /* softmax; weights rounded to bfloat16 */
+    for (int64_t row = 0; row < groups * N; row++) { /* softmax, in place: the weights rounded to bfloat16 */
         pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
-        const float *s = scores + row * padded;
+        float *s = scores + row * padded;
         __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < runs_end; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
+        for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
         const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        for (int64_t j = 0; j < runs_end; j += 16) {
+        for (int64_t j = 0; j < padded; j += 16) {
             const __m256bh w = _mm512_cvtneps_pbh(pa_amx_exp(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
-            _mm256_store_si256((__m256i *)(p + row * padded + j), (__m256i)w);
-            vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
+            const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
+            _mm512_store_si512(s + j, low_half);
+            vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
         }
-        if (runs_end < padded) _mm256_store_si256((__m256i *)(p + row * padded + runs_end), _mm256_setzero_si256());
         inv_sum[row] = 1.0f / _mm512_reduce_add_ps(vsum);
     }
-    uint32_t v_pairs[4][PA_AMX_PV_KEYS / 2][16] __attribute__((aligned(64))); /* V of 32 keys, 64 dims: [dim group][key pair][16] */
-    float o[4][16][16] __attribute__((aligned(64)));
+    /* P V with V's rows as they lie in the cache (no interleaving of key pairs): a tile multiply sums
+     * A[m][2k] B[k][n][0] + A[m][2k + 1] B[k][n][1] with B's row k one key's 32 dims as 16 pairs, so
+     * A = the weights as (w, 0) pairs gives the even dims, and (0, w) pairs, the same buffer loaded
+     * 2 bytes early (the 64 bytes before it are zero), the odd ones. */
+    float o[4][16][16] __attribute__((aligned(64))); /* per 32 dims: even, odd */
+    uint16_t v_tail[PA_AMX_KEYS][64] __attribute__((aligned(64))); /* a last run's keys, zeros past them (0 x NaN is NaN) */
     _tile_loadconfig(&cfg_values);
     for (int64_t g = 0; g < groups; g++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -1127,54 +1129,34 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             _tile_zero(5);
             _tile_zero(6);
             _tile_zero(7);
-            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_PV_KEYS) {
-                /* keys 2i and 2i + 1 side by side per dim; the unpacks work within 128-bit lanes, so group
-                 * c holds dims 32 (c / 2) + 8 L + 4 (c % 2) + u in lane 4 L + u (undone at the store). The
-                 * two runs of 16 keys may lie in different blocks; keys past the last weigh 0 and read as 0. */
-                for (int64_t half = 0; half < 2; half++) {
-                    const int64_t run0 = key0 + half * PA_AMX_KEYS, n = n_keys - run0 < PA_AMX_KEYS ? n_keys - run0 : PA_AMX_KEYS;
-                    const char *v = n > 0 ? a->v_cache + ((size_t)table[run0 / bs] * bs + run0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2 : NULL;
-                    for (int64_t i = 0; i < PA_AMX_KEYS / 2; i++) {
-                        pa_prefetch_some(&ahead, 1);
-                        const int64_t pair = half * PA_AMX_KEYS / 2 + i;
-                        const __m512i zero = _mm512_setzero_si512();
-                        const char *ka = 2 * i < n ? v + (size_t)(2 * i) * slot_bytes : NULL, *kb = 2 * i + 1 < n ? ka + slot_bytes : NULL;
-                        const __m512i a0 = ka ? _mm512_loadu_si512(ka) : zero, a1 = ka ? _mm512_loadu_si512(ka + 64) : zero;
-                        const __m512i b0 = kb ? _mm512_loadu_si512(kb) : zero, b1 = kb ? _mm512_loadu_si512(kb + 64) : zero;
-                        _mm512_store_si512(v_pairs[0][pair], _mm512_unpacklo_epi16(a0, b0));
-                        _mm512_store_si512(v_pairs[1][pair], _mm512_unpackhi_epi16(a0, b0));
-                        _mm512_store_si512(v_pairs[2][pair], _mm512_unpacklo_epi16(a1, b1));
-                        _mm512_store_si512(v_pairs[3][pair], _mm512_unpackhi_epi16(a1, b1));
-                    }
+            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
+                pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
+                const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
+                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
+                long stride = (long)slot_bytes;
+                if (n < PA_AMX_KEYS) {
+                    for (int64_t j = 0; j < PA_AMX_KEYS; j++)
+                        if (j < n) memcpy(v_tail[j], v + j * slot_bytes, sizeof(v_tail[j]));
+                        else memset(v_tail[j], 0, sizeof(v_tail[j]));
+                    v = (const char *)v_tail, stride = sizeof(v_tail[0]);
                 }
-                _tile_loadd(0, p + g * N * padded + key0, padded * 2);
-                /* the four groups' V through tiles 1-3 in turn, continuing from window to window, so each
-                 * load finds its tile's last multiply two multiplies back */
-#define PA_AMX_PV(A, B, C, D)                 \
-    do {                                      \
-        _tile_loadd(A, v_pairs[0], 64);       \
-        _tile_dpbf16ps(4, 0, A);              \
-        _tile_loadd(B, v_pairs[1], 64);       \
-        _tile_dpbf16ps(5, 0, B);              \
-        _tile_loadd(C, v_pairs[2], 64);       \
-        _tile_dpbf16ps(6, 0, C);              \
-        _tile_loadd(D, v_pairs[3], 64);       \
-        _tile_dpbf16ps(7, 0, D);              \
-    } while (0)
-                switch (key0 / PA_AMX_PV_KEYS % 3) {
-                case 0: PA_AMX_PV(1, 2, 3, 1); break;
-                case 1: PA_AMX_PV(2, 3, 1, 2); break;
-                default: PA_AMX_PV(3, 1, 2, 3); break;
-                }
-#undef PA_AMX_PV
+                const float *w = scores + g * N * padded + key0;
+                _tile_loadd(0, w, padded * 4);
+                _tile_loadd(1, (const char *)w - 2, padded * 4);
+                _tile_loadd(2, v, stride);
+                _tile_loadd(3, v + 64, stride);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 1, 2);
+                _tile_dpbf16ps(6, 0, 3);
+                _tile_dpbf16ps(7, 1, 3);
             }
             _tile_stored(4, o[0], 64);
             _tile_stored(5, o[1], 64);
             _tile_stored(6, o[2], 64);
             _tile_stored(7, o[3], 64);
-            /* dims 32 h + 0..15 and 32 h + 16..31 from groups 2 h and 2 h + 1 (lane 16 + t: the second's t) */
-            const __m512i low = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-            const __m512i high = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+            /* dims 32 h + 2 t and 32 h + 2 t + 1 from o[2 h][r][t] and o[2 h + 1][r][t] */
+            const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
             for (int64_t r = 0; r < N; r++) {
                 char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D + d0)) * 2;
                 const __m512 inv = _mm512_set1_ps(inv_sum[g * N + r]);
