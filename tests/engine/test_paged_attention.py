@@ -182,6 +182,24 @@ def test_paged_attention_tiles_match_reference(kernels, heads, kv_heads, head_di
     assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), torch.bfloat16)
 
 
+def test_paged_attention_tiles_many_decodes(kernels):
+    """A decode step's shape on tiles: more sequences than threads (each thread claims its next one
+    mid-item and prefetches its first run), lengths of 1 key, run boundaries and one past them, a
+    prompt chunk among them; equal to the reference, and 1 and 2 threads give the same bits."""
+    if not on_tiles(kernels, 64, 16):
+        pytest.skip("no AMX tiles here")
+    kv_lens = [1, 16, 17, 32, 33, 160, 161, 2, 15, 48, 100, 200, 31, 64, 65, 7] * 2 + [40]
+    new_tokens = [1] * (len(kv_lens) - 1) + [24]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, 9, 3, 64, 16, torch.bfloat16, seed=11)
+    outs = []
+    for threads in (1, 2):
+        out = torch.full((qkv.shape[0], 9 * 64), 123.0, dtype=torch.bfloat16)
+        kernels.paged_attention(qkv, out, *index, k_cache, v_cache, 9, 3, 0.125, threads)
+        outs.append(out)
+    assert_close(outs[1], reference(qkv, k_cache, v_cache, index, 9, 3, 64), torch.bfloat16)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_paged_attention_on_tiles_shapes(kernels):
     """Never for float32, head_dims other than multiples of 64, or blocks not a multiple of 16 keys."""
     assert not kernels.paged_attention_on_tiles(torch.float32, 64, 16)
