@@ -934,10 +934,14 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
  *   (a tile load with the slot stride: no copy, no transpose), Q^T packed once per item; then an
  *   exact softmax per row over all its keys, the weights rounded to bfloat16 (as torch's bfloat16
  *   SDPA rounds them before P V) and summed as rounded, so each output is their weighted mean;
- * - values: O [N, 64] += P [N, 16 keys] V [16 keys, 64] per run, V's key pairs interleaved (what
- *   the tile multiply reads) into an L1 buffer, O accumulating in four tiles over all runs.
+ * - values: O [N, 64] += P [N, 16 keys] V [16 keys, 64] per run, V's rows loaded from the cache as
+ *   they are too (the weights as (w, 0) and (0, w) pairs pick its even and odd dims), O accumulating
+ *   in four tiles over all runs.
  * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
- * rounding pa_tile lacks is P's. */
+ * rounding pa_tile lacks is P's. A decode reads each key once from memory, and memory bounds it: the
+ * scores pass prefetches the next run between its tile steps (and the thread's next item's first run
+ * comes during the values pass), so the tile work runs under the misses (bench/NOTES.md, "Decode
+ * attention at the bandwidth bound"). */
 #include <immintrin.h>
 AMX_TARGET_BEGIN
 
