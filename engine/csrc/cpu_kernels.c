@@ -988,7 +988,7 @@ typedef struct {
     size_t at, end; /* bytes of the span left to prefetch: [at, end) */
 } PaPrefetch;
 
-#define PA_PREFETCH_LINES 4 /* lines of K and of V per call between tile steps; 8 was no better */
+#define PA_PREFETCH_LINES 4 /* lines of K and of V per call between tile steps; 2 and 8 were no better */
 
 static inline void pa_prefetch_some(PaPrefetch *pf, size_t lines) {
     for (; lines > 0 && pf->at < pf->end; lines--, pf->at += 64) {
@@ -998,14 +998,14 @@ static inline void pa_prefetch_some(PaPrefetch *pf, size_t lines) {
 }
 
 /* A call's items, handed out one at a time (dynamic scheduling by hand): a thread claims its next
- * item once the current one's scores pass is done, and prefetches that item's first runs during the
+ * item once the current one's scores pass is done, and prefetches that item's first run during the
  * current one's softmax and values pass, which otherwise leave memory idle (their K/V were fetched
  * by the scores pass). */
 typedef struct {
     int64_t next; /* the first unclaimed item (atomic) */
     int64_t items;
     const int64_t *item_begin; /* sequence b's items: [item_begin[b], item_begin[b + 1]) */
-    const int32_t *seq_lens, *new_tokens, *block_tables;
+    const int32_t *block_tables;
     int64_t max_blocks;
 } PaItems;
 
@@ -1197,7 +1197,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     const int64_t items = item_begin[num_seqs];
     const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
                             q_stride, heads * head_dim, 1, scale};
-    PaItems sched = {0, items, item_begin, seq_lens, new_tokens, block_tables, max_blocks};
+    PaItems sched = {0, items, item_begin, block_tables, max_blocks};
 #pragma omp parallel num_threads(num_threads) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
     {
         int64_t item = __atomic_fetch_add(&sched.next, 1, __ATOMIC_RELAXED);
