@@ -2,8 +2,9 @@
 
 The runner owns no model: it flattens the scheduler's batch into the int tensors the executor
 broadcasts and runs, then samples the rows it asked logits for. Per step it touches Python once
-per sequence (list slices and counters); every per-token quantity (positions, slots) is computed
-by tensor ops, so a 512-token prefill chunk costs the same Python as a single decode.
+per sequence and once per KV block a chunk spans; per-token quantities (ids, positions, slots)
+are list slices and ranges extended in C, so a 512-token prefill chunk costs little more Python
+than a single decode.
 """
 
 from __future__ import annotations
