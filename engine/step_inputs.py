@@ -24,6 +24,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch whose logits are wanted
 
     def to(self, device: torch.device) -> "StepInputs":
+        """On `device`; self when every tensor is there already (a CPU model's every step)."""
+        if all(getattr(self, f.name).device == device for f in fields(self)):
+            return self
         return StepInputs(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
     @property

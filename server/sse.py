@@ -54,10 +54,16 @@ async def stream(
     await response.prepare(request)
 
     async def write(data: bytes) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps every write (one a token per
+        # stream) in a new Task, several event-loop turns each; this costs one timer handle
+        timeout = asyncio.timeout(config.stream_write_timeout_s)
         try:
-            await asyncio.wait_for(response.write(data), config.stream_write_timeout_s)
-        except asyncio.TimeoutError:
-            raise _SlowReader() from None
+            async with timeout:
+                await response.write(data)
+        except TimeoutError:
+            if timeout.expired():  # this write's own limit; the stream's lifetime is handled below
+                raise _SlowReader() from None
+            raise
 
     try:
         async with asyncio.timeout(config.max_stream_duration_s):
