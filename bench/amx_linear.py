@@ -38,7 +38,7 @@ from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
 from engine.memory import onednn_rows  # noqa: E402
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # qkv, w13, wo, w2 [out, in]
-BIG1B_SHAPES = [(3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # bench/common.py CONFIGS['big1b']
+BIG1B_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # bench/common.py CONFIGS["big1b"]: qkv, wo, w13, w2
 NAMED_SHAPES = {"demo": DEMO_SHAPES, "big1b": BIG1B_SHAPES}
 
 
