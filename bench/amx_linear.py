@@ -1,11 +1,16 @@
 """Cold-weight A/B of bfloat16 linears: engine/csrc/amx_linear.c (AMX tiles) against oneDNN on its
-packed weight (PackedCpuLinear._onednn's call) and the one-row pairs kernel, for decode batch sizes.
+packed weight (PackedCpuLinear._onednn's call) and the one-row pairs kernel, for decode batches and
+prefill chunks.
 
 Each shape gets enough distinct weights (over --cold-mb in all) that every call reads its weight
-from DRAM, as in a decode step over 30 layers; the paths run interleaved, round after round, and
-the median per round is printed (the machine may be shared: read the ratios).
+from DRAM, as in a decode step over 30 layers (at prefill sizes a round stops after --round-gflop of
+work: the weight's stream no longer matters there); the paths run interleaved, round after round,
+and the median per round is printed, as time, weight GB/s and GFLOP/s (the machine may be shared:
+read the ratios).
 
     python bench/amx_linear.py --threads 2 --rows 2,8,16,32,64 --rounds 5
+    python bench/amx_linear.py --threads 2 --rows 65,128,256,512,1024,2048,4096 --paths onednn,amx
+    python bench/amx_linear.py --shapes big1b --rows 64,256,1024 --paths onednn,amx
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
 from engine.memory import onednn_rows  # noqa: E402
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # qkv, w13, wo, w2 [out, in]
+BIG1B_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # bench/common.py CONFIGS["big1b"]: qkv, wo, w13, w2
+NAMED_SHAPES = {"demo": DEMO_SHAPES, "big1b": BIG1B_SHAPES}
 
 
 def with_pairs(weight: torch.Tensor, kernels) -> PackedWeight:
@@ -52,9 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="2,4,8,16,32,64")
-    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in DEMO_SHAPES), help="OUTxIN,...")
+    parser.add_argument("--shapes", default="demo", help="OUTxIN,... or demo / big1b")
     parser.add_argument("--cold-mb", type=int, default=600, help="weight bytes rotated per shape")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--round-gflop", type=float, default=4.0, help="work per path per round, at most (cold weights permitting)")
     parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,13 +70,15 @@ def main() -> None:
     if kernels is None or amx is None:
         raise SystemExit("needs the CPU kernels and AMX (amx_init failed or no compiler)")
     print(f"threads {args.threads}, {args.cold_mb} MB of weights per shape, median of {args.rounds} interleaved rounds")
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
+    shapes = NAMED_SHAPES.get(args.shapes) or [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    for n, k in shapes:
         copies = max(2, args.cold_mb * 2**20 // (n * k * 2))
         packed = [with_pairs(torch.randn(n, k).to(torch.bfloat16), kernels) for _ in range(copies)]
         weight_gb = n * k * 2 / 1e9
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(torch.bfloat16)
+            gflop = 2 * rows * n * k / 1e9
+            calls = max(2, min(copies, int(args.round_gflop / gflop)))
             x_pad = torch.nn.functional.pad(x, (0, 0, 0, onednn_rows(rows) - rows))
             onednn = lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p.packed, None, "none", [], "")  # noqa: E731
             tiles = lambda p: amx.linear(x, p.interleaved, args.threads)  # noqa: E731
@@ -79,10 +89,10 @@ def main() -> None:
                 fn(packed[0])
             for _ in range(args.rounds):
                 for name, fn in paths.items():
-                    times[name].append(time_per_call_us(fn, packed, copies))
+                    times[name].append(time_per_call_us(fn, packed, calls))
             med = {name: statistics.median(t) for name, t in times.items()}
-            cells = "  ".join(f"{name} {us:7.1f} us ({weight_gb / us * 1e6:5.1f} GB/s)" for name, us in med.items())
-            print(f"[{n}x{k}] rows {rows:3d}: {cells}  onednn/amx {med.get('onednn', 0) / med.get('amx', 1):.2f}", flush=True)
+            cells = "  ".join(f"{name} {us:8.1f} us ({weight_gb / us * 1e6:5.1f} GB/s, {gflop / us * 1e6:5.0f} GFLOP/s)" for name, us in med.items())
+            print(f"[{n}x{k}] rows {rows:4d}: {cells}  onednn/amx {med.get('onednn', 0) / med.get('amx', 1):.2f}", flush=True)
         del packed
 
 

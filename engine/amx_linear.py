@@ -1,5 +1,6 @@
 """ctypes entry point over engine/csrc/amx_linear.c: bfloat16 linears on Intel AMX tiles for decode
-batches of many streams.
+batches of many streams, and for prefill chunks of weights that keep no oneDNN copy (the C side
+picks a blocked loop for those sizes itself).
 
 The weight is the bfloat16 pairs copy CpuKernels.interleave already makes ([n / 16, k / 2, 16, 2]),
 which is the AMX B-tile layout as it stands: no further copy. Built and cached like the fused CPU

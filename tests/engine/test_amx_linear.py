@@ -65,6 +65,44 @@ def test_large_row_counts_and_odd_column_blocks(kernels, amx):
     assert_close_to_reference(amx.linear(x, kernels.interleave(weight), 2), x, weight)
 
 
+# [out, in] shapes and row counts that take the blocked loop for prefill chunks (amx_linear.c
+# many_rows: x over 1 MB, k at most 2048): k 2048 from 257 rows, k 576 from 911; with odd row counts
+# (a partial last row block: the padded tail copy), an odd number of row blocks (a lone last one),
+# more rows than one L2 block of x (1 MB: 256 rows of k 2048) and n an odd number of 16-column
+# blocks (a last lone column block).
+BLOCKED_CASES = [(96, 2048, 257), (48, 2048, 513), (80, 2048, 1024), (64, 2048, 200), (3072, 576, 1000), (576, 1536, 700)]
+
+
+@pytest.mark.parametrize("n,k,rows", BLOCKED_CASES)
+def test_prefill_sizes_match_float32_matmul(kernels, amx, n, k, rows):
+    torch.manual_seed(rows + n)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    assert_close_to_reference(amx.linear(x, kernels.interleave(weight), 2), x, weight)
+
+
+@pytest.mark.parametrize("n,k,rows", BLOCKED_CASES)
+def test_the_loop_chosen_does_not_change_a_row(kernels, amx, n, k, rows):
+    """Each output is the same float32 sum over k whichever loop computes it (the blocked one keeps
+    its partial sums exactly between k chunks): a row's result is the same bits in a prefill-sized
+    call as in a decode-sized one, and at 1 thread as at 2."""
+    torch.manual_seed(rows * 3 + k)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    pairs = kernels.interleave(weight)
+    big = amx.linear(x, pairs, 2)
+    assert torch.equal(big, amx.linear(x, pairs, 1))
+    for start in (0, rows - 37, rows // 2):
+        assert torch.equal(big[start : start + 37], amx.linear(x[start : start + 37].contiguous(), pairs, 2))
+
+
+def test_prefill_sizes_exact_on_integers(kernels, amx):
+    """Small integers, k split into chunks: every float32 sum is exact, so partial sums carried
+    across chunks lose nothing and the result is the exact sum rounded once to bfloat16."""
+    torch.manual_seed(7)
+    weight = torch.randint(-3, 4, (64, 2048)).bfloat16()
+    x = torch.randint(-3, 4, (301, 2048)).bfloat16()
+    assert torch.equal(amx.linear(x, kernels.interleave(weight), 2), reference(x, weight).bfloat16())
+
+
 @pytest.mark.parametrize("rows", [2, 17, 64])
 def test_thread_counts_agree_bit_for_bit(kernels, amx, rows):
     torch.manual_seed(rows)
