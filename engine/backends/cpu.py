@@ -39,8 +39,11 @@ INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 # pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
 # the kernel streamed the demo's and the 1.1B model's weight shapes 1.1-1.7x faster than oneDNN at
 # every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
-# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows, except
-# for weights with no oneDNN copy (pack_weight), which run every row count on the tiles.
+# (prefill chunks) stay with oneDNN, which AMX matches or beats only up to about 256 rows on wide
+# weights, except for weights with no oneDNN copy (pack_weight) and narrow ones (out_features <=
+# in_features: wo, w2), which run every row count on the tiles: oneDNN's packed kernel splits
+# their few output columns poorly, and the tiles ran them 1.1-1.7x faster at 128-512 rows
+# (bench/NOTES.md 'Narrow weights on the tiles').
 AMX_MAX_ROWS = 64
 
 
@@ -73,8 +76,9 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
 
 class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
-    when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows through AMX tiles on
-    that same copy (the pairs layout is the AMX weight-tile layout: no further copy)."""
+    when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
+    narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
+    layout is the AMX weight-tile layout: no further copy)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None) -> None:
         super().__init__()
@@ -93,12 +97,13 @@ class PackedCpuLinear(nn.Module):
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
+        self._tiles_take_all_rows = self.packed_weight is None or self.out_features <= self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._one_row is not None and rows == 1:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and (rows <= AMX_MAX_ROWS or self.packed_weight is None):
+        if self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and (rows <= AMX_MAX_ROWS or self._tiles_take_all_rows):
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         return self._onednn(x)
 

@@ -156,6 +156,22 @@ def test_packed_linear_routes_batches_through_amx(kernels, amx, monkeypatch):
     assert calls == [2, 33, cpu.AMX_MAX_ROWS]
 
 
+def test_narrow_weights_take_the_tiles_at_every_row_count(kernels, amx, monkeypatch):
+    """A weight with no more outputs than inputs (wo, w2) runs prefill-sized inputs on the tiles
+    too, where oneDNN's packed kernel splits its few output columns poorly; one row stays on the
+    one-row kernel."""
+    torch.manual_seed(4)
+    weight = torch.randn(64, 96).bfloat16()
+    calls = []
+    real_bind = amx.bind
+    monkeypatch.setattr(amx, "bind", lambda pairs: (lambda fn: lambda x, threads: calls.append(x.shape[0]) or fn(x, threads))(real_bind(pairs)))
+    layer = PackedCpuLinear(pack_weight(weight, kernels), kernels, amx)
+    for rows in (1, 2, cpu.AMX_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        assert_close_to_reference(layer(x), x, weight)
+    assert calls == [2, cpu.AMX_MAX_ROWS + 1, 300]
+
+
 def test_float32_layers_never_take_amx(kernels, amx):
     packed = pack_weight(torch.randn(64, 64), kernels)
     assert PackedCpuLinear(packed, kernels, amx)._many_rows is None
