@@ -59,6 +59,24 @@ static inline void store_block(const float *acc, uint16_t *out, int64_t n, int64
     }
 }
 
+/* One k step (K_STEP values of x) of the 2x2 tile block: x tiles 4, 5 (row blocks at a0, a1; a1
+ * read only with rbs 2), weight tiles 6, 7 (column blocks at w0, w1; w1 only with cols 2) into the
+ * accumulators 0..3 (row block r, column block c at 2r + c). */
+static inline void tile_step(const char *a0, const char *a1, int64_t x_stride, const char *w0, const char *w1, int rbs, int cols) {
+    _tile_loadd(4, a0, x_stride);
+    _tile_loadd(6, w0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (cols > 1) {
+        _tile_loadd(7, w1, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (rbs > 1) {
+        _tile_loadd(5, a1, x_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (cols > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* Column blocks [cb, cb + cols) (cols 1 or 2) x row blocks [rb, rb + row_blocks) (1 or 2), all k. */
 static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64_t pairs_bytes, int64_t cb, int cols,
                               int64_t rb, int row_blocks, uint16_t *out, int64_t n, int64_t rows) {
@@ -75,18 +93,7 @@ static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64
             prefetch_tile(w0 + w_off + PREFETCH_AHEAD_BYTES);
             if (cols > 1) prefetch_tile(w1 + w_off + PREFETCH_AHEAD_BYTES);
         }
-        _tile_loadd(4, x0 + kk * 2, x_stride);
-        _tile_loadd(6, w0 + w_off, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (cols > 1) {
-            _tile_loadd(7, w1 + w_off, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (row_blocks > 1) {
-            _tile_loadd(5, x1 + kk * 2, x_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (cols > 1) _tile_dpbf16ps(3, 5, 7);
-        }
+        tile_step(x0 + kk * 2, x1 + kk * 2, x_stride, w0 + w_off, w1 + w_off, row_blocks, cols);
     }
     float acc[ROW_BLOCK * COL_BLOCK];
     for (int r = 0; r < row_blocks; r++) {
@@ -165,18 +172,7 @@ static inline void chunk_block(const char *a0, const char *a1, int64_t x_stride,
     }
     for (int64_t s = 0; s < steps; s++) {
         const int64_t w_off = s * W_TILE_BYTES, x_off = s * K_STEP * 2;
-        _tile_loadd(4, a0 + x_off, x_stride);
-        _tile_loadd(6, w0 + w_off, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (cols > 1) {
-            _tile_loadd(7, w1 + w_off, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (rbs > 1) {
-            _tile_loadd(5, a1 + x_off, x_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (cols > 1) _tile_dpbf16ps(3, 5, 7);
-        }
+        tile_step(a0 + x_off, a1 + x_off, x_stride, w0 + w_off, w1 + w_off, rbs, cols);
     }
     _tile_stored(0, acc, ACC_STRIDE_BYTES);
     if (cols > 1) _tile_stored(1, acc + COL_BLOCK, ACC_STRIDE_BYTES);
