@@ -117,24 +117,47 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } 
 
 static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
 
-/* exp(x) to ~1e-7 relative error: 2^k * 2^f with Cephes' exp2f polynomial for f in [-0.5, 0.5].
+/* Cephes' exp2f polynomial: 2^f for f in [-0.5, 0.5], highest power first. exp_approx and its
+ * 16-lane forms (silu16, pa_amx_exp) evaluate it as the same chain of FMAs: the same bits. */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+#define EXP2_C0 1.0f
+
+/* exp(x) to ~1e-7 relative error: 2^k * 2^f with the polynomial above for f in [-0.5, 0.5].
  * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float t = x * 1.44269504088896341f;
     float k = __builtin_rintf(t); /* to nearest (vectorizes as a round instruction) */
     float f = t - k;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
+    p = p * f + EXP2_C0;
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)k + 127) << 23;
     return p * scale.f;
 }
+
+/* exp_approx's polynomial on 16 lanes of f (an __m512). A macro, not a function: its users carry
+ * different target attributes (the AVX-512 build's silu16, the AMX attention at every level). */
+#define EXP2_POLY16(f)                                                                 \
+    ({                                                                                 \
+        const __m512 f_ = (f);                                                         \
+        __m512 p_ = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f_, _mm512_set1_ps(EXP2_C5)); \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C4));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C3));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C2));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C1));                         \
+        _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C0));                              \
+    })
 
 /* Work below this many elements runs on the calling thread: a parallel region's fork and join
  * costs more than the work saves. */
@@ -164,6 +187,8 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
 
 /* bfloat16 rows, NORM_ROWS at a time (add_rms_norm_rows_bf16); w: the weight as float32, x: NORM_ROWS * dim
  * floats of scratch (both the caller's, per thread). */
+#define NORM_ROWS 4 /* sum_sq_rows keeps one accumulator a row: acc0..acc3 */
+
 #ifdef HAVE_AVX512_ROWS
 /* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
  * (GCC prefers 256 bits there), so results keep their bits: a 16-lane order changed a few outputs in
@@ -172,8 +197,6 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
  * lane 0, then its reduction tree, here in vector ops (-fassociative-math may regroup scalar adds).
  * One row's sum is a chain of dim / 8 dependent FMAs: NORM_ROWS rows run theirs side by side
  * (1 thread, 512 x 576: 161 -> 100 us). */
-#define NORM_ROWS 4
-
 static inline float sum_sq_finish(__m256 acc, const float *x, int64_t i, int64_t dim) {
     if (i < dim) {
         float lanes[8];
@@ -262,8 +285,6 @@ static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, 
     store_row(out, x, dim, 1);
 }
 
-#define NORM_ROWS 4
-
 static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
                                    int64_t dim, float eps) {
     for (int64_t r = 0; r < n; r++)
@@ -307,12 +328,7 @@ static inline __m512 silu16(__m512 g) {
     const __m512 x = _mm512_min_ps(_mm512_set1_ps(87.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), g)); /* NaN stays */
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-1.44269504088896341f));
     const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT), k = _mm512_sub_ps(t, f);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.535336188319500e-4f), f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 p = EXP2_POLY16(f);
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, k)));
 }
 
@@ -874,6 +890,13 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
 #include "amx.h"
 #ifdef AMX_COMPILED
 #define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
+#define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
+
+/* Whether paged_attention_amx takes caches of this head_dim and block size in this process. */
+static inline int pa_amx_applies(int64_t head_dim, int64_t block_size) {
+    return head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_tiles_permitted();
+}
+
 static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
                                const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
@@ -945,8 +968,6 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
 #include <immintrin.h>
 AMX_TARGET_BEGIN
 
-#define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
-
 /* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
  * values pass: tiles 0-1 P [N, 16 keys as (w, 0) / (0, w) pairs], 2-3 V [16 keys, 32 dims], 4-7 O [N, 16
  * even or odd dims] */
@@ -969,14 +990,7 @@ static inline __m512 pa_amx_exp(__m512 x) {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~tiny, p, k);
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, EXP2_POLY16(f), k);
 }
 
 /* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
@@ -1009,6 +1023,13 @@ typedef struct {
     int64_t max_blocks;
 } PaItems;
 
+/* The sequence owning `item` (sequence b's items: [item_begin[b], item_begin[b + 1])). */
+static inline int64_t pa_item_sequence(const int64_t *item_begin, int64_t item) {
+    int64_t b = 0;
+    while (item_begin[b + 1] <= item) b++;
+    return b;
+}
+
 /* Claim the next item (it->items where none is left) and point *ahead at its first run's K/V span
  * (every item's scores pass starts at key 0 of its sequence). Its first two runs instead were no
  * better on blocks in order and slower on scattered ones: the values pass's own reads from L2 then
@@ -1017,8 +1038,7 @@ static inline int64_t pa_claim(PaItems *it, const PagedArgs *a, PaPrefetch *ahea
     const int64_t item = __atomic_fetch_add(&it->next, 1, __ATOMIC_RELAXED);
     *ahead = (PaPrefetch){a->k_cache, a->v_cache, 0, 0};
     if (item >= it->items) return it->items;
-    int64_t b = 0;
-    while (it->item_begin[b + 1] <= item) b++;
+    const int64_t b = pa_item_sequence(it->item_begin, item);
     const size_t slot_bytes = (size_t)a->slot_elems * 2, first = (size_t)it->block_tables[b * it->max_blocks] * a->block_size * slot_bytes;
     *ahead = (PaPrefetch){a->k_cache + first, a->v_cache + first, 0, PA_AMX_KEYS * slot_bytes};
     return item;
@@ -1182,7 +1202,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
                                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                int num_threads) {
-    if (head_dim % 64 || block_size % PA_AMX_KEYS || !amx_tiles_permitted()) return 0;
+    if (!pa_amx_applies(head_dim, block_size)) return 0;
     /* at most 16 query rows per group of a KV head's query heads (a tile's columns): more than 16
      * query heads per KV head split into equal groups */
     int64_t split = (heads / kv_heads + 15) / 16;
@@ -1202,8 +1222,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     {
         int64_t item = __atomic_fetch_add(&sched.next, 1, __ATOMIC_RELAXED);
         while (item < items) {
-            int64_t b = 0;
-            while (item_begin[b + 1] <= item) b++;
+            const int64_t b = pa_item_sequence(item_begin, item);
             const int64_t n_new = new_tokens[b], tok0 = (item - item_begin[b]) * tile_tokens;
             const int64_t tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
             const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * 2;
@@ -1231,7 +1250,7 @@ AMX_TARGET_END
  * well. */
 int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 #ifdef PA_AMX
-    return bf16 && head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_tiles_permitted();
+    return bf16 && pa_amx_applies(head_dim, block_size);
 #else
     (void)bf16, (void)head_dim, (void)block_size;
     return 0;
