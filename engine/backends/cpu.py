@@ -86,6 +86,7 @@ class PackedCpuLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
         self._kernels, self._amx = kernels, amx
+        self._tiles_take_all_rows = weight.packed is None or self.out_features <= self.in_features
         self._bind(weight.interleaved)
         if weight.packed is None and self._many_rows is None:
             raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel")
@@ -97,7 +98,6 @@ class PackedCpuLinear(nn.Module):
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
-        self._tiles_take_all_rows = self.packed_weight is None or self.out_features <= self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -183,8 +183,11 @@ class CpuKernelBackend(OneDnnBackend):
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         head_dim = k_cache.shape[-1]
-        has_prefill = bool((inputs.query_start_loc.diff() > 1).any())  # a sequence with 2+ new tokens
-        if chunk_size is None and has_prefill and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size):
+        if (
+            chunk_size is None
+            and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size)
+            and bool((inputs.query_start_loc.diff() > 1).any())  # a sequence with 2+ new tokens: a prefill chunk
+        ):
             # prefill chunks and decodes in one call: no per-chunk block ids and masks to build
             meta = _all_sequences_metadata(inputs, rope)
             check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)

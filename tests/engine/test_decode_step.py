@@ -82,7 +82,7 @@ def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoin
         addresses = [linear.interleaved.data_ptr() for linear in linears]
         storages = {linear.interleaved.untyped_storage().data_ptr() for linear in linears}
         assert len(storages) == 1 and addresses == sorted(addresses)
-        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in ("wqkv", "wo", "w13", "w2")]
+        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in cpu_step._BLOCK_LINEARS]
         assert program_addresses == addresses
         x = torch.randn(1, linears[0].in_features).to(getattr(torch, dtype))
         torch.testing.assert_close(linears[0](x), linears[0]._onednn(x), rtol=2e-2, atol=2e-2)  # the moved copy serves one row
