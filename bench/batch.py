@@ -215,7 +215,12 @@ class Bench:
         await self.wait_running(finished)
 
         async def stop() -> None:
-            await self._post(session, f"/v1/batches/{batch_id}/cancel")
+            # The batch can reach finalizing between the last poll and this cancel; the server
+            # then refuses the cancel, and there is nothing left to stop.
+            async with session.post(f"{self.base}/v1/batches/{batch_id}/cancel") as response:
+                data = await response.json()
+            if response.status != 200 and data.get("error", {}).get("code") != "batch_not_cancellable":
+                raise RuntimeError(f"POST /v1/batches/{batch_id}/cancel: HTTP {response.status}: {data}")
         return stop, finished
 
     async def running_batch_endpoint(self, session: aiohttp.ClientSession, prompts: list[str]) -> Load:

@@ -13,6 +13,7 @@ _STATUS_TYPES: Mapping[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
