@@ -147,7 +147,7 @@ class Int4Weight(QuantizedWeight):
         """The unpacked 4-bit codes, uint8 [out, in] in column order."""
         out = self.out_features
         blocks = self.qweight.reshape(out, -1, 1, _BLOCK // 2)
-        shifted = blocks >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+        shifted = blocks >> torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 2, 1)
         return (shifted & 0x0F).reshape(out, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
