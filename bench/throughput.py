@@ -1,6 +1,7 @@
 """Offline engine throughput (a script, not a test).
 
     python bench/throughput.py [--config small] [--concurrency 1,8,32] [--checkpoint-dir DIR] [--threads N] [--json PATH]
+                               [--device cuda] [--dtype bfloat16]
 
 Writes a random Meta checkpoint of the chosen config once (reused when --checkpoint-dir already
 holds one), then drives EngineCore directly (no HTTP, no event loop):
@@ -88,9 +89,9 @@ def checkpoint_dir(config_name: str, given: str | None) -> Path:
     return directory
 
 
-def make_core(spec, tokenizer, *, max_batch_size: int) -> EngineCore:
+def make_core(spec, tokenizer, *, max_batch_size: int, device: str, dtype: str) -> EngineCore:
     config = EngineConfig(
-        dtype="float32", max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
+        device=device, dtype=dtype, max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
     )
     runner = ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
     return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
@@ -118,12 +119,32 @@ def workload_flops(args, num_prompt_tokens: int, num_output_tokens: int) -> floa
     return 2.0 * (body * (num_prompt_tokens + num_output_tokens) + head * num_output_tokens)
 
 
-def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float, out: Results) -> None:
+def cuda_roofline(dtype: torch.dtype, *, smoke: bool) -> tuple[float, float]:
+    """The GPU's copy bandwidth (bytes read + written) and matmul rate in `dtype`, synchronized."""
+    def timed(fn, repeats: int = 5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) / repeats
+
+    x = torch.empty((64 if smoke else 1024) << 20, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() / timed(lambda: y.copy_(x))
+    n = 1024 if smoke else 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+    return bandwidth, 2 * n**3 / timed(lambda: a @ b)
+
+
+def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float, out: Results,
+               *, device: str, dtype: str) -> None:  # fmt: skip
     vocab = spec.model_args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     base_rate = None
     for c in concurrencies:
-        core = make_core(spec, tokenizer, max_batch_size=c)
+        core = make_core(spec, tokenizer, max_batch_size=c, device=device, dtype=dtype)
         rng = random.Random(c)
         warm = [EngineRequest(f"warm{i}", random_prompt(rng, 16, vocab), SamplingParams(max_tokens=2)) for i in range(2)]
         run_offline(core, warm)
@@ -169,11 +190,11 @@ def time_to_first_token(core: EngineCore, request: EngineRequest) -> float:
     return first
 
 
-def prefix_ttft(spec, tokenizer, out: Results, repeats: int = 5) -> None:
+def prefix_ttft(spec, tokenizer, out: Results, *, device: str, dtype: str, repeats: int = 5) -> None:
     vocab = spec.model_args.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    core = make_core(spec, tokenizer, max_batch_size=8)
+    core = make_core(spec, tokenizer, max_batch_size=8, device=device, dtype=dtype)
     time_to_first_token(core, EngineRequest("warm", random_prompt(rng, 16, vocab), params))
     cold, cached, alone = [], [], []
     for i in range(repeats):
@@ -202,6 +223,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="where the random checkpoint is written or found")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, help="the model dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample and one prefix repeat: checks the script runs (tests)")
     add_results_arguments(parser)
     opts = parser.parse_args()
@@ -210,25 +233,32 @@ def main() -> None:
         torch.set_num_threads(opts.threads)
     spec = resolve_checkpoint(checkpoint_dir(opts.config, opts.checkpoint_dir), model_id=opts.config, llama_model=DESCRIPTOR)
     tokenizer, tokenizer_name = load_tokenizer(spec.model_args.vocab_size)
-    bandwidth = memory_bytes_per_s(mib=8) if opts.smoke else memory_bytes_per_s()
-    flops = matmul_flops_per_s(torch.float32, n=128) if opts.smoke else matmul_flops_per_s(torch.float32)
+    dtype = opts.dtype or ("bfloat16" if opts.device == "cuda" else "float32")
+    if opts.device == "cuda":
+        bandwidth, flops = cuda_roofline(getattr(torch, dtype), smoke=opts.smoke)
+        where = f"{torch.cuda.get_device_name()}, copy"
+    else:
+        bandwidth = memory_bytes_per_s(mib=8) if opts.smoke else memory_bytes_per_s()
+        flops = matmul_flops_per_s(getattr(torch, dtype), n=128) if opts.smoke else matmul_flops_per_s(getattr(torch, dtype))
+        where = f"{torch.get_num_threads()} threads, read"
     args = spec.model_args
-    weight_bytes = estimate_weight_bytes(args, "float32")  # read once per step
+    weight_bytes = estimate_weight_bytes(args, dtype)  # read once per step
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tokenizer: {tokenizer_name}; "
+        f"torch {torch.__version__}, {opts.device}, {dtype}, tokenizer: {tokenizer_name}; "
         f"config '{opts.config}' (dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}), "
-        f"{weight_bytes / 2**20:.0f} MiB of weights; read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"{weight_bytes / 2**20:.0f} MiB of weights; {where} bandwidth {bandwidth / 1e9:.1f} GB/s, "
         f"matmul {flops / 1e9:.1f} GFLOP/s. "
         "Shared machine: numbers are noisy.",
         flush=True,
     )
-    out = Results("throughput", context={"config": opts.config})
+    out = Results("throughput", context={"config": opts.config, "device": opts.device, "dtype": dtype})
     out.add("read bandwidth", bandwidth, "B/s")
-    out.add("matmul", flops, "FLOP/s", dtype="float32")
+    out.add("matmul", flops, "FLOP/s", dtype=dtype)
     if opts.concurrency:
-        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops, out)
+        throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops, out,
+                   device=opts.device, dtype=dtype)  # fmt: skip
     if not opts.skip_prefix:
-        prefix_ttft(spec, tokenizer, out, repeats=1 if opts.smoke else 5)
+        prefix_ttft(spec, tokenizer, out, device=opts.device, dtype=dtype, repeats=1 if opts.smoke else 5)
     out.write(opts.json, **torch_machine(), tokenizer=tokenizer_name)
 
 

@@ -1,6 +1,7 @@
 """The CUDA backend: the torch backend's operations, with quantized linears on CUDA kernels.
 
-WRITTEN, NOT YET RUN ON A GPU. Dense linears and attention are the torch backend's (cuBLAS,
+Tested on an NVIDIA H200 (tests/engine/test_cuda.py, tests/e2e/test_cuda_e2e.py; .ci/cuda runs them
+where a GPU is lent, CI has none). Dense linears and attention are the torch backend's (cuBLAS,
 SDPA); a quantized weight gets engine.quant.cuda's linear for this device's compute capability
 (fp8 through torch._scaled_mm, int4 through tinygemm, the rest dequantized per tile).
 """
