@@ -199,3 +199,17 @@ def test_cuda_linear_matches_the_dequantized_reference(weight):
     expected = x.float().cpu() @ reference.t()
     tolerance = 0.1 if linear.path == "scaled_mm" else 3e-2  # fp8 activations
     torch.testing.assert_close(linear(x).float().cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_cuda_attention_runs_without_cudnn(monkeypatch):
+    """CudaBackend.attention is the torch backend's with cuDNN's SDPA left out (engine/backends/cuda.py
+    says why), and only for that call."""
+    from engine.backends.cuda import CudaBackend
+    from engine.backends.torch_ops import TorchBackend
+
+    seen = []
+    monkeypatch.setattr(TorchBackend, "attention", lambda self, *args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or "out")
+    backend = CudaBackend(torch.device("cpu"), torch.float32)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert backend.attention(None, None, None, None) == "out" and seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
