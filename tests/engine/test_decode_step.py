@@ -345,3 +345,41 @@ def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
         assert_same_run(*compare_with_and_without(executor, random_prompts(256, PROMPT_LENGTHS, seed=4)))
     finally:
         executor.shutdown()
+
+
+def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint):
+    """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
+    between mixed ones): the same tokens with the compiled step as without it, and on AMX the
+    step served steps of several decodes."""
+    from engine.amx_linear import load_amx_linear
+    from engine.checkpoint import resolve_checkpoint
+    from engine.core import EngineCore
+    from tests.conftest import TINY_DESCRIPTOR
+    from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
+
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
+    core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+    model = core.runner._executor._shard.model
+    step, many_rows = model.decode_step, []
+
+    def counting(h, meta, kv_caches):
+        out = step(h, meta, kv_caches)
+        many_rows.append(out is not None and h.shape[0] > 1)
+        return out
+
+    try:
+        results = []
+        for use_step in (True, False):
+            model.decode_step = counting if use_step else None
+            tokens: dict[str, list[int]] = {}
+            for request in make_requests(16):
+                core.add_request(request)
+            while core.has_unfinished:
+                for out in core.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            results.append(tokens)
+        assert results[0] == results[1] and len(results[0]) == 16
+        assert any(many_rows) == (load_amx_linear() is not None)
+    finally:
+        core.runner.shutdown()
