@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
 from engine.amx_linear import AmxLinear
+from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
 from engine.cpu_kernels import CpuKernels, library_path
 from engine.memory import WeightArena
 
@@ -129,7 +129,7 @@ class DecodeStep:
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
         if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
-            raise MemoryError("decode step: a linear could not allocate its input copy")
+            raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
         return out
 
     def _tokens(self, rows: int, meta: AttentionMetadata) -> _Tokens | None:
