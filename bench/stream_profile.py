@@ -1,6 +1,6 @@
 """Where a many-streams step's forward goes, by operation (a script, not a test).
 
-    python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...]
+    python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...] [--decode-step off] [--ab]
 
 Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16, the CPU backend
 ModelExecutor picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
@@ -8,10 +8,16 @@ tokens produces, timing every backend call and every linear (by its [M, N, K] sh
 clocks around each (CPU ops are synchronous). Each linear's achieved GFLOP/s is printed next to
 the bf16 matmul rate measured at start (the roofline of the moment). Step shapes:
 
-    d32 / d64     32 / 64 decodes at 160 tokens of context (the middle of 128 + 64)
+    d8 / d32 / d64  8 / 32 / 64 decodes at 160 tokens of context (the middle of 128 + 64)
     m32           28 decodes + 3 whole prompts + the first 100 tokens of a 4th (a 512 budget)
     pfx           28 decodes + 4 prompts' last 28 tokens behind a 100-token cached prefix
     p512 / p2048  4 / 16 whole 128-token prompts (one step of a 512 / 2048 budget)
+
+Pure-decode steps run the backend's compiled decode step (engine/backends/cpu_step.py: every block
+in one C call) where it serves them; its calls are timed as one row, "decode step (fused)", and the
+ops inside it are not seen. --decode-step off profiles the per-op path instead. --ab first times
+each step's forward (no timers around anything) with the compiled step and without, alternating,
+and prints the medians and their ratio.
 
 On a machine shared with other jobs the absolute times are noisy (--threads 1 times thread CPU
 instead of wall: far steadier there); the shares are what carry over.
@@ -120,6 +126,21 @@ def instrument(model: Transformer, timers: Timers) -> None:
             module.forward = timed_linear
     embed = model.tok_embeddings.forward
     model.tok_embeddings.forward = timers.wrap("embedding", embed)
+    if model.decode_step is not None:
+        model.decode_step = timed_decode_step(model.decode_step, timers)
+
+
+def timed_decode_step(step, timers: Timers):
+    """The compiled decode step, its calls that served the step timed (a step it declines costs ~1 us)."""
+
+    def timed(h, meta, kv_caches):
+        started = clock()
+        out = step(h, meta, kv_caches)
+        if out is not None:
+            timers.add("decode step (fused)", clock() - started)
+        return out
+
+    return timed
 
 
 def sequence(seq_id: int, slot: int, num_tokens: int, computed: int) -> Sequence:
@@ -144,7 +165,7 @@ def step_shape(name: str) -> tuple[list[Sequence], list[int]]:
             seqs.append(sequence(len(seqs), len(seqs), PROMPT_TOKENS, prefix))
             counts.append(new)
 
-    if name in ("d32", "d64"):
+    if name in ("d8", "d32", "d64"):
         decodes(int(name[1:]))
     elif name == "m32":
         decodes(28), prompts(3, PROMPT_TOKENS), prompts(1, 100)
@@ -158,6 +179,29 @@ def step_shape(name: str) -> tuple[list[Sequence], list[int]]:
     return seqs, counts
 
 
+def compare_decode_step(model: Transformer, caches, steps: list[str], repeats: int) -> None:
+    """Each step's forward, untimed inside, with the compiled decode step and without it, in
+    alternating pairs after one warm-up pair: the medians and per-op / fused."""
+    step = model.decode_step
+    if step is None:
+        print("A/B: the backend built no compiled decode step")
+        return
+    print(f"A/B: forward with the compiled decode step (fused) and without (per-op), {repeats} alternating pairs, medians")
+    for name in steps:
+        seqs, counts = step_shape(name)
+        inputs, _ = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats + 1):
+            for fused in (True, False):
+                model.decode_step = step if fused else None
+                started = clock()
+                model(inputs, caches)
+                times[fused].append(clock() - started)
+        model.decode_step = step
+        fused_s, per_op_s = (sorted(times[f][1:])[repeats // 2] for f in (True, False))
+        print(f"  {name:6s} fused {fused_s * 1e3:7.2f} ms  per-op {per_op_s * 1e3:7.2f} ms  per-op / fused {per_op_s / fused_s:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -165,6 +209,8 @@ def main() -> None:
     parser.add_argument("--steps", default="d32,m32,pfx,d64,p512,p2048")
     parser.add_argument("--top", type=int, default=14, help="rows printed per step")
     parser.add_argument("--config", default="demo", help="the model shape (bench/common.py CONFIGS), e.g. big1b")
+    parser.add_argument("--decode-step", choices=("on", "off"), default="on", help="off: pure-decode steps run op by op too")
+    parser.add_argument("--ab", action="store_true", help="first time each step's forward with and without the compiled decode step")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     if opts.threads == 1:
@@ -176,11 +222,15 @@ def main() -> None:
     caches = allocate_kv_caches(args, 1, 70 * math.ceil(MAX_TOKENS / BLOCK_SIZE), BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
     for k_cache, v_cache in caches:  # K/V values of a realistic size
         k_cache.normal_(), v_cache.normal_()
+    peak = matmul_flops_per_s(dtype)
+    print(f"backend {backend.name}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
+    if opts.ab:
+        compare_decode_step(model, caches, opts.steps.split(","), opts.repeats)
+    if opts.decode_step == "off":
+        model.decode_step = None
     timers = Timers()
     instrument(model, timers)
     sampler = Sampler()
-    peak = matmul_flops_per_s(dtype)
-    print(f"backend {backend.name}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
     for name in opts.steps.split(","):
         seqs, counts = step_shape(name)
         runs = []

@@ -37,6 +37,10 @@ class AmxLinear:
         self._fn = lib.amx_linear_bf16
         self._fn.argtypes, self._fn.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), _i32
 
+    def address(self) -> int:
+        """amx_linear_bf16 as a C function address (engine/csrc/decode_step.c calls it through this)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     @staticmethod
     def supports(pairs: torch.Tensor) -> bool:
         """Whether the kernel takes this weight: a bfloat16 pairs copy with k a multiple of K_STEP."""

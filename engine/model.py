@@ -269,7 +269,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
         weights.check_all_taken()
-        # a batch-1 decode step compiled by the backend (all blocks and the final norm in one call),
+        # a decode step compiled by the backend (all blocks and the final norm in one call; one
+        # sequence, or up to a bound of pure-decode sequences where the backend can),
         # or None: forward's per-op loop. Built for this class's blocks only (Llama 4 has its own).
         self.decode_step = backend.batch1_decode_step(self) if mp_size == 1 and self.block is TransformerBlock else None
         # the RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)

@@ -8,8 +8,8 @@ best implementation depends on the device and dtype goes through a Backend chose
   the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
 - linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
-- batch1_decode_step(model), optional: one decode token of one sequence through all blocks in one
-  call, built once at load (the model falls back to its per-op blocks wherever it gives None).
+- batch1_decode_step(model), optional: one decode token of one sequence (of each of up to N
+  sequences, where the backend can) through all blocks in one call, built once at load (the model falls back to its per-op blocks wherever it gives None).
 - attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
   (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
 
@@ -49,9 +49,10 @@ class Linear(Protocol):
 
 
 class BatchOneDecodeStep(Protocol):
-    """step(h, meta, kv_caches): h [1, dim] the token's embedding (the residual stream, updated in
-    place) -> the final norm's output [1, dim], exactly as the per-op blocks compute it; or None,
-    untouched, when the step is not one decode token of one sequence (the model then runs its blocks)."""
+    """step(h, meta, kv_caches): h [rows, dim] the tokens' embeddings (the residual stream, updated
+    in place) -> the final norm's output [rows, dim], exactly as the per-op blocks compute it; or
+    None, untouched, when the step is not one decode token of each of `rows` sequences, rows in the
+    range the step serves (1, or more where the backend can; the model then runs its blocks)."""
 
     def __call__(self, h: torch.Tensor, meta: "AttentionMetadata", kv_caches: list[KVCache]) -> torch.Tensor | None: ...
 
@@ -252,8 +253,8 @@ class Backend:
 
     # ----------------------------------------------------------------- load time, optional
     def batch1_decode_step(self, model: nn.Module) -> BatchOneDecodeStep | None:
-        """A compiled form of one decode token of one sequence through all of `model`'s blocks and
-        its final norm (engine.model.Transformer, mp_size 1), built once at load; None (here): the
+        """A compiled form of one decode token of one sequence (or of each of several) through all
+        of `model`'s blocks and its final norm (engine.model.Transformer, mp_size 1), built once at load; None (here): the
         model runs its blocks op by op."""
         return None
 

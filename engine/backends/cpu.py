@@ -133,6 +133,11 @@ class PackedCpuLinear(nn.Module):
         layout = "pairs" if self.interleaved.dim() == 4 else "interleaved"
         return layout, self.interleaved.data_ptr(), self.out_features, self.in_features
 
+    def tile_rows(self) -> int:
+        """The most rows (from 2) forward runs on the AMX tiles from the one-row copy, for a compiled
+        decode step of many sequences (engine/backends/cpu_step.py); 0 without tiles."""
+        return AMX_MAX_ROWS if self._many_rows is not None else 0
+
     def resident_bytes(self) -> int:
         copies = [t for t in (self.packed_weight, self.interleaved) if t is not None]
         return sum(t.numel() * t.element_size() for t in copies)
@@ -205,7 +210,7 @@ class CpuKernelBackend(OneDnnBackend):
         return meta
 
     def batch1_decode_step(self, model: nn.Module) -> DecodeStep | None:
-        return build_decode_step(model, self.kernels)
+        return build_decode_step(model, self.kernels, self.amx)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty_like(residual)

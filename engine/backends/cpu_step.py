@@ -1,17 +1,21 @@
-"""A batch-1 decode step as one C call (engine/csrc/decode_step.c), bound once at load.
+"""A pure-decode step as one C call (engine/csrc/decode_step.c), bound once at load.
 
-Why: at one stream each of the ~9 kernel calls per layer costs 4-7 us of Python and ctypes on top
-of its work, ~1.5 ms of a demo step (bench/NOTES.md). The program holds every block's weights in
-their one-row forms (PackedCpuLinear's interleaved copies, QuantLinear's bound descriptors), the
-norms, scratch rows and the kernels' addresses; per step Python passes the token's position, slot
-and block table. It calls the same kernels in the same order as the per-op path (the tests check
-the logits agree), so it is an optimisation of dispatch only. The output head stays the model's
-own module call after it (one call a step; a dense head is oneDNN's, as fast as a one-row copy
-would be, bench/NOTES.md).
+Why: each of the ~9 kernel calls per layer costs 4-7 us of Python and ctypes on top of its work,
+~1.5 ms of a one-stream demo step and ~4 ms of a 32-decode one (bench/NOTES.md). The program holds
+every block's weights in their one-row forms (PackedCpuLinear's interleaved copies, QuantLinear's
+bound descriptors), the norms, scratch rows and the kernels' addresses; per step Python passes the
+tokens' positions and slots and the attention metadata's block tables and lengths (as
+CpuKernelBackend.attention_metadata built them for the per-op path). It calls the same kernels in
+the same order as the per-op path (the tests check the logits agree bit for bit), so it is an
+optimisation of dispatch only. The output head stays the model's own module call after it (one
+call a step; a dense head is oneDNN's, as fast as a one-row copy would be, bench/NOTES.md).
 
-Built only where every block linear has a one-row form for the model dtype; otherwise (a weight
-too large for an interleaved copy, a quantized path that another kernel serves faster at one row,
-no compiler) build_decode_step returns None and the model runs its per-op path.
+Steps of one decode are served wherever every block linear has a one-row form for the model dtype;
+steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on the AMX
+tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would.
+Elsewhere (a weight too large for an interleaved copy, a quantized path that another kernel serves
+faster at one row, no compiler; prefill chunks, mixed steps, more rows) build_decode_step returns
+None or the step returns None, and the model runs its per-op path.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.amx_linear import AmxLinear
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
 from engine.cpu_kernels import CpuKernels, library_path
 from engine.memory import WeightArena
@@ -34,13 +39,16 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent.parent / "csrc" / "decode_step.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KINDS = {"interleaved": 0, "pairs": 1, "quant": 2}  # decode_step.c's LINEAR_*
-_KERNEL_NAMES = ("add_rms_norm", "silu_mul", "rope_and_cache_write", "paged_decode_attention", "interleaved_linear", "interleaved_linear_bf16_pairs")
+_KERNEL_NAMES = (
+    "add_rms_norm", "silu_mul", "rope_and_cache_write", "paged_decode_attention", "paged_attention", "interleaved_linear",
+    "interleaved_linear_bf16_pairs",
+)  # fmt: skip
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (*_KERNEL_NAMES, "quant_linear")]
+    _fields_ = [(name, _p) for name in (*_KERNEL_NAMES, "quant_linear", "amx_linear")]
 
 
 class _Linear(ctypes.Structure):
@@ -64,13 +72,21 @@ class _Scratch(ctypes.Structure):
 class _Program(ctypes.Structure):
     _fields_ = [
         ("kernels", ctypes.POINTER(_Kernels)), ("layers", ctypes.POINTER(_Layer)), ("scratch", ctypes.POINTER(_Scratch)),
-        ("final_norm", _p), *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16")),
+        ("final_norm", _p),
+        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows")),
         ("eps", _f32), ("scale", _f32),
     ]  # fmt: skip
 
 
-class _Token(ctypes.Structure):
-    _fields_ = [("position", _p), ("slot", _p), ("row", _p), ("block_table", _p), ("seq_len", _p), ("max_blocks", _i64), ("rope", _p)]
+_ATTENTION_DECODE, _ATTENTION_PAGED = 0, 1  # decode_step.c's ATTENTION_*: paged_decode_attention, paged_attention
+TILE_ROWS = 16  # engine/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles
+
+
+class _Tokens(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64), ("attention", _i64), ("position", _p), ("slot", _p), ("decode_rows", _p), ("row_start", _p),
+        ("new_tokens", _p), ("block_table", _p), ("seq_len", _p), ("max_blocks", _i64), ("rope", _p),
+    ]  # fmt: skip
 
 
 @functools.cache
@@ -80,7 +96,7 @@ def _load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("compiled decode step unavailable (%s); decode runs op by op", exc)
         return None
-    lib.decode_step.argtypes = (ctypes.POINTER(_Program), _p, _p, ctypes.POINTER(_Token), ctypes.c_int)
+    lib.decode_step.argtypes = (ctypes.POINTER(_Program), _p, _p, ctypes.POINTER(_Tokens), ctypes.c_int)
     lib.decode_step.restype = ctypes.c_int
     return lib
 
@@ -96,27 +112,46 @@ def _one_row(linear: nn.Module, dtype: torch.dtype) -> _Linear | None:
 
 class DecodeStep:
     """The bound program (engine.backends.base.BatchOneDecodeStep). Holds every tensor and
-    descriptor whose address the program keeps."""
+    descriptor whose address the program keeps. `paged_type`: the metadata class whose sequences
+    CpuKernels.paged_attention reads (engine.backends.cpu.PagedAttentionMetadata)."""
 
-    def __init__(self, fn, program: _Program, keep: list) -> None:
-        self._fn, self._program, self._keep = fn, program, keep
+    def __init__(self, fn, program: _Program, keep: list, paged_type: type) -> None:
+        self._fn, self._program, self._keep, self._paged_type = fn, program, keep, paged_type
         self._program_ref = ctypes.byref(program)
         self._layers = program.layers
+        self.max_rows = program.max_rows
         self._cache_ptrs: list[int] = []
 
     def __call__(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor | None:
-        paged = meta.decodes
-        if h.shape[0] != 1 or meta.prefills or not isinstance(paged, PagedDecodes):
+        tokens = self._tokens(h.shape[0], meta)
+        if tokens is None:
             return None
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
-        token = _Token(
-            meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), paged.rows.data_ptr(), paged.block_tables.data_ptr(),
-            paged.seq_lens.data_ptr(), paged.block_tables.shape[1], meta.rope.data_ptr(),
-        )  # fmt: skip
-        if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(token), torch.get_num_threads()) != 0:
-            raise MemoryError("decode step: a quantized linear could not allocate its input copy")
+        if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
+            raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
         return out
+
+    def _tokens(self, rows: int, meta: AttentionMetadata) -> _Tokens | None:
+        """The step as the program reads it, from the metadata the per-op path would use; None where
+        the step is not `rows` sequences decoding one token each, rows in 1..max_rows."""
+        if rows > self.max_rows or meta.prefills:
+            return None
+        if isinstance(meta, self._paged_type):  # every sequence in one paged_attention call
+            if meta.seq_lens.shape[0] != rows:  # fewer sequences than tokens: prefill chunks among them
+                return None
+            attention, decode_rows, row_start, new_tokens = _ATTENTION_PAGED, None, meta.row_start.data_ptr(), meta.new_tokens.data_ptr()
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            paged = meta.decodes
+            if not isinstance(paged, PagedDecodes) or paged.rows.shape[0] != rows:
+                return None
+            attention, decode_rows, row_start, new_tokens = _ATTENTION_DECODE, paged.rows.data_ptr(), None, None
+            tables, seq_lens = paged.block_tables, paged.seq_lens
+        return _Tokens(
+            rows, attention, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), decode_rows, row_start, new_tokens,
+            tables.data_ptr(), seq_lens.data_ptr(), tables.shape[1], meta.rope.data_ptr(),
+        )  # fmt: skip
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> None:
         """Each layer's K/V pointers, re-read only when the caches are other tensors than last step's."""
@@ -137,10 +172,13 @@ class DecodeStep:
         self._cache_ptrs = ptrs
 
 
-def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | None:
+def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None) -> DecodeStep | None:
     """The compiled step for engine.model.Transformer's blocks, or None (logged) where a block
-    linear has no one-row form or the program cannot be built. The KV caches (and their block
+    linear has no one-row form or the program cannot be built. With `amx`, and every block linear
+    on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
     size) are bound at the first step."""
+    from engine.backends.cpu import PagedAttentionMetadata  # cpu.py imports this module
+
     dtype = model.backend.dtype
     if dtype not in _DTYPE_CODES:
         return None
@@ -161,19 +199,36 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels) -> DecodeStep | Non
     first = model.layers[0]
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
-    scratch_sizes = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
-    scratch = {name: torch.empty(1, size, dtype=dtype) for name, size in scratch_sizes.items()}
+    max_rows = _tile_rows(model, layers, amx)
+    scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if max_rows > 1 else 1
+    scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
+    scratch = _scratch(scratch_widths, scratch_rows, dtype)
     addresses = {name: kernels.address(name) for name in _KERNEL_NAMES}
-    kernel_table = _Kernels(**addresses, quant_linear=quant_address)
+    kernel_table = _Kernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if max_rows > 1 else None)
     layer_array = (_Layer * len(layers))(*layers)
     scratch_table = _Scratch(**{name: t.data_ptr() for name, t in scratch.items()})
     program = _Program(
         ctypes.pointer(kernel_table), layer_array, ctypes.pointer(scratch_table), model.norm.weight.data_ptr(),
-        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, _DTYPE_CODES[dtype],
+        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, _DTYPE_CODES[dtype], max_rows, TILE_ROWS,
         model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
-    return DecodeStep(lib.decode_step, program, keep)
+    return DecodeStep(lib.decode_step, program, keep, PagedAttentionMetadata)
+
+
+def _tile_rows(model: nn.Module, layers: list[_Layer], amx: AmxLinear | None) -> int:
+    """The most decodes a step serves: every block linear's tile_rows (the rows its forward runs on
+    the AMX tiles from its pairs copy) where all have some, else 1 (one-row linears only)."""
+    if amx is None or any(getattr(layer, name).kind != _LINEAR_KINDS["pairs"] for layer in layers for name in _BLOCK_LINEARS):
+        return 1
+    rows = [linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for block in model.layers for linear in _block_linears(block)]
+    return max(1, min(rows))
+
+
+def _scratch(widths: dict[str, int], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A zeroed [rows, width] buffer per name, all in one WeightArena (huge pages where granted)."""
+    arena = WeightArena([(torch.Size((rows, width)), dtype) for width in widths.values()])
+    return {name: arena.place(i, torch.zeros(rows, width, dtype=dtype)) for i, (name, width) in enumerate(widths.items())}
 
 
 def _block_linears(block: nn.Module) -> tuple[nn.Module, ...]:

@@ -1,7 +1,8 @@
-"""The compiled batch-1 decode step (engine/backends/cpu_step.py, engine/csrc/decode_step.c) gives
-the per-op path's logits, for float32 and bfloat16 dense weights and every quantized format with a
-one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included); steps it
-does not cover and weights without a one-row form run the per-op path."""
+"""The compiled decode step (engine/backends/cpu_step.py, engine/csrc/decode_step.c) gives the
+per-op path's logits: at one decode for float32 and bfloat16 dense weights and every quantized
+format with a one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included),
+and at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles (bit for bit); steps it does not cover
+and weights without a one-row (many-row) form run the per-op path."""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatc
 
 
 def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
-    """A prefill, or several sequences' decodes: the step returns None and leaves h untouched."""
+    """A prefill, or (float32: no tiles) several sequences' decodes: the step returns None and
+    leaves h untouched."""
     from engine.runner import build_step_inputs
     from engine.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
@@ -197,5 +199,187 @@ def test_engine_greedy_generation_same_with_and_without_the_step(tiny_checkpoint
                 results.setdefault(request.request_id, []).append(tokens)
         assert counting.ran > 0
         assert all(with_step == without for with_step, without in results.values())
+    finally:
+        core.runner.shutdown()
+
+
+# --------------------------------------------------------------------------- many decodes (AMX)
+# A shape whose attention also runs on the tiles (head_dim 64, 16-key blocks: pa_amx_applies) and
+# whose linears all have k a multiple of 32 (the AMX kernel's K_STEP).
+MANY_ARGS = dict(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=512, multiple_of=128, rope_theta=100000.0)
+MANY_BLOCK_SIZE = 16
+MANY_BLOCKS_PER_SEQ = 20
+# context lengths (with this step's token) cycled over the sequences: a first token, the last slot
+# of a block and the first of the next (16 / 17, 32 / 33), and longer ones across many blocks
+MANY_CONTEXTS = [1, 16, 17, 5, 32, 33, 100, 160, 257, 63, 64, 65, 2, 200]
+
+
+def _amx_model(dtype: torch.dtype = torch.bfloat16):
+    from engine.backends import select_backend
+    from engine.checkpoint import ModelArgs, random_state_dict
+    from engine.config import EngineConfig
+    from engine.model import Transformer
+
+    args = ModelArgs(**MANY_ARGS)
+    backend = select_backend(EngineConfig(dtype=str(dtype).removeprefix("torch.")), torch.device("cpu"))
+    if backend.name != "cpu_kernels":
+        pytest.skip(f"the fused kernels are unavailable here (backend {backend.name})")
+    return Transformer.from_state_dict(args, random_state_dict(args, seed=3, dtype=dtype), backend, max_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def amx_model():
+    from engine.amx_linear import load_amx_linear
+
+    if load_amx_linear() is None:
+        pytest.skip("no AMX bfloat16 tiles on this CPU/OS: steps of many decodes run op by op")
+    model = _amx_model()
+    assert model.decode_step is not None and model.decode_step.max_rows == cpu_step_max_rows()
+    return model
+
+
+def cpu_step_max_rows() -> int:
+    from engine.backends.cpu import AMX_MAX_ROWS
+
+    return AMX_MAX_ROWS
+
+
+def _caches(model, seed: int):
+    from engine.model import allocate_kv_caches
+
+    num_blocks = cpu_step_max_rows() * MANY_BLOCKS_PER_SEQ + MANY_BLOCKS_PER_SEQ
+    caches = allocate_kv_caches(model.params, 1, num_blocks, MANY_BLOCK_SIZE, dtype=model.backend.dtype, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for k_cache, v_cache in caches:  # K/V already cached for every context, random
+        k_cache.copy_(torch.randn(k_cache.shape, generator=gen)), v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    return caches
+
+
+def _step(num_seqs: int, new_tokens: list[int] | None = None):
+    """build_step_inputs for num_seqs sequences at MANY_CONTEXTS' lengths (new_tokens each: 1)."""
+    from engine.runner import build_step_inputs
+    from engine.sequence import ScheduledBatch, Sequence
+    from engine.types import SamplingParams
+
+    new_tokens = new_tokens or [1] * num_seqs
+    seqs = []
+    for i, new in enumerate(new_tokens):
+        context = max(MANY_CONTEXTS[i % len(MANY_CONTEXTS)], new)
+        seq = Sequence(i, f"r{i}", [(i * 31 + j) % 500 for j in range(context)], 1, SamplingParams(temperature=0.0))
+        seq.block_table = list(range(i * MANY_BLOCKS_PER_SEQ, (i + 1) * MANY_BLOCKS_PER_SEQ))
+        seq.num_computed_tokens = context - new
+        seqs.append(seq)
+    return build_step_inputs(ScheduledBatch(seqs, new_tokens), MANY_BLOCK_SIZE)[0]
+
+
+@pytest.mark.parametrize(("num_seqs", "threads"), [(2, 2), (2, 1), (17, 2), (32, 2), (64, 2), (64, 1)])
+def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, num_seqs, threads):
+    """bfloat16 on AMX: the fused step's logits and K/V writes equal the per-op path's exactly
+    (same kernels, same order), with the sequences at different lengths, across block boundaries,
+    through both paged kernels (2 decodes on 2 threads: paged_decode_attention; else paged_attention)."""
+    from engine.backends.base import PagedDecodes
+
+    model, old_threads = amx_model, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        inputs = _step(num_seqs)
+        fused_caches, per_op_caches = _caches(model, seed=num_seqs), _caches(model, seed=num_seqs)
+        meta = model.backend.attention_metadata(inputs, model.freqs_cis, fused_caches[0])
+        assert isinstance(meta.decodes, PagedDecodes) == (num_seqs < 2 * threads)  # both kernels covered
+        counting = Counting(model.decode_step)
+        model.decode_step = counting
+        fused = model(inputs, fused_caches)
+        model.decode_step = None
+        per_op = model(inputs, per_op_caches)
+        model.decode_step = counting.step
+    finally:
+        torch.set_num_threads(old_threads)
+    assert counting.ran == 1
+    assert fused.shape == (num_seqs, MANY_ARGS["vocab_size"]) and torch.isfinite(fused).all()
+    assert torch.equal(fused, per_op)
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(fused_caches, per_op_caches) for a, b in zip(pair_a, pair_b))
+
+
+@pytest.mark.parametrize("kind", ["prefill chunk", "mixed", "past the bound"])
+def test_steps_the_many_row_step_does_not_serve_run_the_per_op_path(amx_model, kind):
+    """A prefill chunk, decodes mixed with prefill chunks (on AMX one paged_attention call takes them
+    all), more decodes than AMX_MAX_ROWS: the step returns None with h untouched, and the model's
+    logits (so its tokens) are those of the per-op path."""
+    model = amx_model
+    new_tokens = {"prefill chunk": [20], "mixed": [1, 1, 1, 17, 1], "past the bound": [1] * (cpu_step_max_rows() + 1)}[kind]
+    inputs = _step(len(new_tokens), new_tokens)
+    caches, per_op_caches = _caches(model, seed=1), _caches(model, seed=1)
+    meta = model.backend.attention_metadata(inputs, model.freqs_cis, caches[0])
+    h = torch.randn(inputs.num_tokens, model.params.dim).to(torch.bfloat16)
+    before = h.clone()
+    assert model.decode_step(h, meta, caches) is None
+    assert torch.equal(h, before)
+    counting = Counting(model.decode_step)
+    model.decode_step = counting
+    with_step = model(inputs, caches)
+    model.decode_step = None
+    per_op = model(inputs, per_op_caches)
+    model.decode_step = counting.step
+    assert counting.ran == 0
+    assert torch.equal(with_step, per_op) and torch.equal(with_step.argmax(-1), per_op.argmax(-1))
+
+
+def test_float32_serves_one_decode_only():
+    """float32 has no tiles: the step serves one-row steps, several decodes run op by op."""
+    model = _amx_model(torch.float32)
+    assert model.decode_step is not None and model.decode_step.max_rows == 1
+    inputs = _step(4)
+    caches = _caches(model, seed=2)
+    meta = model.backend.attention_metadata(inputs, model.freqs_cis, caches[0])
+    assert model.decode_step(torch.randn(4, model.params.dim), meta, caches) is None
+
+
+@pytest.mark.parametrize("quantization", ["int4_mixed", "fp8_mixed"])
+def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
+    """Quantized block linears have one-row kernels but no tiles: one decode runs fused, several
+    decodes op by op, and a random schedule's tokens and logits are the per-op path's."""
+    executor = make_executor(tiny_checkpoint, dtype="bfloat16", quantization=quantization)
+    try:
+        model = executor._shard.model
+        assert model.decode_step is not None and model.decode_step.max_rows == 1
+        assert_same_run(*compare_with_and_without(executor, random_prompts(256, PROMPT_LENGTHS, seed=4)))
+    finally:
+        executor.shutdown()
+
+
+def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint):
+    """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
+    between mixed ones): the same tokens with the compiled step as without it, and on AMX the
+    step served steps of several decodes."""
+    from engine.amx_linear import load_amx_linear
+    from engine.checkpoint import resolve_checkpoint
+    from engine.core import EngineCore
+    from tests.conftest import TINY_DESCRIPTOR
+    from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
+
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
+    core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+    model = core.runner._executor._shard.model
+    step, many_rows = model.decode_step, []
+
+    def counting(h, meta, kv_caches):
+        out = step(h, meta, kv_caches)
+        many_rows.append(out is not None and h.shape[0] > 1)
+        return out
+
+    try:
+        results = []
+        for use_step in (True, False):
+            model.decode_step = counting if use_step else None
+            tokens: dict[str, list[int]] = {}
+            for request in make_requests(16):
+                core.add_request(request)
+            while core.has_unfinished:
+                for out in core.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            results.append(tokens)
+        assert results[0] == results[1] and len(results[0]) == 16
+        assert any(many_rows) == (load_amx_linear() is not None)
     finally:
         core.runner.shutdown()
