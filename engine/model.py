@@ -272,7 +272,7 @@ class Transformer(nn.Module):
         # a decode step compiled by the backend (all blocks and the final norm in one call; one
         # sequence, or up to a bound of pure-decode sequences where the backend can),
         # or None: forward's per-op loop. Built for this class's blocks only (Llama 4 has its own).
-        self.decode_step = backend.batch1_decode_step(self) if mp_size == 1 and self.block is TransformerBlock else None
+        self.decode_step = backend.compiled_decode_step(self) if mp_size == 1 and self.block is TransformerBlock else None
         # the RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)
         real = torch.float64 if backend.dtype == torch.float64 else torch.float32
         self.freqs_cis = self._rope_table(args, max_seq_len, real).to(backend.device)

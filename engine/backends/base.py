@@ -8,8 +8,9 @@ best implementation depends on the device and dtype goes through a Backend chose
   the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
 - linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
-- batch1_decode_step(model), optional: one decode token of one sequence (of each of up to N
-  sequences, where the backend can) through all blocks in one call, built once at load (the model falls back to its per-op blocks wherever it gives None).
+- compiled_decode_step(model), optional: a pure-decode step (one token of each of 1..N sequences)
+  through all blocks in one call, built once at load; the model runs its per-op blocks wherever it
+  gives None.
 - attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
   (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
 
@@ -48,7 +49,7 @@ class Linear(Protocol):
     def resident_bytes(self) -> int: ...
 
 
-class BatchOneDecodeStep(Protocol):
+class CompiledDecodeStep(Protocol):
     """step(h, meta, kv_caches): h [rows, dim] the tokens' embeddings (the residual stream, updated
     in place) -> the final norm's output [rows, dim], exactly as the per-op blocks compute it; or
     None, untouched, when the step is not one decode token of each of `rows` sequences, rows in the
@@ -252,10 +253,10 @@ class Backend:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- load time, optional
-    def batch1_decode_step(self, model: nn.Module) -> BatchOneDecodeStep | None:
-        """A compiled form of one decode token of one sequence (or of each of several) through all
-        of `model`'s blocks and its final norm (engine.model.Transformer, mp_size 1), built once at load; None (here): the
-        model runs its blocks op by op."""
+    def compiled_decode_step(self, model: nn.Module) -> CompiledDecodeStep | None:
+        """A compiled pure-decode step (one token of each of 1..N sequences) through all of `model`'s
+        blocks and its final norm (engine.model.Transformer, mp_size 1), built once at load; None
+        (here): the model runs its blocks op by op."""
         return None
 
 

@@ -209,7 +209,7 @@ class CpuKernelBackend(OneDnnBackend):
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
         return meta
 
-    def batch1_decode_step(self, model: nn.Module) -> DecodeStep | None:
+    def compiled_decode_step(self, model: nn.Module) -> DecodeStep | None:
         return build_decode_step(model, self.kernels, self.amx)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,7 +111,7 @@ def _one_row(linear: nn.Module, dtype: torch.dtype) -> _Linear | None:
 
 
 class DecodeStep:
-    """The bound program (engine.backends.base.BatchOneDecodeStep). Holds every tensor and
+    """The bound program (engine.backends.base.CompiledDecodeStep). Holds every tensor and
     descriptor whose address the program keeps. `paged_type`: the metadata class whose sequences
     CpuKernels.paged_attention reads (engine.backends.cpu.PagedAttentionMetadata)."""
 
