@@ -332,16 +332,35 @@ static inline __m512 silu16(__m512 g) {
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, k)));
 }
 
+/* A bfloat16 gate takes one of 65536 values: round_bf16(silu(g)) for each, as float32, indexed by g's
+ * bits (256 KiB, filled once when the library loads). A 16-lane gather from it replaces silu16's
+ * ~20 vector ops and its division (vdivps alone is ~16 cycles a vector on this class of CPU, the
+ * bound of the computed loop); activations cluster in a few exponents, so the lines it touches stay
+ * in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's rounding, denormals
+ * kept); the multiply by up and its rounding are unchanged. */
+static float silu_bf16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+    for (int32_t i = 0; i < (1 << 16); i += 16) {
+        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        _mm512_storeu_ps(silu_bf16_table + i, bf16x16_to_f32(bf16x16_round_soft(silu16(g))));
+    }
+}
+
+/* f32_to_bf16(silu_bf16_table[gate] * up) on 16 (masked: fewer) lanes */
+static inline __m256i silu_mul16(const bf16_t *gate, const bf16_t *up, __mmask16 m) {
+    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
+    const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
+    return bf16x16_round(_mm512_mul_ps(s, bf16x16_load(up, m)));
+}
+
 static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
     int64_t i = 0;
-    for (; i + 16 <= hidden; i += 16) { /* unmasked: ~8% faster than masking every step */
-        const __m512 g = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(gate + i)));
-        const __m512 u = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(up + i)));
-        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round_mul(silu16(g), u));
-    }
+    for (; i + 16 <= hidden; i += 16) _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
     if (i < hidden) {
         const __mmask16 m = row_mask(hidden - i);
-        _mm256_mask_storeu_epi16(out + i, m, bf16x16_round_mul(silu16(bf16x16_load(gate + i, m)), bf16x16_load(up + i, m)));
+        _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
     }
 }
 #else
