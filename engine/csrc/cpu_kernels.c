@@ -1275,3 +1275,65 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
     return 0;
 #endif
 }
+
+/* ------------------------------------------------------------------------------------------ greedy sampling
+ * ids[r], values[r] = the first index of row r's largest value and that value, as numpy's argmax on
+ * the rows widened to float32 (engine/sampler.py's all-greedy path): equal values (+0 and -0
+ * included) keep the first, and a NaN anywhere wins (the first NaN). x: [rows, row_stride] bfloat16,
+ * cols used. Read straight from bfloat16: the float32 copy of a [32, 49152] batch it replaces cost
+ * more than the search (bench/NOTES.md). */
+static int64_t first_nan_bf16(const bf16_t *x, int64_t cols) {
+    for (int64_t i = 0; i < cols; i++)
+        if ((x[i] & 0x7fff) > 0x7f80) return i;
+    return -1;
+}
+
+#ifdef HAVE_AVX512_ROWS
+static inline __mmask32 row_mask32(int64_t left) { return left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u); }
+
+/* Two passes: the maximum (32 values a step, split into even and odd float32 lanes: no shuffles),
+ * then the first position holding its bits (or either zero's). */
+static int64_t argmax_row_bf16(const bf16_t *x, int64_t cols, float *value) {
+    const __m512i minus_inf = _mm512_set1_epi16((short)0xff80), high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 max = _mm512_set1_ps(-INFINITY);
+    __m512i max_abs = _mm512_setzero_si512(); /* the largest |x| bits: above 0x7f80, a NaN */
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __m512i v = _mm512_mask_loadu_epi16(minus_inf, row_mask32(cols - i), x + i);
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        max_abs = _mm512_max_epu16(max_abs, _mm512_and_si512(v, _mm512_set1_epi16(0x7fff)));
+    }
+    if (_mm512_cmpgt_epu16_mask(max_abs, _mm512_set1_epi16(0x7f80))) {
+        const int64_t i = first_nan_bf16(x, cols);
+        *value = bf16_to_f32(x[i]);
+        return i;
+    }
+    *value = _mm512_reduce_max_ps(max);
+    union { float f; uint32_t u; } best = {*value};
+    const uint16_t bits = (uint16_t)(best.u >> 16), care = (bits & 0x7fff) ? 0xffff : 0x7fff; /* -0 == +0 */
+    const __m512i target = _mm512_set1_epi16((short)(bits & care)), keep = _mm512_set1_epi16((short)care);
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __mmask32 m = row_mask32(cols - i);
+        const __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), keep);
+        const __mmask32 hit = _mm512_mask_cmpeq_epi16_mask(m, v, target);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: the maximum is one of the row's values */
+}
+#else
+static int64_t argmax_row_bf16(const bf16_t *x, int64_t cols, float *value) {
+    const int64_t nan = first_nan_bf16(x, cols);
+    int64_t best = nan >= 0 ? nan : 0;
+    if (nan < 0)
+        for (int64_t i = 1; i < cols; i++)
+            if (bf16_to_f32(x[i]) > bf16_to_f32(x[best])) best = i;
+    *value = bf16_to_f32(x[best]);
+    return best;
+}
+#endif
+
+void argmax_rows_bf16(const void *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *ids, float *values,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) ids[r] = argmax_row_bf16((const bf16_t *)x + r * row_stride, cols, values + r);
+}
