@@ -36,11 +36,17 @@ from engine.sampler import _row_max  # noqa: E402
 
 DIM, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
 EPS = 1e-5
+WARMUP_CALLS = 3
 
 
 def median_us(fn: Callable[[], object], calls: int, before: Callable[[], object] | None = None) -> float:
-    """Median wall microseconds of fn over `calls` calls, `before` (untimed) ahead of each."""
+    """Median wall microseconds of fn over `calls` calls (after WARMUP_CALLS untimed), `before`
+    (untimed) ahead of each."""
     seconds = []
+    for _ in range(WARMUP_CALLS):
+        if before is not None:
+            before()
+        fn()
     for _ in range(calls):
         if before is not None:
             before()
@@ -81,13 +87,14 @@ class Inputs:
 
 
 def baseline_build(path: Path) -> CpuKernels:
-    """CpuKernels over another build, which may predate entry points this checkout added (the
-    elementwise kernels' signatures have not changed)."""
+    """CpuKernels over another build, which may predate entry points this checkout added (those it
+    has keep their signatures)."""
     lib = ctypes.CDLL(str(path))
     kernels = CpuKernels.__new__(CpuKernels)
-    for name in ("add_rms_norm", "silu_mul", "rope_and_cache_write", "interleaved_linear"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _SIGNATURES[name], None
+    for name, argtypes in _SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
     kernels._lib = lib
     return kernels
 
@@ -130,7 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="32,512")
     parser.add_argument("--calls", type=int, default=40, help="timed calls per kernel and round (the median is kept)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every build (the median round is printed)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every build (the median round is printed)")
     parser.add_argument("--baseline", type=Path, help="another build of cpu_kernels.c to A/B against, call for call")
     opts = parser.parse_args()
     kernels = load_cpu_kernels()
@@ -145,8 +152,8 @@ def main() -> None:
         for rows in [int(x) for x in opts.rows.split(",")]:
             inputs = Inputs(rows, kernels)
             rounds: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
-            for _ in range(opts.rounds):
-                for name, build in builds.items():
+            for i in range(opts.rounds):  # ABBA: neither build always runs first
+                for name, build in list(builds.items())[:: 1 if i % 2 == 0 else -1]:
                     rounds[name].append(measure(build, inputs, threads, opts.calls))
             copy_us = median_us(lambda: _row_max(inputs.logits.float()), opts.calls)
             print(f"\n== {rows} rows, {threads} threads")
