@@ -6,7 +6,7 @@ Demo shape (dim 576, FFN 1536, 9/3 heads of 64, vocab 49152), bfloat16: add_rms_
 rope_and_cache_write on inputs hot in the calling threads' caches, and silu_mul / add_rms_norm on
 inputs an AMX linear has just written (as in the model: the linear splits its output columns
 between the threads, so at 2 threads half of each row comes from the other core); the greedy
-argmax of [rows, 49152] logits from bfloat16 against the float32 copy plus numpy. Median
+argmax of [rows, 49152] logits (bfloat16 and float32) against numpy's (after the float32 copy). Median
 microseconds per call. --baseline loads a second build of engine/csrc/cpu_kernels.c (a .so from the
 kernel cache of another checkout) and interleaves it with this one, call for call, in the same
 process: on a machine shared with other jobs only such A/B ratios carry over.
@@ -76,6 +76,7 @@ class Inputs:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.slots = torch.arange(rows, dtype=torch.int64) + 1024
         self.logits = torch.randn(min(rows, 64), VOCAB, generator=g).bfloat16()
+        self.logits32 = self.logits.float()
         # the linears whose outputs feed silu_mul (w13) and add_rms_norm (w2) in the model
         amx = load_amx_linear()
         self.w13 = self.w2 = None
@@ -121,8 +122,9 @@ def measure(k: CpuKernels, t: Inputs, threads: int, calls: int) -> dict[str, flo
             calls,
             lambda: fresh.update(delta=t.w2(t.h, threads)),
         )
-    if hasattr(k._lib, "argmax_rows_bf16"):
+    if hasattr(k._lib, "argmax_rows"):
         row[f"argmax [{t.logits.shape[0]}, {VOCAB}] bf16"] = median_us(lambda: k.argmax_rows(t.logits, threads), calls)
+        row[f"argmax [{t.logits.shape[0]}, {VOCAB}] f32"] = median_us(lambda: k.argmax_rows(t.logits32, threads), calls)
     return row
 
 
@@ -156,10 +158,12 @@ def main() -> None:
                 for name, build in list(builds.items())[:: 1 if i % 2 == 0 else -1]:
                     rounds[name].append(measure(build, inputs, threads, opts.calls))
             copy_us = median_us(lambda: _row_max(inputs.logits.float()), opts.calls)
+            numpy_us = median_us(lambda: _row_max(inputs.logits32), opts.calls)
             print(f"\n== {rows} rows, {threads} threads")
             for key in rounds["this"][0]:
                 print(f"  {key:34s} " + "  ".join(f"{name} {median_round(rounds[name], key)}" for name in builds))
             print(f"  {'float32 copy + numpy argmax':34s} {copy_us:8.1f}")
+            print(f"  {'numpy argmax of float32':34s} {numpy_us:8.1f}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cpu_kernels import load_cpu_kernels
+from engine.cpu_kernels import load_cpu_kernels, supports
 from engine.sequence import Sequence
 from engine.structured import GrammarState
 from engine.types import SamplingParams, TokenLogprob
@@ -206,11 +206,12 @@ def _row_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
 
 
 def _greedy_row_max(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """_row_max(logits.float()); bfloat16 logits on CPU go straight through the fused kernels'
-    argmax, the same ids and values without the float32 copy of the batch (at [32, 49152] the
-    copy cost more than numpy's argmax: bench/NOTES.md). Without the kernels, the copy."""
-    bf16_rows = logits.is_cpu and logits.dtype == torch.bfloat16 and logits.stride(1) == 1 and logits.shape[1] > 0
-    kernels = load_cpu_kernels() if bf16_rows else None
+    """_row_max(logits.float()). float32 and bfloat16 logits on CPU go through the fused kernels'
+    argmax: the same ids and values, bfloat16 without the float32 copy of the batch (at [32, 49152]
+    the copy cost more than numpy's argmax) and float32 on every thread (numpy's takes one):
+    bench/NOTES.md. Without the kernels, numpy."""
+    kernel_rows = logits.is_cpu and supports(logits.dtype) and logits.stride(1) == 1 and logits.shape[1] > 0
+    kernels = load_cpu_kernels() if kernel_rows else None
     if kernels is None:
         return _row_max(logits.float())
     return kernels.argmax_rows(logits, torch.get_num_threads())

@@ -289,16 +289,17 @@ def test_greedy_is_torch_max_first_best_id_on_views_and_ties(dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_greedy_equals_numpy_argmax_of_the_float32_copy(threads):
-    """The all-greedy path reads bfloat16 logits straight through the fused kernels (no float32
-    copy): the same ids and row maxima as numpy's argmax of logits.float(), on rows full of ties,
-    +0 against -0, infinities, NaN (the first NaN wins) and lengths around the kernel's 32-wide steps."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_greedy_equals_numpy_argmax_of_float32(threads, dtype):
+    """The all-greedy path runs the fused kernels' argmax (bfloat16 without a float32 copy): the same
+    ids and row maxima as numpy's argmax of logits.float(), on rows full of ties, +0 against -0,
+    infinities, NaN (the first NaN wins) and lengths around the kernel's 16-, 32- and 64-wide steps."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("fused CPU kernels could not be built here; the float32 copy path runs")
     g = torch.Generator().manual_seed(7)
     specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
-    for vocab in (1, 31, 32, 33, 100, 1000, 4099):
+    for vocab in (1, 15, 31, 32, 33, 63, 64, 65, 100, 1000, 4099):
         logits = torch.randint(-3, 3, (40, vocab), generator=g).float()  # few distinct values: ties
         for row in range(0, 40, 3):
             at = torch.randint(0, vocab, (2,), generator=g)
@@ -306,7 +307,7 @@ def test_bf16_greedy_equals_numpy_argmax_of_the_float32_copy(threads):
         logits[1] = -math.inf
         logits[2] = torch.where(torch.rand(vocab, generator=g) < 0.5, 0.0, -0.0)
         logits[4] = torch.where(torch.rand(vocab, generator=g) < 0.5, -2.0, -0.0)
-        logits = logits.bfloat16()
+        logits = logits.to(dtype)
         torch.set_num_threads(threads)
         ids, values = kernels.argmax_rows(logits, threads)
         expected_ids, expected_values = sampler_mod._row_max(logits.float())
