@@ -1319,7 +1319,8 @@ static float row_max_bf16(const bf16_t *x, int64_t cols, int *has_nan) {
 
 /* float32 in one pass (a second would read the row from L3 again): per lane the largest value and the
  * first index holding it, four such accumulators side by side (the compare-and-blend chain is
- * latency-bound alone), then the smallest index among the lanes holding the maximum. */
+ * latency-bound alone), then the smallest index among the lanes holding the maximum. Indices are
+ * 32-bit lanes: cols < 2^31. */
 #define ARGMAX_F32_WAYS 4
 static int64_t argmax_row_f32(const float *x, int64_t cols, int *has_nan) {
     __m512 best[ARGMAX_F32_WAYS];
