@@ -77,6 +77,8 @@ _SIGNATURES = {
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
     # k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, threads
     "paged_attention": (_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32),
+    # dtype, x, rows, cols, row_stride, ids (int64), values (float32), threads
+    "argmax_rows": (_i32, _p, _i64, _i64, _i64, _p, _p, _i32),
 }
 
 
@@ -129,6 +131,16 @@ class CpuKernels:
             _DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, positions.data_ptr(),
             rope.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), threads,
         )  # fmt: skip
+
+    def argmax_rows(self, x: torch.Tensor, threads: int) -> tuple[list[int], list[float]]:
+        """Each row's first largest index and its value, as numpy's argmax on x.float() (NaN wins):
+        x [rows, cols > 0] with contiguous rows."""
+        rows, cols = x.shape
+        ids, values = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+        self._lib.argmax_rows(
+            _DTYPE_CODES[x.dtype], x.data_ptr(), rows, cols, x.stride(0), ids.data_ptr(), values.data_ptr(), threads
+        )  # fmt: skip
+        return ids.tolist(), values.tolist()
 
     def paged_decode_attention(
         self, qkv: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cpu_kernels import load_cpu_kernels, supports
 from engine.sequence import Sequence
 from engine.structured import GrammarState
 from engine.types import SamplingParams, TokenLogprob
@@ -93,15 +94,16 @@ class Sampler:
         self._rng = random.Random(seed)  # unseeded rows share it
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [num_seqs, vocab] float32, row i belongs to seqs[i]. Never modifies logits."""
+        """logits: [num_seqs, vocab] (float32, or the model dtype: widened to float32 here), row i
+        belongs to seqs[i]. Never modifies logits."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):  # an executor bug: fail the batch
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
         if not seqs:
             return SampleResult([], [], {})
-        if logits.dtype != torch.float32:
-            logits = logits.float()
         if all(self._is_plain_greedy(seq) for seq in seqs):
             return _argmax_only(logits, seqs)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         return self._sample_general(logits, seqs)
 
     def _is_plain_greedy(self, seq: Sequence) -> bool:
@@ -203,9 +205,21 @@ def _row_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
     return ids, [float(row[i]) for row, i in zip(array, ids)]  # a few rows: cheaper than a fancy-index gather
 
 
+def _greedy_row_max(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """_row_max(logits.float()). float32 and bfloat16 logits on CPU go through the fused kernels'
+    argmax: the same ids and values, bfloat16 without the float32 copy of the batch (at [32, 49152]
+    the copy cost more than numpy's argmax) and float32 on every thread (numpy's takes one):
+    bench/NOTES.md. Without the kernels, numpy."""
+    kernel_rows = logits.is_cpu and supports(logits.dtype) and logits.stride(1) == 1 and logits.shape[1] > 0
+    kernels = load_cpu_kernels() if kernel_rows else None
+    if kernels is None:
+        return _row_max(logits.float())
+    return kernels.argmax_rows(logits, torch.get_num_threads())
+
+
 def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     """The all-greedy, nothing-else fast path: one pass over the logits."""
-    tokens, values = _row_max(logits)
+    tokens, values = _greedy_row_max(logits)
     errors: dict[int, str] = {}
     for row, value in enumerate(values):
         if not math.isfinite(value):  # NaN or +inf anywhere, or a row of -inf

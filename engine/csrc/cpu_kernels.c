@@ -187,7 +187,7 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
 
 /* bfloat16 rows, NORM_ROWS at a time (add_rms_norm_rows_bf16); w: the weight as float32, x: NORM_ROWS * dim
  * floats of scratch (both the caller's, per thread). */
-#define NORM_ROWS 4 /* sum_sq_rows keeps one accumulator a row: acc0..acc3 */
+#define NORM_ROWS 8 /* sum_sq_rows keeps one accumulator a row, all in registers */
 
 #ifdef HAVE_AVX512_ROWS
 /* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
@@ -196,7 +196,8 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
  * native Q4_1 facts, 4 of 10 runs). That order: an 8-lane accumulator, the dim % 8 tail added to
  * lane 0, then its reduction tree, here in vector ops (-fassociative-math may regroup scalar adds).
  * One row's sum is a chain of dim / 8 dependent FMAs: NORM_ROWS rows run theirs side by side
- * (1 thread, 512 x 576: 161 -> 100 us). */
+ * (1 thread, 512 x 576: 161 -> 100 us with 4 rows; 8 rows, which two FMA ports of 4-cycle latency
+ * keep busy: 88 -> 82 us). */
 static inline float sum_sq_finish(__m256 acc, const float *x, int64_t i, int64_t dim) {
     if (i < dim) {
         float lanes[8];
@@ -212,17 +213,17 @@ static inline float sum_sq_finish(__m256 acc, const float *x, int64_t i, int64_t
 static void sum_sq_rows(const float *x, int64_t n, int64_t dim, float sums[NORM_ROWS]) { /* x: n <= NORM_ROWS rows */
     const float *row[NORM_ROWS];
     for (int64_t r = 0; r < NORM_ROWS; r++) row[r] = x + (r < n ? r : n - 1) * dim; /* spare chains redo the last row */
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256 acc[NORM_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < NORM_ROWS; r++) acc[r] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) {
-        const __m256 v0 = _mm256_loadu_ps(row[0] + i), v1 = _mm256_loadu_ps(row[1] + i);
-        const __m256 v2 = _mm256_loadu_ps(row[2] + i), v3 = _mm256_loadu_ps(row[3] + i);
-        acc0 = _mm256_fmadd_ps(v0, v0, acc0);
-        acc1 = _mm256_fmadd_ps(v1, v1, acc1);
-        acc2 = _mm256_fmadd_ps(v2, v2, acc2);
-        acc3 = _mm256_fmadd_ps(v3, v3, acc3);
+#pragma GCC unroll 8
+        for (int r = 0; r < NORM_ROWS; r++) {
+            const __m256 v = _mm256_loadu_ps(row[r] + i);
+            acc[r] = _mm256_fmadd_ps(v, v, acc[r]);
+        }
     }
-    const __m256 acc[NORM_ROWS] = {acc0, acc1, acc2, acc3};
     for (int64_t r = 0; r < n; r++) sums[r] = sum_sq_finish(acc[r], row[r], i, dim);
 }
 
@@ -332,16 +333,35 @@ static inline __m512 silu16(__m512 g) {
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, k)));
 }
 
+/* A bfloat16 gate takes one of 65536 values: round_bf16(silu(g)) for each, as float32, indexed by g's
+ * bits (256 KiB, filled once when the library loads). A 16-lane gather from it replaces silu16's
+ * ~20 vector ops and its division (vdivps alone is ~16 cycles a vector on this class of CPU, the
+ * bound of the computed loop); activations cluster in a few exponents, so the lines it touches stay
+ * in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's rounding, denormals
+ * kept); the multiply by up and its rounding are unchanged. */
+static float silu_bf16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+    for (int32_t i = 0; i < (1 << 16); i += 16) {
+        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        _mm512_storeu_ps(silu_bf16_table + i, bf16x16_to_f32(bf16x16_round_soft(silu16(g))));
+    }
+}
+
+/* f32_to_bf16(silu_bf16_table[gate] * up) on 16 (masked: fewer) lanes */
+static inline __m256i silu_mul16(const bf16_t *gate, const bf16_t *up, __mmask16 m) {
+    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
+    const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
+    return bf16x16_round(_mm512_mul_ps(s, bf16x16_load(up, m)));
+}
+
 static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
     int64_t i = 0;
-    for (; i + 16 <= hidden; i += 16) { /* unmasked: ~8% faster than masking every step */
-        const __m512 g = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(gate + i)));
-        const __m512 u = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(up + i)));
-        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round_mul(silu16(g), u));
-    }
+    for (; i + 16 <= hidden; i += 16) _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
     if (i < hidden) {
         const __mmask16 m = row_mask(hidden - i);
-        _mm256_mask_storeu_epi16(out + i, m, bf16x16_round_mul(silu16(bf16x16_load(gate + i, m)), bf16x16_load(up + i, m)));
+        _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
     }
 }
 #else
@@ -1255,4 +1275,123 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
     (void)bf16, (void)head_dim, (void)block_size;
     return 0;
 #endif
+}
+
+/* ------------------------------------------------------------------------------------------ greedy sampling
+ * ids[r], values[r] = the first index of row r's largest value and that value, as numpy's argmax on
+ * the rows as float32 (engine/sampler.py's all-greedy path): equal values (+0 and -0 included) keep
+ * the first, and a NaN anywhere wins (the first NaN). x: [rows, row_stride] of either dtype, cols
+ * used. bfloat16 rows are read as they are: the float32 copy of a [32, 49152] batch cost more than
+ * the search (bench/NOTES.md); float32 rows on both threads where numpy's argmax takes one. */
+static inline int is_nan_bits(const void *x, int64_t i, int bf16) {
+    return bf16 ? (((const bf16_t *)x)[i] & 0x7fff) > 0x7f80 : (((const uint32_t *)x)[i] & 0x7fffffffu) > 0x7f800000u;
+}
+
+static inline float value_at(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static int64_t first_nan(const void *x, int64_t cols, int bf16) {
+    for (int64_t i = 0; i < cols; i++)
+        if (is_nan_bits(x, i, bf16)) return i;
+    return -1;
+}
+
+#ifdef HAVE_AVX512_ROWS
+static inline __mmask32 row_mask32(int64_t left) { return left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u); }
+
+/* bfloat16 in two passes, the maximum and then the first position holding it. The maximum: 32 values
+ * a step split into even and odd float32 lanes (no shuffles); NaN shows in the largest |x| bits
+ * instead (vmaxps drops it). */
+static float row_max_bf16(const bf16_t *x, int64_t cols, int *has_nan) {
+    const __m512i minus_inf = _mm512_set1_epi16((short)0xff80), high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 max = _mm512_set1_ps(-INFINITY);
+    __m512i max_abs = _mm512_setzero_si512();
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __m512i v = _mm512_mask_loadu_epi16(minus_inf, row_mask32(cols - i), x + i);
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        max_abs = _mm512_max_epu16(max_abs, _mm512_and_si512(v, _mm512_set1_epi16(0x7fff)));
+    }
+    *has_nan = _mm512_cmpgt_epu16_mask(max_abs, _mm512_set1_epi16(0x7f80)) != 0;
+    return _mm512_reduce_max_ps(max);
+}
+
+/* float32 in one pass (a second would read the row from L3 again): per lane the largest value and the
+ * first index holding it, four such accumulators side by side (the compare-and-blend chain is
+ * latency-bound alone), then the smallest index among the lanes holding the maximum. Indices are
+ * 32-bit lanes: cols < 2^31. */
+#define ARGMAX_F32_WAYS 4
+static int64_t argmax_row_f32(const float *x, int64_t cols, int *has_nan) {
+    __m512 best[ARGMAX_F32_WAYS];
+    __m512i best_at[ARGMAX_F32_WAYS], at[ARGMAX_F32_WAYS];
+    __m512i max_abs = _mm512_setzero_si512();
+    for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
+        best[w] = _mm512_set1_ps(-INFINITY);
+        at[w] = best_at[w] = _mm512_add_epi32(_mm512_set1_epi32(16 * w), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    }
+    for (int64_t i = 0; i < cols; i += 16 * ARGMAX_F32_WAYS) {
+#pragma GCC unroll 4
+        for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), row_mask(cols - i - 16 * w), x + i + 16 * w);
+            const __mmask16 better = _mm512_cmp_ps_mask(v, best[w], _CMP_GT_OQ);
+            best[w] = _mm512_mask_mov_ps(best[w], better, v);
+            best_at[w] = _mm512_mask_mov_epi32(best_at[w], better, at[w]);
+            at[w] = _mm512_add_epi32(at[w], _mm512_set1_epi32(16 * ARGMAX_F32_WAYS));
+            max_abs = _mm512_max_epu32(max_abs, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+        }
+    }
+    *has_nan = _mm512_cmpgt_epu32_mask(max_abs, _mm512_set1_epi32(0x7f800000)) != 0;
+    __m512 all = best[0];
+    for (int w = 1; w < ARGMAX_F32_WAYS; w++) all = _mm512_max_ps(all, best[w]);
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(all));
+    __m512i first = _mm512_set1_epi32(INT32_MAX);
+    for (int w = 0; w < ARGMAX_F32_WAYS; w++) /* lanes holding the maximum (either zero for a zero) */
+        first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[w], top, _CMP_EQ_OQ), first, best_at[w]);
+    return _mm512_reduce_min_epi32(first);
+}
+
+/* The first position holding `best` (either zero for a zero): bfloat16 compares bits, 32 a step */
+static int64_t first_equal_bf16(const bf16_t *x, int64_t cols, float best) {
+    union { float f; uint32_t u; } b = {best};
+    const uint16_t bits = (uint16_t)(b.u >> 16), care = (bits & 0x7fff) ? 0xffff : 0x7fff; /* -0 == +0 */
+    const __m512i target = _mm512_set1_epi16((short)(bits & care)), keep = _mm512_set1_epi16((short)care);
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __mmask32 m = row_mask32(cols - i);
+        const __mmask32 hit = _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), keep), target);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: the maximum is one of the row's values */
+}
+
+static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
+    int has_nan;
+    int64_t i;
+    if (bf16) {
+        const float best = row_max_bf16(x, cols, &has_nan);
+        i = has_nan ? 0 : first_equal_bf16(x, cols, best);
+    } else {
+        i = argmax_row_f32(x, cols, &has_nan);
+    }
+    if (has_nan) i = first_nan(x, cols, bf16);
+    *value = value_at(x, i, bf16);
+    return i;
+}
+#else
+static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
+    const int64_t nan = first_nan(x, cols, bf16);
+    int64_t best = nan >= 0 ? nan : 0;
+    if (nan < 0)
+        for (int64_t i = 1; i < cols; i++)
+            if (value_at(x, i, bf16) > value_at(x, best, bf16)) best = i;
+    *value = value_at(x, best, bf16);
+    return best;
+}
+#endif
+
+void argmax_rows(int bf16, const void *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *ids, float *values,
+                 int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        ids[r] = argmax_row((const char *)x + (size_t)r * row_stride * elem_size(bf16), cols, bf16, values + r);
 }

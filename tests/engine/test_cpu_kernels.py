@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import random
 import stat
@@ -245,6 +246,22 @@ def test_silu_mul_bf16_denormals(kernels):
     kernels.silu_mul(gate_up, out, THREADS)
     assert torch.equal(out, F.silu(gate_up[:, :160]).mul(gate_up[:, 160:]))
     assert (out != 0).any()
+
+
+def test_silu_mul_bf16_every_gate_value_matches_the_float32_kernel(kernels):
+    """Every one of the 65536 bfloat16 gates (the AVX-512 build looks silu up in a table built from
+    them): times up = 1, the bf16 kernel's bits are the float32 kernel's silu rounded once, NaN for NaN."""
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(1, -1)
+    up = torch.ones_like(gate)
+    out = torch.empty_like(gate)
+    kernels.silu_mul(torch.cat([gate, up], 1), out, THREADS)
+    out32 = torch.empty(gate.shape, dtype=torch.float32)
+    kernels.silu_mul(torch.cat([gate, up], 1).float(), out32, THREADS)
+    nan = gate.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], out32.bfloat16().view(torch.int16)[~nan])
+    finite = gate.isfinite()  # torch's silu(-inf) is NaN (-inf * 0), the kernels' -inf
+    assert_close(out[finite], F.silu(gate)[finite], torch.bfloat16)
 
 
 def test_add_rms_norm_bf16_denormals(kernels):
@@ -758,6 +775,35 @@ def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch
     expected = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
     kernels.add_rms_norm(residual, None, weight, out, 1e-5, THREADS)
     assert_close(out, expected, torch.float32)
+
+
+def test_portable_build_gives_the_native_builds_bits(kernels, tmp_path):
+    """The x86-64-v2 build (portable loops: silu computed, not looked up; argmax in one scalar pass)
+    against this machine's build: bfloat16 SiLU-mul of every gate value times random up, bfloat16
+    add+RMSNorm, and the greedy argmax of both dtypes, bit for bit."""
+    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) is None:
+        pytest.skip("not an x86-64-v2 CPU")
+    try:
+        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    portable, g = ck.CpuKernels(ctypes.CDLL(str(built))), gen(9)
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(64, 1024)
+    gate_up = torch.cat([gate, (4 * torch.randn(64, 1024, generator=g)).bfloat16()], 1)
+    residual = (3 * torch.randn(37, 576, generator=g)).bfloat16()
+    delta, weight = torch.randn(37, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
+    logits = torch.randint(-3, 3, (33, 1000), generator=g).float()
+    logits[3, 7], logits[5, 9], logits[6] = math.nan, math.inf, -0.0
+    results = []
+    for build in (kernels, portable):
+        silu = torch.empty(64, 1024, dtype=torch.bfloat16)
+        build.silu_mul(gate_up, silu, THREADS)
+        res, normed = residual.clone(), torch.empty_like(residual)
+        build.add_rms_norm(res, delta, weight, normed, 1e-5, THREADS)
+        argmax = [build.argmax_rows(logits.to(dtype), THREADS) for dtype in DTYPES]
+        results.append((silu.view(torch.int16), res.view(torch.int16), normed.view(torch.int16), str(argmax)))
+    for native, plain in zip(*results):
+        assert torch.equal(native, plain) if isinstance(native, torch.Tensor) else native == plain
 
 
 def test_the_bf16_level_is_built_with_avx512_bf16(tmp_path):

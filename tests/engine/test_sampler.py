@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import sampler as sampler_mod
+from engine.cpu_kernels import load_cpu_kernels
 from engine.sampler import Sampler, SampleResult
 from engine.sequence import Sequence, ending_token_ids
 from engine.types import SamplingParams
@@ -271,7 +272,7 @@ def test_row_with_every_token_masked_fails_alone():
     assert list(result.errors) == [seqs[0].seq_id] and result.token_ids[1] == logits[1].argmax().item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_greedy_is_torch_max_first_best_id_on_views_and_ties(dtype):
     """The greedy path (numpy's argmax for float32 on CPU) picks what torch.max picks: the first of
     tied best ids, on a row-sliced view too (the runner samples logits[:num_sampling])."""
@@ -287,11 +288,42 @@ def test_greedy_is_torch_max_first_best_id_on_views_and_ties(dtype):
     assert sample(view, mixed).token_ids[:3] == expected[:3]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_greedy_equals_numpy_argmax_of_float32(threads, dtype):
+    """The all-greedy path runs the fused kernels' argmax (bfloat16 without a float32 copy): the same
+    ids and row maxima as numpy's argmax of logits.float(), on rows full of ties, +0 against -0,
+    infinities, NaN (the first NaN wins) and lengths around the kernel's 16-, 32- and 64-wide steps."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("fused CPU kernels could not be built here; the float32 copy path runs")
+    g = torch.Generator().manual_seed(7)
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
+    for vocab in (1, 15, 31, 32, 33, 63, 64, 65, 100, 1000, 4099):
+        logits = torch.randint(-3, 3, (40, vocab), generator=g).float()  # few distinct values: ties
+        for row in range(0, 40, 3):
+            at = torch.randint(0, vocab, (2,), generator=g)
+            logits[row, at] = specials[torch.randint(0, 5, (2,), generator=g)]
+        logits[1] = -math.inf
+        logits[2] = torch.where(torch.rand(vocab, generator=g) < 0.5, 0.0, -0.0)
+        logits[4] = torch.where(torch.rand(vocab, generator=g) < 0.5, -2.0, -0.0)
+        logits = logits.to(dtype)
+        torch.set_num_threads(threads)
+        ids, values = kernels.argmax_rows(logits, threads)
+        expected_ids, expected_values = sampler_mod._row_max(logits.float())
+        assert ids == expected_ids
+        assert [v if v == v else "nan" for v in values] == [v if v == v else "nan" for v in expected_values]
+        assert sample(logits, [seq(SamplingParams(temperature=0)) for _ in range(40)]).token_ids == [
+            i if math.isfinite(v) else -1 for i, v in zip(expected_ids, expected_values)
+        ]
+
+
 # ---------------------------------------------------------------------- non-finite rows
 @pytest.mark.parametrize("other", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, logprobs=2)])
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
-def test_non_finite_row_fails_alone(other, poison):
-    logits = logits_for(3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_row_fails_alone(other, poison, dtype):
+    logits = logits_for(3).to(dtype)
     logits[1, 7] = poison
     seqs = [seq(other), seq(other), seq(other)]
     result = sample(logits, seqs)

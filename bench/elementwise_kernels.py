@@ -1,0 +1,170 @@
+"""The fused elementwise kernels at decode and prefill sizes, one by one (a script, not a test).
+
+    PYTHONPATH=. python bench/elementwise_kernels.py [--threads 1,2] [--rows 32,512] [--baseline OLD.so]
+
+Demo shape (dim 576, FFN 1536, 9/3 heads of 64, vocab 49152), bfloat16: add_rms_norm, silu_mul and
+rope_and_cache_write on inputs hot in the calling threads' caches, and silu_mul / add_rms_norm on
+inputs an AMX linear has just written (as in the model: the linear splits its output columns
+between the threads, so at 2 threads half of each row comes from the other core); the greedy
+argmax of [rows, 49152] logits (bfloat16 and float32) against numpy's (after the float32 copy). Median
+microseconds per call. --baseline loads a second build of engine/csrc/cpu_kernels.c (a .so from the
+kernel cache of another checkout) and interleaves it with this one, call for call, in the same
+process: on a machine shared with other jobs only such A/B ratios carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if "OMP_WAIT_POLICY" not in os.environ:  # as bench/stream_profile.py: no libgomp spin storms when the cores are shared
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import load_average  # noqa: E402
+from engine.amx_linear import load_amx_linear  # noqa: E402
+from engine.cpu_kernels import _SIGNATURES, CpuKernels, load_cpu_kernels  # noqa: E402
+from engine.sampler import _row_max  # noqa: E402
+
+DIM, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
+EPS = 1e-5
+WARMUP_CALLS = 3
+
+
+def median_us(fn: Callable[[], object], calls: int, before: Callable[[], object] | None = None) -> float:
+    """Median wall microseconds of fn over `calls` calls (after WARMUP_CALLS untimed), `before`
+    (untimed) ahead of each."""
+    seconds = []
+    for _ in range(WARMUP_CALLS):
+        if before is not None:
+            before()
+        fn()
+    for _ in range(calls):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - started)
+    return sorted(seconds)[len(seconds) // 2] * 1e6
+
+
+class Inputs:
+    """One step's tensors at `rows` tokens (random, realistic magnitudes), reused by every call."""
+
+    def __init__(self, rows: int, kernels: CpuKernels) -> None:
+        g = torch.Generator().manual_seed(rows)
+        self.rows = rows
+        self.residual = torch.randn(rows, DIM, generator=g).bfloat16()
+        self.delta = (0.01 * torch.randn(rows, DIM, generator=g)).bfloat16()  # residual stays bounded over many calls
+        self.norm_weight = torch.randn(DIM, generator=g).bfloat16()
+        self.norm_out = torch.empty(rows, DIM, dtype=torch.bfloat16)
+        self.gate_up = torch.randn(rows, 2 * HIDDEN, generator=g).bfloat16()
+        self.silu_out = torch.empty(rows, HIDDEN, dtype=torch.bfloat16)
+        self.qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).bfloat16()
+        self.positions = torch.arange(rows, dtype=torch.int64) % 128
+        angles = torch.randn(2048, HEAD_DIM // 2, generator=g)
+        self.rope = torch.stack([angles.cos(), angles.sin()], -1).contiguous()  # unit rotations: values stay put
+        self.k_cache = torch.zeros(8192, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.slots = torch.arange(rows, dtype=torch.int64) + 1024
+        self.logits = torch.randn(min(rows, 64), VOCAB, generator=g).bfloat16()
+        self.logits32 = self.logits.float()
+        # the linears whose outputs feed silu_mul (w13) and add_rms_norm (w2) in the model
+        amx = load_amx_linear()
+        self.w13 = self.w2 = None
+        if amx is not None:
+            self.x = torch.randn(rows, DIM, generator=g).bfloat16()
+            self.h = torch.randn(rows, HIDDEN, generator=g).bfloat16()
+            self.w13 = amx.bind(kernels.interleave((0.05 * torch.randn(2 * HIDDEN, DIM, generator=g)).bfloat16()))
+            self.w2 = amx.bind(kernels.interleave((0.03 * torch.randn(DIM, HIDDEN, generator=g)).bfloat16()))
+
+
+def baseline_build(path: Path) -> CpuKernels:
+    """CpuKernels over another build, which may predate entry points this checkout added (those it
+    has keep their signatures)."""
+    lib = ctypes.CDLL(str(path))
+    kernels = CpuKernels.__new__(CpuKernels)
+    for name, argtypes in _SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    kernels._lib = lib
+    return kernels
+
+
+def measure(k: CpuKernels, t: Inputs, threads: int, calls: int) -> dict[str, float]:
+    """Median us per kernel call for one build."""
+    row: dict[str, float] = {
+        "add_rms_norm": median_us(lambda: k.add_rms_norm(t.residual, t.delta, t.norm_weight, t.norm_out, EPS, threads), calls),
+        "silu_mul": median_us(lambda: k.silu_mul(t.gate_up, t.silu_out, threads), calls),
+        "rope_and_cache_write": median_us(
+            lambda: k.rope_and_cache_write(
+                t.qkv, HEADS, KV_HEADS, HEAD_DIM, t.positions, t.rope, t.slots, t.k_cache, t.v_cache, threads
+            ),
+            calls,
+        ),
+    }
+    if t.w13 is not None:
+        fresh: dict[str, torch.Tensor] = {}
+        row["silu_mul after w13"] = median_us(
+            lambda: k.silu_mul(fresh["gate_up"], t.silu_out, threads), calls, lambda: fresh.update(gate_up=t.w13(t.x, threads))
+        )
+        row["add_rms_norm after w2"] = median_us(
+            lambda: k.add_rms_norm(t.residual, fresh["delta"], t.norm_weight, t.norm_out, EPS, threads),
+            calls,
+            lambda: fresh.update(delta=t.w2(t.h, threads)),
+        )
+    if hasattr(k._lib, "argmax_rows"):
+        row[f"argmax [{t.logits.shape[0]}, {VOCAB}] bf16"] = median_us(lambda: k.argmax_rows(t.logits, threads), calls)
+        row[f"argmax [{t.logits.shape[0]}, {VOCAB}] f32"] = median_us(lambda: k.argmax_rows(t.logits32, threads), calls)
+    return row
+
+
+def median_round(rounds: list[dict[str, float]], key: str) -> str:
+    """The median round's microseconds for `key`, or '-' where the build lacks the kernel."""
+    values = sorted(r[key] for r in rounds if key in r)
+    return f"{values[len(values) // 2]:8.1f}" if values else "       -"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default="32,512")
+    parser.add_argument("--calls", type=int, default=40, help="timed calls per kernel and round (the median is kept)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every build (the median round is printed)")
+    parser.add_argument("--baseline", type=Path, help="another build of cpu_kernels.c to A/B against, call for call")
+    opts = parser.parse_args()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the fused CPU kernels cannot be built here")
+    builds = {"this": kernels}
+    if opts.baseline is not None:
+        builds = {"baseline": baseline_build(opts.baseline), **builds}
+    print(f"median us per call, {opts.rounds} interleaved rounds; load average {load_average()}")
+    for threads in [int(x) for x in opts.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for rows in [int(x) for x in opts.rows.split(",")]:
+            inputs = Inputs(rows, kernels)
+            rounds: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
+            for i in range(opts.rounds):  # ABBA: neither build always runs first
+                for name, build in list(builds.items())[:: 1 if i % 2 == 0 else -1]:
+                    rounds[name].append(measure(build, inputs, threads, opts.calls))
+            copy_us = median_us(lambda: _row_max(inputs.logits.float()), opts.calls)
+            numpy_us = median_us(lambda: _row_max(inputs.logits32), opts.calls)
+            print(f"\n== {rows} rows, {threads} threads")
+            for key in rounds["this"][0]:
+                print(f"  {key:34s} " + "  ".join(f"{name} {median_round(rounds[name], key)}" for name in builds))
+            print(f"  {'float32 copy + numpy argmax':34s} {copy_us:8.1f}")
+            print(f"  {'numpy argmax of float32':34s} {numpy_us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
