@@ -13,6 +13,7 @@ import torch
 
 from engine.checkpoint import CheckpointSpec, check_parallel_size, quantized_formats
 from engine.config import EngineConfig, launched_by_torchrun
+from engine.cpu_kernels import load_cpu_kernels
 from engine.quantization import WeightsReport, check_formats, check_quantization
 from engine.rank_shard import RankShard, without_omp_team
 from engine.progress import ProgressCallback
@@ -44,6 +45,8 @@ class ModelExecutor:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.vocab_size = spec.model_args.vocab_size
         self.block_size = config.block_size_tokens
+        # logits come back to the CPU (execute), so the sampler's greedy argmax can be the C one
+        self.argmax_kernels = load_cpu_kernels() if config.cpu_kernels else None
         self._group: ParallelGroup | None = None
         self._closed = False
         mp_size = config.model_parallel_size

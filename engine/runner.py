@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from engine.cpu_kernels import CpuKernels
 from engine.sampler import Sampler
 from engine.sequence import ScheduledBatch, StepOutput
 from engine.step_inputs import StepInputs
@@ -28,6 +29,7 @@ class Executor(Protocol):
     vocab_size: int
     num_blocks: int
     block_size: int
+    argmax_kernels: CpuKernels | None  # the fused CPU kernels for the sampler's greedy rows; None: numpy
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """[num_logits, vocab] float32: logits of the rows inputs.logits_indices names, in order."""
@@ -148,7 +150,7 @@ class ExecutorRunner:
         self.vocab_size: int = executor.vocab_size
         self.num_blocks: int = executor.num_blocks
         self.block_size: int = executor.block_size
-        self._sampler = Sampler(seed=seed)
+        self._sampler = Sampler(seed=seed, kernels=executor.argmax_kernels)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step. Executor exceptions propagate (the core fails the batch's requests); a

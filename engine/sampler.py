@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cpu_kernels import load_cpu_kernels, supports
+from engine.cpu_kernels import CpuKernels, supports
 from engine.sequence import Sequence
 from engine.structured import GrammarState
 from engine.types import SamplingParams, TokenLogprob
@@ -90,8 +90,9 @@ def _has_penalties(params: SamplingParams) -> bool:
 class Sampler:
     """Stateless across steps except for the generator of unseeded rows."""
 
-    def __init__(self, *, seed: int = 0) -> None:
+    def __init__(self, *, seed: int = 0, kernels: CpuKernels | None = None) -> None:
         self._rng = random.Random(seed)  # unseeded rows share it
+        self._kernels = kernels  # the fused CPU kernels' greedy argmax; None: numpy's
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [num_seqs, vocab] (float32, or the model dtype: widened to float32 here), row i
@@ -101,7 +102,7 @@ class Sampler:
         if not seqs:
             return SampleResult([], [], {})
         if all(self._is_plain_greedy(seq) for seq in seqs):
-            return _argmax_only(logits, seqs)
+            return _argmax_only(logits, seqs, self._kernels)
         if logits.dtype != torch.float32:
             logits = logits.float()
         return self._sample_general(logits, seqs)
@@ -205,21 +206,20 @@ def _row_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
     return ids, [float(row[i]) for row, i in zip(array, ids)]  # a few rows: cheaper than a fancy-index gather
 
 
-def _greedy_row_max(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+def _greedy_row_max(logits: torch.Tensor, kernels: CpuKernels | None) -> tuple[list[int], list[float]]:
     """_row_max(logits.float()). float32 and bfloat16 logits on CPU go through the fused kernels'
     argmax: the same ids and values, bfloat16 without the float32 copy of the batch (at [32, 49152]
     the copy cost more than numpy's argmax) and float32 on every thread (numpy's takes one):
     bench/NOTES.md. Without the kernels, numpy."""
     kernel_rows = logits.is_cpu and supports(logits.dtype) and logits.stride(1) == 1 and logits.shape[1] > 0
-    kernels = load_cpu_kernels() if kernel_rows else None
-    if kernels is None:
+    if kernels is None or not kernel_rows:
         return _row_max(logits.float())
     return kernels.argmax_rows(logits, torch.get_num_threads())
 
 
-def _argmax_only(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+def _argmax_only(logits: torch.Tensor, seqs: list[Sequence], kernels: CpuKernels | None) -> SampleResult:
     """The all-greedy, nothing-else fast path: one pass over the logits."""
-    tokens, values = _greedy_row_max(logits)
+    tokens, values = _greedy_row_max(logits, kernels)
     errors: dict[int, str] = {}
     for row, value in enumerate(values):
         if not math.isfinite(value):  # NaN or +inf anywhere, or a row of -inf

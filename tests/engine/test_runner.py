@@ -20,6 +20,7 @@ class FakeExecutor:
     vocab_size = VOCAB
     num_blocks = 64
     block_size = BLOCK_SIZE
+    argmax_kernels = None
 
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[StepInputs] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -51,11 +52,21 @@ def logits_for(num_rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor
     return torch.randn(num_rows, vocab, generator=g) * 3
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], *, stop_token_ids: frozenset[int] = frozenset()) -> SampleResult:
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], *, stop_token_ids: frozenset[int] = frozenset(), kernels=None) -> SampleResult:
     """Sample as the runner does, with each sequence's stop ids set as Scheduler.add sets them."""
     for s in seqs:
         s.stop_token_ids = ending_token_ids(s.params, stop_token_ids)
-    return Sampler(seed=1234).sample(logits, seqs)
+    return Sampler(seed=1234, kernels=kernels).sample(logits, seqs)
 
 
 # ---------------------------------------------------------------------- greedy
@@ -308,12 +319,13 @@ def test_kernel_greedy_equals_numpy_argmax_of_float32(threads, dtype):
         logits[2] = torch.where(torch.rand(vocab, generator=g) < 0.5, 0.0, -0.0)
         logits[4] = torch.where(torch.rand(vocab, generator=g) < 0.5, -2.0, -0.0)
         logits = logits.to(dtype)
-        torch.set_num_threads(threads)
         ids, values = kernels.argmax_rows(logits, threads)
         expected_ids, expected_values = sampler_mod._row_max(logits.float())
         assert ids == expected_ids
         assert [v if v == v else "nan" for v in values] == [v if v == v else "nan" for v in expected_values]
-        assert sample(logits, [seq(SamplingParams(temperature=0)) for _ in range(40)]).token_ids == [
+        with torch_threads(threads):  # the sampler calls the kernel with torch's thread count
+            token_ids = sample(logits, [seq(SamplingParams(temperature=0)) for _ in range(40)], kernels=kernels).token_ids
+        assert token_ids == [
             i if math.isfinite(v) else -1 for i, v in zip(expected_ids, expected_values)
         ]
 
@@ -322,11 +334,15 @@ def test_kernel_greedy_equals_numpy_argmax_of_float32(threads, dtype):
 @pytest.mark.parametrize("other", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, logprobs=2)])
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_non_finite_row_fails_alone(other, poison, dtype):
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_non_finite_row_fails_alone(other, poison, dtype, with_kernels):
+    kernels = load_cpu_kernels() if with_kernels else None
+    if with_kernels and kernels is None:
+        pytest.skip("fused CPU kernels could not be built here")
     logits = logits_for(3).to(dtype)
     logits[1, 7] = poison
     seqs = [seq(other), seq(other), seq(other)]
-    result = sample(logits, seqs)
+    result = sample(logits, seqs, kernels=kernels)
     assert list(result.errors) == [seqs[1].seq_id] and result.token_ids[1] == -1
     assert all(0 <= result.token_ids[i] < VOCAB for i in (0, 2))
 
