@@ -84,7 +84,7 @@ class ModelExecutor:
         )  # fmt: skip
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """[num_logits, vocab] float32 logits on the CPU, for inputs.logits_indices rows."""
+        """[num_logits, vocab] logits in the model dtype on the CPU, for inputs.logits_indices rows."""
         if self._closed:
             raise EngineDead("the model executor was shut down")
         if self._group is None:

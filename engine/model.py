@@ -310,7 +310,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
-        """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
+        """[num_logits, vocab_size] logits in the model dtype for inputs.logits_indices rows (the
+        sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
+        greedy argmax reading it, bench/NOTES.md)."""
         meta = self.backend.attention_metadata(inputs, self.freqs_cis, kv_caches[0])
         h = self.tok_embeddings(inputs.input_ids)
         normed = self.decode_step(h, meta, kv_caches) if self.decode_step is not None else None  # None: not its shape of step
@@ -319,7 +321,7 @@ class Transformer(nn.Module):
             for layer, cache in zip(self.layers, kv_caches):
                 h, delta = layer(h, delta, cache, meta)
             _, normed = self.norm(h, delta)
-        return self.output(normed.index_select(0, inputs.logits_indices)).float()
+        return self.output(normed.index_select(0, inputs.logits_indices))
 
     def weight_bytes(self) -> int:
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each

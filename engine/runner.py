@@ -32,7 +32,7 @@ class Executor(Protocol):
     argmax_kernels: CpuKernels | None  # the fused CPU kernels for the sampler's greedy rows; None: numpy
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """[num_logits, vocab] float32: logits of the rows inputs.logits_indices names, in order."""
+        """[num_logits, vocab] logits (in the model dtype) of the rows inputs.logits_indices names, in order."""
         ...
 
     def shutdown(self) -> None: ...

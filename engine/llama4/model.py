@@ -202,10 +202,12 @@ class Llama4Transformer(Transformer):
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
-        """[num_logits, vocab_size] float32 logits for inputs.logits_indices rows."""
+        """[num_logits, vocab_size] logits in the model dtype for inputs.logits_indices rows (the
+        sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
+        greedy argmax reading it, bench/NOTES.md)."""
         step = self.step(inputs, kv_caches[0])
         h, delta = self.tok_embeddings(inputs.input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cache, step)
         _, h = self.norm(h, delta)
-        return self.output(h.index_select(0, inputs.logits_indices)).float()
+        return self.output(h.index_select(0, inputs.logits_indices))

@@ -144,6 +144,9 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     calls = []
     kernels = fused_model[0].backend.kernels
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    # the per-op path under test: the compiled step (which calls the kernel from C, where the
+    # counter cannot see it) would take the all-decode step; tests/engine/test_decode_step.py has it
+    monkeypatch.setattr(fused_model[0], "decode_step", None)
     paths = TwoPaths(fused_model)
     vocab = fused_model[0].vocab_size
     short = make_seqs(vocab, [3, 5, 9, 12, 17, 2, 8, 6], seed=11)
