@@ -272,6 +272,20 @@ def _step(num_seqs: int, new_tokens: list[int] | None = None):
     return build_step_inputs(ScheduledBatch(seqs, new_tokens), MANY_BLOCK_SIZE)[0]
 
 
+def _with_and_without_step(model, inputs, caches, per_op_caches) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(times the compiled step ran, the model's logits with it on `caches`, without it on
+    `per_op_caches`); the model keeps its step afterwards."""
+    counting = Counting(model.decode_step)
+    model.decode_step = counting
+    try:
+        with_step = model(inputs, caches)
+        model.decode_step = None
+        per_op = model(inputs, per_op_caches)
+    finally:
+        model.decode_step = counting.step
+    return counting.ran, with_step, per_op
+
+
 @pytest.mark.parametrize(("num_seqs", "threads"), [(2, 2), (2, 1), (17, 2), (32, 2), (64, 2), (64, 1)])
 def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, num_seqs, threads):
     """bfloat16 on AMX: the fused step's logits and K/V writes equal the per-op path's exactly
@@ -286,15 +300,10 @@ def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, n
         fused_caches, per_op_caches = _caches(model, seed=num_seqs), _caches(model, seed=num_seqs)
         meta = model.backend.attention_metadata(inputs, model.freqs_cis, fused_caches[0])
         assert isinstance(meta.decodes, PagedDecodes) == (num_seqs < 2 * threads)  # both kernels covered
-        counting = Counting(model.decode_step)
-        model.decode_step = counting
-        fused = model(inputs, fused_caches)
-        model.decode_step = None
-        per_op = model(inputs, per_op_caches)
-        model.decode_step = counting.step
+        ran, fused, per_op = _with_and_without_step(model, inputs, fused_caches, per_op_caches)
     finally:
         torch.set_num_threads(old_threads)
-    assert counting.ran == 1
+    assert ran == 1
     assert fused.shape == (num_seqs, MANY_ARGS["vocab_size"]) and torch.isfinite(fused).all()
     assert torch.equal(fused, per_op)
     assert all(torch.equal(a, b) for pair_a, pair_b in zip(fused_caches, per_op_caches) for a, b in zip(pair_a, pair_b))
@@ -314,13 +323,8 @@ def test_steps_the_many_row_step_does_not_serve_run_the_per_op_path(amx_model, k
     before = h.clone()
     assert model.decode_step(h, meta, caches) is None
     assert torch.equal(h, before)
-    counting = Counting(model.decode_step)
-    model.decode_step = counting
-    with_step = model(inputs, caches)
-    model.decode_step = None
-    per_op = model(inputs, per_op_caches)
-    model.decode_step = counting.step
-    assert counting.ran == 0
+    ran, with_step, per_op = _with_and_without_step(model, inputs, caches, per_op_caches)
+    assert ran == 0
     assert torch.equal(with_step, per_op) and torch.equal(with_step.argmax(-1), per_op.argmax(-1))
 
 
