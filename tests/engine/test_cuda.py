@@ -15,7 +15,8 @@ from engine.core import EngineCore
 from engine.quant import QUANTIZATION_TYPES
 from engine.types import EngineRequest, SamplingParams
 from tests.engine.fakes import ByteTokenizer
-from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
+from tests.conftest import TINY_DESCRIPTOR
+from tests.engine.test_model import BLOCK_SIZE, random_prompts, run_random_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
@@ -30,18 +31,18 @@ KV_CACHE_BYTES = 64 << 20  # not the default 90% of the card: each test's execut
 SCALED_MM_MAX_RELATIVE_ERROR = 0.25
 
 
-def _run(checkpoint, prompts, *, descriptor: str | None = None, **config):
-    executor = _executor(checkpoint, descriptor, **config) if descriptor else make_executor(checkpoint, kv_cache_bytes=KV_CACHE_BYTES, **config)
+def _run(checkpoint, prompts, *, descriptor: str = TINY_DESCRIPTOR, **config):
+    executor = _executor(checkpoint, descriptor, **config)
     try:
         return executor, run_random_schedule(executor, prompts, seed=5, max_new=MAX_NEW)
     finally:
         executor.shutdown()
 
 
-def _executor(checkpoint, descriptor: str, **config):
+def _executor(checkpoint, descriptor: str = TINY_DESCRIPTOR, **config):
+    """tests/engine/test_model.py's make_executor for any descriptor, with this file's KV cache size."""
     from engine.checkpoint import resolve_checkpoint
     from engine.executor import ModelExecutor
-    from tests.engine.test_model import BLOCK_SIZE
 
     spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=descriptor)
     config = EngineConfig(block_size_tokens=BLOCK_SIZE, max_batch_size=8, kv_cache_bytes=KV_CACHE_BYTES, **config)
@@ -104,7 +105,7 @@ def test_each_quantization_runs_on_its_cuda_kernel(tmp_path, tiny_model_args, na
     checkpoint = write_random_checkpoint(tmp_path, dataclasses.replace(tiny_model_args, multiple_of=64), seed=8)
     prompts = random_prompts(tiny_model_args.vocab_size, PROMPT_LENGTHS, seed=7)
     _, reference = _run(checkpoint, prompts, dtype="float32", device="cuda")
-    executor = make_executor(checkpoint, dtype="bfloat16", device="cuda", quantization=name, kv_cache_bytes=KV_CACHE_BYTES)
+    executor = _executor(checkpoint, dtype="bfloat16", device="cuda", quantization=name)
     try:
         linears = [m for m in executor._shard.model.modules() if isinstance(m, CudaQuantLinear)]
         paths = {m.path for m in linears}
@@ -169,7 +170,6 @@ def _core(tiny_checkpoint, device: str, **overrides) -> EngineCore:
     from engine.checkpoint import resolve_checkpoint
     from engine.executor import ModelExecutor
     from engine.runner import ExecutorRunner
-    from tests.conftest import TINY_DESCRIPTOR
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(**{"device": device, "dtype": "float64", "block_size_tokens": 4, "max_batch_size": 16,
