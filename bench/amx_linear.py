@@ -1,4 +1,4 @@
-"""Cold-weight A/B of bfloat16 linears: engine/csrc/amx_linear.c (AMX tiles) against oneDNN on its
+"""Cold-weight A/B of bfloat16 linears: engine/kernels/csrc/amx_linear.c (AMX tiles) against oneDNN on its
 packed weight (PackedCpuLinear._onednn's call) and the one-row pairs kernel, for decode batches and
 prefill chunks.
 
@@ -32,10 +32,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.amx_linear import load_amx_linear  # noqa: E402
+from engine.kernels.amx import load_amx_linear  # noqa: E402
 from engine.backends.cpu import PackedWeight, pack_weight  # noqa: E402
-from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
-from engine.memory import onednn_rows  # noqa: E402
+from engine.kernels.cpu import load_cpu_kernels  # noqa: E402
+from engine.kernels.memory import onednn_rows  # noqa: E402
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # qkv, w13, wo, w2 [out, in]
 BIG1B_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # bench/common.py CONFIGS["big1b"]: qkv, wo, w13, w2

@@ -309,7 +309,7 @@ def tiny_checkpoint(out: Path) -> Path:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from engine.checkpoint import ModelArgs, write_random_checkpoint
+    from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
 
     spec = importlib.util.find_spec("llama_models")
     if spec is None or not spec.submodule_search_locations:

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import DESCRIPTOR, checkpoint_dir, load_tokenizer, make_core, random_prompt  # noqa: E402
-from engine.checkpoint import resolve_checkpoint  # noqa: E402
+from engine.loading.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
 
 

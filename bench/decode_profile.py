@@ -3,7 +3,7 @@
     python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS]
 
 Loads a Meta-format checkpoint (e.g. ~/.cache/llamaserve/SmolLM2-135M-Instruct, or its
-`-native` Q4_1 copy: `--demo-weights native`) through ModelExecutor with the server's defaults, or
+`-native` Q4_1 copy: `--demo-weights native`) through WorkerGroup with the server's defaults, or
 random weights of a bench config, then times one-token decode steps with 128 tokens of context
 (head included: each step's token is its sequence's last), first plainly, then with every backend
 operation and linear wrapped in a timer: ms per step, calls and us per call for each. The wrapped
@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import model_args  # noqa: E402
-from engine.runner import build_step_inputs  # noqa: E402
-from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.executor.executor import build_step_inputs  # noqa: E402
+from engine.core.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
 CONTEXT_TOKENS = 128
@@ -43,12 +43,12 @@ BACKEND_OPS = ("attention_metadata", "add_rms_norm", "rope_and_cache_write", "at
 def load(opts: argparse.Namespace):
     """(forward(StepInputs), model) for the checkpoint or the random config."""
     if opts.checkpoint:
-        from engine.checkpoint import resolve_checkpoint
+        from engine.loading.checkpoint import resolve_checkpoint
         from engine.config import EngineConfig
-        from engine.executor import ModelExecutor
+        from engine.executor.worker_group import WorkerGroup
 
         spec = resolve_checkpoint(Path(opts.checkpoint).expanduser(), model_id="bench")
-        executor = ModelExecutor(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=64 << 20), max_seq_len=1024)
+        executor = WorkerGroup(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=64 << 20), max_seq_len=1024)
         return executor.execute, executor._shard.model
     from bench.forward import Bench
 

@@ -94,7 +94,7 @@ class Run:
 def model_counts(checkpoint_dir: Path) -> dict[str, float]:
     """The demo's matmul parameter counts: body (every token) and output head (sampled tokens)."""
     from bench.forward import weight_counts
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
 
     body, head = weight_counts(resolve_checkpoint(checkpoint_dir, model_id="demo").model_args)
     return {"body_params": body, "head_params": head}
@@ -203,7 +203,7 @@ def build_llama_server() -> Path | None:
 def peer_gguf(cache_dir: Path, kind: str = "F32") -> Path:
     """The demo's Q4_1 GGUF dequantized to F32 or BF16 (once, into the cache)."""
     from bench.gguf_convert import convert
-    from engine.offline.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
+    from engine.loading.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
 
     out = cache_dir / "peers" / f"SmolLM2-135M-Instruct.{kind}.gguf"
     if out.exists():
@@ -240,7 +240,7 @@ class OtherModel:
 def other_model(gguf: Path, hf_dir: Path | None, cache_dir: Path, dtype: str) -> OtherModel:
     import torch
 
-    from engine.offline.gguf_import import import_gguf
+    from engine.loading.gguf_import import import_gguf
 
     name = gguf.stem.lower()
     checkpoint_dir = cache_dir / "peers" / f"{name}-{dtype}-meta"
@@ -321,7 +321,7 @@ async def check_tokenizer(base: str, checkpoint_dir: Path) -> None:
     """Our tokenizer.json against llama-server's /tokenize on the same GGUF (special spellings as text)."""
     import aiohttp
 
-    from engine.chat.hf_tokenizer import load_hf_tokenizer
+    from engine.tokenizers.hf import load_hf_tokenizer
 
     ours = load_hf_tokenizer(checkpoint_dir)
     mismatches = []
@@ -519,7 +519,7 @@ def llama_server_binary(args: argparse.Namespace) -> Path | None:
 
 def server_specs(args: argparse.Namespace, cache_dir: Path, checkpoint_dir: Path, levels: list[int],
                  model: OtherModel | None = None) -> list[ServerSpec] | None:  # fmt: skip
-    from engine.offline.demo import DEMO_MODEL_ID
+    from engine.loading.demo import DEMO_MODEL_ID
 
     model_id = DEMO_MODEL_ID if model is None else model.name
 
@@ -564,7 +564,7 @@ def llama_gguf(cache_dir: Path, dtype: str) -> Path:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from engine.offline.demo import default_cache_dir, ensure_demo_checkpoint
+    from engine.loading.demo import default_cache_dir, ensure_demo_checkpoint
 
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     demo = ensure_demo_checkpoint(cache_dir)

@@ -7,7 +7,7 @@ rope_and_cache_write on inputs hot in the calling threads' caches, and silu_mul 
 inputs an AMX linear has just written (as in the model: the linear splits its output columns
 between the threads, so at 2 threads half of each row comes from the other core); the greedy
 argmax of [rows, 49152] logits (bfloat16 and float32) against numpy's (after the float32 copy). Median
-microseconds per call. --baseline loads a second build of engine/csrc/cpu_kernels.c (a .so from the
+microseconds per call. --baseline loads a second build of engine/kernels/csrc/cpu_kernels.c (a .so from the
 kernel cache of another checkout) and interleaves it with this one, call for call, in the same
 process: on a machine shared with other jobs only such A/B ratios carry over.
 """
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import load_average  # noqa: E402
-from engine.amx_linear import load_amx_linear  # noqa: E402
-from engine.cpu_kernels import _SIGNATURES, CpuKernels, load_cpu_kernels  # noqa: E402
-from engine.sampler import _row_max  # noqa: E402
+from engine.kernels.amx import load_amx_linear  # noqa: E402
+from engine.kernels.cpu import _SIGNATURES, CpuKernels, load_cpu_kernels  # noqa: E402
+from engine.core.sampler import _row_max  # noqa: E402
 
 DIM, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
 EPS = 1e-5

@@ -23,14 +23,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Results, add_results_arguments, model_args, torch_machine  # noqa: E402
-from engine.checkpoint import ModelArgs, random_state_dict  # noqa: E402
+from engine.loading.checkpoint import ModelArgs, random_state_dict  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available  # noqa: E402
 from engine.backends.torch_ops import TorchBackend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model import Transformer, allocate_kv_caches  # noqa: E402
-from engine.runner import build_step_inputs  # noqa: E402
-from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.models.llama import Transformer, allocate_kv_caches  # noqa: E402
+from engine.executor.executor import build_step_inputs  # noqa: E402
+from engine.core.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -99,7 +99,7 @@ class Bench:
     @classmethod
     def build(cls, args: ModelArgs, dtype: torch.dtype, num_blocks: int, *, pack: bool) -> "Bench":
         cpu = torch.device("cpu")
-        if pack:  # what ModelExecutor does on CPU: packed weights and the fused kernels
+        if pack:  # what WorkerGroup does on CPU: packed weights and the fused kernels
             backend = select_backend(EngineConfig(dtype=str(dtype).removeprefix("torch.")), cpu)
         else:
             backend = TorchBackend(cpu, dtype)

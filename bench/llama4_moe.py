@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward import BLOCK_SIZE, CONTEXT_TOKENS, DECODE_STEPS, _sequence, best_of  # noqa: E402
 
 from engine.backends import resolve_dtype, select_backend  # noqa: E402
-from engine.checkpoint import ModelArgs, MoEArgs, random_state_dict  # noqa: E402
+from engine.loading.checkpoint import ModelArgs, MoEArgs, random_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model import allocate_kv_caches, model_class  # noqa: E402
-from engine.runner import build_step_inputs  # noqa: E402
-from engine.sequence import ScheduledBatch  # noqa: E402
+from engine.models.llama import allocate_kv_caches, model_class  # noqa: E402
+from engine.executor.executor import build_step_inputs  # noqa: E402
+from engine.core.sequence import ScheduledBatch  # noqa: E402
 
 SMALL = dict(dim=1024, n_heads=16, n_kv_heads=8, vocab_size=202048, multiple_of=256, rope_theta=500000.0)
 

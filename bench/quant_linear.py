@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.quant.formats import Int4Weight, quantize
-from engine.quant.kernels import load_quant_kernels
+from engine.kernels.quant import load_quant_kernels
 from engine.quant.linear import QuantLinear
 
 # SmolLM2-135M (the demo): wq/wo 576x576, wk/wv 192x576, w1/w3 1536x576, w2 576x1536, fused wqkv 960x576

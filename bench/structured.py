@@ -27,15 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint import resolve_checkpoint  # noqa: E402
+from engine.loading.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.offline.demo import DEMO_MODEL_ID, ensure_demo_checkpoint  # noqa: E402
-from engine.executor import ModelExecutor  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.loading.demo import DEMO_MODEL_ID, ensure_demo_checkpoint  # noqa: E402
+from engine.executor.worker_group import WorkerGroup  # noqa: E402
 from engine.loader import load_tokenizer_and_chat_format  # noqa: E402
-from engine.runner import ExecutorRunner  # noqa: E402
-from engine.sampler import _apply_grammar_masks  # noqa: E402
-from engine.structured import GrammarCompiler  # noqa: E402
+from engine.executor.executor import ModelExecutor  # noqa: E402
+from engine.core.sampler import _apply_grammar_masks  # noqa: E402
+from engine.core.structured import GrammarCompiler  # noqa: E402
 from engine.types import EngineRequest, GrammarSpec, SamplingParams  # noqa: E402
 
 MAX_SEQ_LEN = 1024
@@ -63,7 +63,7 @@ def make_core(directory: Path, batch: int) -> EngineCore:
     tokenizer, _ = load_tokenizer_and_chat_format(spec, None)
     config = EngineConfig(dtype="float32", max_batch_size=batch, max_num_batched_tokens=2048, kv_cache_bytes=512 << 20,
                           max_seq_len=MAX_SEQ_LEN)
-    runner = ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
+    runner = ModelExecutor(WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN))
     return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
 
 

@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CONFIGS, Results, add_results_arguments, model_args, torch_machine  # noqa: E402
 from bench.forward import matmul_flops_per_s, memory_bytes_per_s, weight_counts  # noqa: E402  (the same roofline)
-from engine.checkpoint import estimate_weight_bytes, resolve_checkpoint, write_random_checkpoint  # noqa: E402
+from engine.loading.checkpoint import estimate_weight_bytes, resolve_checkpoint, write_random_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.executor import ModelExecutor  # noqa: E402
-from engine.runner import ExecutorRunner  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.executor.worker_group import WorkerGroup  # noqa: E402
+from engine.executor.executor import ModelExecutor  # noqa: E402
 from engine.types import EngineRequest, SamplingParams  # noqa: E402
 
 DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family (llama3); params.json supplies the architecture
@@ -70,7 +70,7 @@ def load_tokenizer(vocab_size: int):
     try:
         import importlib.util
 
-        from engine.tokenizer import llama3_tokenizer
+        from engine.tokenizers.tokenizer import llama3_tokenizer
 
         origin = importlib.util.find_spec("llama_models").origin  # type: ignore[union-attr]
         tokenizer = llama3_tokenizer(Path(origin).parent / "llama3" / "tokenizer.model")
@@ -93,7 +93,7 @@ def make_core(spec, tokenizer, *, max_batch_size: int, device: str, dtype: str) 
     config = EngineConfig(
         device=device, dtype=dtype, max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
     )
-    runner = ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
+    runner = ModelExecutor(WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN))
     return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
 
 

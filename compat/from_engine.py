@@ -19,7 +19,7 @@ from engine.chat.tool_parser import JsonCallStreamParser
 from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tokenizer import Tokenizer
 
 SYSTEM_FINGERPRINT = "fp_llamaserve"
 

@@ -2,7 +2,7 @@
 
 - `response_format` json_object / json_schema, vLLM's `structured_outputs` {json, regex, choice,
   grammar, json_object} and its older `guided_*` fields become one GrammarSpec; the engine compiles
-  it (engine/structured.py), so an invalid or unenforceable schema is a 400 from there.
+  it (engine/core/structured.py), so an invalid or unenforceable schema is a 400 from there.
 - `tools` / `tool_choice` / `parallel_tool_calls` (and the deprecated `functions` / `function_call`)
   become a ToolPlan. `required` and a named function constrain the output to a JSON call, the
   shape engine/chat/tool_parser.py parses in every chat format: `{"name": ..., "arguments": {...}}`,
@@ -22,7 +22,7 @@ from compat import protocol as p
 from engine.types import GrammarSpec, InvalidRequest, ToolDefinition
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as engine/structured.py
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as engine/core/structured.py
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # beyond this generate() raises QueueFull
     enable_prefix_caching: bool = True
     quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
-    cpu_kernels: bool = True  # CPU: fused C kernels (engine/cpu_kernels.py) where they build; False: torch ops only
+    cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
     mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective

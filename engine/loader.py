@@ -1,7 +1,7 @@
 """Builds a running engine from a checkpoint dir: the one place where the engine's parts meet.
 
-checkpoint -> tokenizer + chat format -> executor (weights, KV cache, model-parallel workers)
--> runner (inputs + sampler) -> AsyncEngine. The server reaches this through LocalEngineFactory,
+checkpoint -> tokenizer + chat format -> worker group (weights, KV cache, model-parallel workers)
+-> executor (inputs + sampler) -> AsyncEngine. The server reaches this through LocalEngineFactory,
 imported lazily so that server/ never imports torch at module level.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.progress import ProgressCallback, ProgressEvent
+from engine.loading.progress import ProgressCallback, ProgressEvent
 from engine.types import CheckpointError, EngineClient
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
 
 
 def _resolve(spec: Any):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(
         Path(spec.checkpoint_dir), model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None),
@@ -52,8 +52,8 @@ def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: i
     without kv_cache_bytes the executor takes a fraction of free memory, which cannot be known in
     advance, so this counts one full batch of full-length sequences."""
     from engine.backends import resolve_dtype
-    from engine.rank_shard import configured_kv_bytes_per_rank, plan_num_blocks
-    from engine.model import kv_cache_bytes_per_block
+    from engine.executor.worker import configured_kv_bytes_per_rank, plan_num_blocks
+    from engine.models.llama import kv_cache_bytes_per_block
 
     mp_size = config.model_parallel_size
     per_block = kv_cache_bytes_per_block(model_args, mp_size, config.block_size_tokens, resolve_dtype(config))
@@ -66,32 +66,32 @@ def planned_kv_cache_bytes(model_args: Any, config: EngineConfig, max_seq_len: i
 def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | None = None,
                 progress: ProgressCallback | None = None) -> EngineClient:
     """Blocking: resolve, load weights, start workers, return a ready AsyncEngine. `progress`
-    receives each loading stage's advance (engine.progress)."""
-    from engine.async_engine import AsyncEngine
-    from engine.executor import ModelExecutor
-    from engine.generation_config import read_sampling_defaults
-    from engine.runner import ExecutorRunner
+    receives each loading stage's advance (engine.loading.progress)."""
+    from engine.core.async_engine import AsyncEngine
+    from engine.executor.worker_group import WorkerGroup
+    from engine.loading.generation_config import read_sampling_defaults
+    from engine.executor.executor import ModelExecutor
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
-    executor = ModelExecutor(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
+    workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
     try:
-        runner = ExecutorRunner(executor, seed=config.seed)
-        engine = AsyncEngine(spec.model_id, runner, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=executor.weights)
+        executor = ModelExecutor(workers, seed=config.seed)
+        engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
+                             sampling_defaults=sampling_defaults, weights=workers.weights)
     except BaseException:
-        executor.shutdown()
+        workers.shutdown()
         raise
     log.info(
         "loaded %s from %s in %.1f s (%d KV blocks of %d tokens, max_seq_len %d)",
         spec.model_id,
         checkpoint.checkpoint_dir,
         time.monotonic() - started_s,
-        executor.num_blocks,
-        executor.block_size,
+        workers.num_blocks,
+        workers.block_size,
         max_seq_len,
     )
     return engine
@@ -101,9 +101,9 @@ def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | N
     """Llama descriptors keep their hand-written formats; "hf" checkpoints (and any model served
     with --chat-template) render the checkpoint's Jinja template."""
     from engine.chat.format import make_chat_format
-    from engine.checkpoint import check_tokenizer_vocab
-    from engine.file_guard import guard_tree
-    from engine.tokenizer import load_tokenizer
+    from engine.loading.checkpoint import check_tokenizer_vocab
+    from engine.loading.file_guard import guard_tree
+    from engine.tokenizers.tokenizer import load_tokenizer
 
     tokenizer_path = checkpoint.checkpoint_dir if checkpoint.family == "hf" else checkpoint.tokenizer_path
     if tokenizer_path is None:
@@ -120,7 +120,7 @@ def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | N
 
 def follow_torchrun(spec: Any, config: EngineConfig) -> None:
     """Ranks > 0 under torchrun: resolve the checkpoint exactly as rank 0 does, then follow its steps."""
-    from engine.workers import follow
+    from engine.executor.parallel import follow
 
     config = _effective_config(config, spec)
     checkpoint = _resolve(spec)
@@ -142,7 +142,7 @@ class LocalEngineFactory:
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
-        from engine.checkpoint import estimate_weight_bytes
+        from engine.loading.checkpoint import estimate_weight_bytes
 
         config = _effective_config(self._config, spec)
         checkpoint = _resolve(spec)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable, Literal, Protocol
 
 if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of engine internals
     from engine.chat.format import ChatFormat
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -27,7 +27,7 @@ GrammarKind = Literal["json", "regex", "choice", "grammar", "lark"]
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A constraint on the generated text, enforced by a token mask (engine/structured.py).
+    """A constraint on the generated text, enforced by a token mask (engine/core/structured.py).
 
     kind "json": `source` is a JSON schema as canonical JSON text; "regex": a regular expression;
     "choice": a JSON list of the allowed strings; "grammar": a Lark or GBNF grammar as users send it;
@@ -213,7 +213,7 @@ class CheckpointError(EngineError):
 
 # --------------------------------------------------------------------------- request checks
 # compat checks every request once, naming the user's parameters; the engine core's guard
-# (engine.core.check_request) calls the same functions, so each message exists once.
+# (engine.core.engine_core.check_request) calls the same functions, so each message exists once.
 def check_context_length(
     num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, *, param: str = "max_tokens", prompt_param: str = "prompt"
 ) -> int:

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(*OMP_SPIN_ENV)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "import-gguf":
-        from engine.offline.gguf_import import main as import_gguf
+        from engine.loading.gguf_import import main as import_gguf
 
         return import_gguf(argv[1:])
     args = make_parser().parse_args(argv)
@@ -91,7 +91,7 @@ def with_demo_model(config: ServerConfig) -> ServerConfig:
     from server.model_spec import ModelSpec
 
     try:
-        from engine.offline.demo import ensure_demo_checkpoint
+        from engine.loading.demo import ensure_demo_checkpoint
     except ImportError as exc:
         raise ConfigError(f"--demo is not available in this build ({exc})") from None
 
@@ -113,7 +113,7 @@ def with_batch_dir(config: ServerConfig) -> ServerConfig:
     """A served CLI keeps Batch API state across restarts: <cache dir>/batches unless configured."""
     if config.batch_dir is not None:
         return config
-    from engine.offline.demo import default_cache_dir  # LLAMASERVE_CACHE_DIR or ~/.cache/llamaserve
+    from engine.loading.demo import default_cache_dir  # LLAMASERVE_CACHE_DIR or ~/.cache/llamaserve
 
     return dataclasses.replace(config, batch_dir=default_cache_dir() / "batches")
 

@@ -49,7 +49,7 @@ class BatchService:
     @property
     def max_in_flight(self) -> int:
         """Batch items in the engine at once. The scheduler preempts batch items for online requests
-        (engine/scheduler.py), so by default a batch fills every sequence slot of an idle engine,
+        (engine/core/scheduler.py), so by default a batch fills every sequence slot of an idle engine,
         plus as many items again waiting in its queue so a finished item's slot is refilled at the
         next step; never more than half the engine's waiting queue, which online requests share."""
         configured = self.config.batch_max_in_flight

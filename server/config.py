@@ -54,7 +54,7 @@ class ServerConfig:
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
     demo: bool = False
     demo_cache_dir: Path | None = None
-    demo_weights: str = "float32"  # engine.offline.demo.DEMO_WEIGHTS: float32 (dequantized) or native (as shipped)
+    demo_weights: str = "float32"  # engine.loading.demo.DEMO_WEIGHTS: float32 (dequantized) or native (as shipped)
     batch_dir: Path | None = None  # Batch API storage; None: a temporary dir (the CLI sets a durable one)
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI

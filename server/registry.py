@@ -81,7 +81,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     load_time_s: float | None = None  # of the engine serving now
     memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
     sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
-    weights: dict[str, Any] | None = None  # engine.quantization.WeightsReport of the loaded engine
+    weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +163,7 @@ class ModelRegistry:
         memory_budget_bytes: int | None = None,
         evict_idle_lru: bool = False,
         load_wait_timeout_s: float = 60.0,
-        descriptor_resolver: DescriptorResolver | None = None,  # None: engine.descriptors.resolve_descriptor
+        descriptor_resolver: DescriptorResolver | None = None,  # None: engine.loading.descriptors.resolve_descriptor
     ) -> None:
         self._factory = factory
         self.checkpoint_roots = list(checkpoint_roots)
@@ -248,7 +248,7 @@ class ModelRegistry:
     def _resolve_descriptor(self, name: str) -> Any:
         resolver = self._descriptor_resolver
         if resolver is None:
-            from engine.descriptors import resolve_descriptor  # torch-free; imported only when used
+            from engine.loading.descriptors import resolve_descriptor  # torch-free; imported only when used
 
             resolver = resolve_descriptor
         try:

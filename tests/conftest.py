@@ -23,7 +23,7 @@ TINY_DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family; params.json sup
 
 @pytest.fixture(scope="session")
 def tiny_model_args():
-    from engine.checkpoint import ModelArgs
+    from engine.loading.checkpoint import ModelArgs
 
     return ModelArgs(**TINY_PARAMS)
 
@@ -31,7 +31,7 @@ def tiny_model_args():
 def _write(tmp_path_factory, args, num_shards: int) -> Path:
     import torch
 
-    from engine.checkpoint import write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
 
     out = tmp_path_factory.mktemp(f"tiny_ckpt_{num_shards}shard")
     return write_random_checkpoint(out, args, num_shards=num_shards, seed=0, dtype=torch.float32)

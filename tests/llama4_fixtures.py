@@ -1,5 +1,5 @@
 """Tiny random Llama 4 checkpoints in Meta's shipped format (fused wqkv, 2-D expert tensors, renamed
-norms: engine/llama4/checkpoint.py), for tests and demos.
+norms: engine/loading/llama4.py), for tests and demos.
 
 write_tiny_llama4_checkpoint(out_dir) writes params.json + consolidated.NN.pth (+ tokenizer.model
 when given): every Llama 4 feature on (MoE with several experts and top_k > 1 interleaved with
@@ -41,7 +41,7 @@ TINY_LLAMA4_DESCRIPTOR = "Llama-4-Scout-17B-16E-Instruct"  # the family (tokeniz
 
 
 def tiny_llama4_args(**overrides: Any):
-    from engine.checkpoint import ModelArgs
+    from engine.loading.checkpoint import ModelArgs
 
     params = {**TINY_LLAMA4_PARAMS, **overrides}
     return ModelArgs.from_params(params, source="tiny Llama 4 params")
@@ -53,7 +53,7 @@ def write_tiny_llama4_checkpoint(
 ) -> Path:  # fmt: skip
     """A complete tiny Llama 4 checkpoint (params.json, weights, optional tokenizer.model) in
     out_dir; `overrides` replace params.json fields (vocab_size=202048 for the real tokenizer)."""
-    from engine.checkpoint import write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
 
     return write_random_checkpoint(
         Path(out_dir), tiny_llama4_args(**overrides), num_shards=num_shards, seed=seed, tokenizer_path=tokenizer_path, dtype=dtype
@@ -70,8 +70,8 @@ def write_chained_llama4_checkpoint(out_dir: Path, chain: list[int], *, tokenize
     near the current token's embedding), the final norm is 1, and each output row chain[i + 1]
     points along token chain[i]'s normalised embedding (logit ~80 against ~N(0, 1) for the rest).
     Each token of chain[:-1] must be distinct (one successor each)."""
-    from engine.checkpoint import PARAMS_FILE, random_state_dict
-    from engine.llama4.checkpoint import to_meta_layout
+    from engine.loading.checkpoint import PARAMS_FILE, random_state_dict
+    from engine.loading.llama4 import to_meta_layout
 
     if len(set(chain[:-1])) != len(chain) - 1:
         raise ValueError("every token of the chain but the last must be distinct")

@@ -51,7 +51,7 @@ def test_multi_stage_non_root_with_healthcheck_and_volume():
 
 def test_environment_names_are_real_settings():
     from engine import cpu_kernels
-    from engine.offline import demo
+    from engine.loading import demo
     from server.config import ENV_PREFIX, OPTIONS
 
     known = {ENV_PREFIX + o.name.upper() for o in OPTIONS} | {demo.CACHE_DIR_ENV, cpu_kernels.PREBUILT_DIR_ENV}
@@ -98,5 +98,5 @@ def test_the_package_the_image_installs_builds_with_its_kernel_source(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("llamaserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"engine/csrc/cpu_kernels.c", "engine/offline/demo.py", "engine/cpu_kernels.py", "server/__main__.py", "compat/protocol.py"} <= names
+    assert {"engine/kernels/csrc/cpu_kernels.c", "engine/loading/demo.py", "engine/kernels/cpu.py", "server/__main__.py", "compat/protocol.py"} <= names
     assert not any(n.startswith(("tests/", "bench/")) for n in names)

@@ -1,4 +1,4 @@
-"""Backends: the operations engine/model.py runs, chosen once per model from device and dtype.
+"""Backends: the operations engine/models/llama.py runs, chosen once per model from device and dtype.
 
 select_backend() is the one place that choice is made (docs/backends.md):
 - CPU, float32/bfloat16, oneDNN able to run the dtype: CpuKernelBackend (oneDNN packed linears +
@@ -38,7 +38,7 @@ def select_backend(config: "EngineConfig", device: torch.device) -> "Backend":
     dtype = resolve_dtype(config)
     if device.type == "cpu":
         from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, packing_available
-        from engine.cpu_kernels import load_cpu_kernels, supports
+        from engine.kernels.cpu import load_cpu_kernels, supports
 
         if packing_available(dtype):
             kernels = load_cpu_kernels() if config.cpu_kernels and supports(dtype) else None

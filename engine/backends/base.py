@@ -1,6 +1,6 @@
-"""The seam between the model (engine/model.py) and the hardware: the Backend and Linear contracts.
+"""The seam between the model (engine/models/llama.py) and the hardware: the Backend and Linear contracts.
 
-engine/model.py is one forward in the shape of llama-models' reference; every operation whose
+engine/models/llama.py is one forward in the shape of llama-models' reference; every operation whose
 best implementation depends on the device and dtype goes through a Backend chosen once per model
 (engine.backends.select_backend). A backend provides:
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.step_inputs import StepInputs
+from engine.executor.step_inputs import StepInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, n_local_kv_heads, head_dim]
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -179,7 +179,7 @@ class ParallelLinear(nn.Module):
 
 
 class Backend:
-    """The operations engine/model.py's forward runs, for one device and dtype. This base class
+    """The operations engine/models/llama.py's forward runs, for one device and dtype. This base class
     holds what every backend shares (the load-time preparation of the weights, the linear
     dispatch); engine.backends.torch_ops is the reference implementation of the operations."""
 
@@ -194,7 +194,7 @@ class Backend:
     def prepare(self, weights: Mapping[str, torch.Tensor], linears: LinearNames) -> dict[str, Any]:
         """Once at load: each linear weight in the form linear() takes (quantized, then packed by
         the backend). Other entries (embeddings, norms) pass through as tensors."""
-        from engine.quantization import quantize_weight
+        from engine.quant.policy import quantize_weight
 
         out: dict[str, Any] = dict(weights)
         for name in linears.blocks:  # popped first: this dict holds no float copy once quantized
@@ -255,7 +255,7 @@ class Backend:
     # ----------------------------------------------------------------- load time, optional
     def compiled_decode_step(self, model: nn.Module) -> CompiledDecodeStep | None:
         """A compiled pure-decode step (one token of each of 1..N sequences) through all of `model`'s
-        blocks and its final norm (engine.model.Transformer, mp_size 1), built once at load; None
+        blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once at load; None
         (here): the model runs its blocks op by op."""
         return None
 

@@ -5,7 +5,7 @@ load, into oneDNN's blocked layout (much faster than F.linear at decode batch si
 bfloat16 alike; bench/NOTES.md).
 
 CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX) and SiLU-mul through
-engine.cpu_kernels (one call each, no intermediate tensors, K/V read in place through the block
+engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
 """
@@ -17,25 +17,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.amx_linear import AmxLinear, load_amx_linear
+from engine.kernels.amx import AmxLinear, load_amx_linear
 from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes, PrefillChunk
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
-from engine.cpu_kernels import CpuKernels
-from engine.memory import onednn_rows
-from engine.step_inputs import StepInputs
+from engine.kernels.cpu import CpuKernels
+from engine.kernels.memory import onednn_rows
+from engine.executor.step_inputs import StepInputs
 
 # The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
 # (bench/NOTES.md).
 PACK_BATCH_HINT = 16
 
-# Linears of at most this many weight bytes also keep a copy in engine.cpu_kernels' interleaved
+# Linears of at most this many weight bytes also keep a copy in engine.kernels.cpu' interleaved
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
 # weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
-# bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/csrc/amx_linear.c) on the
+# bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/kernels/csrc/amx_linear.c) on the
 # pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
 # the kernel streamed the demo's and the 1.1B model's weight shapes 1.1-1.7x faster than oneDNN at
 # every batch in 2..64 (bench/amx_linear.py, bench/NOTES.md 'AMX linears'); larger batches
@@ -108,7 +108,7 @@ class PackedCpuLinear(nn.Module):
         return self._onednn(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows padded to engine.memory.onednn_rows' buckets: oneDNN keeps a primitive per row count."""
+        """Rows padded to engine.kernels.memory.onednn_rows' buckets: oneDNN keeps a primitive per row count."""
         rows = x.shape[0]
         padded_rows = onednn_rows(rows) if x.dim() == 2 else rows
         if padded_rows != rows:
@@ -118,7 +118,7 @@ class PackedCpuLinear(nn.Module):
 
     def move_one_row_copy(self, copy: torch.Tensor) -> None:
         """Serve one-row inputs from `copy`, an equal copy of the interleaved weight placed elsewhere
-        (engine.memory.WeightArena: the decode step's weights on huge pages, in the order it reads them)."""
+        (engine.kernels.memory.WeightArena: the decode step's weights on huge pages, in the order it reads them)."""
         if self.interleaved is None or copy.shape != self.interleaved.shape or copy.dtype != self.interleaved.dtype:
             raise ValueError("move_one_row_copy: not a copy of this linear's interleaved weight")
         self.interleaved = copy

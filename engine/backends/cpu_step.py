@@ -1,4 +1,4 @@
-"""A pure-decode step as one C call (engine/csrc/decode_step.c), bound once at load.
+"""A pure-decode step as one C call (engine/kernels/csrc/decode_step.c), bound once at load.
 
 Why: each of the ~9 kernel calls per layer costs 4-7 us of Python and ctypes on top of its work,
 ~1.5 ms of a one-stream demo step and ~4 ms of a 32-decode one (bench/NOTES.md). The program holds
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.amx_linear import AmxLinear
+from engine.kernels.amx import AmxLinear
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
-from engine.cpu_kernels import CpuKernels, library_path
-from engine.memory import WeightArena
+from engine.kernels.cpu import CpuKernels, library_path
+from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent.parent / "csrc" / "decode_step.c"
+SOURCE = Path(__file__).parent.parent / "kernels" / "csrc" / "decode_step.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KINDS = {"interleaved": 0, "pairs": 1, "quant": 2}  # decode_step.c's LINEAR_*
 _KERNEL_NAMES = (
@@ -79,7 +79,7 @@ class _Program(ctypes.Structure):
 
 
 _ATTENTION_DECODE, _ATTENTION_PAGED = 0, 1  # decode_step.c's ATTENTION_*: paged_decode_attention, paged_attention
-TILE_ROWS = 16  # engine/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles
+TILE_ROWS = 16  # engine/kernels/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles
 
 
 class _Tokens(ctypes.Structure):
@@ -173,7 +173,7 @@ class DecodeStep:
 
 
 def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None) -> DecodeStep | None:
-    """The compiled step for engine.model.Transformer's blocks, or None (logged) where a block
+    """The compiled step for engine.models.llama.Transformer's blocks, or None (logged) where a block
     linear has no one-row form or the program cannot be built. With `amx`, and every block linear
     on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
     size) are bound at the first step."""
@@ -239,7 +239,7 @@ def _block_linears(block: nn.Module) -> tuple[nn.Module, ...]:
 def gather_one_row_copies(linears: list[nn.Module]) -> WeightArena | None:
     """Moves the linears' interleaved one-row copies (PackedCpuLinear's) into one WeightArena, in
     this order: a batch-1 step then streams one huge-page buffer front to back instead of a
-    hundred allocations, most of them on 4 KiB pages (engine/memory.py). None when none has one."""
+    hundred allocations, most of them on 4 KiB pages (engine/kernels/memory.py). None when none has one."""
     movable = [linear for linear in linears if getattr(linear, "interleaved", None) is not None and hasattr(linear, "move_one_row_copy")]
     if not movable:
         return None
@@ -250,7 +250,7 @@ def gather_one_row_copies(linears: list[nn.Module]) -> WeightArena | None:
 
 
 def _quant_linear_address() -> int | None:
-    from engine.quant.kernels import load_quant_kernels
+    from engine.kernels.quant import load_quant_kernels
 
     quant = load_quant_kernels()
     return None if quant is None else quant.linear_address()

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends.base import AttentionMetadata, Backend, GatheredDecodes, HeadLayout, KVCache, PrefillChunk
-from engine.model import apply_rotary_emb, repeat_kv, rms_norm
-from engine.step_inputs import StepInputs
+from engine.models.llama import apply_rotary_emb, repeat_kv, rms_norm
+from engine.executor.step_inputs import StepInputs
 
 
 def split_heads(qkv: torch.Tensor, heads: HeadLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import keyword
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tokenizer import Tokenizer
 from engine.types import ChatMessage, InvalidRequest, ToolCall, ToolDefinition
 
 

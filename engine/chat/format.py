@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Callable, Protocol, Sequence
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import ContentOnlyParser, OutputParser
 from engine.types import CheckpointError, ChatMessage, Family, ToolDefinition
 

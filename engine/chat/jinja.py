@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolCall, ToolDefinition
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizers.tokenizer import Tokenizer
     from engine.chat.tool_parser import OutputParser, ParsedDelta, ParsedOutput
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -485,7 +485,7 @@ def load_chat_format(
 ) -> JinjaChatFormat | NoChatTemplate:
     """The checkpoint's chat format: `override_template_path` (the server's --chat-template) first,
     then chat_template.jinja / chat_template.json, then tokenizer_config.json's chat_template."""
-    from engine.chat.hf_tokenizer import read_tokenizer_config
+    from engine.tokenizers.hf import read_tokenizer_config
 
     checkpoint_dir = Path(checkpoint_dir)
     config = read_tokenizer_config(checkpoint_dir) if checkpoint_dir.is_dir() else {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.chat.common import check_dialog, check_tools
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import ContentOnlyParser, OutputParser
 from engine.types import ChatMessage, InvalidRequest, ToolDefinition
 

@@ -29,7 +29,7 @@ from engine.chat.common import (
     pythonic_call,
     tool_definitions_json,
 )
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import CODE_INTERPRETER, ContentOnlyParser, OutputParser, make_output_parser
 from engine.types import ChatMessage, InvalidRequest, ToolDefinition
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.chat.common import Dialog, HeaderTurns, PromptBuilder, pythonic_call, tool_definitions_json
-from engine.tokenizer import Tokenizer
+from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import OutputParser, make_output_parser
 from engine.types import ChatMessage, ToolDefinition
 

@@ -6,7 +6,7 @@ on an NVIDIA H200 (sm_90, torch 2.11), each linear against its dequantized refer
 (tests/engine/test_cuda.py). Those tests skip without a GPU; .ci/cuda runs them where one is lent.
 
 One path per weight, chosen at load from its format, its shape and the device's compute capability
-(`plan()`); engine.backends.cuda.CudaBackend builds the linear, engine.quantization asks
+(`plan()`); engine.backends.cuda.CudaBackend builds the linear, engine.quant.policy asks
 `kernel_formats()` what a device can serve:
 
 - `scaled_mm` (fp8, capability >= 9.0): torch._scaled_mm with row-wise scales, activations

@@ -71,7 +71,7 @@ class QuantizedWeight:
         """Its Linear (engine.backends.base.PreparedWeight): QuantLinear over the C kernels when
         they build here, else its torch path. Every backend without its own linear for a
         quantized weight takes this one."""
-        from engine.quant.kernels import load_quant_kernels
+        from engine.kernels.quant import load_quant_kernels
         from engine.quant.linear import make_linear
 
         return make_linear(self, load_quant_kernels())

@@ -3,7 +3,7 @@
 One module for every format; it holds the codes and scales only (no float copy of the weight stays
 resident) and picks a path per call from the number of input rows and the activation dtype:
 
-- `kernel`: engine/csrc/quant_kernels.c, dequantizing each 32-column block in registers and
+- `kernel`: engine/kernels/csrc/quant_kernels.c, dequantizing each 32-column block in registers and
   multiplying it into up to 8 input rows at once. Batch-1 decode streams the low-bit bytes once.
 - `aten_int8`: torch's weight-only int8 op (aten._weight_int8pack_mm) on the same int8 codes, for
   bfloat16 activations with per-row scales that bfloat16 holds exactly (quantize_int8 makes them so):
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
-from engine.quant.kernels import QuantKernels, supports
+from engine.kernels.quant import QuantKernels, supports
 
 # Tiles of dequantized rows hold at most this many elements (1 MiB in float32): they stay in L2
 # between the dequantization that writes them and the matmul that reads them.
@@ -198,7 +198,7 @@ class QuantEmbedding(nn.Module):
 def embedding(table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> nn.Module:
     """ids -> rows of `table`: nn.Embedding over a float table, QuantEmbedding over a quantized one."""
     if isinstance(table, QuantizedWeight):
-        from engine.quant.kernels import load_quant_kernels
+        from engine.kernels.quant import load_quant_kernels
 
         return QuantEmbedding(table, dtype, load_quant_kernels() if table.qweight.device.type == "cpu" else None)
     return nn.Embedding.from_pretrained(table, freeze=True)

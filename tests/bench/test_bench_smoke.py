@@ -109,7 +109,7 @@ def test_serve_help_uses_vllm_flag_names():
 
 def test_demo_vs_llamacpp_smoke_ours_only(tmp_path):
     """The demo comparison's own half (the llama-server half needs a 10-minute build: a real run)."""
-    from engine.offline.demo import DemoUnavailable, default_cache_dir, ensure_demo_checkpoint
+    from engine.loading.demo import DemoUnavailable, default_cache_dir, ensure_demo_checkpoint
 
     try:
         ensure_demo_checkpoint(default_cache_dir(), progress=False)
@@ -160,7 +160,7 @@ def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
     import torch
 
     from bench.gguf_convert import convert
-    from engine.offline.gguf_import import import_gguf
+    from engine.loading.gguf_import import import_gguf
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 
     write_gguf(tmp_path / "q4.gguf", hf_weights(seed=2, tied=True), qtype=gguf.GGMLQuantizationType.Q4_1)

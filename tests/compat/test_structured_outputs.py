@@ -9,7 +9,7 @@ import pytest
 
 from compat import protocol as p
 from compat.structured import grammar_spec, tool_plan
-from engine.structured import GrammarCompiler, _TokenizerView
+from engine.core.structured import GrammarCompiler, _TokenizerView
 from engine.types import InvalidRequest
 from tests.engine.tokenizer_fixtures import tiny_llama2
 

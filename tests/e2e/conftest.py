@@ -77,7 +77,7 @@ class Checkpoints:
         consolidated.NN.pth files (the same full weights whatever their number)."""
         import torch
 
-        from engine.checkpoint import ModelArgs, write_random_checkpoint
+        from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
 
         out = self.root / name
         key = str(out)

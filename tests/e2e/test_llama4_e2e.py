@@ -30,7 +30,7 @@ PYTHON_TAGS = {200016, 200017}  # <|python_start|>, <|python_end|>
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    from engine.tokenizer import llama4_tokenizer
+    from engine.tokenizers.tokenizer import llama4_tokenizer
 
     tokenizer_path = llama_models_file("llama4/tokenizer.model")
     tok = llama4_tokenizer(tokenizer_path)
@@ -131,7 +131,7 @@ def expected_prompt(messages) -> list[int]:
     """Our Llama 4 chat format (token for token against hand-built sequences in
     tests/engine/test_chat_format_llama4.py) on the same dialog."""
     from engine.chat.format import make_chat_format
-    from engine.tokenizer import llama4_tokenizer
+    from engine.tokenizers.tokenizer import llama4_tokenizer
     from engine.types import ChatMessage, ToolCall, ToolDefinition
 
     tok = llama4_tokenizer(llama_models_file("llama4/tokenizer.model"))
@@ -145,7 +145,7 @@ def expected_prompt(messages) -> list[int]:
 
 def test_multi_turn_tool_calls_through_the_openai_api(server):
     from engine.chat.llama4 import TOOLS_SYSTEM_PROMPT
-    from engine.tokenizer import llama4_tokenizer
+    from engine.tokenizers.tokenizer import llama4_tokenizer
 
     tok = llama4_tokenizer(llama_models_file("llama4/tokenizer.model"))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]

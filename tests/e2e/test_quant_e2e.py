@@ -9,7 +9,7 @@ import concurrent.futures
 
 import pytest
 
-from engine.checkpoint import estimate_weight_bytes, resolve_checkpoint
+from engine.loading.checkpoint import estimate_weight_bytes, resolve_checkpoint
 from server.__main__ import make_parser
 from server.config import build_config
 from tests.e2e.conftest import BASE_DESCRIPTOR, ready_server

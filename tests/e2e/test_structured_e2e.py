@@ -75,7 +75,7 @@ def llama3(checkpoints, base_checkpoint):
 def llama2(checkpoints):
     import torch
 
-    from engine.checkpoint import ModelArgs, write_random_checkpoint
+    from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
     from tests.engine.tokenizer_fixtures import tiny_llama2_path
 
     out = checkpoints.root / LLAMA2_DESCRIPTOR
@@ -88,7 +88,7 @@ def llama2(checkpoints):
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.offline.demo import DEMO_MODEL_ID, DemoUnavailable, ensure_demo_checkpoint
+    from engine.loading.demo import DEMO_MODEL_ID, DemoUnavailable, ensure_demo_checkpoint
 
     try:
         directory: Path = ensure_demo_checkpoint(progress=False).checkpoint_dir

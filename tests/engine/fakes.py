@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from engine.sequence import ScheduledBatch, Sequence, StepOutput
+from engine.core.sequence import ScheduledBatch, Sequence, StepOutput
 from engine.types import EngineDead, TokenLogprob
 
 EOS, EOT, BOS = 0, 1, 2  # special tokens of the fake family; EOS and EOT stop generation

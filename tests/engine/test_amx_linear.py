@@ -1,4 +1,4 @@
-"""The AMX bfloat16 linear (engine/amx_linear.py, engine/csrc/amx_linear.c) against torch: float32
+"""The AMX bfloat16 linear (engine/kernels/amx.py, engine/kernels/csrc/amx_linear.c) against torch: float32
 matmul of the same bfloat16 inputs, rounded once; thread counts agree bit for bit; shapes it cannot
 take are refused; PackedCpuLinear routes 2..AMX_MAX_ROWS bfloat16 rows through it on the pairs
 copy (no further weight copy) and the rest through oneDNN / the one-row kernel.
@@ -15,7 +15,7 @@ import torch
 from engine import amx_linear as amx_mod
 from engine.backends import cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight
-from engine.cpu_kernels import library_path, load_cpu_kernels
+from engine.kernels.cpu import library_path, load_cpu_kernels
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # [out, in]: qkv, w13, wo, w2
 
@@ -180,7 +180,7 @@ def test_float32_layers_never_take_amx(kernels, amx):
 def test_the_plain_x86_64_v2_build_runs_the_tiles(kernels, amx, tmp_path):
     """The image's prebuilt libraries: amx_linear.c carries its own target attributes, so even the
     lowest level's build runs AMX where amx_init allows it."""
-    import engine.cpu_kernels as ck
+    import engine.kernels.cpu as ck
 
     try:
         (path,) = ck.prebuild(tmp_path, ["x86-64-v2"], [amx_mod.SOURCE])

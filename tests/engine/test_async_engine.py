@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from engine.async_engine import AsyncEngine, merge_outputs
+from engine.core.async_engine import AsyncEngine, merge_outputs
 from engine.config import EngineConfig
-from engine.sequence import ScheduledBatch, StepOutput
+from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.types import (
     ContextLengthExceeded,
     EngineDead,
@@ -78,8 +78,8 @@ async def wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 
 async def assert_clean(engine: AsyncEngine) -> None:
-    await wait_until(lambda: not engine.core.has_unfinished and engine.core.pool.num_free == engine.core.pool.num_blocks)
-    assert engine.runner.violations == []
+    await wait_until(lambda: not engine.core.engine_core.has_unfinished and engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks)
+    assert engine.executor.executor.violations == []
     assert engine.num_running_requests == 0
 
 
@@ -104,13 +104,13 @@ async def test_errors_raise_before_anything_is_yielded(engine: AsyncEngine):
         engine.generate(EngineRequest("e", [], SamplingParams()))
     with pytest.raises(ContextLengthExceeded):
         engine.generate(request("c", "a" * 100, max_tokens=100))
-    engine.runner.hold()
+    engine.executor.executor.hold()
     gen = engine.generate(request("dup", "abc"))
     first = asyncio.ensure_future(gen.__anext__())
-    await wait_until(lambda: engine.core.has_unfinished)
+    await wait_until(lambda: engine.core.engine_core.has_unfinished)
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.generate(request("dup", "abc"))
-    engine.runner.open()
+    engine.executor.executor.open()
     assert (await first).new_token_ids
     await gen.aclose()
     await assert_clean(engine)
@@ -136,54 +136,54 @@ async def test_queue_full():
 
 
 async def test_early_close_aborts_and_frees_blocks(engine: AsyncEngine):
-    engine.runner.hold()
+    engine.executor.executor.hold()
     gen = engine.generate(request("leaver", "abcdef", max_tokens=100))
     first = asyncio.ensure_future(gen.__anext__())
-    engine.runner.release(1)
+    engine.executor.executor.release(1)
     assert (await first).new_token_ids
     await gen.aclose()  # e.g. the HTTP client disconnected
-    engine.runner.open()
+    engine.executor.executor.open()
     await assert_clean(engine)
     assert engine.stats().requests_finished_total.get("abort") == 1
 
 
 async def test_cancelled_consumer_aborts(engine: AsyncEngine):
-    engine.runner.hold()
+    engine.executor.executor.hold()
 
     async def consume():
         async for _ in engine.generate(request("cancelled", "abc", max_tokens=100)):
             pass
 
     task = asyncio.ensure_future(consume())
-    await wait_until(lambda: engine.core.has_unfinished)
+    await wait_until(lambda: engine.core.engine_core.has_unfinished)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    engine.runner.open()
+    engine.executor.executor.open()
     await assert_clean(engine)
 
 
 async def test_explicit_abort_ends_the_stream(engine: AsyncEngine):
-    engine.runner.hold()
+    engine.executor.executor.hold()
     gen = engine.generate(request("ab", "abc", max_tokens=100))
     first = asyncio.ensure_future(gen.__anext__())
-    engine.runner.release(1)
+    engine.executor.executor.release(1)
     await first
     await engine.abort("ab")
-    engine.runner.open()
+    engine.executor.executor.open()
     outs = [out async for out in gen]
     assert outs[-1].finish_reason == "abort"
     await assert_clean(engine)
 
 
 async def test_slow_consumer_does_not_block_others(engine: AsyncEngine):
-    engine.runner.hold()
+    engine.executor.executor.hold()
     slow = engine.generate(request("slow", "abc", max_tokens=20))
     first = asyncio.ensure_future(slow.__anext__())
-    engine.runner.release(1)
+    engine.executor.executor.release(1)
     first = await first
     assert len(first.new_token_ids) == 1
-    engine.runner.open()
+    engine.executor.executor.open()
     fast = await collect(engine, request("fast", "xyz", max_tokens=20))  # completes while slow reads nothing
     assert fast[-1].finish_reason == "length"
     slot = engine._active["slow"]

@@ -16,13 +16,13 @@ from engine.backends import resolve_dtype, select_backend
 from engine.backends.base import DenseLinear, Linear, LinearNames, ParallelLinear, PreparedWeight
 from engine.backends.cpu import OneDnnBackend, PackedCpuLinear, pack_weight, packing_available
 from engine.backends.torch_ops import TorchBackend
-from engine.checkpoint import random_state_dict
+from engine.loading.checkpoint import random_state_dict
 from engine.config import EngineConfig
-from engine.model import Transformer, allocate_kv_caches, fuse_linears, linear_names
+from engine.models.llama import Transformer, allocate_kv_caches, fuse_linears, linear_names
 from engine.quant.formats import Fp8Weight, quantize_fp8, quantize_int8
 from engine.quant.linear import QuantLinear
-from engine.runner import build_step_inputs
-from engine.sequence import ScheduledBatch, Sequence
+from engine.executor.executor import build_step_inputs
+from engine.core.sequence import ScheduledBatch, Sequence
 from engine.types import SamplingParams
 
 CPU = torch.device("cpu")

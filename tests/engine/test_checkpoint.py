@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import (
+from engine.loading.checkpoint import (
     ModelArgs,
     check_tokenizer_vocab,
     estimate_weight_bytes,
@@ -371,7 +371,7 @@ def test_files_are_rechecked_at_open_time_inside_symlinked_dirs(tmp_path, tiny_c
 
 
 def test_tokenizer_json_with_hostile_token_ids_is_refused(tmp_path):
-    from engine.chat.hf_tokenizer import MAX_VOCAB_SIZE, load_hf_tokenizer
+    from engine.tokenizers.hf import MAX_VOCAB_SIZE, load_hf_tokenizer
     from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_level_tokenizer_json, write_checkpoint_tokenizer
 
     spec = json.loads(byte_level_tokenizer_json())

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.types import (
     ContextLengthExceeded,
     EngineDead,

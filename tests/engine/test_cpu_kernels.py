@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/cpu_kernels.py, engine/csrc/cpu_kernels.c) against plain torch.
+"""The fused CPU kernels (engine/kernels/cpu.py, engine/kernels/csrc/cpu_kernels.c) against plain torch.
 
 Each kernel is checked on its own against the torch maths it replaces (float32 tightly, bfloat16
 within bf16 rounding), then the fused Transformer forward against the same model's torch path
@@ -24,18 +24,18 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels as ck
-from engine.checkpoint import load_rank_state_dict, resolve_checkpoint
+from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
+from engine.executor.worker_group import WorkerGroup
 from engine.backends import select_backend
 from engine.backends.base import Backend
 from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, PackedCpuLinear, pack_weight
 from engine.backends.cpu import packing_available as cpu_packing_available
 from engine.backends.torch_ops import TorchBackend
-from engine.model import Transformer, allocate_kv_caches, apply_rotary_emb, precompute_freqs_cis
-from engine.runner import build_step_inputs
-from engine.sequence import ScheduledBatch, Sequence
-from engine.step_inputs import StepInputs
+from engine.models.llama import Transformer, allocate_kv_caches, apply_rotary_emb, precompute_freqs_cis
+from engine.executor.executor import build_step_inputs
+from engine.core.sequence import ScheduledBatch, Sequence
+from engine.executor.step_inputs import StepInputs
 from engine.types import SamplingParams
 from tests.conftest import TINY_DESCRIPTOR
 
@@ -601,7 +601,7 @@ def test_failed_build_returns_none_and_warns(tmp_path, monkeypatch, caplog, comp
         compiler = fake_compiler(tmp_path, version_ok=compiler == "fake-fails-compile")
     monkeypatch.setenv("CC", compiler)
     cache_dir = tmp_path / "cache"
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
         assert ck.load_cpu_kernels.__wrapped__(cache_dir) is None
     assert "fused CPU kernels unavailable" in caplog.text
     if cache_dir.exists():  # made only once the key is known: no .so, and no temporary build dir left
@@ -614,7 +614,7 @@ def test_cached_loader_falls_back_through_env(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(ck.CACHE_DIR_ENV, str(tmp_path / "cache"))
     ck.load_cpu_kernels.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
             assert ck.load_cpu_kernels() is None
         assert "fused CPU kernels unavailable" in caplog.text
     finally:
@@ -663,10 +663,10 @@ def test_build_key_depends_on_the_compiler(tmp_path):
 
 
 # =========================================================================== the executor's switch
-def make_executor(checkpoint: Path, dtype: str, **kw) -> ModelExecutor:
+def make_executor(checkpoint: Path, dtype: str, **kw) -> WorkerGroup:
     spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(dtype=dtype, block_size_tokens=BLOCK_SIZE, max_batch_size=4, **kw)
-    return ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN)
+    return WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN)
 
 
 def test_executor_cpu_kernels_switch(kernels, tiny_checkpoint):
@@ -712,7 +712,7 @@ def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what
     planted = cache_dir / "cpu_kernels-fixedkey.so"
     planted.write_bytes(b"not a library")  # whoever could write here could run code in the server
     (cache_dir if what == "dir" else planted).chmod(0o777 if what == "dir" else 0o666)
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
         assert ck.load_cpu_kernels.__wrapped__(cache_dir) is None
     assert "group- or world-writable" in caplog.text
 

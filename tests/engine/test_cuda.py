@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.quant import QUANTIZATION_TYPES
 from engine.types import EngineRequest, SamplingParams
 from tests.engine.fakes import ByteTokenizer
@@ -41,12 +41,12 @@ def _run(checkpoint, prompts, *, descriptor: str = TINY_DESCRIPTOR, **config):
 
 def _executor(checkpoint, descriptor: str = TINY_DESCRIPTOR, **config):
     """tests/engine/test_model.py's make_executor for any descriptor, with this file's KV cache size."""
-    from engine.checkpoint import resolve_checkpoint
-    from engine.executor import ModelExecutor
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.executor.worker_group import WorkerGroup
 
     spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=descriptor)
     config = EngineConfig(block_size_tokens=BLOCK_SIZE, max_batch_size=8, kv_cache_bytes=KV_CACHE_BYTES, **config)
-    return ModelExecutor(spec, config, max_seq_len=64)
+    return WorkerGroup(spec, config, max_seq_len=64)
 
 
 def _worst_relative_error(results, reference) -> tuple[float, int, int]:
@@ -95,7 +95,7 @@ def test_each_quantization_runs_on_its_cuda_kernel(tmp_path, tiny_model_args, na
     """Every QUANTIZATION_TYPE against the float32 model on the same device, teacher-forced, within
     the bounds the CPU's quantized paths meet (tests/engine/test_quant_model.py), on the kernel
     engine.quant.cuda.plan picks for this card."""
-    from engine.checkpoint import write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
     from engine.quant.cuda import SCALED_MM_ROWWISE_MIN_CAPABILITY, TINYGEMM_MIN_CAPABILITY, CudaQuantLinear, kernel_formats
     from tests.engine.test_quant_model import MAX_RELATIVE_ERROR, MIN_AGREEMENT
 
@@ -167,14 +167,14 @@ def _tokens(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[i
 
 
 def _core(tiny_checkpoint, device: str, **overrides) -> EngineCore:
-    from engine.checkpoint import resolve_checkpoint
-    from engine.executor import ModelExecutor
-    from engine.runner import ExecutorRunner
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.executor.worker_group import WorkerGroup
+    from engine.executor.executor import ModelExecutor
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(**{"device": device, "dtype": "float64", "block_size_tokens": 4, "max_batch_size": 16,
                              "max_num_batched_tokens": 48, "kv_cache_bytes": KV_CACHE_BYTES, **overrides})
-    return EngineCore(ExecutorRunner(ModelExecutor(spec, config, max_seq_len=64)), ByteTokenizer(), config, 64)
+    return EngineCore(ModelExecutor(WorkerGroup(spec, config, max_seq_len=64)), ByteTokenizer(), config, 64)
 
 
 def test_engine_core_on_cuda_gives_the_cpu_tokens(tiny_checkpoint):

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/backends/cpu_step.py, engine/csrc/decode_step.c) gives the
+"""The compiled decode step (engine/backends/cpu_step.py, engine/kernels/csrc/decode_step.c) gives the
 per-op path's logits: at one decode for float32 and bfloat16 dense weights and every quantized
 format with a one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included),
 and at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles (bit for bit); steps it does not cover
@@ -96,7 +96,7 @@ def native_gguf(request, tmp_path_factory):
     """A tiny GGUF with its matrices (and tied embedding) in one of llama.cpp's block formats,
     imported with them kept native."""
     gguf = pytest.importorskip("gguf")
-    from engine.offline.gguf_import import import_gguf
+    from engine.loading.gguf_import import import_gguf
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 
     tmp = tmp_path_factory.mktemp(f"native_{request.param}")
@@ -106,12 +106,12 @@ def native_gguf(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_step_on_native_gguf_blocks(native_gguf, dtype):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
     from engine.config import EngineConfig
-    from engine.executor import ModelExecutor
+    from engine.executor.worker_group import WorkerGroup
 
     spec = resolve_checkpoint(native_gguf, model_id="tiny-gguf")
-    executor = ModelExecutor(spec, EngineConfig(dtype=dtype, block_size_tokens=4, max_batch_size=8, kv_cache_bytes=1 << 20), max_seq_len=64)
+    executor = WorkerGroup(spec, EngineConfig(dtype=dtype, block_size_tokens=4, max_batch_size=8, kv_cache_bytes=1 << 20), max_seq_len=64)
     try:
         model = executor._shard.model
         assert isinstance(model.layers[0].feed_forward.w13, QuantLinear) and isinstance(model.output, QuantLinear)  # tied head: quantized
@@ -133,7 +133,7 @@ def test_weights_without_a_one_row_form_run_the_per_op_path(tiny_checkpoint, mon
 
 @pytest.mark.parametrize("missing", ["step library", "quantized kernels"])
 def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatch, missing):
-    import engine.quant.kernels as quant_kernels
+    import engine.kernels.quant as quant_kernels
 
     if missing == "step library":
         monkeypatch.setattr(cpu_step, "_load_library", lambda: None)
@@ -151,8 +151,8 @@ def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatc
 def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
     """A prefill, or (float32: no tiles) several sequences' decodes: the step returns None and
     leaves h untouched."""
-    from engine.runner import build_step_inputs
-    from engine.sequence import ScheduledBatch, Sequence
+    from engine.executor.executor import build_step_inputs
+    from engine.core.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
 
     executor = make_executor(tiny_checkpoint, dtype="float32")
@@ -176,8 +176,8 @@ def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
 def test_engine_greedy_generation_same_with_and_without_the_step(tiny_checkpoint):
     """Through EngineCore (scheduler, sampler, one request at a time so that every decode step is
     one token of one sequence): the same tokens with the decode step as without it."""
-    from engine.checkpoint import resolve_checkpoint
-    from engine.core import EngineCore
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.core.engine_core import EngineCore
     from tests.conftest import TINY_DESCRIPTOR
     from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
 
@@ -216,9 +216,9 @@ MANY_CONTEXTS = [1, 16, 17, 5, 32, 33, 100, 160, 257, 63, 64, 65, 2, 200]
 
 def _amx_model(dtype: torch.dtype = torch.bfloat16):
     from engine.backends import select_backend
-    from engine.checkpoint import ModelArgs, random_state_dict
+    from engine.loading.checkpoint import ModelArgs, random_state_dict
     from engine.config import EngineConfig
-    from engine.model import Transformer
+    from engine.models.llama import Transformer
 
     args = ModelArgs(**MANY_ARGS)
     backend = select_backend(EngineConfig(dtype=str(dtype).removeprefix("torch.")), torch.device("cpu"))
@@ -229,7 +229,7 @@ def _amx_model(dtype: torch.dtype = torch.bfloat16):
 
 @pytest.fixture(scope="module")
 def amx_model():
-    from engine.amx_linear import load_amx_linear
+    from engine.kernels.amx import load_amx_linear
 
     if load_amx_linear() is None:
         pytest.skip("no AMX bfloat16 tiles on this CPU/OS: steps of many decodes run op by op")
@@ -245,7 +245,7 @@ def cpu_step_max_rows() -> int:
 
 
 def _caches(model, seed: int):
-    from engine.model import allocate_kv_caches
+    from engine.models.llama import allocate_kv_caches
 
     num_blocks = cpu_step_max_rows() * MANY_BLOCKS_PER_SEQ + MANY_BLOCKS_PER_SEQ
     caches = allocate_kv_caches(model.params, 1, num_blocks, MANY_BLOCK_SIZE, dtype=model.backend.dtype, device=torch.device("cpu"))
@@ -257,8 +257,8 @@ def _caches(model, seed: int):
 
 def _step(num_seqs: int, new_tokens: list[int] | None = None):
     """build_step_inputs for num_seqs sequences at MANY_CONTEXTS' lengths (new_tokens each: 1)."""
-    from engine.runner import build_step_inputs
-    from engine.sequence import ScheduledBatch, Sequence
+    from engine.executor.executor import build_step_inputs
+    from engine.core.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
 
     new_tokens = new_tokens or [1] * num_seqs
@@ -355,9 +355,9 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
     between mixed ones): the same tokens with the compiled step as without it, and on AMX the
     step served steps of several decodes."""
-    from engine.amx_linear import load_amx_linear
-    from engine.checkpoint import resolve_checkpoint
-    from engine.core import EngineCore
+    from engine.kernels.amx import load_amx_linear
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.core.engine_core import EngineCore
     from tests.conftest import TINY_DESCRIPTOR
     from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
 

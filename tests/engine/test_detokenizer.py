@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from tests.engine.tokenizer_fixtures import real_llama3, real_llama4, tiny_llama2
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -177,7 +177,7 @@ def _byte_token(tokenizer, data: bytes) -> int:
 def test_kmp_prefix_matcher_agrees_with_brute_force():
     import random
 
-    from engine.detokenizer import _PrefixMatcher
+    from engine.core.detokenizer import _PrefixMatcher
 
     def brute(text: str, pattern: str) -> int:
         return max((k for k in range(len(pattern) + 1) if text.endswith(pattern[:k])), default=0)

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.types import EngineRequest, SamplingParams
 from tests.engine.fakes import ByteTokenizer
 
@@ -22,23 +22,23 @@ TOK = ByteTokenizer()
 
 @pytest.fixture(scope="module")
 def spec(tiny_checkpoint):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
     from tests.conftest import TINY_DESCRIPTOR
 
     return resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
 
 
 def make_runner(spec, config: EngineConfig):
-    from engine.executor import ModelExecutor
-    from engine.runner import ExecutorRunner
+    from engine.executor.worker_group import WorkerGroup
+    from engine.executor.executor import ModelExecutor
 
-    return ExecutorRunner(ModelExecutor(spec, config, max_seq_len=MAX_SEQ_LEN))
+    return ModelExecutor(WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN))
 
 
 def config(spec, *, num_blocks: int = 256, **overrides) -> EngineConfig:
     import torch
 
-    from engine.model import kv_cache_bytes_per_block
+    from engine.models.llama import kv_cache_bytes_per_block
 
     per_block = kv_cache_bytes_per_block(spec.model_args, 1, BLOCK_SIZE, torch.float64)
     base = dict(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=16, max_num_batched_tokens=48,
@@ -100,7 +100,7 @@ async def check_batched_equals_alone(spec, alone_engine, requests, cfg: EngineCo
     try:
         got = await run_concurrently(engine, requests)
         assert got == expected
-        assert engine.core.pool.num_free == engine.core.pool.num_blocks
+        assert engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks
         return engine
     finally:
         await engine.shutdown()
@@ -113,7 +113,7 @@ async def test_16_concurrent_greedy_requests_equal_each_alone(spec, alone_engine
 
 async def test_with_a_pool_small_enough_to_force_preemption(spec, alone_engine):
     engine = await check_batched_equals_alone(spec, alone_engine, make_requests(), config(spec, num_blocks=20))
-    assert engine.core.scheduler.num_preempted_total > 0
+    assert engine.core.engine_core.scheduler.num_preempted_total > 0
 
 
 async def test_with_prefix_cache_hits(spec, alone_engine):

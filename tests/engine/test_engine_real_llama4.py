@@ -17,7 +17,7 @@ from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR, write_tiny_llama4_chec
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
 
     ckpt = write_tiny_llama4_checkpoint(tmp_path_factory.mktemp("llama4_engine"))
     return resolve_checkpoint(ckpt, model_id="tiny", llama_model=TINY_LLAMA4_DESCRIPTOR)

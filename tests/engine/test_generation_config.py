@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.generation_config import read_sampling_defaults, write_generation_config
+from engine.loading.generation_config import read_sampling_defaults, write_generation_config
 from engine.types import CheckpointError, SamplingDefaults
 
 
@@ -60,7 +60,7 @@ def test_written_defaults_read_back(tmp_path):
 
 
 def test_the_demo_converter_writes_smollm2s_published_defaults(tmp_path):
-    from engine.offline.demo import DEMO_SAMPLING_DEFAULTS, _ensure_generation_config
+    from engine.loading.demo import DEMO_SAMPLING_DEFAULTS, _ensure_generation_config
 
     assert DEMO_SAMPLING_DEFAULTS == SamplingDefaults(temperature=0.2, top_p=0.9)
     _ensure_generation_config(tmp_path)  # a cache converted before the file existed gets it

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import ModelArgs, resolve_checkpoint
-from engine.offline.gguf_import import ffn_params, import_gguf, main
-from engine.chat.hf_tokenizer import gpt2_byte_decoder, load_hf_tokenizer
+from engine.loading.checkpoint import ModelArgs, resolve_checkpoint
+from engine.loading.gguf_import import ffn_params, import_gguf, main
+from engine.tokenizers.hf import gpt2_byte_decoder, load_hf_tokenizer
 from engine.types import CheckpointError
 
 gguf = pytest.importorskip("gguf")
@@ -259,15 +259,15 @@ def test_params_and_checkpoint_resolve(imported):
 def test_runs_through_the_engine_model(imported):
     """H1's paged Transformer on the imported checkpoint gives the original model's logits."""
     from engine.config import EngineConfig
-    from engine.executor import ModelExecutor
-    from engine.runner import build_step_inputs
-    from engine.sequence import ScheduledBatch, Sequence
+    from engine.executor.worker_group import WorkerGroup
+    from engine.executor.executor import build_step_inputs
+    from engine.core.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
 
     out, reference, _ = imported
     spec = resolve_checkpoint(out, model_id="tiny-gguf")
     config = EngineConfig(dtype="float64", block_size_tokens=4, max_batch_size=2, kv_cache_bytes=1 << 20)
-    executor = ModelExecutor(spec, config, max_seq_len=64)
+    executor = WorkerGroup(spec, config, max_seq_len=64)
     try:
         seq = Sequence(0, "r0", list(PROMPT), len(PROMPT), SamplingParams(temperature=0.0))
         seq.block_table.extend(range((len(PROMPT) + 3) // 4))
@@ -376,9 +376,9 @@ def tiktoken_as_gguf_vocab(ranks: dict[bytes, int], specials: list[str]) -> tupl
 def test_llama3_pre_tokenizer_matches_tiktoken():
     """tokenizer.ggml.pre = "llama-bpe" (Llama 3 GGUFs): the tokenizer.json we build encodes as
     Llama 3's own tiktoken tokenizer does."""
-    from engine.offline.gguf_import import PRE_TOKENIZERS, _tokenizer_json
-    from engine.chat.hf_tokenizer import HFTokenizer
-    from engine.tokenizer import llama3_special_tokens, load_tiktoken_ranks, load_tokenizer
+    from engine.loading.gguf_import import PRE_TOKENIZERS, _tokenizer_json
+    from engine.tokenizers.hf import HFTokenizer
+    from engine.tokenizers.tokenizer import llama3_special_tokens, load_tiktoken_ranks, load_tokenizer
     from tests.engine.tokenizer_fixtures import llama_models_file
 
     path = llama_models_file("llama3/tokenizer.model")
@@ -403,7 +403,7 @@ def _with_rope_freqs(factors: np.ndarray):
 
 
 def test_llama31_rope_freqs_mean_scaled_rope(tmp_path):
-    from engine.offline.gguf_import import meta_rope_factors
+    from engine.loading.gguf_import import meta_rope_factors
 
     path = tmp_path / "scaled.gguf"
     write_gguf(path, hf_weights(seed=4, tied=True), vocab=_with_rope_freqs(meta_rope_factors(HEAD_DIM, THETA)))

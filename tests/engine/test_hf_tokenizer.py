@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.chat.hf_tokenizer import HFTokenizer, gpt2_byte_decoder, load_hf_tokenizer
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.tokenizers.hf import HFTokenizer, gpt2_byte_decoder, load_hf_tokenizer
+from engine.tokenizers.tokenizer import Tokenizer, load_tokenizer
 from engine.types import CheckpointError
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
-    from engine.chat.hf_tokenizer import load_hf_tokenizer
+    from engine.tokenizers.hf import load_hf_tokenizer
 
     return load_hf_tokenizer(checkpoint)
 
@@ -254,7 +254,7 @@ LLAMA3_TOKENIZER = Path(__import__("llama_models").__file__).parent / "llama3" /
 @pytest.mark.skipif(not LLAMA3_TOKENIZER.exists(), reason="llama_models' Llama 3 tokenizer.model is not installed")
 def test_override_on_a_llama3_tokenizer(tmp_path):
     """--chat-template on a Llama checkpoint: special tokens found through the tiktoken tokenizer."""
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizers.tokenizer import load_tokenizer
 
     tk = load_tokenizer("llama3", LLAMA3_TOKENIZER)
     template = tmp_path / "llama3.jinja"

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_blocks import BlockPool, hash_block
-from engine.sequence import Sequence
+from engine.core.kv_blocks import BlockPool, hash_block
+from engine.core.sequence import Sequence
 from engine.types import SamplingParams
 
 BS = 4

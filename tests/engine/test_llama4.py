@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint import resolve_checkpoint
+from engine.loading.checkpoint import resolve_checkpoint
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
-from engine.llama4.model import Llama4Transformer, MoEFeedForward
+from engine.executor.worker_group import WorkerGroup
+from engine.models.llama4.model import Llama4Transformer, MoEFeedForward
 from engine.quant.formats import Fp8Weight
 from engine.quant.linear import QuantLinear
-from engine.sequence import ScheduledBatch, Sequence
+from engine.core.sequence import ScheduledBatch, Sequence
 from engine.types import SamplingParams
 from tests.engine.test_model import BLOCK_SIZE, BlockAllocator, all_rows_inputs, random_prompts, run_random_schedule
 from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR, write_tiny_llama4_checkpoint
@@ -29,13 +29,13 @@ from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR, write_tiny_llama4_chec
 PROMPT_LENGTHS = [1, 3, 9, 14, 21]  # chunk size 8: most prompts span several chunks
 
 
-def make_executor(checkpoint, *, dtype="float64", mp_size=1, quantization=None, cpu_kernels=True) -> ModelExecutor:
+def make_executor(checkpoint, *, dtype="float64", mp_size=1, quantization=None, cpu_kernels=True) -> WorkerGroup:
     spec = resolve_checkpoint(checkpoint, model_id="tiny-llama4", llama_model=TINY_LLAMA4_DESCRIPTOR)
     config = EngineConfig(
         dtype=dtype, model_parallel_size=mp_size, block_size_tokens=BLOCK_SIZE, max_batch_size=8,
         quantization=quantization, cpu_kernels=cpu_kernels,
     )  # fmt: skip
-    return ModelExecutor(spec, config, max_seq_len=64)
+    return WorkerGroup(spec, config, max_seq_len=64)
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def meta_reference(llama4_checkpoint):
     from llama_models.llama4.args import ModelArgs as MetaArgs
     from llama_models.llama4.datatypes import TransformerInput
 
-    from engine.workers import destroy_group, init_group
+    from engine.executor.parallel import destroy_group, init_group
 
     params = resolve_checkpoint(llama4_checkpoint, model_id="r", llama_model=TINY_LLAMA4_DESCRIPTOR).model_args.to_params()
     state = torch.load(llama4_checkpoint / "consolidated.00.pth", weights_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import kv_cache_shape
+from engine.models.llama import kv_cache_shape
 from tests.engine.test_llama4 import executor_of
 from tests.engine.test_model import random_prompts, run_random_schedule
 from tests.llama4_fixtures import tiny_llama4_args, write_tiny_llama4_checkpoint
@@ -52,7 +52,7 @@ def test_vision_weights_are_skipped_with_one_log_line(tmp_path, caplog):
     import json
     import logging
 
-    from engine.checkpoint import load_rank_state_dict, resolve_checkpoint
+    from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
     from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR
 
     ckpt = write_tiny_llama4_checkpoint(tmp_path, num_shards=2)
@@ -66,7 +66,7 @@ def test_vision_weights_are_skipped_with_one_log_line(tmp_path, caplog):
         shard["vision_projection.weight"] = torch.zeros(4, 8)
         torch.save(shard, path)
     spec = resolve_checkpoint(ckpt, model_id="x", llama_model=TINY_LLAMA4_DESCRIPTOR)
-    with caplog.at_level(logging.INFO, logger="engine.llama4.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="engine.loading.llama4"):
         state = load_rank_state_dict(spec, 0, 1)
     assert not any(k.startswith("vision") for k in state)
     assert [r.getMessage() for r in caplog.records if "vision" in r.getMessage()] == [

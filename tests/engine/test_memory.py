@@ -1,4 +1,4 @@
-"""engine/memory.py: the row buckets of packed oneDNN linears (a handful of primitives serve every
+"""engine/kernels/memory.py: the row buckets of packed oneDNN linears (a handful of primitives serve every
 step size) and the heap trim a CPU engine runs once idle. Resident memory itself is measured by
 bench/step_memory.py and bench/soak.py, not here."""
 
@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-import engine.async_engine
+import engine.core.async_engine
 import engine.backends.cpu as cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available
-from engine.memory import ARENA_ALIGN_BYTES, HUGE_PAGE_BYTES, EXACT_ROWS, WeightArena, idle_heap_trim, onednn_rows
+from engine.kernels.memory import ARENA_ALIGN_BYTES, HUGE_PAGE_BYTES, EXACT_ROWS, WeightArena, idle_heap_trim, onednn_rows
 from tests.engine.test_async_engine import collect, make_engine, request, wait_until
 
 
@@ -87,8 +87,8 @@ class TrimRecorder:
 @pytest.fixture
 def recorder(monkeypatch) -> TrimRecorder:
     trim = TrimRecorder()
-    monkeypatch.setattr(engine.async_engine, "idle_heap_trim", lambda device: trim if device == "cpu" else None)
-    monkeypatch.setattr(engine.async_engine, "IDLE_TRIM_AFTER_S", 0.01)
+    monkeypatch.setattr(engine.core.async_engine, "idle_heap_trim", lambda device: trim if device == "cpu" else None)
+    monkeypatch.setattr(engine.core.async_engine, "IDLE_TRIM_AFTER_S", 0.01)
     return trim
 
 

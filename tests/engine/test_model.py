@@ -15,17 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint import ModelArgs, load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
+from engine.loading.checkpoint import ModelArgs, load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
-from engine.model import precompute_freqs_cis
+from engine.executor.worker_group import WorkerGroup
+from engine.models.llama import precompute_freqs_cis
 from engine.backends.cpu import PackedCpuLinear
 from engine.backends.cpu import packing_available as cpu_packing_available
 from engine.quant.formats import FP8_DTYPE
 from engine.quant.linear import QuantLinear
-from engine.runner import build_step_inputs
-from engine.sequence import ScheduledBatch, Sequence
-from engine.step_inputs import StepInputs
+from engine.executor.executor import build_step_inputs
+from engine.core.sequence import ScheduledBatch, Sequence
+from engine.executor.step_inputs import StepInputs
 from engine.types import InvalidRequest, SamplingParams
 from tests.conftest import TINY_DESCRIPTOR
 
@@ -116,13 +116,13 @@ def run_random_schedule(executor, prompts: list[list[int]], *, seed: int, max_ne
     return {seq.seq_id: (torch.cat(got[seq.seq_id]), seq.token_ids) for seq in seqs}
 
 
-def make_executor(checkpoint, *, dtype="float64", mp_size=1, quantization=None, **kw) -> ModelExecutor:
+def make_executor(checkpoint, *, dtype="float64", mp_size=1, quantization=None, **kw) -> WorkerGroup:
     spec = resolve_checkpoint(checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(
         dtype=dtype, model_parallel_size=mp_size, block_size_tokens=BLOCK_SIZE, max_batch_size=8,
         quantization=quantization, kv_cache_bytes=kw.pop("kv_cache_bytes", None), **kw,
     )  # fmt: skip
-    return ModelExecutor(spec, config, max_seq_len=64)
+    return WorkerGroup(spec, config, max_seq_len=64)
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -212,7 +212,7 @@ def test_matches_llama_models_reference(full_state):
     reference = pytest.importorskip("llama_models.llama3.model")
     from llama_models.llama3.args import ModelArgs as MetaArgs
 
-    from engine.workers import destroy_group, init_group
+    from engine.executor.parallel import destroy_group, init_group
 
     state, args = full_state
     args = dataclasses.replace(args, rope_scaling_factor=None)  # the reference hard-codes Llama 3.1's 8

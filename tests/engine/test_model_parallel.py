@@ -147,7 +147,7 @@ def test_the_parent_watch_exits_an_orphan_that_is_not_in_a_collective(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The parent's pid is read before the pid is printed: the test kills the parent as soon as it reads it.
-    child = ("import os, time; from engine.workers import watch_parent; parent = os.getppid(); "
+    child = ("import os, time; from engine.executor.parallel import watch_parent; parent = os.getppid(); "
              "watch_parent(parent, 'test parent'); print(os.getpid(), flush=True); time.sleep(600)")
     middle = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; "

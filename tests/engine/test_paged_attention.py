@@ -1,4 +1,4 @@
-"""engine.cpu_kernels' paged_attention (one call for a step's prefill chunks and decodes) against
+"""engine.kernels.cpu' paged_attention (one call for a step's prefill chunks and decodes) against
 float64 torch maths on random paged caches, and the CPU backend's forward with it against the torch
 backend's greedy tokens."""
 
@@ -239,7 +239,7 @@ def head64_checkpoint(tmp_path_factory, tiny_model_args):
     """The tiny model with head_dim 64 (dim 256, 4 query / 2 KV heads): the shape the tiles take."""
     import dataclasses
 
-    from engine.checkpoint import write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
 
     args = dataclasses.replace(tiny_model_args, dim=256)
     return write_random_checkpoint(tmp_path_factory.mktemp("head64"), args, num_shards=1, seed=0, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Progress of the long waits (engine/progress.py): log lines with sizes and rates when no terminal,
+"""Progress of the long waits (engine/loading/progress.py): log lines with sizes and rates when no terminal,
 callback events for the server, and the stages a real checkpoint load reports."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import logging
 
 import pytest
 
-from engine.progress import Progress, ProgressEvent, format_amount
+from engine.loading.progress import Progress, ProgressEvent, format_amount
 
 
 def test_log_lines_every_tenth_with_sizes_and_rate(caplog):
     events: list[ProgressEvent] = []
-    with caplog.at_level(logging.INFO, logger="engine.progress"):
+    with caplog.at_level(logging.INFO, logger="engine.loading.progress"):
         with Progress("reading weights", 100 * 2**20, callback=events.append, bar=False) as progress:
             for _ in range(20):
                 progress.update(5 * 2**20)
@@ -28,7 +28,7 @@ def test_log_lines_every_tenth_with_sizes_and_rate(caplog):
 
 
 def test_a_failed_stage_logs_no_completion(caplog):
-    with caplog.at_level(logging.INFO, logger="engine.progress"), pytest.raises(RuntimeError):
+    with caplog.at_level(logging.INFO, logger="engine.loading.progress"), pytest.raises(RuntimeError):
         with Progress("converting", 10, unit="tensor", bar=False) as progress:
             progress.update(1)
             raise RuntimeError("disk full")
@@ -42,14 +42,14 @@ def test_format_amount():
 
 def test_checkpoint_load_reports_each_stage(tiny_checkpoint_2shards):
     """Two shards resharded to one rank: mapping/resharding, reading bytes, preparing (fusing, packing), in that order."""
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
     from engine.config import EngineConfig
-    from engine.executor import ModelExecutor
+    from engine.executor.worker_group import WorkerGroup
     from tests.conftest import TINY_DESCRIPTOR
 
     events: list[ProgressEvent] = []
     spec = resolve_checkpoint(tiny_checkpoint_2shards, model_id="tiny", llama_model=TINY_DESCRIPTOR)
-    ModelExecutor(spec, EngineConfig(dtype="float32", cpu_kv_cache_bytes=1 << 20), max_seq_len=64, progress=events.append).shutdown()
+    WorkerGroup(spec, EngineConfig(dtype="float32", cpu_kv_cache_bytes=1 << 20), max_seq_len=64, progress=events.append).shutdown()
     finals = {}
     for event in events:
         finals[event.stage] = event

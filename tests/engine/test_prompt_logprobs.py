@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sequence import ScheduledBatch, StepOutput
+from engine.core.engine_core import EngineCore
+from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.types import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from tests.engine.fakes import ByteTokenizer, FakeRunner
 from tests.engine.test_engine_real import MAX_SEQ_LEN, config, make_runner
@@ -28,7 +28,7 @@ TOL = 1e-5  # the model computes in float64 but hands its logits over in float32
 
 @pytest.fixture(scope="module")
 def spec(tiny_checkpoint):
-    from engine.checkpoint import resolve_checkpoint
+    from engine.loading.checkpoint import resolve_checkpoint
     from tests.conftest import TINY_DESCRIPTOR
 
     return resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
@@ -36,7 +36,7 @@ def spec(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def state(spec):
-    from engine.checkpoint import load_rank_state_dict
+    from engine.loading.checkpoint import load_rank_state_dict
 
     return {k: v.clone() for k, v in load_rank_state_dict(spec, 0, 1).items()}, spec.model_args
 
@@ -215,7 +215,7 @@ def test_max_tokens_zero_without_prompt_logprobs_finishes_after_the_prompt():
 
 
 def test_merged_deltas_keep_the_prompt_logprobs():
-    from engine.async_engine import merge_outputs
+    from engine.core.async_engine import merge_outputs
 
     prompt = [None, TokenLogprob(5, -1.0, [])]
     first = RequestOutput("r", [7], "a", num_prompt_tokens=2, prompt_logprobs=prompt)

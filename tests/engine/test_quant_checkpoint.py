@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoint import load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
+from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
-from engine.model import FUSED_LINEARS
+from engine.executor.worker_group import WorkerGroup
+from engine.models.llama import FUSED_LINEARS
 from engine.quant.formats import QuantizedWeight, quantize_int4
 from engine.quant.linear import QuantEmbedding, QuantLinear
 from engine.quant.shard_file import save_shard
@@ -76,7 +76,7 @@ def test_requantizing_is_never_done(tmp_path, tiny_model_args):
 
 
 def _imported(tmp_path, qtype_name: str, tied: bool):
-    from engine.offline.gguf_import import import_gguf
+    from engine.loading.gguf_import import import_gguf
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 
     reference = write_gguf(tmp_path / "tiny.gguf", hf_weights(seed=1, tied=tied), qtype=gguf.GGMLQuantizationType[qtype_name])
@@ -86,13 +86,13 @@ def _imported(tmp_path, qtype_name: str, tied: bool):
 
 
 def _last_logits(checkpoint_dir, prompt: list[int]):
-    from engine.runner import build_step_inputs
-    from engine.sequence import ScheduledBatch, Sequence
+    from engine.executor.executor import build_step_inputs
+    from engine.core.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
 
     spec = resolve_checkpoint(checkpoint_dir, model_id="tiny-gguf")
     config = EngineConfig(dtype="float32", block_size_tokens=4, max_batch_size=2, kv_cache_bytes=1 << 20)
-    executor = ModelExecutor(spec, config, max_seq_len=64)
+    executor = WorkerGroup(spec, config, max_seq_len=64)
     try:
         seq = Sequence(0, "r0", list(prompt), len(prompt), SamplingParams(temperature=0.0))
         seq.block_table.extend(range((len(prompt) + 3) // 4))

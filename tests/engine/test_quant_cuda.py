@@ -153,8 +153,8 @@ def test_select_backend_picks_the_cuda_backend_for_cuda():
 def test_a_quantized_checkpoint_on_a_device_without_its_kernels_is_refused_up_front(tmp_path, tiny_model_args):
     """QUANTIZATION_TYPE unset: the formats come from the checkpoint's headers, and the load fails
     before any weight is mapped, listing what works."""
-    from engine.checkpoint import resolve_checkpoint, write_random_checkpoint
-    from engine.executor import ModelExecutor
+    from engine.loading.checkpoint import resolve_checkpoint, write_random_checkpoint
+    from engine.executor.worker_group import WorkerGroup
     from tests.conftest import TINY_DESCRIPTOR
     from tests.engine.test_quant_checkpoint import _write_int4_checkpoint
 
@@ -164,11 +164,11 @@ def test_a_quantized_checkpoint_on_a_device_without_its_kernels_is_refused_up_fr
         pytest.skip("this CUDA device has int4 kernels")
     for quantization in (None, "int8"):  # a configured type does not override the checkpoint's format
         with pytest.raises(InvalidRequest, match=r"checkpoint .*int4: int4 weights have no kernels on cuda.*what works there: fp8_mixed, int8"):
-            ModelExecutor(spec, EngineConfig(device="cuda", quantization=quantization), max_seq_len=64)
+            WorkerGroup(spec, EngineConfig(device="cuda", quantization=quantization), max_seq_len=64)
 
 
 def test_checkpoint_formats_come_from_the_headers(tmp_path, tiny_model_args):
-    from engine.checkpoint import CheckpointError, quantized_formats, resolve_checkpoint, write_random_checkpoint
+    from engine.loading.checkpoint import CheckpointError, quantized_formats, resolve_checkpoint, write_random_checkpoint
     from tests.conftest import TINY_DESCRIPTOR
     from tests.engine.test_quant_checkpoint import _write_int4_checkpoint
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.quant import gguf_blocks
 from engine.quant.formats import Int4Weight, Int8Weight
-from engine.quant.kernels import load_quant_kernels
+from engine.kernels.quant import load_quant_kernels
 from engine.quant.linear import QuantLinear
 
 gguf = pytest.importorskip("gguf")
@@ -103,7 +103,7 @@ def test_linear_on_gguf_numbers(type_name: str) -> None:
 def test_import_keep_quantized(tmp_path, qtype_name: str) -> None:
     """`import-gguf --keep-quantized`: the no-pickle shard holds every GGUF matrix in its own blocks,
     and its dequantized values are exactly the default import's float32 weights."""
-    from engine.offline.gguf_import import QUANTIZED_WEIGHTS_FILE, WEIGHTS_FILE, import_gguf, main
+    from engine.loading.gguf_import import QUANTIZED_WEIGHTS_FILE, WEIGHTS_FILE, import_gguf, main
     from engine.quant.shard_file import load_shard
     from tests.engine.test_gguf_import import hf_weights, write_gguf
 

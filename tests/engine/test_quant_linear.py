@@ -1,4 +1,4 @@
-"""Quantized CPU linears (engine/quant/linear.py, engine/csrc/quant_kernels.c): every format and
+"""Quantized CPU linears (engine/quant/linear.py, engine/kernels/csrc/quant_kernels.c): every format and
 path against x @ dequantize(W)^T in float64 (float32: equal up to summation order; bfloat16:
 within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, path
 choice, model-parallel shards and resident bytes."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.quant.formats import quantize, quantize_int4, quantize_int8
-from engine.quant.kernels import load_quant_kernels
+from engine.kernels.quant import load_quant_kernels
 from engine.quant.linear import QuantLinear
 
 FORMATS = ["int8", "int4", "fp8"]

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoint import write_random_checkpoint
+from engine.loading.checkpoint import write_random_checkpoint
 from engine.quant import QUANTIZATION_TYPES
 from engine.quant.linear import QuantLinear
-from engine.quantization import check_quantization
+from engine.quant.policy import check_quantization
 from engine.types import InvalidRequest
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 

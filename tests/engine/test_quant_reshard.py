@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointError, load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
+from engine.loading.checkpoint import CheckpointError, load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
 from engine.quant.formats import QuantizedWeight, concat_cols, quantize, quantize_fp8, quantize_int4, quantize_int8
 from engine.quant.linear import QuantLinear
 from engine.quant.shard_file import save_shard

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import sampler as sampler_mod
-from engine.cpu_kernels import load_cpu_kernels
-from engine.sampler import Sampler, SampleResult
-from engine.sequence import Sequence, ending_token_ids
+from engine.kernels.cpu import load_cpu_kernels
+from engine.core.sampler import Sampler, SampleResult
+from engine.core.sequence import Sequence, ending_token_ids
 from engine.types import SamplingParams
 
 VOCAB = 64

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_blocks import BlockPool
-from engine.scheduler import Scheduler, SeqEvent
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.kv_blocks import BlockPool
+from engine.core.scheduler import Scheduler, SeqEvent
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.types import QueueFull, SamplingParams
 from tests.engine.fakes import EOS, FakeRunner, FakeTokenizer, default_next_token
 

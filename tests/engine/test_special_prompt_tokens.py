@@ -31,7 +31,7 @@ def test_sentencepiece_parses_control_spellings():
 
 def test_hf_tokenizer_parses_special_added_tokens(tmp_path):
     pytest.importorskip("tokenizers")
-    from engine.chat.hf_tokenizer import load_hf_tokenizer
+    from engine.tokenizers.hf import load_hf_tokenizer
     from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_id, byte_level_tokenizer_json, write_checkpoint_tokenizer
 
     tok = load_hf_tokenizer(write_checkpoint_tokenizer(tmp_path, byte_level_tokenizer_json(), CHATML_CONFIG))

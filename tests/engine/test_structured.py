@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampler import Sampler
-from engine.sequence import ScheduledBatch, Sequence, StepOutput
-from engine.structured import GrammarCompiler
+from engine.core.engine_core import EngineCore
+from engine.core.sampler import Sampler
+from engine.core.sequence import ScheduledBatch, Sequence, StepOutput
+from engine.core.structured import GrammarCompiler
 from engine.types import EngineRequest, GrammarSpec, InvalidRequest, SamplingParams
 from tests.engine.fakes import FakeRunner, FakeTokenizer
 from tests.engine.test_core import run
@@ -38,7 +38,7 @@ REGEX = r"[a-c]{2,5}-[0-9]{2}"
 
 
 def hf_byte_level():
-    from engine.chat.hf_tokenizer import HFTokenizer
+    from engine.tokenizers.hf import HFTokenizer
     from tests.engine.test_hf_tokenizer import CHATML_CONFIG, byte_level_tokenizer_json
 
     return HFTokenizer(byte_level_tokenizer_json(), CHATML_CONFIG, source="test")

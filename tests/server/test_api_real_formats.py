@@ -30,7 +30,7 @@ ASK = {"model": "llama", "messages": [{"role": "user", "content": "Weather in Pa
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.tokenizer import llama3_tokenizer
+    from engine.tokenizers.tokenizer import llama3_tokenizer
 
     return llama3_tokenizer(TOKENIZER_PATH)
 

@@ -1,0 +1,288 @@
+"""The engine as the server sees it: `generate()` per request, the model stepping on its own thread.
+
+The event loop only does I/O: `generate()` validates, hands the request to the engine thread and
+awaits the request's own slot. The engine thread applies adds and aborts, runs one step, and sends
+each event loop the step's deltas in one `call_soon_threadsafe`. A slot merges deltas its consumer
+has not taken yet, so a slow reader never holds up the step or anyone else. When idle the engine
+thread sleeps on a condition variable; nothing polls. A CPU engine idle for a while after steps
+hands the C heap's free pages back once (engine.kernels.memory.idle_heap_trim).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.kernels.memory import IDLE_TRIM_AFTER_S, idle_heap_trim
+from engine.core.output import DetokenizerFactory
+from engine.quant.policy import WeightsReport
+from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput
+from engine.types import SamplingDefaults, request_id_in_use
+
+if TYPE_CHECKING:
+    from engine.executor.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
+    """Consecutive deltas of one request as one, joined once (linear in their total size)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprobs = None
+    if any(out.logprobs is not None for out in outputs):
+        logprobs = [lp for out in outputs for lp in out.logprobs or ()]
+    prompt_logprobs = next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None)
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for out in outputs for t in out.new_token_ids],
+        text_delta="".join(out.text_delta for out in outputs),
+        logprobs=logprobs,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        error=last.error,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+class _Mailbox:
+    """One request's mailbox, living on the event loop that awaits it."""
+
+    __slots__ = ("loop", "pending", "error", "ready")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[RequestOutput] = []  # deltas not taken yet, merged once on get()
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.pending.append(item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self.pending and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.pending:  # deltas that came before an error are still delivered
+            pending, self.pending = self.pending, []
+            return merge_outputs(*pending)
+        raise self.error  # type: ignore[misc]
+
+
+def _deliver(items: list[tuple[_Mailbox, RequestOutput | BaseException]]) -> None:
+    for slot, item in items:
+        slot.put(item)
+
+
+class AsyncEngine:
+    """engine.types.EngineClient over an EngineCore stepping on a dedicated thread."""
+
+    def __init__(
+        self,
+        model_id: str,
+        runner: Executor,
+        tokenizer: Any,
+        chat_format: Any,
+        config: EngineConfig,
+        *,
+        max_seq_len: int,
+        detokenizer_factory: DetokenizerFactory | None = None,
+        sampling_defaults: SamplingDefaults = SamplingDefaults(),
+        weights: WeightsReport | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.sampling_defaults = sampling_defaults
+        self.weights = weights  # quantization, formats, resident bytes (/v1/models/{id})
+        self.tokenizer = tokenizer
+        self.chat_format = chat_format
+        self.config = config
+        self.runner = runner
+        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
+        self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
+        self._cond = threading.Condition()
+        # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
+        self._inbox: list[tuple[str, Any, _Mailbox | None]] = []  # guarded by _cond
+        self._num_adds_posted = 0  # adds in the inbox, for the queue bound
+        self._dead: EngineDead | None = None  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._active: dict[str, _Mailbox] = {}  # event-loop side: requests whose generator is open
+        self._slots: dict[str, _Mailbox] = {}  # engine-thread side: where each request's deltas go
+        self._runner_shut_down = False
+        self._heap_trim = idle_heap_trim(config.device)  # None: nothing to trim (CUDA, not glibc)
+        self._idle_trim_after_s = IDLE_TRIM_AFTER_S
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ EngineClient
+    @property
+    def num_running_requests(self) -> int:
+        """Requests in flight (queued, running, or with deltas not yet taken)."""
+        return len(self._active)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Validate now (raising InvalidRequest, ContextLengthExceeded, QueueFull or EngineDead
+        before anything is yielded), queue on first iteration, then yield deltas."""
+        self._check_can_add(request)
+        return self._stream(request)
+
+    async def abort(self, request_id: str) -> None:
+        self._post_abort(request_id)
+
+    @property
+    def is_dead(self) -> bool:
+        """A step failed (a worker died, a bug) or the engine was shut down: it serves nothing more."""
+        return self._dead is not None
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        if not self._runner_shut_down:
+            self._runner_shut_down = True
+            await asyncio.to_thread(self.runner.shutdown)
+
+    # ------------------------------------------------------------------ event-loop side
+    def _check_can_add(self, request: EngineRequest) -> None:
+        if self._dead is not None:
+            raise EngineDead(f"model {self.model_id!r} is not available: {self._dead}")
+        if self._stopping:
+            raise EngineDead(f"model {self.model_id!r} is shutting down")
+        self.core.check(request)  # pure: reads only immutable limits
+        if request.request_id in self._active:
+            raise request_id_in_use(request.request_id)
+        num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
+        if num_waiting >= self.config.max_waiting_requests:
+            raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
+
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        self._check_can_add(request)  # again: time may have passed since generate()
+        if request.params.grammar is not None:  # compile here, off the engine thread, under a time limit
+            await self.core.grammars.prepare(request.params.grammar)
+            self._check_can_add(request)
+        slot = _Mailbox(asyncio.get_running_loop())
+        self._active[request_id] = slot
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                del self._active[request_id]
+                raise EngineDead(f"model {self.model_id!r} is not available")
+            self._inbox.append(("add", request, slot))
+            self._num_adds_posted += 1
+            self._cond.notify()
+        finished = False
+        try:
+            while not finished:
+                output = await slot.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._active.pop(request_id, None)
+            if not finished:  # the consumer left early (client gone, cancelled): free the blocks
+                self._post_abort(request_id)
+
+    def _post_abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(("abort", request_id, None))
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        trim_owed = False  # steps ran since the heap was last trimmed
+        while True:
+            with self._cond:
+                trim_owed = self._wait_for_work(trim_owed)
+                inbox, self._inbox = self._inbox, []
+                self._num_adds_posted = 0
+                stopping = self._stopping
+            if stopping:
+                self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), inbox)
+                return
+            items: list[tuple[_Mailbox, Any]] = []
+            steps_before = self.core.timing.num_steps
+            try:
+                items = self._apply(inbox)
+                items += self._route(self.core.step())
+            except BaseException as exc:  # a dead worker, or a bug: every request fails, the model goes away
+                log.exception("engine for %s stopped", self.model_id)
+                dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine step crashed: {exc!r}")
+                self._send(items)
+                self._fail_everything(dead, inbox)
+                return
+            self._send(items)
+            trim_owed = trim_owed or self.core.timing.num_steps != steps_before
+            if self.core.has_unfinished and self.core.timing.num_steps == steps_before:
+                with self._cond:  # nothing could be scheduled (should not happen): wait for news, not spin
+                    self._cond.wait(timeout=0.01)
+
+    def _wait_for_work(self, trim_owed: bool) -> bool:
+        """With _cond held: sleep until there is work. Idle for _idle_trim_after_s with a trim owed,
+        trim the heap (a few ms; a request posted meanwhile waits that long). Returns trim_owed."""
+        while not (self._inbox or self._stopping or self.core.has_unfinished):
+            if not trim_owed or self._heap_trim is None:
+                self._cond.wait()
+            elif not self._cond.wait(timeout=self._idle_trim_after_s):
+                self._heap_trim()
+                trim_owed = False
+        return trim_owed
+
+    def _apply(self, inbox: list[tuple[str, Any, _Mailbox | None]]) -> list[tuple[_Mailbox, Any]]:
+        """Adds and aborts, in the order they were posted."""
+        items: list[tuple[_Mailbox, Any]] = []
+        for kind, payload, slot in inbox:
+            if kind == "add":
+                try:
+                    self.core.add_request(payload)
+                except EngineError as exc:
+                    items.append((slot, exc))
+                else:
+                    self._slots[payload.request_id] = slot  # type: ignore[assignment]
+            elif (output := self.core.abort_request(payload)) is not None:
+                items += self._route([output])
+        return items
+
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Mailbox, Any]]:
+        items: list[tuple[_Mailbox, Any]] = []
+        for output in outputs:
+            slot = self._slots.pop(output.request_id) if output.finished else self._slots.get(output.request_id)
+            if slot is not None:
+                items.append((slot, output))
+        return items
+
+    def _send(self, items: list[tuple[_Mailbox, Any]]) -> None:
+        """One call_soon_threadsafe per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, Any]]] = defaultdict(list)
+        for slot, item in items:
+            by_loop[slot.loop].append((slot, item))
+        for loop, loop_items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, loop_items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+    def _fail_everything(self, error: EngineDead, inbox: list[tuple[str, Any, _Mailbox | None]]) -> None:
+        with self._cond:
+            self._dead = self._dead or error
+            inbox = inbox + self._inbox
+            self._inbox = []
+        self.core.fail_all(str(error))  # frees every block
+        slots = {id(slot): slot for slot in self._slots.values()}
+        slots.update((id(slot), slot) for kind, _, slot in inbox if kind == "add" and slot is not None)
+        self._slots.clear()
+        self._send([(slot, error) for slot in slots.values()])

@@ -1,0 +1,186 @@
+"""The synchronous engine: requests in, one model step at a time, deltas out.
+
+`step()` is schedule -> execute -> update; adds and aborts happen between steps (the async engine
+applies them before calling step), detokenization and stats after. Single-threaded by design: only
+the engine thread calls into a core; `stats()` is the one method safe from other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.core.kv_blocks import BlockPool
+from engine.core.output import DetokenizerFactory, OutputProcessor, decode_for_log
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.core.structured import GrammarCompiler
+from engine.types import (
+    EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput, check_context_length,
+    check_token_ids, request_id_in_use,
+)
+
+if TYPE_CHECKING:
+    from engine.executor.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Cumulative wall time per phase, to tell model time from bookkeeping (bench/throughput.py)."""
+
+    num_steps: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0  # scheduler.update + output processing + stats
+
+    @property
+    def bookkeeping_fraction(self) -> float:
+        total = self.schedule_s + self.execute_s + self.update_s
+        return (self.schedule_s + self.update_s) / total if total else 0.0
+
+
+def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) -> None:
+    """The engine's guard against a request it cannot serve (InvalidRequest / ContextLengthExceeded):
+    compat has checked the request already, with the same functions (engine.types). Cheap and side
+    effect free, so the async engine runs it on the caller's side before queueing."""
+    if not request.prompt_token_ids:
+        raise InvalidRequest("the prompt is empty: at least one token is needed", param="prompt")
+    check_token_ids(request.prompt_token_ids, vocab_size, "prompt")
+    try:
+        request.params.validate(vocab_size)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: Executor,
+        tokenizer: Any,
+        config: EngineConfig,
+        max_seq_len: int,
+        *,
+        detokenizer_factory: DetokenizerFactory | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = runner.vocab_size
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        # A sequence must fit in the pool alone, or preempting everyone else could not make room for it.
+        self.max_seq_len = min(max_seq_len, runner.num_blocks * runner.block_size)
+        stop_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()))  # the one source of the family's stop ids
+        self.scheduler = Scheduler(config, self.pool, max_seq_len=self.max_seq_len, stop_token_ids=stop_ids)
+        self.output = OutputProcessor(
+            tokenizer, detokenizer_factory=detokenizer_factory, debug_log_io=config.debug_log_io
+        )
+        self.timing = StepTiming()
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)  # llguidance loads on first use
+        self._next_seq_id = 0
+
+    # ------------------------------------------------------------------ requests
+    def check(self, request: EngineRequest) -> None:
+        check_request(request, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull."""
+        self.check(request)
+        if self.scheduler.get(request.request_id) is not None:
+            raise request_id_in_use(request.request_id)
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=request.params,
+            arrival_time_s=request.arrival_time_s,
+            priority=request.priority,
+        )
+        if request.params.grammar is not None:  # compiled already by AsyncEngine.prepare: a cache hit
+            seq.grammar = self.grammars.new_state(request.params.grammar)
+        self.output.add(seq)
+        try:
+            self.scheduler.add(seq)  # QueueFull
+        except BaseException:
+            self.output.discard(seq.request_id)
+            raise
+        self._next_seq_id += 1
+        if self.config.debug_log_io:
+            text = decode_for_log(self.tokenizer, seq.token_ids)
+            log.info("request %s prompt ids=%s text=%r", seq.request_id, seq.token_ids, text)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Remove a request in any phase and free its blocks; None if it already finished."""
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._final(seq, "abort")
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with an error (the runner died); frees all blocks."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        for seq in seqs:
+            self.scheduler.finish(seq)
+        return [out for seq in seqs if (out := self._final(seq, "error", error)) is not None]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One model step over the current batch; the deltas it produced, one per request."""
+        if not self.scheduler.has_work:
+            return []
+        started_s = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        scheduled_s = time.perf_counter()
+        try:
+            out = self.runner.execute(batch)
+        except EngineDead:
+            raise
+        except Exception as exc:  # the step failed as a whole: fail its requests, keep serving
+            log.exception("model step over %d sequences failed", len(batch.seqs))
+            executed_s = time.perf_counter()
+            events = self.scheduler.fail(batch, f"model step failed: {type(exc).__name__}: {exc}")
+        else:
+            executed_s = time.perf_counter()
+            events = self.scheduler.update(batch, out)
+        outputs, stopped = self.output.process(events)
+        for seq in stopped:  # stop strings, found in the text
+            self.scheduler.finish(seq)
+        done_s = time.perf_counter()
+        self._record_timing(started_s, scheduled_s, executed_s, done_s, len(batch.seqs))
+        return outputs
+
+    def _record_timing(self, started_s: float, scheduled_s: float, executed_s: float, done_s: float, size: int) -> None:
+        timing = self.timing
+        timing.num_steps += 1
+        timing.schedule_s += scheduled_s - started_s
+        timing.execute_s += executed_s - scheduled_s
+        timing.update_s += done_s - executed_s
+        self.output.stats.record_step(done_s - started_s, size)
+
+    def _final(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
+        return self.output.abort(seq, reason, error)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ stats and debugging
+    def stats(self) -> EngineStats:
+        pool, scheduler = self.pool, self.scheduler
+        stats = EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_preempted_total=scheduler.num_preempted_total,
+            num_preempted_by_priority=dict(scheduler.num_preempted_by_priority),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_total=pool.num_blocks,
+            prefix_cache_queries_total=pool.prefix_queries_tokens,
+            prefix_cache_hits_total=pool.prefix_hits_tokens,
+        )
+        return self.output.stats.drain_into(stats)

@@ -1,0 +1,451 @@
+"""Turns one step's logits into next tokens: one row per sequence, vectorised over the batch.
+
+Order of work on each row (vLLM's and HF's order, so behaviour matches what users expect):
+  1. penalties on the model's logits: repetition (CTRL/HF, prompt + output tokens), then
+     frequency and presence (OpenAI, output tokens only);
+  2. logit_bias is added; stop tokens are masked to -inf while fewer than min_tokens were generated;
+     constrained rows (params.grammar) mask every token their grammar does not allow next;
+  3. greedy rows (temperature 0) take the argmax;
+  4. sampled rows divide by temperature, drop tokens under min_p * max_prob, keep the top_k best,
+     then the smallest best-first set whose mass (renormalised over what is left) reaches top_p,
+     and draw a token by inverse CDF from uniform numbers.
+
+Randomness: each row draws from its own 64-bit splitmix stream, started from (seed, number of
+tokens generated so far) for seeded requests and from the sampler's generator otherwise. So a
+seeded draw is a pure function of the seed, the step and the row's own logits: the same whatever
+else is in the batch, and the same after preemption (recompute). Inverse CDF needs one uniform
+per row instead of the exponential race's one per vocabulary entry (that noise alone cost tens
+of milliseconds per step at batch 32 over a 128k vocabulary: bench/NOTES.md). Cumulative sums run in float64 so the tail of a
+128k vocabulary is not rounded away.
+
+top_p without top_k never sorts the vocabulary (a full sort is slow on CPU, bench/NOTES.md):
+it draws from the row, accepts the token if the mass strictly better than it is < top_p, and
+otherwise redraws among strictly better tokens. Each round accepts with probability >= top_p and
+the accepted token is distributed exactly as the renormalised top_p set.
+
+Logprobs follow vLLM's and OpenAI's convention: log_softmax of the raw model logits, before
+penalties, bias, temperature and truncation; the top alternatives are the k most likely raw
+tokens, best first.
+
+Ties: truncation keeps every token whose value equals the cut, so exact ties at the top_k or
+top_p boundary can keep a few extra tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels.cpu import CpuKernels, supports
+from engine.core.sequence import Sequence
+from engine.core.structured import GrammarState
+from engine.types import SamplingParams, TokenLogprob
+
+_MIN_TEMPERATURE = 1e-5  # below this a row is greedy: dividing by it would overflow float32
+_MAX_TOP_P_ROUNDS = 16  # rejection rounds before a row falls back to a sort (expected < 1/top_p)
+_CHUNK = 1024  # tokens per chunk of the two-stage inverse CDF
+_MASK_64 = (1 << 64) - 1
+_Picks = tuple[list[int], list[int], list[float]]  # (rows, chosen token per row, row max after processing)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]  # [num_seqs]; -1 where the row failed
+    logprobs: list[TokenLogprob | None]  # [num_seqs]; None where not asked for or failed
+    errors: dict[int, str]  # seq_id -> why this row alone failed
+
+
+# ---------------------------------------------------------------------- per-row random streams
+def seeded_state(seed: int, step: int) -> int:
+    """The start of a seeded row's random stream: depends only on (seed mod 2**64, step)."""
+    return _splitmix64((_splitmix64(seed & _MASK_64) + step) & _MASK_64)
+
+
+def next_uniform(state: int) -> tuple[float, int]:
+    """(u in [0, 1), next state)."""
+    state = _splitmix64(state)
+    return (state >> 11) * (1.0 / (1 << 53)), state
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _MIN_TEMPERATURE
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+class Sampler:
+    """Stateless across steps except for the generator of unseeded rows."""
+
+    def __init__(self, *, seed: int = 0, kernels: CpuKernels | None = None) -> None:
+        self._rng = random.Random(seed)  # unseeded rows share it
+        self._kernels = kernels  # the fused CPU kernels' greedy argmax; None: numpy's
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """logits: [num_seqs, vocab] (float32, or the model dtype: widened to float32 here), row i
+        belongs to seqs[i]. Never modifies logits."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):  # an executor bug: fail the batch
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
+        if not seqs:
+            return SampleResult([], [], {})
+        if all(self._is_plain_greedy(seq) for seq in seqs):
+            return _argmax_only(logits, seqs, self._kernels)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return self._sample_general(logits, seqs)
+
+    def _is_plain_greedy(self, seq: Sequence) -> bool:
+        p = seq.params
+        return _is_greedy(p) and p.logprobs is None and not self._modifies_logits(seq)
+
+    def _modifies_logits(self, seq: Sequence) -> bool:
+        return (
+            _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq) or seq.grammar is not None
+        )
+
+    def _stops_masked(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens < seq.params.min_tokens
+
+    # ------------------------------------------------------------------ general path
+    def _sample_general(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        errors = _row_errors(logits, seqs)
+        live = [row for row, seq in enumerate(seqs) if seq.seq_id not in errors]
+        x = logits
+        if errors or any(self._modifies_logits(seq) for seq in seqs):
+            x = logits.clone(memory_format=torch.contiguous_format)  # the caller's stay raw for logprobs
+            if errors:  # keep failed rows finite so they cannot poison shared arithmetic
+                failed = [row for row, seq in enumerate(seqs) if seq.seq_id in errors]
+                x[torch.tensor(failed, device=x.device)] = 0.0
+            _apply_penalties(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
+            _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
+            self._mask_stop_tokens(x, [(row, seqs[row]) for row in live if self._stops_masked(seqs[row])])
+            constrained = [row for row in live if seqs[row].grammar is not None]
+            _apply_grammar_masks(x, constrained, [seqs[row].grammar for row in constrained])
+
+        tokens = [-1] * len(seqs)
+        greedy = [row for row in live if _is_greedy(seqs[row].params)]
+        sampled = [row for row in live if not _is_greedy(seqs[row].params)]
+        for rows, chosen, row_max in (_pick_greedy(x, greedy), self._pick_sampled(x, sampled, seqs)):
+            for row, token, value in zip(rows, chosen, row_max):
+                if math.isfinite(value):
+                    tokens[row] = token
+                else:  # bias, min_tokens or the grammar masked every token, or a bias was infinite
+                    errors[seqs[row].seq_id] = "no token left to sample: logit_bias, min_tokens or the grammar masked them all"
+        want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
+        return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
+
+    def _mask_stop_tokens(self, x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+        vocab = x.shape[1]
+        index_rows: list[int] = []
+        index_tokens: list[int] = []
+        for row, seq in rows:
+            valid = [t for t in seq.stop_token_ids if 0 <= t < vocab]  # Scheduler.add set them
+            index_rows += [row] * len(valid)
+            index_tokens += valid
+        if index_rows:
+            idx = (torch.tensor(index_rows, device=x.device), torch.tensor(index_tokens, device=x.device))
+            x.index_put_(idx, torch.tensor(-math.inf, device=x.device))
+
+    def _pick_sampled(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> _Picks:
+        if not rows:
+            return [], [], []
+        vocab = x.shape[1]
+        params = [seqs[row].params for row in rows]
+        weights, row_max = _weights(_take(x, rows), [p.temperature for p in params], [p.min_p for p in params])
+        states = [
+            seeded_state(p.seed, seqs[row].num_output_tokens) if p.seed is not None else self._rng.getrandbits(64)
+            for row, p in zip(rows, params)
+        ]
+        has_k = [0 < p.top_k < vocab for p in params]
+        groups = (
+            ([i for i, p in enumerate(params) if not has_k[i] and p.top_p >= 1], _sample_full),
+            ([i for i, p in enumerate(params) if has_k[i]], _sample_top_k),
+            ([i for i, p in enumerate(params) if not has_k[i] and p.top_p < 1], _sample_top_p),
+        )
+        chosen = [0] * len(rows)
+        for group, picker in groups:
+            if group:
+                top_k = [params[i].top_k for i in group]
+                top_p = [params[i].top_p for i in group]
+                picked = picker(_take(weights, group), top_k, top_p, [states[i] for i in group])
+                for i, token in zip(group, picked.tolist()):
+                    chosen[i] = token
+        return rows, chosen, row_max
+
+
+# ---------------------------------------------------------------------- pieces (pure functions)
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] without a copy when rows is every row in order (the common case)."""
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        return x
+    return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
+def _row_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's first best id and its value (NaN anywhere wins, as in torch.max). On CPU through
+    numpy: torch's max(dim=1) over a [32, 49152] float32 batch costs 1.5 ms on one thread and
+    several on two threads of a busy machine, numpy's argmax plus a gather a quarter of a ms."""
+    if not x.is_cpu or x.dtype != torch.float32:
+        values, ids = x.max(dim=1)
+        return ids.tolist(), values.tolist()
+    array = x.numpy()
+    ids = array.argmax(axis=1).tolist()
+    return ids, [float(row[i]) for row, i in zip(array, ids)]  # a few rows: cheaper than a fancy-index gather
+
+
+def _greedy_row_max(logits: torch.Tensor, kernels: CpuKernels | None) -> tuple[list[int], list[float]]:
+    """_row_max(logits.float()). float32 and bfloat16 logits on CPU go through the fused kernels'
+    argmax: the same ids and values, bfloat16 without the float32 copy of the batch (at [32, 49152]
+    the copy cost more than numpy's argmax) and float32 on every thread (numpy's takes one):
+    bench/NOTES.md. Without the kernels, numpy."""
+    kernel_rows = logits.is_cpu and supports(logits.dtype) and logits.stride(1) == 1 and logits.shape[1] > 0
+    if kernels is None or not kernel_rows:
+        return _row_max(logits.float())
+    return kernels.argmax_rows(logits, torch.get_num_threads())
+
+
+def _argmax_only(logits: torch.Tensor, seqs: list[Sequence], kernels: CpuKernels | None) -> SampleResult:
+    """The all-greedy, nothing-else fast path: one pass over the logits."""
+    tokens, values = _greedy_row_max(logits, kernels)
+    errors: dict[int, str] = {}
+    for row, value in enumerate(values):
+        if not math.isfinite(value):  # NaN or +inf anywhere, or a row of -inf
+            errors[seqs[row].seq_id] = f"the model produced non-finite logits (row max {value})"
+            tokens[row] = -1
+    return SampleResult(tokens, [None] * len(seqs), errors)
+
+
+def _row_errors(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
+    """Rows that cannot be sampled at all: non-finite model output or a bias id out of range."""
+    vocab = logits.shape[1]
+    errors: dict[int, str] = {}
+    for seq, value in zip(seqs, logits.amax(dim=1).tolist()):  # NaN or +inf anywhere shows in the max
+        if not math.isfinite(value):
+            errors[seq.seq_id] = f"the model produced non-finite logits (row max {value})"
+            continue
+        bad = [t for t, _ in seq.params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            errors[seq.seq_id] = f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    return errors
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+    """Repetition (HF/CTRL: a seen token's logit is divided by the penalty if positive, multiplied
+    if not; seen = prompt + output), then OpenAI's `logit -= count * frequency + (count > 0) *
+    presence` over output tokens. x is contiguous; cost is O(tokens), not O(vocab)."""
+    flat = x.view(-1)
+    rep = [(row, seq) for row, seq in rows if seq.params.repetition_penalty != 1]
+    if rep:
+        keys, _, key_rows = _token_keys([(row, seq.token_ids) for row, seq in rep], x.shape[1], x.device)
+        penalty = _per_row(x, [(row, seq.params.repetition_penalty) for row, seq in rep])[key_rows]
+        values = flat[keys]
+        flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
+    additive = [(row, seq) for row, seq in rows if seq.params.presence_penalty or seq.params.frequency_penalty]
+    if additive:
+        outputs = [(row, seq.output_token_ids) for row, seq in additive]
+        keys, counts, key_rows = _token_keys(outputs, x.shape[1], x.device)
+        frequency = _per_row(x, [(row, seq.params.frequency_penalty) for row, seq in additive])[key_rows]
+        presence = _per_row(x, [(row, seq.params.presence_penalty) for row, seq in additive])[key_rows]
+        flat[keys] -= counts * frequency + presence
+
+
+def _token_keys(
+    rows: list[tuple[int, list[int]]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct (row, token) pairs as flat indices row * vocab + token, their counts, their rows."""
+    lengths = torch.tensor([len(tokens) for _, tokens in rows], device=device)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(t for _, t in rows)), dtype=torch.int64, device=device)
+    row_of = torch.repeat_interleave(torch.tensor([row for row, _ in rows], device=device), lengths)
+    ok = (tokens >= 0) & (tokens < vocab)  # ids the model cannot emit carry no penalty
+    keys, counts = torch.unique(row_of[ok] * vocab + tokens[ok], return_counts=True)
+    return keys, counts.to(torch.float32), keys // vocab
+
+
+def _per_row(x: torch.Tensor, values: list[tuple[int, float]]) -> torch.Tensor:
+    """[num_rows of x] float32 holding each listed row's value (0 elsewhere)."""
+    out = torch.zeros(x.shape[0], device=x.device)
+    rows = torch.tensor([row for row, _ in values], device=x.device)
+    out[rows] = torch.tensor([v for _, v in values], device=x.device)
+    return out
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -> None:
+    if not rows:
+        return
+    device = x.device
+    index_rows = torch.tensor([row for row, p in rows for _ in p.logit_bias], device=device)
+    index_tokens = torch.tensor([t for _, p in rows for t, _ in p.logit_bias], device=device)
+    bias = torch.tensor([b for _, p in rows for _, b in p.logit_bias], dtype=x.dtype, device=device)
+    x.index_put_((index_rows, index_tokens), bias, accumulate=True)
+
+
+def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """Set to -inf, in x (float32 [num_rows, vocab], modified in place), every token that rows[i]'s
+    grammar does not allow next. All masks are computed in one call into one bitmask."""
+    if not rows:
+        return
+    vocab = x.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = np.zeros((len(rows), words), dtype=np.int32)
+    states[0].executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.ctypes.data,
+                                               words * 4, len(rows))
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+    blocked = torch.from_numpy(~allowed)
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        x.masked_fill_(blocked.to(x.device), -torch.inf)
+        return
+    index = torch.tensor(rows, device=x.device)
+    x[index] = x[index].masked_fill_(blocked.to(x.device), -torch.inf)
+
+
+def _pick_greedy(x: torch.Tensor, rows: list[int]) -> _Picks:
+    if not rows:
+        return [], [], []
+    ids, values = _row_max(_take(x, rows))
+    return rows, ids, values
+
+
+def _weights(xs: torch.Tensor, temperature: list[float], min_p: list[float]) -> tuple[torch.Tensor, list[float]]:
+    """exp((x - max) / T) per row, the best token weighing 1, min_p-dropped and masked tokens 0;
+    and each row's max logit (not finite: nothing left to sample, the row then weighs uniformly).
+    min_p: prob < min_p * max_prob  <=>  weight < min_p, as the best token weighs 1."""
+    device = xs.device
+    row_max = xs.amax(dim=1, keepdim=True)
+    row_max_list = row_max.squeeze(1).tolist()
+    weights = xs - row_max  # a new tensor: xs may be the caller's logits
+    weights.div_(torch.tensor(temperature, device=device).unsqueeze(1)).exp_()
+    dead = [i for i, value in enumerate(row_max_list) if not math.isfinite(value)]
+    if dead:  # the caller reports these rows; keep the arithmetic finite meanwhile
+        weights[torch.tensor(dead, device=device)] = 1.0
+    if any(p > 0 for p in min_p):  # one in-place pass; rows without min_p have floor 0
+        weights.masked_fill_(weights < torch.tensor(min_p, device=device).unsqueeze(1), 0.0)
+    return weights, row_max_list
+
+
+def _uniforms(states: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    drawn = [next_uniform(s) for s in states]
+    return torch.tensor([u for u, _ in drawn], dtype=torch.float64, device=device), [s for _, s in drawn]
+
+
+def _draw(cumulative: torch.Tensor, u: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """First index whose cumulative weight exceeds u * total (default: the row's last cumulative
+    value); u in [0, 1), total > 0. Never lands on a zero-weight entry."""
+    total = cumulative[:, -1] if total is None else total
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target.unsqueeze(1), right=True).squeeze(1)
+
+
+def _draw_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over each row in vocabulary order, in two stages so no [rows, vocab] float64
+    tensor is ever built: pick a chunk of _CHUNK tokens by its (pairwise-summed) mass, then the
+    token inside it by a float64 cumulative sum of that chunk alone."""
+    rows, vocab = weights.shape
+    if vocab <= _CHUNK:
+        return _draw(torch.cumsum(weights, dim=1, dtype=torch.float64), u)
+    num_full = vocab // _CHUNK
+    sums = weights[:, : num_full * _CHUNK].reshape(rows, num_full, _CHUNK).sum(dim=2)
+    if vocab % _CHUNK:
+        sums = torch.cat([sums, weights[:, num_full * _CHUNK :].sum(dim=1, keepdim=True)], dim=1)
+    chunk_cumulative = torch.cumsum(sums, dim=1, dtype=torch.float64)
+    total = chunk_cumulative[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(chunk_cumulative, target.unsqueeze(1), right=True)  # [rows, 1]
+    before = torch.cat([torch.zeros_like(chunk_cumulative[:, :1]), chunk_cumulative], dim=1).gather(1, chunk)
+    cols = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)
+    local = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    local_cumulative = torch.cumsum(local, dim=1, dtype=torch.float64)
+    residual = (target.unsqueeze(1) - before).squeeze(1).clamp(min=0.0) / local_cumulative[:, -1]
+    # the chunk's float32 sum and its float64 cumulative differ by rounding: _draw clamps
+    index = _draw(local_cumulative, residual.clamp(max=1.0))
+    return cols.gather(1, index.unsqueeze(1)).squeeze(1)
+
+
+def _sample_full(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """No truncation: inverse CDF over the whole row."""
+    u, _ = _uniforms(states, weights.device)
+    return _draw_from_weights(weights, u)
+
+
+def _sample_top_k(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """top_k, then top_p within it, then inverse CDF over the kept tokens best first.
+    top_k >= vocab (or 0) means the whole row, sorted."""
+    vocab, device = weights.shape[1], weights.device
+    top_k = [k if 0 < k < vocab else vocab for k in top_k]
+    u, _ = _uniforms(states, device)
+    values, ids = torch.topk(weights, max(top_k), dim=1)  # best first
+    beyond_k = torch.arange(values.shape[1], device=device) >= torch.tensor(top_k, device=device).unsqueeze(1)
+    values.masked_fill_(beyond_k, 0.0)
+    cumulative = torch.cumsum(values, dim=1, dtype=torch.float64)
+    top_p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
+    before = cumulative - values.double()  # mass strictly better than each token
+    # a best-first prefix of each row; its first token always stays (before == 0, weight == 1)
+    keep = (before < (top_p_t * cumulative[:, -1]).unsqueeze(1)) & (values > 0)
+    kept_mass = cumulative.gather(1, (keep.sum(dim=1) - 1).unsqueeze(1)).squeeze(1)
+    return ids.gather(1, _draw(cumulative, u, kept_mass).unsqueeze(1)).squeeze(1)
+
+
+def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
+    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
+    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot."""
+    device = weights.device
+    threshold = torch.tensor(top_p, dtype=torch.float64, device=device) * weights.sum(dim=1).double()
+    pivot = torch.full((weights.shape[0], 1), -1.0, device=device)
+    picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=device)
+    active = list(range(weights.shape[0]))
+    for round_index in range(_MAX_TOP_P_ROUNDS):
+        idx = torch.tensor(active, device=device)
+        sub = _take(weights, active)
+        u, new_states = _uniforms([states[i] for i in active], device)
+        for i, state in zip(active, new_states):
+            states[i] = state
+        allowed = sub if round_index == 0 else torch.where(sub > pivot[idx], sub, 0.0)
+        token = _draw_from_weights(allowed, u).unsqueeze(1)
+        value = sub.gather(1, token)
+        heavier = torch.where(sub > value, sub, 0.0).sum(dim=1).double()
+        accepted = (heavier < threshold[idx]).tolist()
+        picked[idx] = token.squeeze(1)
+        pivot[idx] = value
+        active = [i for i, ok in zip(active, accepted) if not ok]
+        if not active:
+            return picked
+    # pathological rows (many near-equal tokens around the cut): sort them
+    idx = torch.tensor(active, device=device)
+    rest_top_p, rest_states = [top_p[i] for i in active], [states[i] for i in active]
+    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), rest_top_p, rest_states)
+    return picked
+
+
+def _logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int]
+) -> list[TokenLogprob | None]:
+    """Raw-model log-softmax of the sampled token and the k best alternatives, k = params.logprobs."""
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    device = logits.device
+    logprobs = torch.log_softmax(_take(logits, rows), dim=1)
+    chosen_ids = torch.tensor([tokens[row] for row in rows], device=device)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    ks = [min(seqs[row].params.logprobs or 0, logits.shape[1]) for row in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if max(ks) > 0:
+        values, ids = torch.topk(logprobs, max(ks), dim=1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for i, row in enumerate(rows):
+        top = list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]]))
+        out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=top)
+    return out

@@ -1,0 +1,179 @@
+"""The executor: ScheduledBatch -> StepInputs -> forward on every rank -> sample -> StepOutput, on rank 0.
+
+It owns no model: it flattens the scheduler's batch into the int tensors the worker group
+broadcasts and runs, then samples the rows it asked logits for. Per step it touches Python once
+per sequence and once per KV block a chunk spans; per-token quantities (ids, positions, slots)
+are list slices and ranges extended in C, so a 512-token prefill chunk costs little more Python
+than a single decode.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+import torch
+
+from engine.core.sampler import Sampler
+from engine.core.sequence import ScheduledBatch, StepOutput
+from engine.executor.step_inputs import StepInputs
+from engine.executor.worker_group import Workers
+from engine.types import TokenLogprob
+
+PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of rows) of prompt-scoring rows
+
+
+def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[int]]:
+    """The flat CPU tensors for one step, and the batch positions of the sequences that sample.
+
+    Raises ValueError when the batch is inconsistent (a chunk past the sequence's end, or a block
+    table too short for it): writing K/V into a padding block would silently corrupt another
+    sequence, so that is a scheduler bug to surface, not to run.
+
+    Built as Python int lists (positions and slots as ranges, one per block a chunk spans: per
+    token only C-level list extends) and turned into two tensors, one per dtype, whose slices are
+    the fields: a handful of torch calls per step instead of ~20 small tensor ops. Those ran right
+    after the forward streamed the weights through every cache and cost 0.3-0.5 ms at one stream."""
+    seqs, counts = batch.seqs, batch.num_new_tokens
+    max_blocks = max(len(seq.block_table) for seq in seqs)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    block_rows: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    sampling: list[int] = []
+    for i, (seq, count) in enumerate(zip(seqs, counts)):
+        start, table = seq.num_computed_tokens, seq.block_table
+        end = start + count
+        if count <= 0 or end > seq.num_tokens or len(table) * block_size < end:
+            raise ValueError(
+                f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) of {seq.num_tokens} "
+                f"with {len(table)} blocks of {block_size}"
+            )
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        for block in range(start // block_size, (end - 1) // block_size + 1):  # slot = table[block] * bs + offset
+            first, last = max(start, block * block_size), min(end, (block + 1) * block_size)
+            shift = (table[block] - block) * block_size
+            slots += range(first + shift, last + shift)
+        block_rows += table
+        if len(table) < max_blocks:
+            block_rows += [0] * (max_blocks - len(table))
+        query_start_loc.append(query_start_loc[-1] + count)
+        seq_lens.append(end)
+        if end == seq.num_tokens:
+            sampling.append(i)
+
+    num_seqs, num_tokens = len(seqs), len(input_ids)
+    logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]
+    wide = torch.tensor(input_ids + positions + slots + logits_rows, dtype=torch.int64)
+    narrow = torch.tensor(block_rows + query_start_loc + seq_lens, dtype=torch.int32)
+    num_table = num_seqs * max_blocks
+    inputs = StepInputs(
+        input_ids=wide[:num_tokens],
+        positions=wide[num_tokens : 2 * num_tokens],
+        slot_mapping=wide[2 * num_tokens : 3 * num_tokens],
+        block_tables=narrow[:num_table].view(num_seqs, max_blocks),
+        query_start_loc=narrow[num_table : num_table + num_seqs + 1],
+        seq_lens=narrow[num_table + num_seqs + 1 :],
+        logits_indices=wide[3 * num_tokens :],
+    )
+    return inputs, sampling
+
+
+def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
+    """The rows whose logits score a prompt token, for the sequences that want prompt logprobs.
+
+    The row at position p scores token p + 1, so a chunk [c, c + n) scores prompt tokens
+    [c + 1, min(c + n + 1, num_prompt_tokens)); the row of the last prompt token is the sampling
+    row, which build_step_inputs asks for already."""
+    spans: list[PromptSpan] = []
+    row_starts = itertools.accumulate(batch.num_new_tokens, initial=0)
+    for i, (seq, count, first_row) in enumerate(zip(batch.seqs, batch.num_new_tokens, row_starts)):
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed_tokens
+            num_rows = min(start + count, seq.num_prompt_tokens - 1) - start
+            if num_rows > 0:
+                spans.append((i, first_row, num_rows))
+    return spans
+
+
+def prompt_logprobs(logits: torch.Tensor, batch: ScheduledBatch, spans: list[PromptSpan]) -> dict[int, list[TokenLogprob]]:
+    """seq_id -> TokenLogprob per scored prompt token, from the spans' logits rows (in span order):
+    raw-model log-softmax in at least float32, plus the params.prompt_logprobs best alternatives."""
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=1)
+    targets: list[int] = []
+    for i, _, num_rows in spans:
+        seq = batch.seqs[i]
+        start = seq.num_computed_tokens + 1
+        targets += seq.token_ids[start : start + num_rows]
+    target_t = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    chosen = logprobs.gather(1, target_t.unsqueeze(1)).squeeze(1).tolist()
+    ks = [min(batch.seqs[i].params.prompt_logprobs or 0, logprobs.shape[1]) for i, _, _ in spans]
+    top_values: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if max(ks) > 0:
+        values, ids = torch.topk(logprobs, max(ks), dim=1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out: dict[int, list[TokenLogprob]] = {}
+    row = 0
+    for (i, _, num_rows), k in zip(spans, ks):
+        out[batch.seqs[i].seq_id] = [
+            TokenLogprob(targets[r], chosen[r], list(zip(top_ids[r][:k], top_values[r][:k])))
+            for r in range(row, row + num_rows)
+        ]
+        row += num_rows
+    return out
+
+
+class Executor(Protocol):
+    """What EngineCore drives: a ScheduledBatch in, sampled tokens out. ModelExecutor below is the real
+    one (inputs -> worker group -> sampler); the engine tests use fakes."""
+
+    num_blocks: int  # KV cache blocks available to the block pool
+    block_size: int  # tokens per block
+    vocab_size: int
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ModelExecutor:
+    """Executor over a worker group (engine/executor/worker_group.py) and the sampler."""
+
+    def __init__(self, workers: Workers, *, seed: int = 0) -> None:
+        self._workers = workers
+        self.vocab_size: int = workers.vocab_size
+        self.num_blocks: int = workers.num_blocks
+        self.block_size: int = workers.block_size
+        self._sampler = Sampler(seed=seed, kernels=workers.argmax_kernels)
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step. Worker exceptions propagate (the core fails the batch's requests); a
+        sampling error confined to one sequence lands in StepOutput.errors and that sequence is
+        left out of seq_ids/sampled_token_ids/logprobs."""
+        if not batch.seqs:
+            return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+        inputs, sampling = build_step_inputs(batch, self.block_size)
+        # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
+        spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
+        if spans:
+            extra = [torch.arange(first, first + num, dtype=torch.int64) for _, first, num in spans]
+            inputs.logits_indices = torch.cat([inputs.logits_indices, *extra])
+        logits = self._workers.execute(inputs)  # partial chunks still run: they fill the cache
+        seqs = [batch.seqs[i] for i in sampling]
+        result = self._sampler.sample(logits[: len(sampling)] if spans else logits, seqs)
+        out = StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[], errors=result.errors)
+        if spans:
+            out.prompt_logprobs = prompt_logprobs(logits[len(sampling) :], batch, spans)
+        for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs):
+            if seq.seq_id not in result.errors:
+                out.seq_ids.append(seq.seq_id)
+                out.sampled_token_ids.append(token)
+                out.logprobs.append(logprob)
+        return out
+
+    def shutdown(self) -> None:
+        self._workers.shutdown()

@@ -1,0 +1,158 @@
+"""One model-parallel rank's share of a model: its weights, its KV cache, its forward pass.
+
+The same code on rank 0 (engine.executor.worker_group.WorkerGroup) and on every follower (engine.executor.parallel).
+dtype, device and backend are chosen from EngineConfig here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends import select_backend
+from engine.loading.checkpoint import CheckpointSpec, load_rank_state_dict, nbytes_of
+from engine.config import EngineConfig
+from engine.loading.progress import Progress, ProgressCallback
+from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
+from engine.quant.cuda import to_device
+from engine.quant.formats import QuantizedWeight
+from engine.executor.step_inputs import StepInputs
+from engine.types import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def configured_kv_bytes_per_rank(config: EngineConfig, mp_size: int) -> int | None:
+    """The KV cache bytes config fixes per rank; None on CUDA without kv_cache_bytes, where the
+    executor takes a fraction of the memory free once the weights are loaded."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes // mp_size
+    if config.device == "cuda":
+        return None
+    return config.cpu_kv_cache_bytes // mp_size
+
+
+def plan_num_blocks(config: EngineConfig, *, bytes_per_block: int, budget_bytes: int, max_seq_len: int) -> int:
+    """Blocks that fit the budget, never more than a full batch of full-length sequences uses."""
+    useful = config.max_batch_size * math.ceil(max_seq_len / config.block_size_tokens)
+    return min(budget_bytes // bytes_per_block, useful)
+
+
+@dataclass
+class Worker:
+    """One model-parallel rank: its weights, its KV cache, its forward pass."""
+
+    model: Transformer
+    mp_size: int
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_seq_len: int
+    weight_bytes: int  # this rank's weights in memory
+    kv_caches: list[KVCache] | None = None
+
+    @classmethod
+    def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+             progress: ProgressCallback | None = None) -> "Worker":
+        with without_omp_team(device):
+            return cls._load(spec, config, rank=rank, device=device, max_seq_len=max_seq_len, progress=progress)
+
+    @classmethod
+    def _load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
+              progress: ProgressCallback | None) -> "Worker":
+        mp_size = config.model_parallel_size
+        backend = select_backend(config, device)
+        dtype = backend.dtype
+        started_s = time.monotonic()
+        state = _materialise(load_rank_state_dict(spec, rank, mp_size, progress=progress), device, dtype, rank, progress)
+        with Progress(f"rank {rank}: preparing weights ({backend.name})", 1, unit="step", callback=progress, bar=False) as preparing:
+            model = model_class(spec.model_args).from_state_dict(
+                spec.model_args, state, backend, mp_size=mp_size, max_seq_len=max_seq_len, source=str(spec.checkpoint_dir)
+            )
+            preparing.update(1)
+        del state
+        weight_bytes = model.weight_bytes()
+        log.info(
+            "rank %d: %.1f MiB of weights on %s as %s%s, %s backend, in %.2f s",
+            rank, weight_bytes / 2**20, device, dtype, f" ({config.quantization})" if config.quantization else "",
+            backend.name, time.monotonic() - started_s,
+        )  # fmt: skip
+        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model.params, self.mp_size, self.block_size, self.dtype)
+
+    def plan_num_blocks(self, config: EngineConfig) -> int:
+        """KV blocks this rank can hold: the configured bytes (split over the ranks), or a fraction
+        of free accelerator memory, never more than a full batch of full-length sequences uses."""
+        budget = configured_kv_bytes_per_rank(config, self.mp_size)
+        if budget is None:  # CUDA: a fraction of what the weights left free
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * config.kv_cache_memory_fraction)
+        num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
+                                     max_seq_len=self.max_seq_len)
+        if num_blocks < 1:
+            raise CheckpointError(
+                f"KV cache budget of {budget} bytes per rank holds no block of {self.bytes_per_block} bytes; "
+                "raise kv_cache_bytes"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.model.params, self.mp_size, num_blocks, self.block_size, dtype=self.dtype, device=self.device
+        )
+        blocks_per_seq = math.ceil(self.max_seq_len / self.block_size)
+        if num_blocks < blocks_per_seq:
+            log.warning(
+                "KV cache holds %d tokens, less than one sequence of max_seq_len %d",
+                num_blocks * self.block_size, self.max_seq_len,
+            )  # fmt: skip
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        assert self.kv_caches is not None, "allocate_kv_cache first"
+        return self.model(inputs.to(self.device), self.kv_caches)
+
+
+@contextlib.contextmanager
+def without_omp_team(device: torch.device) -> Iterator[None]:
+    """Run CPU loading work single-threaded, so the loading thread never starts an OpenMP team.
+
+    The forward runs on the engine thread, usually not the thread that loaded the model. libgomp
+    keeps a thread team per thread that ever ran a parallel region; once its managed threads
+    outnumber the cores, every team spins only ~100 iterations before sleeping on a futex, and each
+    of the ~120 parallel regions of a decode step pays a wake-up, nearly doubling a small model's
+    batch-1 step (bench/NOTES.md). Loading single-threaded costs a little load time; the engine thread's team is then the only one."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, rank: int,
+                 progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+    """Read the mmapped weights into `dtype` on `device`, reporting bytes and rate (engine.loading.progress).
+    Views of the shards stay zero-copy when dtype and device already match."""
+    out = {}
+    with Progress(f"rank {rank}: reading weights", sum(map(nbytes_of, state.values())), callback=progress) as reading:
+        for key, value in state.items():
+            # quantized weights (a quantized checkpoint) stay in their format; on CUDA their codes
+            # move to the device (kernels per device: engine.quant.policy.check_formats)
+            if isinstance(value, QuantizedWeight):
+                out[key] = (value if device.type == "cpu" else to_device(value, device)).contiguous()
+            else:
+                out[key] = value.to(device=device, dtype=dtype).contiguous()
+            reading.update(nbytes_of(value))
+    return out

@@ -1,0 +1,119 @@
+"""The model side of the engine: weights, the paged KV cache and model-parallel workers.
+
+WorkerGroup runs on rank 0 and is what the runner drives: execute(StepInputs) -> logits.
+It holds rank 0's Worker (engine/executor/worker.py: weights + KV cache + forward, the same code
+every follower runs, engine/executor/parallel.py) and drives the followers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from engine.loading.checkpoint import CheckpointSpec, check_parallel_size, quantized_formats
+from engine.config import EngineConfig, launched_by_torchrun
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.quant.policy import WeightsReport, check_formats, check_quantization
+from engine.executor.worker import Worker, without_omp_team
+from engine.loading.progress import ProgressCallback
+from engine.executor.step_inputs import StepInputs
+from engine.types import EngineDead, InvalidRequest
+from engine.executor.parallel import ParallelGroup, group_in_use, rank_device
+
+log = logging.getLogger(__name__)
+
+
+def _capability(config: EngineConfig) -> tuple[int, int] | None:
+    """The first rank's CUDA compute capability (ranks are assumed alike); None off CUDA."""
+    from engine.backends.cuda import device_capability
+
+    return device_capability(rank_device(config, 0))
+
+
+class Workers(Protocol):
+    """What ModelExecutor drives: one forward step on every model-parallel rank. WorkerGroup below is
+    the real one; tests use fakes."""
+
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    argmax_kernels: CpuKernels | None  # the fused CPU kernels for the sampler's greedy rows; None: numpy
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_logits, vocab] logits (in the model dtype) of the rows inputs.logits_indices names, in order."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class WorkerGroup:
+    """Rank 0: loads weights, sizes and allocates the KV cache, starts and drives followers."""
+
+    def __init__(self, spec: CheckpointSpec, config: EngineConfig, *, max_seq_len: int, progress: ProgressCallback | None = None) -> None:
+        device_type = rank_device(config, 0).type
+        capability = _capability(config)
+        check_quantization(config.quantization, device_type, capability)
+        # a quantized checkpoint is served in its own formats, whatever QUANTIZATION_TYPE says
+        check_formats(quantized_formats(spec), device_type, capability, what=f"checkpoint {spec.checkpoint_dir}")
+        check_parallel_size(spec.model_args, config.model_parallel_size)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.vocab_size = spec.model_args.vocab_size
+        self.block_size = config.block_size_tokens
+        # logits come back to the CPU (execute), so the sampler's greedy argmax can be the C one
+        self.argmax_kernels = load_cpu_kernels() if config.cpu_kernels else None
+        self._group: ParallelGroup | None = None
+        self._closed = False
+        mp_size = config.model_parallel_size
+        if mp_size > 1:
+            if not launched_by_torchrun() and group_in_use():
+                raise InvalidRequest(
+                    "another model with model_parallel_size > 1 is loaded in this process; unload it first "
+                    "(torch.distributed and fairscale keep one model-parallel group per process)",
+                    param="model_parallel_size",
+                    code="model_parallel_busy",
+                )
+            if launched_by_torchrun():
+                self._group = ParallelGroup.join_launched(config)
+            else:
+                self._group = ParallelGroup.spawn(config, spec, max_seq_len=max_seq_len)
+        try:
+            device = self._group.device if self._group else rank_device(config, 0)
+            with without_omp_team(device):  # the KV cache's zero fill too
+                self._shard = Worker.load(spec, config, rank=0, device=device, max_seq_len=max_seq_len,
+                                             progress=progress)
+                num_blocks = self._shard.plan_num_blocks(config)
+                if self._group is not None:
+                    num_blocks = self._group.agree_min(num_blocks)
+                self._shard.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
+        self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
+        log.info(
+            "executor ready: %d KV blocks of %d tokens (%.1f MiB), weights %.1f MiB, model_parallel_size %d",
+            num_blocks, self.block_size, self.kv_cache_bytes / 2**20, self.weight_bytes / 2**20, mp_size,
+        )  # fmt: skip
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """[num_logits, vocab] logits in the model dtype on the CPU, for inputs.logits_indices rows."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        if self._group is None:
+            return self._shard.forward(inputs).cpu()
+        self._group.broadcast_step(inputs)
+        return self._group.collective(lambda: self._shard.forward(inputs)).cpu()
+
+    def shutdown(self) -> None:
+        """Stop followers and free the process group; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None

@@ -1,0 +1,1397 @@
+/* Fused CPU kernels for the decode-heavy parts of a Llama step (engine/kernels/cpu.py builds and
+ * loads this file). What torch runs as 5-30 small ops per layer (RMSNorm, RoPE, the K/V cache
+ * write, paged attention through a gather, SiLU-and-multiply) is one call each here, with no
+ * intermediate tensors: at the demo model's size the per-op cost, not the arithmetic, is what a
+ * decode step spends outside its matmuls, and paged attention reads K/V in place instead of
+ * gathering every sequence's blocks into a padded copy first.
+ *
+ * Element types: float32 (dtype code 0) and bfloat16 (code 1), computed in float32 and rounded to
+ * the model dtype exactly where the torch path rounds (so bfloat16 results match it bit for bit
+ * except for summation order). OpenMP: linked against the libgomp torch already loaded, and run
+ * with the caller's thread count, so it shares the engine thread's team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* AVX-512 rows of 16 (the v4 and v4-bf16 builds, -march=native on such CPUs): GCC's vectorizer stops
+ * at 256 bits there and emulates bfloat16 rounding in ~8 integer ops a vector; these take 512-bit
+ * steps with masked tails and, on AVX512_BF16, round with vcvtneps2bf16 (load_row, store_row and the
+ * elementwise kernels below). Other builds keep the portable loops; both give the same bits
+ * (f32_to_bf16's round to nearest even). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define HAVE_AVX512_ROWS 1
+#include <immintrin.h>
+
+static inline __mmask16 row_mask(int64_t left) { /* the first `left` of 16 lanes (none for left <= 0) */
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+/* bfloat16 lane i to the high half of 32-bit lane i in one word permute (zero-extend and shift take two ops) */
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3,
+                                         0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(v)));
+}
+
+static inline __m512 bf16x16_load(const bf16_t *p, __mmask16 m) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
+
+static inline __m256i bf16x16_round_soft(__m512 x) { /* f32_to_bf16 on 16 lanes */
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40)); /* quiet NaN */
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* vcvtneps2bf16 rounds as f32_to_bf16 does (NaNs quieted alike) but flushes denormal inputs to zero:
+ * a vector holding one (fpclass 0x20) takes the integer path instead. */
+#define DENORMAL 0x20
+
+static inline __m256i bf16x16_round(__m512 x) {
+#ifdef __AVX512BF16__
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, DENORMAL) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+    return bf16x16_round_soft(x);
+}
+
+/* f32_to_bf16(round_bf16(a) * b): a bfloat16 result times a bfloat16 value, both rounded, with one
+ * denormal check for the two roundings */
+static inline __m256i bf16x16_round_mul(__m512 a, __m512 b) {
+#ifdef __AVX512BF16__
+    const __m512 y = _mm512_mul_ps(bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(a)), b);
+    if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(a, DENORMAL), _mm512_fpclass_ps_mask(y, DENORMAL)), 1))
+        return (__m256i)_mm512_cvtneps_pbh(y);
+#endif
+    return bf16x16_round_soft(_mm512_mul_ps(bf16x16_to_f32(bf16x16_round_soft(a)), b));
+}
+
+/* 16 (masked: fewer) values of a row of either dtype, as float32, and back (rounded) */
+static inline __m512 row16_load(const void *row, int64_t i, __mmask16 m, int bf16) {
+    return bf16 ? bf16x16_load((const bf16_t *)row + i, m) : _mm512_maskz_loadu_ps(m, (const float *)row + i);
+}
+
+static inline void row16_store(void *row, int64_t i, __mmask16 m, __m512 x, int bf16) {
+    if (bf16)
+        _mm256_mask_storeu_epi16((bf16_t *)row + i, m, bf16x16_round(x));
+    else
+        _mm512_mask_storeu_ps((float *)row + i, m, x);
+}
+#endif
+
+static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const bf16_t *s = (const bf16_t *)src;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, row_mask(n - i), bf16x16_load(s + i, row_mask(n - i)));
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        bf16_t *d = (bf16_t *)dst;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = row_mask(n - i);
+            _mm256_mask_storeu_epi16(d + i, m, bf16x16_round(_mm512_maskz_loadu_ps(m, src + i)));
+        }
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
+
+static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
+
+/* Cephes' exp2f polynomial: 2^f for f in [-0.5, 0.5], highest power first. exp_approx and its
+ * 16-lane forms (silu16, pa_amx_exp) evaluate it as the same chain of FMAs: the same bits. */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+#define EXP2_C0 1.0f
+
+/* exp(x) to ~1e-7 relative error: 2^k * 2^f with the polynomial above for f in [-0.5, 0.5].
+ * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float k = __builtin_rintf(t); /* to nearest (vectorizes as a round instruction) */
+    float f = t - k;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
+    p = p * f + EXP2_C0;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)k + 127) << 23;
+    return p * scale.f;
+}
+
+/* exp_approx's polynomial on 16 lanes of f (an __m512). A macro, not a function: its users carry
+ * different target attributes (the AVX-512 build's silu16, the AMX attention at every level). */
+#define EXP2_POLY16(f)                                                                 \
+    ({                                                                                 \
+        const __m512 f_ = (f);                                                         \
+        __m512 p_ = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f_, _mm512_set1_ps(EXP2_C5)); \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C4));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C3));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C2));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C1));                         \
+        _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C0));                              \
+    })
+
+/* Work below this many elements runs on the calling thread: a parallel region's fork and join
+ * costs more than the work saves. */
+#define PARALLEL_MIN_ELEMS 65536
+/* Row-wise elementwise kernels (norm, SiLU, RoPE) split sooner: at 32 decode rows x 1536, 49K elements,
+ * two threads already beat one (bench/NOTES.md); RoPE + cache write of 32 demo tokens (30K elements,
+ * AVX-512): 5.5 -> 4.6 us wall. */
+#define ROWWISE_PARALLEL_MIN_ELEMS (PARALLEL_MIN_ELEMS / 4)
+
+/* ------------------------------------------------------------------------------------------ RMSNorm
+ * residual [rows, dim] += delta (if given, rounded to the model dtype as torch's add is), then
+ * out = rms_norm(residual) * weight. float32: x * rsqrt(mean(x^2) + eps) * w in one rounding
+ * (F.rms_norm); bfloat16: normalised in float32, rounded, times the weight, rounded again (the
+ * torch path's `rms_norm(x.float()).type_as(x) * weight`). */
+static void add_rms_norm_f32(float *res, const float *delta, const float *w, float *out, int64_t dim, float eps) {
+    if (delta != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) res[i] += delta[i];
+    }
+    float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < dim; i++) sum_sq += res[i] * res[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = res[i] * inv_rms * w[i];
+}
+
+/* bfloat16 rows, NORM_ROWS at a time (add_rms_norm_rows_bf16); w: the weight as float32, x: NORM_ROWS * dim
+ * floats of scratch (both the caller's, per thread). */
+#define NORM_ROWS 8 /* sum_sq_rows keeps one accumulator a row, all in registers */
+
+#ifdef HAVE_AVX512_ROWS
+/* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
+ * (GCC prefers 256 bits there), so results keep their bits: a 16-lane order changed a few outputs in
+ * a million by an ulp, which turned greedy answers of a batch-dependent test (test_demo_model's
+ * native Q4_1 facts, 4 of 10 runs). That order: an 8-lane accumulator, the dim % 8 tail added to
+ * lane 0, then its reduction tree, here in vector ops (-fassociative-math may regroup scalar adds).
+ * One row's sum is a chain of dim / 8 dependent FMAs: NORM_ROWS rows run theirs side by side
+ * (1 thread, 512 x 576: 161 -> 100 us with 4 rows; 8 rows, which two FMA ports of 4-cycle latency
+ * keep busy: 88 -> 82 us). */
+static inline float sum_sq_finish(__m256 acc, const float *x, int64_t i, int64_t dim) {
+    if (i < dim) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (; i < dim; i++) lanes[0] = __builtin_fmaf(x[i], x[i], lanes[0]);
+        acc = _mm256_loadu_ps(lanes);
+    }
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); /* lanes j + j+4 */
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                        /* b0 + b2, b1 + b3 */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 0x55)));
+}
+
+static void sum_sq_rows(const float *x, int64_t n, int64_t dim, float sums[NORM_ROWS]) { /* x: n <= NORM_ROWS rows */
+    const float *row[NORM_ROWS];
+    for (int64_t r = 0; r < NORM_ROWS; r++) row[r] = x + (r < n ? r : n - 1) * dim; /* spare chains redo the last row */
+    __m256 acc[NORM_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < NORM_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+#pragma GCC unroll 8
+        for (int r = 0; r < NORM_ROWS; r++) {
+            const __m256 v = _mm256_loadu_ps(row[r] + i);
+            acc[r] = _mm256_fmadd_ps(v, v, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < n; r++) sums[r] = sum_sq_finish(acc[r], row[r], i, dim);
+}
+
+/* res[i..i+16) (+= delta, rounded and stored back), as float32 into x */
+static inline void add_row16_bf16(bf16_t *res, const bf16_t *delta, float *x, int64_t i, __mmask16 m) {
+    __m512 v = bf16x16_load(res + i, m);
+    if (delta != NULL) {
+        const __m256i r = bf16x16_round(_mm512_add_ps(v, bf16x16_load(delta + i, m)));
+        _mm256_mask_storeu_epi16(res + i, m, r);
+        v = bf16x16_to_f32(r);
+    }
+    _mm512_mask_storeu_ps(x + i, m, v);
+}
+
+/* out = round(round(x * inv_rms) * w) for one row */
+static inline void norm_row_bf16(const float *x, const float *w, bf16_t *out, int64_t dim, float inv_rms) {
+    const __m512 scale = _mm512_set1_ps(inv_rms);
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
+        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round_mul(normed, _mm512_loadu_ps(w + i)));
+    }
+    if (i < dim) {
+        const __mmask16 m = row_mask(dim - i);
+        const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale);
+        _mm256_mask_storeu_epi16(out + i, m, bf16x16_round_mul(normed, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+/* n <= NORM_ROWS consecutive rows; x: NORM_ROWS * dim floats of scratch */
+static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
+                                   int64_t dim, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        bf16_t *res_r = res + r * dim;
+        const bf16_t *delta_r = delta ? delta + r * dim : NULL;
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) add_row16_bf16(res_r, delta_r, x + r * dim, i, 0xffff); /* constant mask: plain loads and stores */
+        if (i < dim) add_row16_bf16(res_r, delta_r, x + r * dim, i, row_mask(dim - i));
+    }
+    float sums[NORM_ROWS];
+    sum_sq_rows(x, n, dim, sums);
+    for (int64_t r = 0; r < n; r++) norm_row_bf16(x + r * dim, w, out + r * dim, dim, 1.0f / sqrtf(sums[r] / (float)dim + eps));
+}
+#else
+static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t dim, float eps) {
+    load_row(x, res, dim, 1);
+    if (delta != NULL) {
+        float d[dim];
+        load_row(d, delta, dim, 1);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) x[i] = round_bf16(x[i] + d[i]);
+        store_row(res, x, dim, 1);
+    }
+    float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) x[i] = round_bf16(round_bf16(x[i] * inv_rms) * w[i]);
+    store_row(out, x, dim, 1);
+}
+
+static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
+                                   int64_t dim, float eps) {
+    for (int64_t r = 0; r < n; r++)
+        add_rms_norm_bf16(res + r * dim, delta ? delta + r * dim : NULL, w, out + r * dim, x, dim, eps);
+}
+#endif
+
+void add_rms_norm(int bf16, void *residual, const void *delta, const void *weight, void *out, int64_t rows,
+                  int64_t dim, float eps, int num_threads) {
+    if (!bf16) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_f32((float *)residual + r * dim, delta ? (const float *)delta + r * dim : NULL,
+                             (const float *)weight, (float *)out + r * dim, dim, eps);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
+    {
+        float w[dim], x[NORM_ROWS * dim]; /* the weight widened once per thread, not once per row */
+        load_row(w, weight, dim, 1);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r += NORM_ROWS) {
+            const int64_t n = rows - r < NORM_ROWS ? rows - r : NORM_ROWS;
+            add_rms_norm_rows_bf16((bf16_t *)residual + r * dim, delta ? (const bf16_t *)delta + r * dim : NULL, w,
+                                   (bf16_t *)out + r * dim, x, n, dim, eps);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ SiLU
+ * gate_up [rows, 2 * hidden] (w1 | w3 outputs) -> out [rows, hidden] = silu(gate) * up, each
+ * rounded to the model dtype as torch's silu and mul_ are. */
+static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+
+#ifdef HAVE_AVX512_ROWS
+/* silu() on 16 lanes, the same bits: exp_approx's steps as GCC compiles the scalar code (the
+ * polynomial in FMAs, 1 + p * 2^k as one FMA, which vscalefps + add equals since p * 2^k is exact
+ * wherever 1 + it is not just 1). exp_approx(-g)'s clamp of -g to [-87, 88] is g's to [-88, 87];
+ * vreduceps gives f = t - rint(t) in one step, exactly, so k = t - f exactly too. */
+static inline __m512 silu16(__m512 g) {
+    const __m512 x = _mm512_min_ps(_mm512_set1_ps(87.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), g)); /* NaN stays */
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-1.44269504088896341f));
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT), k = _mm512_sub_ps(t, f);
+    const __m512 p = EXP2_POLY16(f);
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, k)));
+}
+
+/* A bfloat16 gate takes one of 65536 values: round_bf16(silu(g)) for each, as float32, indexed by g's
+ * bits (256 KiB, filled once when the library loads). A 16-lane gather from it replaces silu16's
+ * ~20 vector ops and its division (vdivps alone is ~16 cycles a vector on this class of CPU, the
+ * bound of the computed loop); activations cluster in a few exponents, so the lines it touches stay
+ * in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's rounding, denormals
+ * kept); the multiply by up and its rounding are unchanged. */
+static float silu_bf16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+    for (int32_t i = 0; i < (1 << 16); i += 16) {
+        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        _mm512_storeu_ps(silu_bf16_table + i, bf16x16_to_f32(bf16x16_round_soft(silu16(g))));
+    }
+}
+
+/* f32_to_bf16(silu_bf16_table[gate] * up) on 16 (masked: fewer) lanes */
+static inline __m256i silu_mul16(const bf16_t *gate, const bf16_t *up, __mmask16 m) {
+    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
+    const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
+    return bf16x16_round(_mm512_mul_ps(s, bf16x16_load(up, m)));
+}
+
+static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
+    int64_t i = 0;
+    for (; i + 16 <= hidden; i += 16) _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
+    if (i < hidden) {
+        const __mmask16 m = row_mask(hidden - i);
+        _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
+    }
+}
+#else
+static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
+    enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
+    float g[CHUNK], u[CHUNK];
+    for (int64_t start = 0; start < hidden; start += CHUNK) {
+        const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
+        load_row(g, gate + start, n, 1);
+        load_row(u, up + start, n, 1);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) g[i] = round_bf16(round_bf16(silu(g[i])) * u[i]);
+        store_row(out + start, g, n, 1);
+    }
+}
+#endif
+
+void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hidden, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) {
+            const bf16_t *g = (const bf16_t *)gate_up + r * 2 * hidden;
+            silu_mul_row_bf16(g, g + hidden, (bf16_t *)out + r * hidden, hidden);
+            continue;
+        }
+        const float *g = (const float *)gate_up + r * 2 * hidden, *u = g + hidden; /* no staging copies */
+        float *o = (float *)out + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ RoPE + cache write
+ * qkv [tokens, (heads + 2 * kv_heads) * head_dim]: q and k heads rotated in place by the
+ * position's angles (adjacent pairs (x[2i], x[2i+1]) as complex numbers, the reference's layout),
+ * rope [max_pos, head_dim / 2, 2] float32 (cos, sin); then k and v copied to their cache slot:
+ * caches [num_slots, kv_heads, head_dim]. */
+/* One token's heads [rot_heads, head_dim] rotated in place by its angles [head_dim / 2, 2]. */
+#ifdef HAVE_AVX512_ROWS
+/* 16 lanes are 8 (re, im) pairs: re' = re * c - im * s, im' = re * s + im * c with the products of re
+ * fused, as GCC's vectorized scalar loop rounds them (same bits): fmaddsub(re re, c s, im im * s c).
+ * Each chunk of the angles serves every head. */
+static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
+    for (int64_t i = 0; i < head_dim; i += 16) {
+        const __mmask16 m = row_mask(head_dim - i);
+        const __m512 cs = _mm512_maskz_loadu_ps(m, angles + i), sc = _mm512_permute_ps(cs, 0xB1);
+        for (int64_t h = 0; h < rot_heads; h++) {
+            const __m512 x = row16_load(heads, h * head_dim + i, m, bf16);
+            const __m512 y = _mm512_fmaddsub_ps(_mm512_moveldup_ps(x), cs, _mm512_mul_ps(_mm512_movehdup_ps(x), sc));
+            row16_store(heads, h * head_dim + i, m, y, bf16);
+        }
+    }
+}
+#else
+static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
+    const size_t es = elem_size(bf16);
+    float x[head_dim];
+    for (int64_t h = 0; h < rot_heads; h++) {
+        char *head = (char *)heads + (size_t)h * head_dim * es;
+        load_row(x, head, head_dim, bf16);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim / 2; i++) {
+            const float re = x[2 * i], im = x[2 * i + 1], c = angles[2 * i], s = angles[2 * i + 1];
+            x[2 * i] = re * c - im * s;
+            x[2 * i + 1] = re * s + im * c;
+        }
+        store_row(head, x, head_dim, bf16);
+    }
+}
+#endif
+
+void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          const int64_t *positions, const float *rope, const int64_t *slots, void *k_cache,
+                          void *v_cache, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t row_elems = (heads + 2 * kv_heads) * head_dim;
+    const size_t kv_bytes = (size_t)kv_heads * head_dim * es;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * row_elems >= ROWWISE_PARALLEL_MIN_ELEMS && tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + (size_t)t * row_elems * es;
+        rope_heads(row, rope + positions[t] * head_dim, heads + kv_heads, head_dim, bf16);
+        const char *k = row + (size_t)heads * head_dim * es;
+        memcpy((char *)k_cache + (size_t)slots[t] * kv_bytes, k, kv_bytes);
+        memcpy((char *)v_cache + (size_t)slots[t] * kv_bytes, k + kv_bytes, kv_bytes);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ paged decode attention
+ * One query token per sequence, attending to its seq_lens[b] cached keys read in place through
+ * its block table. q rows are rows[b] of q (row stride q_stride elements, heads * head_dim used),
+ * output rows are rows[b] of out [*, heads * head_dim]. Caches [num_blocks, block_size, kv_heads,
+ * head_dim].
+ *
+ * Work is split into tasks of whole blocks: one per sequence, or with fewer sequences than twice
+ * the threads, a sequence's blocks in a few ranges (flash-decoding), merged afterwards with their
+ * softmax maxima and sums. A task walks its blocks in order: a slot's keys for all KV heads are one
+ * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched,
+ * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
+#define MIN_BLOCKS_PER_TASK 4
+
+/* Into all cache levels (T0): the non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x
+ * slower over 30 layers' caches, its lines evicted before they were read (bench/NOTES.md). */
+static inline void prefetch_block(const char *block, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
+}
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    const int32_t *table;
+    int64_t heads, n_rep, block_size, slot_elems; /* slot_elems = kv_heads * head_dim */
+    size_t slot_bytes;
+    int bf16;
+} AttendArgs;
+
+/* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
+ * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
+ * Loops run block outermost (a block is one contiguous run: read in order, the next one prefetched),
+ * then KV head, then the query heads sharing it: a block's keys (or values) of one KV head come from
+ * memory once and from L1 for the other query heads, and each head's running sum stays in
+ * registers over the block. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const AttendArgs *a, const float *qf, int64_t len, int64_t blk_begin, int64_t blk_end, const int64_t D,
+    float *scores, float *max_out, float *sum_out, float *acc) {
+    const int64_t heads = a->heads, n_rep = a->n_rep, bs = a->block_size, first_key = blk_begin * bs;
+    const int64_t last_key = blk_end * bs < len ? blk_end * bs : len, n_keys = last_key - first_key;
+    const int64_t kv_heads = heads / n_rep, es = a->bf16 ? 2 : 4;
+    const size_t block_bytes = a->slot_bytes * bs;
+    float conv[bs][D]; /* bfloat16: one block of one KV head in float32 */
+    for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
+        const char *cache = pass == 0 ? a->k_cache : a->v_cache;
+        if (pass == 1) {
+            for (int64_t h = 0; h < heads; h++) {
+                float *s = scores + h * n_keys, max = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < n_keys; t++) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n_keys; t++) {
+                    /* below e^-46 a weight is < 1e-20 of the largest: dropping it changes no float
+                     * sum, and keeps denormal products (slow on x86) out of the loop */
+                    s[t] = s[t] - max < -46.0f ? 0.0f : exp_approx(s[t] - max);
+                    sum += s[t];
+                }
+                max_out[h] = max;
+                sum_out[h] = sum;
+                memset(acc + h * D, 0, (size_t)D * sizeof(float));
+            }
+        }
+        for (int64_t blk = blk_begin; blk < blk_end; blk++) {
+            if (blk + 1 < blk_end) prefetch_block(cache + (size_t)a->table[blk + 1] * block_bytes, block_bytes);
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const char *block = cache + (size_t)a->table[blk] * block_bytes + (size_t)(g * D * es);
+                const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
+                const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
+                int64_t stride = a->slot_elems;
+                if (a->bf16) {
+                    for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
+                    rows_f32 = &conv[0][0];
+                    stride = D;
+                }
+                for (int64_t h = g * n_rep; h < (g + 1) * n_rep; h++) {
+                    if (pass == 0) {
+                        const float *qh = qf + h * D;
+                        float *s = scores + h * n_keys + t0;
+                        for (int64_t j = 0; j < n; j++) {
+                            const float *kv = rows_f32 + j * stride;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t i = 0; i < D; i++) dot += qh[i] * kv[i];
+                            s[j] = dot;
+                        }
+                    } else {
+                        const float *p = scores + h * n_keys + t0;
+                        float sum[D];
+                        memcpy(sum, acc + h * D, sizeof(sum));
+                        for (int64_t j = 0; j < n; j++) {
+                            const float *kv = rows_f32 + j * stride, w = p[j];
+#pragma omp simd
+                            for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
+                        }
+                        memcpy(acc + h * D, sum, sizeof(sum));
+                    }
+                }
+            }
+        }
+    }
+}
+
+void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                            const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                            int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    const size_t es = elem_size(bf16);
+    const int64_t D = head_dim;
+    /* tasks: sequence b owns tasks [task_begin[b], task_begin[b + 1]), each a range of its blocks */
+    const int64_t want_splits = num_seqs < 2 * num_threads ? (2 * num_threads + num_seqs - 1) / num_seqs : 1;
+    int64_t *task_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    int64_t total_keys = 0;
+    task_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+        const int64_t most = (blocks + MIN_BLOCKS_PER_TASK - 1) / MIN_BLOCKS_PER_TASK;
+        task_begin[b + 1] = task_begin[b] + (want_splits < most ? want_splits : most);
+        total_keys += seq_lens[b];
+    }
+    const int64_t tasks = task_begin[num_seqs], part = heads * (D + 2); /* per task: max, sum, acc */
+    float *parts = malloc((size_t)(tasks * part) * sizeof(float));
+    const AttendArgs args = {(const char *)k_cache, (const char *)v_cache, NULL, heads, heads / kv_heads, block_size,
+                             kv_heads * D, (size_t)kv_heads * D * es, bf16};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t b = 0;
+        while (task_begin[b + 1] <= task) b++;
+        const int64_t splits = task_begin[b + 1] - task_begin[b], split = task - task_begin[b];
+        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
+        const int64_t blk_begin = blocks * split / splits, blk_end = blocks * (split + 1) / splits;
+        AttendArgs a = args;
+        a.table = block_tables + b * max_blocks;
+        float qf[heads * D];
+        const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
+        load_row(qf, q_row, heads * D, bf16);
+#pragma omp simd
+        for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
+        float *scores = malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+        float *mine = parts + task * part;
+        if (D == 64)
+            attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads);
+        else if (D == 128)
+            attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads);
+        else
+            attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads);
+        free(scores);
+    }
+    for (int64_t b = 0; b < num_seqs; b++) { /* merge each sequence's ranges; normalise */
+        char *out_row = (char *)out + (size_t)rows[b] * heads * D * es;
+        float merged[D];
+        for (int64_t h = 0; h < heads; h++) {
+            float max = -INFINITY, sum = 0.0f;
+            for (int64_t task = task_begin[b]; task < task_begin[b + 1]; task++) {
+                const float m = parts[task * part + h];
+                max = m > max ? m : max;
+            }
+            memset(merged, 0, sizeof(merged));
+            for (int64_t task = task_begin[b]; task < task_begin[b + 1]; task++) {
+                const float *p = parts + task * part;
+                const float weight = expf(p[h] - max), *acc = p + 2 * heads + h * D;
+                sum += weight * p[heads + h];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) merged[i] += weight * acc[i];
+            }
+            const float inv_sum = 1.0f / sum;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) merged[i] *= inv_sum;
+            store_row(out_row + (size_t)h * D * es, merged, D, bf16);
+        }
+    }
+    free(parts);
+    free(task_begin);
+}
+
+/* ------------------------------------------------------------------------------------------ one-row linear
+ * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
+ * each step of k is one contiguous 16-wide load and a vertical multiply-add: the weight streams
+ * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
+ * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
+ * oneDNN wins from a few rows up. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16f load16(const char *p, int bf16) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, p, sizeof(h));
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        v16f f;
+        memcpy(&f, &u, sizeof(f));
+        return f;
+    }
+    v16f f;
+    memcpy(&f, p, sizeof(f));
+    return f;
+}
+
+void interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                        int num_threads) {
+    const size_t es = elem_size(bf16), step = 16 * es;
+    float *xf = malloc((size_t)(rows * k) * sizeof(float));
+    for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < n / 16; b++) {
+        const char *w = (const char *)weight + (size_t)(b * k) * step;
+        for (int64_t m = 0; m < rows; m++) {
+            const float *xm = xf + m * k;
+            v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
+            int64_t i = 0;
+            for (; i + 4 <= k; i += 4) {
+                a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+                a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
+                a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
+                a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
+            }
+            for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+            float sums[16];
+            v16f s = (a0 + a1) + (a2 + a3);
+            memcpy(sums, &s, sizeof(sums));
+            store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
+        }
+    }
+    free(xf);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* bfloat16 one-row linear on AVX512_BF16 CPUs: W given as [n / 16, k / 2, 16, 2] (16 output rows
+ * interleaved, each with two consecutive columns side by side), so one 64-byte load holds two steps
+ * of k for 16 outputs and one vdpbf16ps multiplies them by the broadcast pair of x (each product of
+ * two bfloat16 values is exact in float32; the sums are float32, as in interleaved_linear). Half the
+ * instructions per weight byte of converting each value to float32 first: the loop keeps up with
+ * memory. k even. */
+static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 as one 32-bit lane (x may be 2-byte aligned only) */
+    int pair;
+    memcpy(&pair, x + 2 * i, sizeof(pair));
+    return pair;
+}
+
+void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                                   int num_threads) {
+    const int64_t pairs = k / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < n / 16; b++) {
+        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
+        for (int64_t m = 0; m < rows; m++) {
+            const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
+            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
+             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            int64_t i = 0;
+#define PAIR_STEP(acc, j) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
+            for (; i + 8 <= pairs; i += 8) {
+                PAIR_STEP(a0, i);
+                PAIR_STEP(a1, i + 1);
+                PAIR_STEP(a2, i + 2);
+                PAIR_STEP(a3, i + 3);
+                PAIR_STEP(a4, i + 4);
+                PAIR_STEP(a5, i + 5);
+                PAIR_STEP(a6, i + 6);
+                PAIR_STEP(a7, i + 7);
+            }
+            for (; i < pairs; i++) PAIR_STEP(a0, i);
+#undef PAIR_STEP
+            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
+            float sums[16];
+            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
+        }
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------ paged attention
+ * Many sequences' new tokens, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
+ * the same): sequence b's are rows row_start[b] .. row_start[b] + new_tokens[b] of qkv and out, the
+ * last of its seq_lens[b] keys; token t of them sits at position seq_lens[b] - n_new + t and sees
+ * keys 0 .. that position (its cached prefix and the chunk up to itself). K/V are read in place
+ * through the block table: no gather, no repeat_kv, no mask materialised.
+ *
+ * Work items: (sequence, KV head, tile of up to PA_TILE_ROWS query rows, or one token's n_rep rows
+ * if that is more), a query row being one (token, query head) of the n_rep heads sharing the KV
+ * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
+ * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
+ * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
+ * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
+ * (below) instead, which also beats torch's SDPA on prefill chunks; elsewhere CpuKernelBackend runs
+ * the decodes through this path and prefill chunks stay with SDPA, whose bf16 GEMMs beat these
+ * float32 loops (bench/NOTES.md). */
+typedef float pa_v16f __attribute__((vector_size(64)));
+typedef uint16_t pa_v16h __attribute__((vector_size(32)));
+typedef uint32_t pa_v16u __attribute__((vector_size(64)));
+typedef int32_t pa_v16i __attribute__((vector_size(64)));
+#define PA_TILE_ROWS 48
+#define PA_KEYS 16
+
+/* A row of D values as D / 16 float32 vectors, bfloat16 ones in the kernel's lane order: each run of
+ * 32 values as its even-indexed then its odd-indexed values (a 32-bit lane holds one of each: the
+ * odd one is the lane with its low half cleared, the even one the lane shifted up; no widening
+ * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
+ * products and weighted sums do not depend on the order as long as q, K, V and the output share
+ * it; pa_unpermute puts the output back. A last run of 16 values is widened as is. */
+static inline void pa_load_row(pa_v16f *dst, const char *src, int64_t DV, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)DV * sizeof(pa_v16f));
+        return;
+    }
+    int64_t c = 0;
+    for (; c + 2 <= DV; c += 2) {
+        pa_v16u u;
+        memcpy(&u, src + c * 32, sizeof(u));
+        const pa_v16u even = u << 16, odd = u & 0xffff0000u;
+        memcpy(&dst[c], &even, sizeof(even));
+        memcpy(&dst[c + 1], &odd, sizeof(odd));
+    }
+    if (c < DV) {
+        pa_v16h h;
+        memcpy(&h, src + c * 32, sizeof(h));
+        const pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
+        memcpy(&dst[c], &u, sizeof(u));
+    }
+}
+
+/* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
+static inline void pa_unpermute(float *dst, const pa_v16f *src, int64_t DV, int bf16) {
+    const float *f = (const float *)src;
+    int64_t c = 0;
+    if (bf16)
+        for (; c + 2 <= DV; c += 2)
+            for (int64_t i = 0; i < 16; i++) {
+                dst[c * 16 + 2 * i] = f[c * 16 + i];
+                dst[c * 16 + 2 * i + 1] = f[(c + 1) * 16 + i];
+            }
+    memcpy(dst + c * 16, f + c * 16, (size_t)(DV - c) * 16 * sizeof(float));
+}
+
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
+ * vectors of partial products into one vector of 16 dot products (lane j: key j). */
+#define PA_COMBINE(a, b, w)                                                                                   \
+    (__builtin_shuffle((a), (b), (pa_v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),   \
+                                           PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),   \
+                                           PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),            \
+                                           PA_I1(w, 14), PA_I1(w, 15)}) +                                     \
+     __builtin_shuffle((a), (b), (pa_v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),   \
+                                           PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),   \
+                                           PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),            \
+                                           PA_I2(w, 14), PA_I2(w, 15)}))
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : 16 + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : 16 + (l))
+
+static inline pa_v16f pa_sum16(const pa_v16f p[16]) {
+    pa_v16f q[8], r[4], s[2];
+    for (int i = 0; i < 8; i++) q[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < 4; i++) r[i] = PA_COMBINE(q[2 * i], q[2 * i + 1], 2);
+    for (int i = 0; i < 2; i++) s[i] = PA_COMBINE(r[2 * i], r[2 * i + 1], 4);
+    return PA_COMBINE(s[0], s[1], 8);
+}
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    int64_t n_rep, block_size, slot_elems, q_stride, out_stride; /* elements */
+    int bf16;
+    float scale;
+} PagedArgs;
+
+/* Keys in the run starting at key0: up to PA_KEYS, never past the block or the last key. */
+static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_size) {
+    const int64_t left = n_keys - key0, in_block = block_size - key0 % block_size;
+    const int64_t n = left < in_block ? left : in_block;
+    return n < PA_KEYS ? n : PA_KEYS;
+}
+
+/* One work item: query rows [tok0, tok1) x the n_rep heads of KV head g of one sequence. */
+static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
+                                                          char *out, const int32_t *table, int64_t prefix,
+                                                          int64_t tok0, int64_t tok1, int64_t g) {
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / 16;
+    const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
+    const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
+    /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
+    pa_v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    float row_max[rows], row_sum[rows];
+    for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
+        const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        pa_load_row(qv[r], src, DV, a->bf16);
+        for (int64_t c = 0; c < DV; c++) {
+            qv[r][c] *= a->scale;
+            acc[r][c] = (pa_v16f){0};
+        }
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    for (int64_t key0 = 0; key0 < n_keys;) {
+        const int64_t n = pa_run_length(key0, n_keys, bs);
+        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
+                                  * memory (the layer's weights evicted them), 1.2x on 32 decodes */
+            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
+            for (int64_t j = 0; j < n1; j++)
+                for (size_t line = 0; line < (size_t)D * es; line += 64) {
+                    __builtin_prefetch(a->k_cache + next + j * slot_bytes + line, 0, 1);
+                    __builtin_prefetch(a->v_cache + next + j * slot_bytes + line, 0, 1);
+                }
+        }
+        for (int64_t j = 0; j < n; j++) {
+            pa_load_row(kf[j], a->k_cache + first + j * slot_bytes, DV, a->bf16);
+            pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
+        }
+        for (int64_t j = n; j < PA_KEYS; j++)
+            for (int64_t c = 0; c < DV; c++) kf[j][c] = (pa_v16f){0}; /* scores of keys past the run: masked */
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
+            if (visible <= 0) continue;
+            const int64_t m = visible < n ? visible : n;
+            pa_v16f p[PA_KEYS];
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                pa_v16f dot = qv[r][0] * kf[j][0];
+                for (int64_t c = 1; c < DV; c++) dot += qv[r][c] * kf[j][c];
+                p[j] = dot;
+            }
+            float s[PA_KEYS];
+            const pa_v16f scores = pa_sum16(p);
+            memcpy(s, &scores, sizeof(s));
+            float new_max = row_max[r];
+#pragma omp simd reduction(max : new_max)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                s[j] = j < m ? s[j] : -INFINITY; /* keys past the row's position or the run */
+                new_max = s[j] > new_max ? s[j] : new_max;
+            }
+            const float rescale = row_max[r] == -INFINITY ? 0.0f : exp_approx(row_max[r] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                /* masked keys weigh 0; below e^-46 a weight changes no float sum (and keeps denormal
+                 * products out of the loop), as in paged_decode_attention */
+                s[j] = s[j] - new_max < -46.0f ? 0.0f : exp_approx(s[j] - new_max);
+                sum += s[j];
+            }
+            row_sum[r] = row_sum[r] * rescale + sum;
+            row_max[r] = new_max;
+            for (int64_t c = 0; c < DV; c++) {
+                pa_v16f o = acc[r][c] * rescale;
+                for (int64_t j = 0; j < m; j++) o += vf[j][c] * s[j];
+                acc[r][c] = o;
+            }
+        }
+        key0 += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        const float inv_sum = 1.0f / row_sum[r];
+        float o[D];
+        for (int64_t c = 0; c < DV; c++) acc[r][c] *= inv_sum;
+        pa_unpermute(o, acc[r], DV, a->bf16);
+        store_row(dst, o, D, a->bf16);
+    }
+}
+
+#include "amx.h"
+#ifdef AMX_COMPILED
+#define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
+#define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
+
+/* Whether paged_attention_amx takes caches of this head_dim and block size in this process. */
+static inline int pa_amx_applies(int64_t head_dim, int64_t block_size) {
+    return head_dim % 64 == 0 && block_size % PA_AMX_KEYS == 0 && amx_tiles_permitted();
+}
+
+static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                               const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
+                               int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               int num_threads);
+#endif
+
+void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                     const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
+                     const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale, int num_threads) {
+#ifdef PA_AMX
+    if (bf16 && paged_attention_amx(qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks,
+                                    num_seqs, k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, num_threads))
+        return;
+#endif
+    const size_t es = elem_size(bf16);
+    const int64_t n_rep = heads / kv_heads, tile_tokens = n_rep < PA_TILE_ROWS ? PA_TILE_ROWS / n_rep : 1;
+    /* items: sequence b's are [item_begin[b], item_begin[b + 1]), KV head major */
+    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    item_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t n_new = new_tokens[b];
+        item_begin[b + 1] = item_begin[b] + kv_heads * ((n_new + tile_tokens - 1) / tile_tokens);
+        work += n_new * seq_lens[b];
+    }
+    const int64_t items = item_begin[num_seqs];
+    const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
+                            q_stride, heads * head_dim, bf16, scale};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = 0;
+        while (item_begin[b + 1] <= item) b++;
+        const int64_t n_new = new_tokens[b], tiles = (item_begin[b + 1] - item_begin[b]) / kv_heads;
+        const int64_t g = (item - item_begin[b]) / tiles, tile = (item - item_begin[b]) % tiles;
+        const int64_t tok0 = tile * tile_tokens, tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
+        const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * es;
+        char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * es;
+        const int32_t *table = block_tables + b * max_blocks;
+        const int64_t prefix = seq_lens[b] - n_new;
+        if (head_dim == 64)
+            pa_tile(&args, 64, q, o, table, prefix, tok0, tok1, g);
+        else if (head_dim == 128)
+            pa_tile(&args, 128, q, o, table, prefix, tok0, tok1, g);
+        else
+            pa_tile(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+    }
+    free(item_begin);
+}
+
+#ifdef PA_AMX
+/* ------------------------------------------------------------------------------------------ paged attention on AMX tiles
+ * paged_attention for bfloat16 caches on CPUs with AMX (head_dim a multiple of 64, blocks a multiple
+ * of 16 keys). Items are (sequence, tile of tokens) with every
+ * KV head in them, so a run of 16 keys is one block's contiguous K (and V) rows for all heads.
+ * Two passes per item, no online rescaling:
+ * - scores: S^T [16 keys, N query rows] = K Q^T per KV head and run, K the cache's rows as they are
+ *   (a tile load with the slot stride: no copy, no transpose), Q^T packed once per item; then an
+ *   exact softmax per row over all its keys, the weights rounded to bfloat16 (as torch's bfloat16
+ *   SDPA rounds them before P V) and summed as rounded, so each output is their weighted mean;
+ * - values: O [N, 64] += P [N, 16 keys] V [16 keys, 64] per run, V's rows loaded from the cache as
+ *   they are too (the weights as (w, 0) and (0, w) pairs pick its even and odd dims), O accumulating
+ *   in four tiles over all runs.
+ * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
+ * rounding pa_tile lacks is P's. A decode reads each key once from memory, and memory bounds it: the
+ * scores pass prefetches the next run between its tile steps (and the thread's next item's first run
+ * comes during the values pass), so the tile work runs under the misses (bench/NOTES.md, "Decode
+ * attention at the bandwidth bound"). */
+#include <immintrin.h>
+AMX_TARGET_BEGIN
+
+/* scores pass: tiles 0-2 S^T [16 keys, N] (float32), 3-4 K [16 keys, 32 dims], 5-6 Q^T [16 dim pairs, N];
+ * values pass: tiles 0-1 P [N, 16 keys as (w, 0) / (0, w) pairs], 2-3 V [16 keys, 32 dims], 4-7 O [N, 16
+ * even or odd dims] */
+static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n) {
+    memset(scores, 0, sizeof(*scores));
+    memset(values, 0, sizeof(*values));
+    scores->palette = values->palette = 1;
+    for (int t = 0; t <= 6; t++) scores->rows[t] = PA_AMX_KEYS, scores->colsb[t] = t == 3 || t == 4 ? 64 : (uint16_t)(4 * n);
+    for (int t = 0; t <= 1; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 4 * PA_AMX_KEYS;
+    for (int t = 2; t <= 3; t++) values->rows[t] = PA_AMX_KEYS, values->colsb[t] = 64;
+    for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
+}
+
+/* exp_approx on 16 lanes for x <= 0 (a score less its row's maximum; in intrinsics: the
+ * auto-vectorized loop split into 256-bit halves, whose stores a 512-bit reload could not forward),
+ * 0 below -46 as in pa_tile (such a weight changes no float sum). The lanes kept lie in [-46, 0], so
+ * exp_approx's clamps change none of them, and scaling by 2^k with vscalefps gives the bits its
+ * exponent arithmetic does, in one instruction instead of three. */
+static inline __m512 pa_amx_exp(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, EXP2_POLY16(f), k);
+}
+
+/* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
+ * prefetched a few at a time between the scores pass's tile work: issued as one burst per head they
+ * filled the line fill buffers and stalled the tile work behind them (32 decodes x 160 keys over 30
+ * layers' caches, 1 thread: 5% slower, bench/NOTES.md). */
+typedef struct {
+    const char *k, *v;
+    size_t at, end; /* bytes of the span left to prefetch: [at, end) */
+} PaPrefetch;
+
+#define PA_PREFETCH_LINES 4 /* lines of K and of V per call between tile steps; 2 and 8 were no better */
+
+static inline void pa_prefetch_some(PaPrefetch *pf, size_t lines) {
+    for (; lines > 0 && pf->at < pf->end; lines--, pf->at += 64) {
+        __builtin_prefetch(pf->k + pf->at, 0, 3);
+        __builtin_prefetch(pf->v + pf->at, 0, 3);
+    }
+}
+
+/* A call's items, handed out one at a time (dynamic scheduling by hand): a thread claims its next
+ * item once the current one's scores pass is done, and prefetches that item's first run during the
+ * current one's softmax and values pass, which otherwise leave memory idle (their K/V were fetched
+ * by the scores pass). */
+typedef struct {
+    int64_t next; /* the first unclaimed item (atomic) */
+    int64_t items;
+    const int64_t *item_begin; /* sequence b's items: [item_begin[b], item_begin[b + 1]) */
+    const int32_t *block_tables;
+    int64_t max_blocks;
+} PaItems;
+
+/* The sequence owning `item` (sequence b's items: [item_begin[b], item_begin[b + 1])). */
+static inline int64_t pa_item_sequence(const int64_t *item_begin, int64_t item) {
+    int64_t b = 0;
+    while (item_begin[b + 1] <= item) b++;
+    return b;
+}
+
+/* Claim the next item (it->items where none is left) and point *ahead at its first run's K/V span
+ * (every item's scores pass starts at key 0 of its sequence). Its first two runs instead were no
+ * better on blocks in order and slower on scattered ones: the values pass's own reads from L2 then
+ * wait for fill buffers. */
+static inline int64_t pa_claim(PaItems *it, const PagedArgs *a, PaPrefetch *ahead) {
+    const int64_t item = __atomic_fetch_add(&it->next, 1, __ATOMIC_RELAXED);
+    *ahead = (PaPrefetch){a->k_cache, a->v_cache, 0, 0};
+    if (item >= it->items) return it->items;
+    const int64_t b = pa_item_sequence(it->item_begin, item);
+    const size_t slot_bytes = (size_t)a->slot_elems * 2, first = (size_t)it->block_tables[b * it->max_blocks] * a->block_size * slot_bytes;
+    *ahead = (PaPrefetch){a->k_cache + first, a->v_cache + first, 0, PA_AMX_KEYS * slot_bytes};
+    return item;
+}
+
+/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
+ * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
+ * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
+ * `items` into *claimed (pa_claim) when its scores pass is done. */
+static inline __attribute__((always_inline)) void pa_amx_item(
+    const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
+    int64_t prefix, int64_t tok0, int64_t tok1, PaItems *items, int64_t *claimed) {
+    const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
+    const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
+    const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
+    /* one allocation: Q^T [g][chunk][dim pair][N], 64 zero bytes, scores [g][N][padded] (then the weights) */
+    const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
+    char *scratch = aligned_alloc(64, qt_bytes + 64 + scores_bytes);
+    uint32_t *qt = (uint32_t *)scratch;
+    memset(scratch + qt_bytes, 0, 64);
+    float *scores = (float *)(scratch + qt_bytes + 64);
+    float inv_sum[groups * N];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t r = 0; r < N; r++) { /* query row r's 16 dim pairs of each chunk down column r */
+            const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2;
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_i32scatter_epi32(qt + (g * chunks + c) * 16 * N + r, column, _mm512_loadu_si512(src + c * 64), 4);
+        }
+    AmxTileConfig cfg_scores, cfg_values;
+    amx_configs(&cfg_scores, &cfg_values, N);
+    float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][N] of three heads */
+    _tile_loadconfig(&cfg_scores);
+    PaPrefetch pf = {a->k_cache, a->v_cache, 0, 0};
+    for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
+        const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
+        const size_t run = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes;
+        pa_prefetch_some(&pf, SIZE_MAX); /* this run's lines not prefetched yet */
+        const int64_t key1 = key0 + PA_AMX_KEYS;
+        if (key1 < n_keys) {
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes;
+            pf = (PaPrefetch){a->k_cache + next, a->v_cache + next, 0, run_bytes};
+        }
+        /* Tiles are not renamed: a load into a tile waits for the multiply still reading it. So the
+         * heads take turns over three S^T tiles, and the K and Q^T chunks alternate between two tiles
+         * each: the next multiply's operands load while the last one runs. */
+        for (int64_t g = 0; g < groups; g++) {
+            const char *k = a->k_cache + run + (size_t)(g / split * D) * 2;
+            const uint32_t *qg = qt + g * chunks * 16 * N;
+            for (int64_t c = 0; c < chunks; c++) {
+#define PA_AMX_QK(S, K, Q)                                                                                 \
+    do {                                                                                                   \
+        if (c == 0) _tile_zero(S);                                                                         \
+        _tile_loadd(K, k + c * 64, (long)slot_bytes);                                                      \
+        _tile_loadd(Q, qg + c * 16 * N, 4 * N);                                                            \
+        _tile_dpbf16ps(S, K, Q);                                                                           \
+    } while (0)
+                pa_prefetch_some(&pf, PA_PREFETCH_LINES);
+                const int64_t turn = (g * chunks + c) & 1;
+                switch (g % 3) {
+                case 0: if (turn) PA_AMX_QK(0, 4, 6); else PA_AMX_QK(0, 3, 5); break;
+                case 1: if (turn) PA_AMX_QK(1, 4, 6); else PA_AMX_QK(1, 3, 5); break;
+                default: if (turn) PA_AMX_QK(2, 4, 6); else PA_AMX_QK(2, 3, 5); break;
+                }
+#undef PA_AMX_QK
+            }
+            float *s_g = s_t + (g % 3) * PA_AMX_KEYS * 16;
+            switch (g % 3) {
+            case 0: _tile_stored(0, s_g, 4 * N); break;
+            case 1: _tile_stored(1, s_g, 4 * N); break;
+            default: _tile_stored(2, s_g, 4 * N); break;
+            }
+            if (g + 1 < groups && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
+            for (int64_t h = g - g % 3; h <= g; h++)
+                for (int64_t r = 0; r < N; r++) {
+                    pa_prefetch_some(&pf, PA_PREFETCH_LINES);
+                    const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
+                    const __mmask16 keep = m >= 16 ? 0xffff : (m <= 0 ? 0 : (__mmask16)((1u << m) - 1));
+                    const __m512 raw = _mm512_i32gather_ps(column, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
+                    const __m512 s = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
+                    _mm512_store_ps(scores + (h * N + r) * padded + key0, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
+                }
+        }
+    }
+    PaPrefetch ahead;
+    *claimed = pa_claim(items, a, &ahead);
+    for (int64_t row = 0; row < groups * N; row++) { /* softmax, in place: the weights rounded to bfloat16 */
+        pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
+        float *s = scores + row * padded;
+        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        for (int64_t j = 0; j < padded; j += 16) {
+            const __m256bh w = _mm512_cvtneps_pbh(pa_amx_exp(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
+            const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
+            _mm512_store_si512(s + j, low_half);
+            vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
+        }
+        inv_sum[row] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    /* P V with V's rows as they lie in the cache (no interleaving of key pairs): a tile multiply sums
+     * A[m][2k] B[k][n][0] + A[m][2k + 1] B[k][n][1] with B's row k one key's 32 dims as 16 pairs, so
+     * A = the weights as (w, 0) pairs gives the even dims, and (0, w) pairs, the same buffer loaded
+     * 2 bytes early (the 64 bytes before it are zero), the odd ones. */
+    float o[4][16][16] __attribute__((aligned(64))); /* per 32 dims: even, odd */
+    uint16_t v_tail[PA_AMX_KEYS][64] __attribute__((aligned(64))); /* a last run's keys, zeros past them (0 x NaN is NaN) */
+    _tile_loadconfig(&cfg_values);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
+                pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
+                const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
+                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
+                long stride = (long)slot_bytes;
+                if (n < PA_AMX_KEYS) {
+                    for (int64_t j = 0; j < PA_AMX_KEYS; j++)
+                        if (j < n) memcpy(v_tail[j], v + j * slot_bytes, sizeof(v_tail[j]));
+                        else memset(v_tail[j], 0, sizeof(v_tail[j]));
+                    v = (const char *)v_tail, stride = sizeof(v_tail[0]);
+                }
+                const float *w = scores + g * N * padded + key0;
+                _tile_loadd(0, w, padded * 4);
+                _tile_loadd(1, (const char *)w - 2, padded * 4);
+                _tile_loadd(2, v, stride);
+                _tile_loadd(3, v + 64, stride);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 1, 2);
+                _tile_dpbf16ps(6, 0, 3);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+            _tile_stored(4, o[0], 64);
+            _tile_stored(5, o[1], 64);
+            _tile_stored(6, o[2], 64);
+            _tile_stored(7, o[3], 64);
+            /* dims 32 h + 2 t and 32 h + 2 t + 1 from o[2 h][r][t] and o[2 h + 1][r][t] */
+            const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (int64_t r = 0; r < N; r++) {
+                char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D + d0)) * 2;
+                const __m512 inv = _mm512_set1_ps(inv_sum[g * N + r]);
+                for (int h = 0; h < 2; h++) {
+                    const __m512 x = _mm512_load_ps(o[2 * h][r]), y = _mm512_load_ps(o[2 * h + 1][r]);
+                    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(x, low, y), inv);
+                    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(x, high, y), inv);
+                    _mm512_storeu_si512(dst + h * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+        }
+    pa_prefetch_some(&ahead, SIZE_MAX); /* what the values pass left */
+    free(scratch);
+}
+
+/* paged_attention through pa_amx_item where it applies (returns 1), else 0 and nothing done. */
+static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                               const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
+                               int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               int num_threads) {
+    if (!pa_amx_applies(head_dim, block_size)) return 0;
+    /* at most 16 query rows per group of a KV head's query heads (a tile's columns): more than 16
+     * query heads per KV head split into equal groups */
+    int64_t split = (heads / kv_heads + 15) / 16;
+    while ((heads / kv_heads) % split) split++;
+    const int64_t n_rep = heads / kv_heads / split, tile_tokens = 16 / n_rep;
+    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    item_begin[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        item_begin[b + 1] = item_begin[b] + (new_tokens[b] + tile_tokens - 1) / tile_tokens;
+        work += new_tokens[b] * seq_lens[b];
+    }
+    const int64_t items = item_begin[num_seqs];
+    const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
+                            q_stride, heads * head_dim, 1, scale};
+    PaItems sched = {0, items, item_begin, block_tables, max_blocks};
+#pragma omp parallel num_threads(num_threads) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    {
+        int64_t item = __atomic_fetch_add(&sched.next, 1, __ATOMIC_RELAXED);
+        while (item < items) {
+            const int64_t b = pa_item_sequence(item_begin, item);
+            const int64_t n_new = new_tokens[b], tok0 = (item - item_begin[b]) * tile_tokens;
+            const int64_t tok1 = tok0 + tile_tokens < n_new ? tok0 + tile_tokens : n_new;
+            const char *q = (const char *)qkv + (size_t)row_start[b] * q_stride * 2;
+            char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * 2;
+            const int32_t *table = block_tables + b * max_blocks;
+            int64_t next = items;
+            if (head_dim == 64)
+                pa_amx_item(&args, 64, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1,
+                            &sched, &next);
+            else
+                pa_amx_item(&args, head_dim, kv_heads * split, split, q, o, table, seq_lens[b] - n_new, tok0, tok1,
+                            &sched, &next);
+            item = next;
+        }
+        _tile_release(); /* the thread's tile state back to init: no 8 KB of it saved at each switch */
+    }
+    free(item_begin);
+    return 1;
+}
+AMX_TARGET_END
+#endif
+
+/* 1 where paged_attention runs bfloat16 caches of this head_dim and block size on AMX tiles: then it
+ * beats torch's SDPA on prefill chunks too (bench/NOTES.md), and CpuKernelBackend hands it those as
+ * well. */
+int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
+#ifdef PA_AMX
+    return bf16 && pa_amx_applies(head_dim, block_size);
+#else
+    (void)bf16, (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ greedy sampling
+ * ids[r], values[r] = the first index of row r's largest value and that value, as numpy's argmax on
+ * the rows as float32 (engine/core/sampler.py's all-greedy path): equal values (+0 and -0 included) keep
+ * the first, and a NaN anywhere wins (the first NaN). x: [rows, row_stride] of either dtype, cols
+ * used. bfloat16 rows are read as they are: the float32 copy of a [32, 49152] batch cost more than
+ * the search (bench/NOTES.md); float32 rows on both threads where numpy's argmax takes one. */
+static inline int is_nan_bits(const void *x, int64_t i, int bf16) {
+    return bf16 ? (((const bf16_t *)x)[i] & 0x7fff) > 0x7f80 : (((const uint32_t *)x)[i] & 0x7fffffffu) > 0x7f800000u;
+}
+
+static inline float value_at(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static int64_t first_nan(const void *x, int64_t cols, int bf16) {
+    for (int64_t i = 0; i < cols; i++)
+        if (is_nan_bits(x, i, bf16)) return i;
+    return -1;
+}
+
+#ifdef HAVE_AVX512_ROWS
+static inline __mmask32 row_mask32(int64_t left) { return left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u); }
+
+/* bfloat16 in two passes, the maximum and then the first position holding it. The maximum: 32 values
+ * a step split into even and odd float32 lanes (no shuffles); NaN shows in the largest |x| bits
+ * instead (vmaxps drops it). */
+static float row_max_bf16(const bf16_t *x, int64_t cols, int *has_nan) {
+    const __m512i minus_inf = _mm512_set1_epi16((short)0xff80), high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 max = _mm512_set1_ps(-INFINITY);
+    __m512i max_abs = _mm512_setzero_si512();
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __m512i v = _mm512_mask_loadu_epi16(minus_inf, row_mask32(cols - i), x + i);
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        max_abs = _mm512_max_epu16(max_abs, _mm512_and_si512(v, _mm512_set1_epi16(0x7fff)));
+    }
+    *has_nan = _mm512_cmpgt_epu16_mask(max_abs, _mm512_set1_epi16(0x7f80)) != 0;
+    return _mm512_reduce_max_ps(max);
+}
+
+/* float32 in one pass (a second would read the row from L3 again): per lane the largest value and the
+ * first index holding it, four such accumulators side by side (the compare-and-blend chain is
+ * latency-bound alone), then the smallest index among the lanes holding the maximum. Indices are
+ * 32-bit lanes: cols < 2^31. */
+#define ARGMAX_F32_WAYS 4
+static int64_t argmax_row_f32(const float *x, int64_t cols, int *has_nan) {
+    __m512 best[ARGMAX_F32_WAYS];
+    __m512i best_at[ARGMAX_F32_WAYS], at[ARGMAX_F32_WAYS];
+    __m512i max_abs = _mm512_setzero_si512();
+    for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
+        best[w] = _mm512_set1_ps(-INFINITY);
+        at[w] = best_at[w] = _mm512_add_epi32(_mm512_set1_epi32(16 * w), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    }
+    for (int64_t i = 0; i < cols; i += 16 * ARGMAX_F32_WAYS) {
+#pragma GCC unroll 4
+        for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), row_mask(cols - i - 16 * w), x + i + 16 * w);
+            const __mmask16 better = _mm512_cmp_ps_mask(v, best[w], _CMP_GT_OQ);
+            best[w] = _mm512_mask_mov_ps(best[w], better, v);
+            best_at[w] = _mm512_mask_mov_epi32(best_at[w], better, at[w]);
+            at[w] = _mm512_add_epi32(at[w], _mm512_set1_epi32(16 * ARGMAX_F32_WAYS));
+            max_abs = _mm512_max_epu32(max_abs, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+        }
+    }
+    *has_nan = _mm512_cmpgt_epu32_mask(max_abs, _mm512_set1_epi32(0x7f800000)) != 0;
+    __m512 all = best[0];
+    for (int w = 1; w < ARGMAX_F32_WAYS; w++) all = _mm512_max_ps(all, best[w]);
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(all));
+    __m512i first = _mm512_set1_epi32(INT32_MAX);
+    for (int w = 0; w < ARGMAX_F32_WAYS; w++) /* lanes holding the maximum (either zero for a zero) */
+        first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[w], top, _CMP_EQ_OQ), first, best_at[w]);
+    return _mm512_reduce_min_epi32(first);
+}
+
+/* The first position holding `best` (either zero for a zero): bfloat16 compares bits, 32 a step */
+static int64_t first_equal_bf16(const bf16_t *x, int64_t cols, float best) {
+    union { float f; uint32_t u; } b = {best};
+    const uint16_t bits = (uint16_t)(b.u >> 16), care = (bits & 0x7fff) ? 0xffff : 0x7fff; /* -0 == +0 */
+    const __m512i target = _mm512_set1_epi16((short)(bits & care)), keep = _mm512_set1_epi16((short)care);
+    for (int64_t i = 0; i < cols; i += 32) {
+        const __mmask32 m = row_mask32(cols - i);
+        const __mmask32 hit = _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), keep), target);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: the maximum is one of the row's values */
+}
+
+static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
+    int has_nan;
+    int64_t i;
+    if (bf16) {
+        const float best = row_max_bf16(x, cols, &has_nan);
+        i = has_nan ? 0 : first_equal_bf16(x, cols, best);
+    } else {
+        i = argmax_row_f32(x, cols, &has_nan);
+    }
+    if (has_nan) i = first_nan(x, cols, bf16);
+    *value = value_at(x, i, bf16);
+    return i;
+}
+#else
+static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
+    const int64_t nan = first_nan(x, cols, bf16);
+    int64_t best = nan >= 0 ? nan : 0;
+    if (nan < 0)
+        for (int64_t i = 1; i < cols; i++)
+            if (value_at(x, i, bf16) > value_at(x, best, bf16)) best = i;
+    *value = value_at(x, best, bf16);
+    return best;
+}
+#endif
+
+void argmax_rows(int bf16, const void *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *ids, float *values,
+                 int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        ids[r] = argmax_row((const char *)x + (size_t)r * row_stride * elem_size(bf16), cols, bf16, values + r);
+}

@@ -1,0 +1,491 @@
+/* Low-bit weight linears for CPU (engine/kernels/quant.py builds and loads this file with
+ * engine/kernels/cpu.py's build function).
+ *
+ * y[m, r] = sum_j x[m, j] * W[r, j], where W is stored as codes plus scales (engine/quant/formats.py
+ * defines the numbers; these kernels compute the same dot products up to summation order). Each
+ * 32-column block of a weight row is dequantized in registers (16-float vectors: AVX-512 zmm, or
+ * AVX2 and others through the compiler's vectorization of portable loops) and multiplied into up to TILE input rows at once,
+ * so a decode step streams the low-bit bytes once and larger batches re-read each row from L1.
+ * OpenMP over output rows, with the caller's thread count (the libgomp torch already loaded).
+ *
+ * Formats (codes row-major, one row per output feature):
+ *   int8: int8 codes, value = scale * q; scales float32 or float16 per group (group = k: per row).
+ *   int4: two codes a byte, GGUF's order inside each 32-column block (byte j: column j low nibble,
+ *         column j + 16 high nibble); float16 scales per group; value = scale * q + min, where min
+ *         is the float16 `mins` entry or, without mins, -8 * scale (i.e. scale * (q - 8)).
+ *   fp8:  float8_e4m3fn codes, float32 scale per row, value = scale * fp8(q).
+ * Activations and outputs are float32 (dtype code 0) or bfloat16 (code 1); sums are float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QK_AVX512 1 /* the conversions below in intrinsics: GCC lowers vector-extension casts badly */
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+
+#define AI inline __attribute__((always_inline))
+#define BLOCK 32
+#define TILE 8 /* input rows sharing one dequantized weight block */
+/* Below this many weight elements a call runs on the calling thread (fork/join costs more). */
+#define PARALLEL_MIN_ELEMS 65536
+
+enum { FMT_INT8 = 0, FMT_INT4 = 1, FMT_FP8 = 2 };
+
+static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, sizeof(f));
+    return (float)f; /* one vcvtsh2ss / vcvtph2ps where the CPU has it */
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
+/* fp8 e4m3fn -> float32, exact. AVX-512: the code's bits are moved into a binary16 whose value
+ * is exactly value / 256 (same mantissa, exponent bias 15 vs 7, subnormals to subnormals), converted
+ * by vcvtph2ps, and the 256 is folded into the row scale. Elsewhere: a 256-entry table. */
+#ifdef QK_AVX512
+#define FP8_UNSCALE 256.0f
+#else
+#define FP8_UNSCALE 1.0f
+static float fp8_table[256];
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float mag = e ? (8.0f + (float)m) * (float)(1 << e) / 1024.0f /* (1 + m/8) 2^(e-7) */
+                      : (float)m / 512.0f;                            /* m/8 2^-6 */
+        fp8_table[c] = (c & 0x80) ? -mag : mag;
+    }
+}
+#endif
+
+typedef struct {
+    const uint8_t *w;      /* codes, [n, k] bytes (int4: [n, k / 2]) */
+    const void *scales;    /* [n, groups], float32 or float16 */
+    const uint16_t *mins;  /* int4 only: [n, groups] float16, or NULL */
+    int64_t n, k, group, groups;
+    int scales_f16;
+} qmat;
+
+static AI float scale_at(const qmat *q, int64_t i) {
+    return q->scales_f16 ? half_to_f32(((const uint16_t *)q->scales)[i]) : ((const float *)q->scales)[i];
+}
+
+/* The block's scale d and offset m for the format: value = q * d + m (int8, fp8: m = 0). */
+static AI void group_params(const qmat *q, const int fmt, int64_t row, int64_t g, float *d, float *m) {
+    const int64_t i = row * q->groups + g;
+    *d = scale_at(q, i);
+    *m = 0.0f;
+    if (fmt == FMT_INT4) *m = q->mins ? half_to_f32(q->mins[i]) : -8.0f * *d;
+    if (fmt == FMT_FP8) *d *= FP8_UNSCALE;
+}
+
+/* Dequantize the 32 columns of `row` starting at j (cnt < 32 only at an int8/fp8 row's end:
+ * the missing columns come out as 0). Exact: each value is q * d + m rounded once, and q * d is
+ * exact for 4- and 8-bit codes times a float16 scale, so the FMA rounds where the reference does. */
+static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t cnt, float d, float m,
+                             v16f *lo, v16f *hi) {
+    uint8_t tail[BLOCK] = {0};
+    const uint8_t *src = fmt == FMT_INT4 ? q->w + (size_t)(row * (q->k / 2) + j / 2) : q->w + (size_t)(row * q->k + j);
+    if (fmt != FMT_INT4 && cnt < BLOCK) { /* int4 rows are whole blocks */
+        memcpy(tail, src, (size_t)cnt);
+        src = tail;
+    }
+#ifdef QK_AVX512
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    if (fmt == FMT_INT4) {
+        /* the block's 16 possible values q * d + m in one register, then each code picks its value:
+         * vpermps reads only an index's low 4 bits, so the low nibble needs no mask (fewer uops
+         * than converting every code to float and scaling it) */
+        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vd, vm);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+        *lo = (v16f)_mm512_permutexvar_ps(v, table);
+        *hi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    } else if (fmt == FMT_INT8) {
+        *lo = (v16f)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src))), vd);
+        *hi = (v16f)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)))), vd);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + 16 * h)));
+            const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                                                 _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), 7));
+            const v16f f = (v16f)_mm512_mul_ps(_mm512_cvtph_ps(bits), vd);
+            if (h == 0) *lo = f;
+            else *hi = f;
+        }
+    }
+#else /* portable loops (the compiler vectorizes them for AVX2 and others) */
+    float vals[BLOCK];
+    if (fmt == FMT_INT4) {
+        for (int i = 0; i < 16; i++) {
+            vals[i] = (float)(src[i] & 15) * d + m;
+            vals[i + 16] = (float)(src[i] >> 4) * d + m;
+        }
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < BLOCK; i++) vals[i] = (float)(int8_t)src[i] * d;
+    } else {
+        for (int i = 0; i < BLOCK; i++) vals[i] = fp8_table[src[i]] * d;
+    }
+    memcpy(lo, vals, sizeof(*lo));
+    memcpy(hi, vals + 16, sizeof(*hi));
+#endif
+}
+
+static AI float hsum(v16f v) {
+#ifdef QK_AVX512
+    return _mm512_reduce_add_ps((__m512)v); /* a shuffle tree: a scalar chain of 16 adds per row cost ~40% at k = 576 */
+#endif
+    float lanes[16];
+    memcpy(lanes, &v, sizeof(lanes));
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += lanes[i];
+    return s;
+}
+
+static AI v16f loadf(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* Move to the group holding column j (blocks never straddle groups: group is k or a multiple of 32). */
+static AI void enter_block(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t *g, int64_t *group_end, float *d, float *m) {
+    if (j >= *group_end) {
+        ++*g;
+        *group_end += q->group;
+        group_params(q, fmt, row, *g, d, m);
+    }
+}
+
+/* res[t] = x[t] . W[row] for T input rows (x rows zero-padded to kp, a multiple of 32). With one
+ * or two rows, two blocks per step feed four accumulator chains (FMA latency, not the work, would
+ * bound a single chain). */
+static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, const int T, float *res) {
+    const int pairs = T <= 2;
+    v16f acc[2][2][TILE]; /* [block parity][low/high half][input row] */
+    for (int t = 0; t < T; t++) acc[0][0][t] = acc[0][1][t] = acc[1][0][t] = acc[1][1][t] = (v16f){0};
+    const int64_t k = q->k;
+    int64_t g = -1, group_end = 0, j = 0;
+    float d = 0.0f, m = 0.0f;
+    v16f lo, hi, lo2, hi2;
+    if (pairs) {
+        for (; j + 2 * BLOCK <= k; j += 2 * BLOCK) {
+            enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+            dequant_block(q, fmt, row, j, BLOCK, d, m, &lo, &hi);
+            enter_block(q, fmt, row, j + BLOCK, &g, &group_end, &d, &m);
+            dequant_block(q, fmt, row, j + BLOCK, BLOCK, d, m, &lo2, &hi2);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + t * kp + j;
+                acc[0][0][t] += lo * loadf(xt);
+                acc[0][1][t] += hi * loadf(xt + 16);
+                acc[1][0][t] += lo2 * loadf(xt + 32);
+                acc[1][1][t] += hi2 * loadf(xt + 48);
+            }
+        }
+    }
+    for (; j < k; j += BLOCK) {
+        enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+        dequant_block(q, fmt, row, j, k - j < BLOCK ? k - j : BLOCK, d, m, &lo, &hi);
+        for (int t = 0; t < T; t++) {
+            acc[0][0][t] += lo * loadf(x + t * kp + j);
+            acc[0][1][t] += hi * loadf(x + t * kp + j + 16);
+        }
+    }
+    for (int t = 0; t < T; t++) res[t] = hsum((acc[0][0][t] + acc[0][1][t]) + (acc[1][0][t] + acc[1][1][t]));
+}
+
+static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, int T, float *res) {
+    switch (T) { /* constant T per case: the accumulators stay in registers */
+    case 1: row_dot(q, fmt, row, x, kp, 1, res); break;
+    case 2: row_dot(q, fmt, row, x, kp, 2, res); break;
+    case 3: row_dot(q, fmt, row, x, kp, 3, res); break;
+    case 4: row_dot(q, fmt, row, x, kp, 4, res); break;
+    case 5: row_dot(q, fmt, row, x, kp, 5, res); break;
+    case 6: row_dot(q, fmt, row, x, kp, 6, res); break;
+    case 7: row_dot(q, fmt, row, x, kp, 7, res); break;
+    default: row_dot(q, fmt, row, x, kp, TILE, res); break;
+    }
+}
+
+/* x [rows, k] (float32 or bfloat16) -> float32 [rows, kp], zero-padded; NULL if out of memory. */
+static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int64_t kp) {
+    float *xf = calloc((size_t)(rows * kp), sizeof(float));
+    if (!xf) return NULL;
+    for (int64_t m = 0; m < rows; m++) {
+        float *dst = xf + m * kp;
+        if (bf16) {
+            const bf16_t *src = (const bf16_t *)x + m * k;
+            for (int64_t i = 0; i < k; i++) dst[i] = bf16_to_f32(src[i]);
+        } else {
+            memcpy(dst, (const float *)x + m * k, (size_t)k * sizeof(float));
+        }
+    }
+    return xf;
+}
+
+
+#ifdef QK_AVX512
+/* ------------------------------------------------------------------------------------------ one input row
+ * Decode at batch 1 streams each weight once, so the work per 32-column block decides whether the
+ * stream runs at memory bandwidth. Per block here: the codes as they are times x, summed into one
+ * vector, then scaled once by the block's scale d (a broadcast load from a per-row float32 copy of
+ * the scales; with wider groups, once per group: a per-row int8 scale once per row); the offsets' share, sum over blocks of m * sum(x over the block), is one short dot
+ * product per row with block sums of x computed once per call. The same dot products as
+ * sum((q * d + m) * x), reassociated (the tests' "up to summation order" tolerance holds it).
+ * int4 with bfloat16 x on CPUs with AVX512_BF16: the 32 codes become 32 exact bfloat16 integers
+ * (one vpermw from a table) and one vdpbf16ps multiplies them into x (each product exact in
+ * float32); otherwise float32 codes through vpermps from a 0..15 table. Four accumulators hide
+ * the FMA latency. Used for int8 and int4 weights whose rows are whole blocks. */
+#define GEMV_CHAINS 4
+
+/* kinds of block dot product: codes as float32 times float32 x (int4, int8), or int4 codes as
+ * bfloat16 times bfloat16 x (vdpbf16ps) */
+enum { DOT_INT4_F32 = 0, DOT_INT8_F32 = 1, DOT_INT4_BF16 = 2 };
+
+/* The scales of `row`'s groups as float32 (dst [groups]). */
+static AI void row_group_scales(const qmat *q, int64_t row, float *dst) {
+    const int64_t groups = q->groups, base = row * groups;
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 v = q->scales_f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)q->scales + base + g))
+                                       : _mm512_maskz_loadu_ps(mk, (const float *)q->scales + base + g);
+        _mm512_mask_storeu_ps(dst + g, mk, v);
+    }
+}
+
+/* int4: sum over groups of m * (sum of x over the group); m = mins, or -8 * scale without them. */
+static AI float row_offsets(const qmat *q, int64_t row, const float *group_sums) {
+    const int64_t groups = q->groups, base = row * groups;
+    const uint16_t *m = q->mins ? q->mins + base : (const uint16_t *)q->scales + base;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m + g));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, group_sums + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc) * (q->mins ? 1.0f : -8.0f);
+}
+
+/* The unscaled dot product of block b's 32 codes (row codes w) with x's 32 columns there. */
+static AI __m512 block_dot(const int kind, const uint8_t *w, int64_t b, const void *x) {
+#ifdef __AVX512BF16__
+    if (kind == DOT_INT4_BF16) {
+        /* word i of the table: bfloat16 of (i & 15); vpermw reads an index's low 5 bits */
+        const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+                                               0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140,
+                                               0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+                                               0x3f80, 0x0000);
+        /* words 0..15: byte j (column j, low nibble); words 16..31: byte j >> 4 (column j + 16) */
+        const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i words = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + b * 16)))), shifts);
+        return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(words, table),
+                                (__m512bh)_mm512_loadu_si512((const bf16_t *)x + b * BLOCK));
+    }
+#endif
+    const float *xb = (const float *)x + b * BLOCK;
+    __m512 lo, hi;
+    if (kind == DOT_INT4_F32) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + b * (BLOCK / 2))));
+        lo = _mm512_permutexvar_ps(v, iota); /* vpermps reads an index's low 4 bits: the low nibble */
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * BLOCK + 16))));
+    }
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+
+static AI __m512 sum_chains(const __m512 *acc) {
+    return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+}
+
+/* sum over blocks of d(block) * block_dot: with 32-column groups each block scaled as it comes (four
+ * chains); with wider groups (a per-row int8 scale: one group) a group's blocks summed unscaled
+ * (four chains), then scaled once. */
+static AI float row_dot_one(const int kind, const qmat *q, int64_t row, const void *x, const float *d) {
+    const int64_t nb = q->k / BLOCK, per_group = q->group / BLOCK;
+    const uint8_t *w = q->w + (size_t)row * (kind == DOT_INT8_F32 ? q->k : q->k / 2);
+    __m512 acc[GEMV_CHAINS];
+    for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    if (per_group == 1) {
+        int64_t b = 0;
+        for (; b + GEMV_CHAINS <= nb; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_fmadd_ps(block_dot(kind, w, b + c, x), _mm512_set1_ps(d[b + c]), acc[c]);
+        for (; b < nb; b++) acc[0] = _mm512_fmadd_ps(block_dot(kind, w, b, x), _mm512_set1_ps(d[b]), acc[0]);
+        return _mm512_reduce_add_ps(sum_chains(acc));
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q->groups; g++) {
+        const int64_t first = g * per_group, last = first + per_group;
+        int64_t b = first;
+        for (; b + GEMV_CHAINS <= last; b += GEMV_CHAINS)
+            for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_add_ps(acc[c], block_dot(kind, w, b + c, x));
+        for (; b < last; b++) acc[0] = _mm512_add_ps(acc[0], block_dot(kind, w, b, x));
+        total = _mm512_fmadd_ps(sum_chains(acc), _mm512_set1_ps(d[g]), total);
+        for (int c = 0; c < GEMV_CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    }
+    return _mm512_reduce_add_ps(total);
+}
+
+/* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
+ * step reads every layer once, far more than the caches hold), and three streams per row (codes,
+ * scales, mins) are more than the hardware prefetcher runs ahead on. */
+#define GEMV_PREFETCH_ROWS 4
+static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
+    const int64_t row_bytes = fmt == FMT_INT4 ? q->k / 2 : q->k, scale_bytes = q->scales_f16 ? 2 : 4;
+    const char *w = (const char *)q->w + (size_t)row * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)q->scales + (size_t)(row * q->groups) * scale_bytes, _MM_HINT_T0);
+    if (q->mins) _mm_prefetch((const char *)(q->mins + row * q->groups), _MM_HINT_T0);
+}
+
+/* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
+static AI int qgemv_kind(const int kind, const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    const int64_t n = q->n, k = q->k, groups = q->groups;
+    float *xf = malloc((size_t)(k + groups) * sizeof(float)), *group_sums = xf + k;
+    if (!xf) return -1;
+    for (int64_t i = 0; i < k; i++) xf[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.0f;
+        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) sum += xf[i];
+        group_sums[g] = sum;
+    }
+    const void *xk = kind == DOT_INT4_BF16 ? x : (const void *)xf; /* what block_dot reads */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        if (r + GEMV_PREFETCH_ROWS < n) prefetch_row(fmt, q, r + GEMV_PREFETCH_ROWS);
+        float d[groups];
+        row_group_scales(q, r, d);
+        float res = row_dot_one(kind, q, r, xk, d);
+        if (fmt == FMT_INT4) res += row_offsets(q, r, group_sums);
+        if (bf16) ((bf16_t *)out)[r] = f32_to_bf16(res);
+        else ((float *)out)[r] = res;
+    }
+    free(xf);
+    return 0;
+}
+
+static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    if (fmt == FMT_INT8) return qgemv_kind(DOT_INT8_F32, FMT_INT8, bf16, x, q, out, num_threads);
+#ifdef __AVX512BF16__
+    if (bf16) return qgemv_kind(DOT_INT4_BF16, FMT_INT4, bf16, x, q, out, num_threads);
+#endif
+    return qgemv_kind(DOT_INT4_F32, FMT_INT4, bf16, x, q, out, num_threads);
+}
+#endif
+
+static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, const qmat *q, void *out, int num_threads) {
+#ifdef QK_AVX512
+    if (rows == 1 && fmt != FMT_FP8 && q->k % BLOCK == 0 && q->group % BLOCK == 0) return qgemv(fmt, bf16, x, q, out, num_threads);
+#endif
+    const int64_t n = q->n, kp = (q->k + BLOCK - 1) / BLOCK * BLOCK;
+    float *xf = padded_input(x, bf16, rows, q->k, kp);
+    if (!xf) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * q->k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
+            const int t = rows - m0 < TILE ? (int)(rows - m0) : TILE;
+            float res[TILE];
+            row_dot_n(q, fmt, r, xf + m0 * kp, kp, t, res);
+            for (int i = 0; i < t; i++) {
+                const size_t at = (size_t)((m0 + i) * n + r);
+                if (bf16) ((bf16_t *)out)[at] = f32_to_bf16(res[i]);
+                else ((float *)out)[at] = res[i];
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
+    const int64_t k = q->k;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = row0; r < row1; r++) {
+        float vals[BLOCK];
+        int64_t g = -1, group_end = 0;
+        float d = 0.0f, m = 0.0f;
+        for (int64_t j = 0; j < k; j += BLOCK) {
+            enter_block(q, fmt, r, j, &g, &group_end, &d, &m);
+            const int64_t cnt = k - j < BLOCK ? k - j : BLOCK;
+            v16f lo, hi;
+            dequant_block(q, fmt, r, j, cnt, d, m, &lo, &hi);
+            memcpy(vals, &lo, sizeof(lo));
+            memcpy(vals + 16, &hi, sizeof(hi));
+            const size_t at = (size_t)((r - row0) * k + j);
+            if (bf16) {
+#ifdef __AVX512BF16__
+                if (cnt == BLOCK) { /* vcvtne2ps2bf16 rounds to nearest even, as f32_to_bf16 does */
+                    _mm512_storeu_si512((char *)out + at * sizeof(bf16_t), (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+                    continue;
+                }
+#endif
+                for (int64_t i = 0; i < cnt; i++) ((bf16_t *)out)[at + i] = f32_to_bf16(vals[i]);
+            } else if (cnt == BLOCK) { /* constant size: inlined stores, not a memcpy call per block */
+                memcpy((float *)out + at, vals, sizeof(vals));
+            } else {
+                memcpy((float *)out + at, vals, (size_t)cnt * sizeof(float));
+            }
+        }
+    }
+}
+
+static qmat make_qmat(const void *w, const void *scales, int scales_f16, const uint16_t *mins, int64_t n, int64_t k, int64_t group) {
+    qmat q = {(const uint8_t *)w, scales, mins, n, k, group, (k + group - 1) / group, scales_f16};
+    return q;
+}
+
+/* Entry point of the linears: one weight described once (engine.kernels.quant.QuantKernels.bind
+ * fills the struct at load), so a call passes six arguments, not eleven: a decode step makes about
+ * four calls per layer, and converting each ctypes argument costs about as much as a small kernel.
+ * Returns 0, or -1 when the input copy cannot be allocated. */
+typedef struct {
+    const void *w, *scales, *mins; /* mins: int4 only, or NULL */
+    int64_t n, k, group;
+    int32_t fmt, scales_f16;
+} quant_weight;
+
+int quant_linear(const quant_weight *d, int bf16, const void *x, int64_t rows, void *out, int num_threads) {
+    qmat q = make_qmat(d->w, d->scales, d->scales_f16, (const uint16_t *)d->mins, d->n, d->k, d->group);
+    switch (d->fmt) {
+    case FMT_INT8: return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
+    case FMT_INT4: return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
+    default: return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
+    }
+}
+
+/* Dequantize output rows [row0, row1) into out [row1 - row0, k] (float32 or bfloat16). */
+void int8_dequantize(const void *w, const void *scales, int scales_f16, int64_t n, int64_t k, int64_t group,
+                     int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
+    qmat q = make_qmat(w, scales, scales_f16, NULL, n, k, group);
+    qdequantize(FMT_INT8, &q, row0, row1, bf16, out, num_threads);
+}
+
+void int4_dequantize(const void *w, const void *scales, const void *mins, int64_t n, int64_t k, int64_t group,
+                     int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
+    qmat q = make_qmat(w, scales, 1, (const uint16_t *)mins, n, k, group);
+    qdequantize(FMT_INT4, &q, row0, row1, bf16, out, num_threads);
+}
+
+void fp8_dequantize(const void *w, const void *scales, int64_t n, int64_t k, int64_t row0, int64_t row1, int bf16,
+                    void *out, int num_threads) {
+    qmat q = make_qmat(w, scales, 0, NULL, n, k, k);
+    qdequantize(FMT_FP8, &q, row0, row1, bf16, out, num_threads);
+}

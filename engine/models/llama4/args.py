@@ -1,0 +1,90 @@
+"""Llama 4's params.json rules and the sizes derived from them, as llama-models' llama4 computes them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.types import CheckpointError
+
+if TYPE_CHECKING:
+    from engine.loading.checkpoint import ModelArgs
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def validate_llama4_args(args: "ModelArgs", extra: dict[str, Any], bad: Callable[[str], CheckpointError]) -> None:
+    """Raise bad(...) for a Llama 4 params.json the reference could not run."""
+    head_dim = extra.get("head_dim")
+    if head_dim is not None and head_dim != args.dim // args.n_heads:
+        # the reference's Attention and RoPE table use dim // n_heads whatever head_dim says
+        raise bad(f"head_dim {head_dim!r} differs from dim // n_heads = {args.dim // args.n_heads}")
+    for name in ("attention_chunk_size", "nope_layer_interval"):
+        value = getattr(args, name)
+        if value is not None and not _positive_int(value):
+            raise bad(f"{name} must be a positive integer, found {value!r}")
+    moe = args.moe_args
+    if moe is None:
+        return
+    if not _positive_int(moe.num_experts):
+        raise bad(f"moe_args.num_experts must be a positive integer, found {moe.num_experts!r}")
+    if not _positive_int(moe.top_k) or moe.top_k > moe.num_experts:
+        raise bad(f"moe_args.top_k must be in [1, num_experts={moe.num_experts}], found {moe.top_k!r}")
+    if not _positive_int(moe.interleave_moe_layer_step):
+        raise bad(f"moe_args.interleave_moe_layer_step must be a positive integer, found {moe.interleave_moe_layer_step!r}")
+    if not (isinstance(moe.capacity_factor, (int, float)) and moe.capacity_factor > 0):
+        raise bad(f"moe_args.capacity_factor must be > 0, found {moe.capacity_factor!r}")
+    for name in ("ffn_exp", "ffn_dim_multiplier"):  # the reference's MoE hidden size reads both
+        value = getattr(args, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise bad(f"a mixture-of-experts params.json needs {name} > 0, found {value!r}")
+
+
+def is_moe_layer(args: "ModelArgs", layer_id: int) -> bool:
+    return args.moe_args is not None and (layer_id + 1) % args.moe_args.interleave_moe_layer_step == 0
+
+
+def is_nope_layer(args: "ModelArgs", layer_id: int) -> bool:
+    """No positional encoding (and global attention) on every nope_layer_interval-th layer."""
+    return args.nope_layer_interval is not None and (layer_id + 1) % args.nope_layer_interval == 0
+
+
+def moe_hidden_dim(args: "ModelArgs") -> int:
+    """Each expert's (and the shared expert's) SwiGLU hidden size: llama4 MoE.__init__'s arithmetic."""
+    moe = args.moe_args
+    hidden = int(args.ffn_exp * args.dim)
+    hidden = int(2 * hidden / 3)
+    hidden = int(args.ffn_dim_multiplier * hidden)
+    if moe.auto_scale_F:
+        hidden = int(hidden / (moe.capacity_factor + 1))
+    return hidden + (-hidden % args.multiple_of)
+
+
+def apply_scaling(freqs: torch.Tensor, scale_factor: float, high_freq_factor: float) -> torch.Tensor:
+    """Llama 4's RoPE frequency scaling (llama4 model.apply_scaling): as Llama 3.1's with the
+    high-frequency factor a parameter (1 for Scout: no smooth band)."""
+    low_freq_factor, old_context_len = 1, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    if low_freq_wavelen != high_freq_wavelen:
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        banded = (1 - smooth) * freqs / scale_factor + smooth * freqs
+    else:  # the band is empty
+        banded = freqs
+    return torch.where(wavelen < high_freq_wavelen, freqs, torch.where(wavelen > low_freq_wavelen, freqs / scale_factor, banded))
+
+
+def precompute_freqs_cis(args: "ModelArgs", end: int, dtype: torch.dtype) -> torch.Tensor:
+    """[end, head_dim // 2] complex rotations (the reference's table, here in `dtype`)."""
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=dtype)[: head_dim // 2] / head_dim))
+    if args.use_scaled_rope:
+        freqs = apply_scaling(freqs, args.rope_scaling_factor or 16.0, args.rope_high_freq_factor or 1.0)
+    angles = torch.outer(torch.arange(end, dtype=dtype), freqs)
+    return torch.polar(torch.ones_like(angles), angles)

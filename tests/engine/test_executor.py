@@ -1,0 +1,194 @@
+"""ModelExecutor (the executor) over a fake worker group: the StepInputs it builds and the StepOutput it returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.executor.executor import ModelExecutor, build_step_inputs
+from engine.core.sequence import ScheduledBatch, Sequence
+from engine.executor.step_inputs import StepInputs
+from engine.types import SamplingParams
+
+VOCAB = 32
+BLOCK_SIZE = 4
+
+
+class FakeExecutor:
+    """Records each StepInputs; row j of the logits it returns peaks at next_token(j)."""
+
+    vocab_size = VOCAB
+    num_blocks = 64
+    block_size = BLOCK_SIZE
+    argmax_kernels = None
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[StepInputs] = []
+        self.fail = fail
+        self.shut_down = False
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        self.calls.append(inputs)
+        if self.fail:
+            raise RuntimeError("forward exploded")
+        logits = torch.zeros(len(inputs.logits_indices), VOCAB)
+        # the next token is (last input token + 1) mod VOCAB: a checkable function of the inputs
+        last = inputs.input_ids[inputs.logits_indices]
+        logits[torch.arange(len(last)), (last + 1) % VOCAB] = 5.0
+        return logits
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def make_seq(seq_id: int, token_ids: list[int], num_prompt: int, computed: int, blocks: list[int], **params) -> Sequence:
+    return Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        token_ids=token_ids,
+        num_prompt_tokens=num_prompt,
+        num_computed_tokens=computed,
+        block_table=blocks,
+        params=SamplingParams(temperature=0, **params),
+    )
+
+
+def mixed_batch() -> ScheduledBatch:
+    # a decode at position 9 (blocks 7, 3, 5), a decode at position 4 (blocks 2, 8),
+    # a partial prefill chunk [0, 6) of 10 prompt tokens (blocks 10, 11), and a last prefill chunk
+    # [4, 7) of 7 prompt tokens after a prefix hit of 4 (blocks 12, 13)
+    decode_a = make_seq(0, list(range(100, 110)), 6, 9, [7, 3, 5])
+    decode_b = make_seq(1, [1, 2, 3, 4, 5], 4, 4, [2, 8])
+    partial = make_seq(2, list(range(200, 210)), 10, 0, [10, 11])
+    last_chunk = make_seq(3, list(range(300, 307)), 7, 4, [12, 13])
+    return ScheduledBatch(seqs=[decode_a, decode_b, partial, last_chunk], num_new_tokens=[1, 1, 6, 3])
+
+
+def test_step_inputs_for_mixed_prefill_chunks_and_decodes():
+    inputs, sampling = build_step_inputs(mixed_batch(), BLOCK_SIZE)
+    assert sampling == [0, 1, 3]
+    assert inputs.input_ids.tolist() == [109, 5, 200, 201, 202, 203, 204, 205, 304, 305, 306]
+    assert inputs.positions.tolist() == [9, 4, 0, 1, 2, 3, 4, 5, 4, 5, 6]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert inputs.slot_mapping.tolist() == [5 * 4 + 1, 8 * 4 + 0, 40, 41, 42, 43, 44, 45, 52, 53, 54]
+    assert inputs.query_start_loc.tolist() == [0, 1, 2, 8, 11]
+    assert inputs.seq_lens.tolist() == [10, 5, 6, 7]
+    assert inputs.logits_indices.tolist() == [0, 1, 10]
+    assert inputs.block_tables.tolist() == [[7, 3, 5], [2, 8, 0], [10, 11, 0], [12, 13, 0]]
+    dtypes = {name: getattr(inputs, name).dtype for name in ("input_ids", "positions", "slot_mapping", "logits_indices")}
+    assert set(dtypes.values()) == {torch.int64}
+    assert {inputs.block_tables.dtype, inputs.query_start_loc.dtype, inputs.seq_lens.dtype} == {torch.int32}
+
+
+def test_execute_returns_sampling_sequences_in_batch_order():
+    executor = FakeExecutor()
+    runner = ModelExecutor(executor)
+    assert (runner.vocab_size, runner.num_blocks, runner.block_size) == (VOCAB, 64, BLOCK_SIZE)
+    out = runner.execute(mixed_batch())
+    assert out.seq_ids == [0, 1, 3]
+    assert out.sampled_token_ids == [(109 + 1) % VOCAB, 6, (306 + 1) % VOCAB]
+    assert out.logprobs == [None, None, None] and out.errors == {}
+    assert len(executor.calls) == 1
+    runner.shutdown()
+    assert executor.shut_down
+
+
+def test_only_partial_chunks_still_run_the_forward_and_sample_nothing():
+    executor = FakeExecutor()
+    seq = make_seq(0, list(range(10)), 10, 0, [1, 2, 3])
+    out = ModelExecutor(executor).execute(ScheduledBatch([seq], [8]))
+    assert out.seq_ids == [] and out.sampled_token_ids == []
+    assert executor.calls[0].logits_indices.tolist() == []
+    assert executor.calls[0].slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_empty_batch_does_not_call_the_executor():
+    executor = FakeExecutor()
+    out = ModelExecutor(executor).execute(ScheduledBatch([], []))
+    assert out.seq_ids == [] and executor.calls == []
+
+
+def test_logprobs_and_row_errors_flow_into_step_output():
+    executor = FakeExecutor()
+    ok = make_seq(0, [1, 2], 2, 1, [0], logprobs=2)
+    bad = make_seq(1, [3, 4], 2, 1, [1], logit_bias=((VOCAB, 1.0),))
+    out = ModelExecutor(executor).execute(ScheduledBatch([ok, bad], [1, 1]))
+    assert out.seq_ids == [0] and out.sampled_token_ids == [3]
+    assert out.logprobs[0].token_id == 3 and [t for t, _ in out.logprobs[0].top][0] == 3
+    assert list(out.errors) == [1]
+
+
+def test_executor_errors_propagate():
+    runner = ModelExecutor(FakeExecutor(fail=True))
+    with pytest.raises(RuntimeError, match="exploded"):
+        runner.execute(mixed_batch())
+
+
+@pytest.mark.parametrize(
+    "computed, count, blocks",
+    [(0, 9, [1, 2]), (5, 6, [1, 2, 3]), (0, 0, [1])],  # block table too short, past the end, empty chunk
+)
+def test_inconsistent_batch_is_refused(computed, count, blocks):
+    seq = make_seq(0, list(range(10)), 10, computed, blocks)
+    with pytest.raises(ValueError, match="sequence 0"):
+        build_step_inputs(ScheduledBatch([seq], [count]), BLOCK_SIZE)
+
+
+# ---------------------------------------------------------------------- over the real tiny model
+@pytest.fixture(scope="module")
+def real_runner(tiny_checkpoint):
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.config import EngineConfig
+    from engine.executor.worker_group import WorkerGroup
+    from tests.conftest import TINY_DESCRIPTOR
+
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    config = EngineConfig(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=4)
+    runner = ModelExecutor(WorkerGroup(spec, config, max_seq_len=64))
+    yield runner
+    runner.shutdown()
+
+
+def test_chunked_generation_through_real_executor_equals_one_shot_prefills(real_runner):
+    """Greedy tokens from 4-token prefill chunks then decodes, batched beside another sequence,
+    equal those of a one-shot prefill of each prefix on fresh blocks (float64: no near ties)."""
+    next_block = iter(range(real_runner.num_blocks))
+    logprobs_by_seq: dict[int, list[float]] = {}
+    g = torch.Generator().manual_seed(3)
+    vocab = real_runner.vocab_size
+
+    def new_seq(seq_id: int, prompt: list[int]) -> Sequence:
+        return Sequence(seq_id, f"r{seq_id}", list(prompt), len(prompt), SamplingParams(temperature=0, logprobs=1))
+
+    def step(pairs: list[tuple[Sequence, int]]):
+        for seq, n in pairs:
+            while len(seq.block_table) * BLOCK_SIZE < seq.num_computed_tokens + n:
+                seq.block_table.append(next(next_block))
+        batch = ScheduledBatch([s for s, _ in pairs], [n for _, n in pairs])
+        out = real_runner.execute(batch)
+        assert out.errors == {}
+        for seq, n in pairs:  # what the scheduler does after a step
+            seq.num_computed_tokens += n
+        for seq_id, token, logprob in zip(out.seq_ids, out.sampled_token_ids, out.logprobs):
+            seq = next(s for s, _ in pairs if s.seq_id == seq_id)
+            seq.token_ids.append(token)
+            logprobs_by_seq.setdefault(seq_id, []).append(logprob.logprob)
+        return out
+
+    prompt = torch.randint(0, vocab, (11,), generator=g).tolist()
+    chunked = new_seq(0, prompt)
+    other = new_seq(1, torch.randint(0, vocab, (5,), generator=g).tolist())
+    step([(other, 5)])
+    assert step([(other, 1), (chunked, 4)]).seq_ids == [1]  # partial chunk: no token
+    step([(other, 1), (chunked, 4)])
+    step([(chunked, 3), (other, 1)])  # last chunk samples the first output token
+    for _ in range(5):
+        step([(other, 1), (chunked, 1)])
+    generated = chunked.output_token_ids
+    assert len(generated) == 6
+
+    for j in range(len(generated)):
+        one_shot = new_seq(100 + j, prompt + generated[:j])
+        out = step([(one_shot, one_shot.num_tokens)])
+        assert out.sampled_token_ids == [generated[j]]
+        assert logprobs_by_seq[100 + j][0] == pytest.approx(logprobs_by_seq[0][j], abs=1e-5)
