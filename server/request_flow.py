@@ -63,7 +63,7 @@ def chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, 
                    include_usage: bool = False) -> ChatAssembler:
     """One place that turns a chat request (single or batch item) and its plan into an assembler."""
     return ChatAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizers.tokenizer, chat_format=engine.chat_format,
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
         tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
         include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
     )
@@ -73,7 +73,7 @@ def completion_assembler(req: Any, plan: Any, engine: EngineClient, response_id:
                          include_usage: bool = False) -> CompletionAssembler:
     """Likewise for completions; a batch item's plan holds one prompt."""
     return CompletionAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizers.tokenizer,
+        response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
         prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
         echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
         include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,

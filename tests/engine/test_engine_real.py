@@ -100,7 +100,7 @@ async def check_batched_equals_alone(spec, alone_engine, requests, cfg: EngineCo
     try:
         got = await run_concurrently(engine, requests)
         assert got == expected
-        assert engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks
+        assert engine.core.pool.num_free == engine.core.pool.num_blocks
         return engine
     finally:
         await engine.shutdown()
@@ -113,7 +113,7 @@ async def test_16_concurrent_greedy_requests_equal_each_alone(spec, alone_engine
 
 async def test_with_a_pool_small_enough_to_force_preemption(spec, alone_engine):
     engine = await check_batched_equals_alone(spec, alone_engine, make_requests(), config(spec, num_blocks=20))
-    assert engine.core.engine_core.scheduler.num_preempted_total > 0
+    assert engine.core.scheduler.num_preempted_total > 0
 
 
 async def test_with_prefix_cache_hits(spec, alone_engine):
