@@ -69,7 +69,7 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     # Tool calls arrive as special-token tags (<|python_tag|>, <|eom_id|>): the parser must see them.
     skip_special = fields.skip_special_tokens and not tools
-    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizers.tokenizer.vocab_size,
+    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
                              engine.sampling_defaults)
     params = dataclasses.replace(params, grammar=grammar or plan.grammar)
     return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools, plan.forced, plan.max_calls)
@@ -140,7 +140,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     policy.check_request(req, "completions")
     check_completion_fields(req)
     grammar = grammar_spec(req)
-    tokenizer = engine.tokenizers.tokenizer
+    tokenizer = engine.tokenizer
     prompts_ids: list[list[int]] = []
     texts: list[str] = []
     prompt_items = completion_prompts(prompt)
@@ -184,7 +184,7 @@ def encode_text_prompt(engine: EngineClient, text: str, *, bos: bool) -> list[in
     """A text prompt as vLLM and llama.cpp read it: the model's special-token spellings are its
     special tokens (people who apply a template themselves send them), and a prompt that already
     starts with BOS gets no second one. Chat message content never comes here: it stays text."""
-    tokenizer = engine.tokenizers.tokenizer
+    tokenizer = engine.tokenizer
     ids = tokenizer.encode(text, parse_special=True)
     if bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids.insert(0, tokenizer.bos_id)
@@ -323,5 +323,5 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
 
 
 def detokenize_ids(req: p.DetokenizeRequest, engine: EngineClient) -> str:
-    check_token_ids(req.tokens, engine.tokenizers.tokenizer.vocab_size, "tokens")
-    return engine.tokenizers.tokenizer.decode(req.tokens)
+    check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
+    return engine.tokenizer.decode(req.tokens)

@@ -59,7 +59,7 @@ class _StopTokens:
     end_of_turn vs end_of_message, which the OpenAI shapes do not carry."""
 
     def __init__(self, engine: EngineClient) -> None:
-        self.tokenizer = engine.tokenizers.tokenizer
+        self.tokenizer = engine.tokenizer
         self.by_index: dict[int, str | None] = {}
 
     def seen(self, index: int, out: RequestOutput) -> None:

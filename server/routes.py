@@ -192,7 +192,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 def _token_strs(engine: EngineClient, ids: list[int]) -> list[str]:
-    return [token_text(engine.tokenizers.tokenizer, i)[0] for i in ids]
+    return [token_text(engine.tokenizer, i)[0] for i in ids]
 
 
 async def detokenize(request: web.Request) -> web.Response:

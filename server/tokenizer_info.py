@@ -32,7 +32,7 @@ def model_or_only(request: web.Request, model: str | None) -> str:
 
 def tokenizer_info_body(engine: EngineClient) -> dict[str, Any]:
     """vLLM's /tokenizer_info shape for one loaded model."""
-    tokenizer = engine.tokenizers.tokenizer
+    tokenizer = engine.tokenizer
     bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
     body: dict[str, Any] = {
         "tokenizer_class": type(tokenizer).__name__,

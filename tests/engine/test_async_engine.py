@@ -78,8 +78,8 @@ async def wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 
 async def assert_clean(engine: AsyncEngine) -> None:
-    await wait_until(lambda: not engine.core.engine_core.has_unfinished and engine.core.engine_core.pool.num_free == engine.core.engine_core.pool.num_blocks)
-    assert engine.executor.executor.violations == []
+    await wait_until(lambda: not engine.core.has_unfinished and engine.core.pool.num_free == engine.core.pool.num_blocks)
+    assert engine.runner.violations == []
     assert engine.num_running_requests == 0
 
 
@@ -104,13 +104,13 @@ async def test_errors_raise_before_anything_is_yielded(engine: AsyncEngine):
         engine.generate(EngineRequest("e", [], SamplingParams()))
     with pytest.raises(ContextLengthExceeded):
         engine.generate(request("c", "a" * 100, max_tokens=100))
-    engine.executor.executor.hold()
+    engine.runner.hold()
     gen = engine.generate(request("dup", "abc"))
     first = asyncio.ensure_future(gen.__anext__())
-    await wait_until(lambda: engine.core.engine_core.has_unfinished)
+    await wait_until(lambda: engine.core.has_unfinished)
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.generate(request("dup", "abc"))
-    engine.executor.executor.open()
+    engine.runner.open()
     assert (await first).new_token_ids
     await gen.aclose()
     await assert_clean(engine)
@@ -136,54 +136,54 @@ async def test_queue_full():
 
 
 async def test_early_close_aborts_and_frees_blocks(engine: AsyncEngine):
-    engine.executor.executor.hold()
+    engine.runner.hold()
     gen = engine.generate(request("leaver", "abcdef", max_tokens=100))
     first = asyncio.ensure_future(gen.__anext__())
-    engine.executor.executor.release(1)
+    engine.runner.release(1)
     assert (await first).new_token_ids
     await gen.aclose()  # e.g. the HTTP client disconnected
-    engine.executor.executor.open()
+    engine.runner.open()
     await assert_clean(engine)
     assert engine.stats().requests_finished_total.get("abort") == 1
 
 
 async def test_cancelled_consumer_aborts(engine: AsyncEngine):
-    engine.executor.executor.hold()
+    engine.runner.hold()
 
     async def consume():
         async for _ in engine.generate(request("cancelled", "abc", max_tokens=100)):
             pass
 
     task = asyncio.ensure_future(consume())
-    await wait_until(lambda: engine.core.engine_core.has_unfinished)
+    await wait_until(lambda: engine.core.has_unfinished)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    engine.executor.executor.open()
+    engine.runner.open()
     await assert_clean(engine)
 
 
 async def test_explicit_abort_ends_the_stream(engine: AsyncEngine):
-    engine.executor.executor.hold()
+    engine.runner.hold()
     gen = engine.generate(request("ab", "abc", max_tokens=100))
     first = asyncio.ensure_future(gen.__anext__())
-    engine.executor.executor.release(1)
+    engine.runner.release(1)
     await first
     await engine.abort("ab")
-    engine.executor.executor.open()
+    engine.runner.open()
     outs = [out async for out in gen]
     assert outs[-1].finish_reason == "abort"
     await assert_clean(engine)
 
 
 async def test_slow_consumer_does_not_block_others(engine: AsyncEngine):
-    engine.executor.executor.hold()
+    engine.runner.hold()
     slow = engine.generate(request("slow", "abc", max_tokens=20))
     first = asyncio.ensure_future(slow.__anext__())
-    engine.executor.executor.release(1)
+    engine.runner.release(1)
     first = await first
     assert len(first.new_token_ids) == 1
-    engine.executor.executor.open()
+    engine.runner.open()
     fast = await collect(engine, request("fast", "xyz", max_tokens=20))  # completes while slow reads nothing
     assert fast[-1].finish_reason == "length"
     slot = engine._active["slow"]

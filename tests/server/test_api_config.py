@@ -80,7 +80,7 @@ def test_meta_reference_env(tmp_path):
            "MODEL_PARALLEL_SIZE": "2", "MAX_SEQ_LEN": "4096", "QUANTIZATION_TYPE": "fp8_mixed", "LLAMA_MODELS_DEBUG": "1"}
     config = config_from([], env)
     engine = config.engine
-    assert (engine.model_parallel_size, engine.max_seq_len, engine.quant.policy, engine.debug_log_io) == (2, 4096, "fp8_mixed", True)
+    assert (engine.model_parallel_size, engine.max_seq_len, engine.quantization, engine.debug_log_io) == (2, 4096, "fp8_mixed", True)
     [spec] = config.models
     assert spec.model_id == "Llama3.2-1B-Instruct" and spec.checkpoint_dir == tmp_path and spec.trusted
 

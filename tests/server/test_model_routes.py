@@ -163,7 +163,7 @@ async def test_hot_switch_through_the_api(client, registry) -> None:
     model = await response.json()
     assert model["status"] == "ready" and model["checkpoint_dir"].endswith("v2") and model["memory_bytes"] == 120
     async with registry.lease("m") as engine:
-        assert engine.loading.checkpoint == "v2"
+        assert engine.checkpoint == "v2"
 
 
 async def test_delete_unloads_and_unregisters(client, registry, factory) -> None:

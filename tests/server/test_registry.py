@@ -204,7 +204,7 @@ async def test_lease_of_model_still_loading_gets_503_with_retry_after(root, fact
     assert int(caught.value.headers["Retry-After"]) >= 1
     gate.set()  # the load goes on without the lease that gave up
     async with registry.lease("m") as engine:
-        assert engine.loading.checkpoint == "m"
+        assert engine.checkpoint == "m"
     await within(registry.close())
 
 
@@ -266,7 +266,7 @@ async def test_failed_hot_switch_keeps_the_old_engine(registry, root, factory) -
     info = registry.get("m")
     assert info.status == "ready" and info.checkpoint_dir.endswith("v1")
     async with registry.lease("m") as engine:
-        assert engine.loading.checkpoint == "v1"
+        assert engine.checkpoint == "v1"
 
 
 async def test_hot_switch_that_fits_only_in_place_drains_first(root, factory) -> None:
@@ -332,10 +332,10 @@ async def test_budget_exceeded_is_a_clear_error_and_others_keep_serving(root, fa
     assert factory.loads() == ["a", "b"]
     for model_id in ("a", "b"):
         async with registry.lease(model_id) as engine:
-            assert engine.loading.checkpoint == model_id
+            assert engine.checkpoint == model_id
     await registry.unregister("b")  # room again: the next lease of c retries its load
     async with registry.lease("c") as engine:
-        assert engine.loading.checkpoint == "c"
+        assert engine.checkpoint == "c"
     await within(registry.close())
 
 
@@ -360,7 +360,7 @@ async def test_evicts_least_recently_used_idle_model(root, factory) -> None:
     stats = registry.lifecycle_stats()
     assert (stats.evictions_total, stats.memory_reserved_bytes, stats.loaded_models) == (1, 200, 2)
     async with registry.lease("b") as engine:  # an evicted model comes back on use, evicting another
-        assert engine.loading.checkpoint == "b"
+        assert engine.checkpoint == "b"
     assert factory.events[-2:] == ["shutdown a", "load b"]
     await within(registry.close())
 
@@ -406,7 +406,7 @@ async def test_failed_load_is_reported_and_others_keep_serving(registry, root, f
     assert (caught.value.status, caught.value.code) == (503, "model_load_failed")
     assert factory.loads() == ["good", "bad"]  # a lease does not retry a broken checkpoint
     async with registry.lease("good") as engine:
-        assert engine.loading.checkpoint == "good"
+        assert engine.checkpoint == "good"
     stats = registry.lifecycle_stats()
     assert (stats.load_failures_total, stats.loads_total, stats.memory_reserved_bytes) == (1, 1, 100)
     del factory.failures["bad"]  # fixed on disk: registering again retries
@@ -631,14 +631,14 @@ async def test_hot_switches_under_a_stream_of_requests_drop_nothing(root, seed, 
     async def request() -> None:
         async with registry.lease("m") as engine:
             if engine.closed.is_set():
-                shut_while_busy.append(engine.loading.checkpoint)
+                shut_while_busy.append(engine.checkpoint)
             in_use[id(engine)] = in_use.get(id(engine), 0) + 1
             for _ in range(rng.randrange(1, 6)):
                 await asyncio.sleep(0)  # a request spanning a few loop turns
             if engine.closed.is_set():
-                shut_while_busy.append(engine.loading.checkpoint)
+                shut_while_busy.append(engine.checkpoint)
             in_use[id(engine)] -= 1
-            served.append(engine.loading.checkpoint)
+            served.append(engine.checkpoint)
 
     await registry.register(spec_for(root, "m", "v0"), load=True)
     requests: list[asyncio.Task] = []

@@ -113,8 +113,8 @@ async def test_prompts_times_n_is_bounded_before_requests_are_built(client, fact
 async def test_text_far_past_the_context_is_refused_before_encoding(client, factory, monkeypatch):
     engine = factory.engines["fake"]
     encoded: list[int] = []
-    original = engine.tokenizers.tokenizer.encode
-    monkeypatch.setattr(engine.tokenizers.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or original(text, **kw))
+    original = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or original(text, **kw))
     huge = "a" * (limits.CHARS_PER_TOKEN_LIMIT * engine.max_seq_len + 1)
     for path, body in [
         ("/v1/completions", {"model": "fake", "prompt": huge}),
