@@ -269,16 +269,8 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=skip_special_tokens,
     )
-    try:
-        params.validate(vocab_size)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((name for name in _PARAM_NAMES if name.replace("_", " ") in message or name in message), None)
-        raise InvalidRequest(message, param=param) from None
+    params.validate(vocab_size)  # InvalidRequest naming the parameter
     return params
-
-
-_PARAM_NAMES = ("logit_bias", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

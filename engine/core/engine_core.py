@@ -51,10 +51,7 @@ def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) 
     if not request.prompt_token_ids:
         raise InvalidRequest("the prompt is empty: at least one token is needed", param="prompt")
     check_token_ids(request.prompt_token_ids, vocab_size, "prompt")
-    try:
-        request.params.validate(vocab_size)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    request.params.validate(vocab_size)
     check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
 
 

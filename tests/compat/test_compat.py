@@ -110,6 +110,16 @@ def out(text: str, *, finish=None, n_out=0, logprobs=None, stop_reason=None, cac
 def test_token_text_partial_utf8():
     tokenizer = FakeTokenizer()
     assert token_text(tokenizer, ord("a")) == ("a", [97])
+@pytest.mark.parametrize("fields,param,message", [
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias token id 999999 is outside the vocabulary"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids", "stop token id 999999 is outside the vocabulary"),
+])
+def test_token_ids_outside_the_vocabulary_name_their_parameter(fields, param, message):
+    with pytest.raises(InvalidRequest, match=message) as info:
+        to_engine.chat_plan(chat(**fields), chat().messages, FakeEngine(), "c")
+    assert info.value.param == param
+
+
     assert token_text(tokenizer, 0xE2) == ("bytes:\\xe2", [0xE2])
     assert token_text(tokenizer, EOT) == ("<|eot_id|>", list(b"<|eot_id|>"))
 
