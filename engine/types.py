@@ -113,16 +113,8 @@ class SamplingParams:
                                      param="stop_token_ids")
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingDefaults:
-    """What a request that leaves these out (or sends null) gets: the checkpoint's
-    generation_config.json where it sets them, as vLLM does, else OpenAI's (and vLLM's) defaults."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+# --------------------------------------------------------------------------- requests and outputs
+ONLINE_PRIORITY = 0  # requests from the online endpoints; background work (the Batch API) passes a larger one
 
 
 @dataclass(slots=True)
@@ -133,7 +125,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time_s: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower runs first; FCFS among equals
+    priority: int = ONLINE_PRIORITY  # lower runs first; FCFS among equals
 
 
 @dataclass(slots=True)

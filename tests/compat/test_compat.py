@@ -77,6 +77,15 @@ def test_fan_out_ids_and_seeds():
     assert [r.params.seed for r in unseeded.requests] == [None, None]
 
 
+def test_priority_is_set_when_the_request_is_planned():
+    engine = FakeEngine()
+    assert {r.priority for r in to_engine.chat_plan(chat(n=2), chat().messages, engine, "c").requests} == {0}
+    batch = to_engine.chat_plan(chat(n=2), chat().messages, engine, "c", priority=1)
+    req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "n": 2}))
+    completions = to_engine.completion_plan(req, req.prompt, engine, "cmpl", priority=1)
+    assert [r.priority for r in batch.requests + completions.requests] == [1] * 6
+
+
 def test_completion_plan_indexes_prompt_major():
     engine = FakeEngine()
     req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "n": 2}))
@@ -101,15 +110,6 @@ def test_logit_bias_keys_must_be_token_ids():
     assert info.value.param == "logit_bias"
 
 
-# --------------------------------------------------------------------------- from_engine
-def out(text: str, *, finish=None, n_out=0, logprobs=None, stop_reason=None, cached=0) -> RequestOutput:
-    return RequestOutput("r", list(text.encode()), text, logprobs=logprobs, finish_reason=finish,
-                         stop_reason=stop_reason, num_prompt_tokens=5, num_output_tokens=n_out, num_cached_tokens=cached)
-
-
-def test_token_text_partial_utf8():
-    tokenizer = FakeTokenizer()
-    assert token_text(tokenizer, ord("a")) == ("a", [97])
 @pytest.mark.parametrize("fields,param,message", [
     ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias token id 999999 is outside the vocabulary"),
     ({"stop_token_ids": [999999]}, "stop_token_ids", "stop token id 999999 is outside the vocabulary"),
@@ -120,6 +120,15 @@ def test_token_ids_outside_the_vocabulary_name_their_parameter(fields, param, me
     assert info.value.param == param
 
 
+# --------------------------------------------------------------------------- from_engine
+def out(text: str, *, finish=None, n_out=0, logprobs=None, stop_reason=None, cached=0) -> RequestOutput:
+    return RequestOutput("r", list(text.encode()), text, logprobs=logprobs, finish_reason=finish,
+                         stop_reason=stop_reason, num_prompt_tokens=5, num_output_tokens=n_out, num_cached_tokens=cached)
+
+
+def test_token_text_partial_utf8():
+    tokenizer = FakeTokenizer()
+    assert token_text(tokenizer, ord("a")) == ("a", [97])
     assert token_text(tokenizer, 0xE2) == ("bytes:\\xe2", [0xE2])
     assert token_text(tokenizer, EOT) == ("<|eot_id|>", list(b"<|eot_id|>"))
 
