@@ -3,11 +3,11 @@
 A batch moves validating -> in_progress -> finalizing -> completed (or failed / cancelling ->
 cancelled / expired). Validation checks every input line once (JSON, shape, url, body against the
 endpoint's own decoder, model registered) and records it in the store: a bad line becomes an error
-line and the rest run. Items run through the same path as online requests (compat.to_engine plans,
-the same assemblers, `merged_outputs`) with `BATCH_PRIORITY`: the scheduler serves online requests'
-prefill first and preempts running batch items when an online request finds no sequence slot or KV
-room, so a batch may fill an idle engine (`max_in_flight` items at once, by default enough to) and
-online requests still start at the next step. Each finished item is committed on its own; after a
+line and the rest run. Items run through the same path as online requests (their endpoint kind's
+plan and assembler, server/endpoints.py, and `merged_outputs`), planned at `BATCH_PRIORITY`: the
+scheduler serves online requests' prefill first and preempts running batch items when an online
+request finds no sequence slot or KV room, so a batch may fill an idle engine (`max_in_flight`
+items at once, by default enough to) and online requests still start at the next step. Each finished item is committed on its own; after a
 restart the runner carries on with the items still pending.
 """
 

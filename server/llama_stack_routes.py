@@ -118,8 +118,9 @@ async def _completion_events(outputs: AsyncIterator[Indexed], assembler: Any, st
 
 @dataclass(frozen=True, slots=True)
 class _Kind:
-    """A Llama Stack request is rewritten as an OpenAI one of its endpoint kind (which plans it and
-    assembles the response); what Llama Stack adds on top differs between chat and completion too."""
+    """Llama Stack's chat or completion: its routes, decoders and fields, and how its request is
+    rewritten as one of the OpenAI endpoint kind `openai` (which plans it and assembles the response)
+    and that response reshaped."""
 
     openai: EndpointKind
     path: str
@@ -135,14 +136,15 @@ class _Kind:
 
 
 _CHAT = _Kind(
-    endpoints.CHAT, "/v1/inference/chat-completion", "/v1/inference/batch-chat-completion",
-    ls.CHAT_DECODER, ls.BATCH_CHAT_DECODER, "messages", "messages_batch",
-    _chat_plan, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()],
+    openai=endpoints.CHAT, path="/v1/inference/chat-completion", batch_path="/v1/inference/batch-chat-completion",
+    decoder=ls.CHAT_DECODER, batch_decoder=ls.BATCH_CHAT_DECODER, item_field="messages", batch_field="messages_batch",
+    plan=_chat_plan, respond=ls.chat_response, events=_chat_events, head=lambda: [ls.ChatEvents.start()],
 )
 _COMPLETION = _Kind(
-    endpoints.COMPLETION, "/v1/inference/completion", "/v1/inference/batch-completion",
-    ls.COMPLETION_DECODER, ls.BATCH_COMPLETION_DECODER, "content", "content_batch",
-    _completion_plan, ls.completion_response, _completion_events, list,
+    openai=endpoints.COMPLETION, path="/v1/inference/completion", batch_path="/v1/inference/batch-completion",
+    decoder=ls.COMPLETION_DECODER, batch_decoder=ls.BATCH_COMPLETION_DECODER, item_field="content",
+    batch_field="content_batch", plan=_completion_plan, respond=ls.completion_response, events=_completion_events,
+    head=list,
 )
 
 
