@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600}  # OpenAI accepts only 24h
 
 MetadataKey = Annotated[str, Meta(max_length=64)]
@@ -24,7 +23,7 @@ ObjectId = Annotated[str, Meta(min_length=1, max_length=128)]
 # --------------------------------------------------------------------------- requests
 class CreateBatchRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     input_file_id: ObjectId
-    endpoint: str  # checked against BATCH_ENDPOINTS with a message that lists them
+    endpoint: str  # an endpoint kind's route (server/endpoints.py), checked with a message that lists them
     completion_window: str
     metadata: Metadata | None = None
     output_expires_after: dict[str, Any] | None = None  # accepted; outputs here do not expire

@@ -195,7 +195,8 @@ class ChatAssembler:
             usage=None if self.include_usage else UNSET,
         )
 
-    def role_chunks(self) -> list[p.ChatCompletionChunk]:
+    def head_chunks(self) -> list[p.ChatCompletionChunk]:
+        """What a stream sends before any output: each choice's role."""
         return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))])
                 for i in range(len(self.choices))]
 
@@ -364,6 +365,10 @@ class CompletionAssembler:
             ids = list(prompt_token_ids[k]) if prompt_token_ids else []
             self.choices.extend(_CompletionChoice(echo_pending=echo, text_len=len(echo), echo_text=echo,
                                                   prompt_token_ids=ids) for _ in range(n))
+
+    def head_chunks(self) -> list[p.CompletionResponse]:
+        """What a stream sends before any output: nothing (completions have no role)."""
+        return []
 
     def _delta(self, index: int, out: RequestOutput) -> tuple[_CompletionChoice, str, p.CompletionLogprobs | None]:
         _check(out)

@@ -18,6 +18,7 @@ from compat import limits
 from compat import protocol as p
 from compat.structured import grammar_spec, tool_plan
 from engine.types import (
+    ONLINE_PRIORITY,
     ChatMessage,
     ContextLengthExceeded,
     EngineClient,
@@ -50,7 +51,8 @@ class CompletionPlan:
 
 
 # --------------------------------------------------------------------------- chat
-def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str) -> ChatPlan:
+def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str, *,
+              priority: int = ONLINE_PRIORITY) -> ChatPlan:
     policy.check_request(fields, "chat")
     plan = tool_plan(fields, supports_tools=engine.chat_format.supports_tools)
     tools = plan.tools
@@ -72,7 +74,8 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
                              engine.sampling_defaults)
     params = dataclasses.replace(params, grammar=grammar or plan.grammar)
-    return ChatPlan(fan_out(request_id, prompt, params, fields.n), prompt, tools, plan.forced, plan.max_calls)
+    requests = fan_out(request_id, prompt, params, fields.n, priority=priority)
+    return ChatPlan(requests, prompt, tools, plan.forced, plan.max_calls)
 
 
 def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
@@ -135,7 +138,8 @@ def _tool_call(call: p.ToolCallIn, param: str) -> ToolCall:
 
 
 # --------------------------------------------------------------------------- completions
-def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClient, request_id: str) -> CompletionPlan:
+def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClient, request_id: str, *,
+                    priority: int = ONLINE_PRIORITY) -> CompletionPlan:
     """`prompt` is CompletionRequest.prompt (str | list[str] | list[int] | list[list[int]])."""
     policy.check_request(req, "completions")
     check_completion_fields(req)
@@ -167,7 +171,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
         params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs, grammar=grammar))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
-        requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n))
+        requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n, priority=priority))
     return CompletionPlan(requests, prompts_ids, texts, req.n)
 
 
@@ -269,16 +273,8 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=skip_special_tokens,
     )
-    try:
-        params.validate(vocab_size)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((name for name in _PARAM_NAMES if name.replace("_", " ") in message or name in message), None)
-        raise InvalidRequest(message, param=param) from None
+    params.validate(vocab_size)  # InvalidRequest naming the parameter
     return params
-
-
-_PARAM_NAMES = ("logit_bias", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -293,7 +289,8 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def fan_out(
-    request_id: str, prompt: list[int], params: SamplingParams, n: int, *, first_index: int = 0
+    request_id: str, prompt: list[int], params: SamplingParams, n: int, *, first_index: int = 0,
+    priority: int = ONLINE_PRIORITY,
 ) -> list[EngineRequest]:
     """OpenAI's n -> n engine requests; seeds seed+i keep choices distinct but reproducible."""
     requests = []
@@ -301,7 +298,7 @@ def fan_out(
         seeded = params
         if params.seed is not None and i:
             seeded = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
-        requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded))
+        requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded, priority=priority))
     return requests
 
 

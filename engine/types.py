@@ -40,17 +40,33 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens for one sequence. Validated at the edge (compat); the engine re-checks
-    only what would corrupt a batch (see `validate`)."""
+class SamplingDefaults:
+    """What a request that leaves these out (or sends null) gets: the checkpoint's
+    generation_config.json where it sets them, as vLLM does, else OpenAI's (and vLLM's) defaults:
+    the values below, which SamplingParams' fields default to as well (OPENAI_SAMPLING_DEFAULTS)."""
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 disables
     min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # > 0, CTRL/HF semantics, over prompt and output tokens
+
+
+OPENAI_SAMPLING_DEFAULTS = SamplingDefaults()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one sequence. Validated at the edge (compat); the engine re-checks
+    only what would corrupt a batch (see `validate`)."""
+
+    temperature: float = OPENAI_SAMPLING_DEFAULTS.temperature
+    top_p: float = OPENAI_SAMPLING_DEFAULTS.top_p
+    top_k: int = OPENAI_SAMPLING_DEFAULTS.top_k
+    min_p: float = OPENAI_SAMPLING_DEFAULTS.min_p
     presence_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
-    repetition_penalty: float = 1.0  # > 0, CTRL/HF semantics, over prompt and output tokens
+    repetition_penalty: float = OPENAI_SAMPLING_DEFAULTS.repetition_penalty
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token_id, bias) pairs
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     max_tokens: int | None = None  # None: until the context ends; 0: finish "length" after the prompt pass (scoring)
@@ -70,44 +86,37 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError for parameters that the sampler cannot apply."""
+        """Raise InvalidRequest, naming the parameter, for one that the sampler cannot apply."""
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InvalidRequest("temperature must be >= 0", param="temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise InvalidRequest("top_k must be >= 0", param="top_k")
         if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
+            raise InvalidRequest("min_p must be in [0, 1]", param="min_p")
         if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+            raise InvalidRequest("repetition_penalty must be > 0", param="repetition_penalty")
         if self.max_tokens is not None and self.max_tokens < 0:  # 0: score the prompt, generate nothing
-            raise ValueError("max_tokens must be >= 0")
+            raise InvalidRequest("max_tokens must be >= 0", param="max_tokens")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+            raise InvalidRequest("logprobs must be >= 0", param="logprobs")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError("prompt_logprobs must be >= 0")
+            raise InvalidRequest("prompt_logprobs must be >= 0", param="prompt_logprobs")
         for token_id, _ in self.logit_bias:
             if not 0 <= token_id < vocab_size:
-                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequest(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                                     param="logit_bias")
         for token_id in self.stop_token_ids:
             if not 0 <= token_id < vocab_size:
-                raise ValueError(f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})")
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingDefaults:
-    """What a request that leaves these out (or sends null) gets: the checkpoint's
-    generation_config.json where it sets them, as vLLM does, else OpenAI's (and vLLM's) defaults."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+                raise InvalidRequest(f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                                     param="stop_token_ids")
 
 
 # --------------------------------------------------------------------------- requests and outputs
+ONLINE_PRIORITY = 0  # requests from the online endpoints; background work (the Batch API) passes a larger one
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One sequence to generate. compat fans an OpenAI `n > 1` out into n of these."""
@@ -116,7 +125,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time_s: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower runs first; FCFS among equals
+    priority: int = ONLINE_PRIORITY  # lower runs first; FCFS among equals
 
 
 @dataclass(slots=True)

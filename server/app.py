@@ -17,23 +17,22 @@ from aiohttp import web
 
 from server import auth, routes
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
+from server.batch_api import add_batch_routes
 from server.config import ServerConfig, should_load
 from server.drain import drain_middleware
 from server.errors import ApiError, from_exception
+from server.llama_stack_routes import add_llama_stack_routes
 from server.metrics import ServerMetrics
+from server.model_routes import add_model_routes
 from server.model_spec import EngineFactory
+from server.openapi import add_openapi_route
+from server.registry import REGISTRY_KEY, ModelRegistry
 
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Application:
-    from server.batch_api import add_batch_routes
-    from server.llama_stack_routes import add_llama_stack_routes
-    from server.model_routes import add_model_routes
-    from server.openapi import add_openapi_route
-    from server.registry import REGISTRY_KEY, ModelRegistry
-
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[request_id_middleware, access_log_middleware, error_middleware, drain_middleware,
@@ -68,8 +67,6 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
 async def _registry_context(app: web.Application) -> AsyncIterator[None]:
     """Register (and load) the configured models in the background: the port opens at once and
     /ready turns 200 when they are loaded. On the way out, stop every engine."""
-    from server.registry import REGISTRY_KEY
-
     registry = app[REGISTRY_KEY]
     state = app[STATE_KEY]
     state.startup_task = asyncio.create_task(_register_configured(app))
@@ -83,8 +80,6 @@ async def _registry_context(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _register_configured(app: web.Application) -> None:
-    from server.registry import REGISTRY_KEY
-
     registry = app[REGISTRY_KEY]
     state = app[STATE_KEY]
     log = structlog.get_logger("llamaserve.startup")

@@ -27,6 +27,7 @@ from server.app_keys import CONFIG_KEY
 from server.batch_runner import BatchRunner
 from server.batch_store import BatchRow, BatchStore, FileRow, StoreBusy, StoreError
 from server.config import ServerConfig
+from server.endpoints import KIND_BY_PATH
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
 
@@ -249,9 +250,9 @@ async def delete_file(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- batches
 async def create_batch(request: web.Request) -> web.Response:
     body = decode(bp.CREATE_BATCH_DECODER, await request.read())
-    if body.endpoint not in bp.BATCH_ENDPOINTS:
+    if body.endpoint not in KIND_BY_PATH:
         raise ApiError(400, f"endpoint {body.endpoint!r} is not served in batches; use one of "
-                       f"{', '.join(bp.BATCH_ENDPOINTS)}", param="endpoint", code="invalid_value")
+                       f"{', '.join(KIND_BY_PATH)}", param="endpoint", code="invalid_value")
     window_s = bp.COMPLETION_WINDOWS_S.get(body.completion_window)
     if window_s is None:
         raise ApiError(400, f"completion_window {body.completion_window!r} is not supported; use "

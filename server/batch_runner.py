@@ -3,11 +3,11 @@
 A batch moves validating -> in_progress -> finalizing -> completed (or failed / cancelling ->
 cancelled / expired). Validation checks every input line once (JSON, shape, url, body against the
 endpoint's own decoder, model registered) and records it in the store: a bad line becomes an error
-line and the rest run. Items run through the same path as online requests (compat.to_engine plans,
-the same assemblers, `merged_outputs`) with `BATCH_PRIORITY`: the scheduler serves online requests'
-prefill first and preempts running batch items when an online request finds no sequence slot or KV
-room, so a batch may fill an idle engine (`max_in_flight` items at once, by default enough to) and
-online requests still start at the next step. Each finished item is committed on its own; after a
+line and the rest run. Items run through the same path as online requests (their endpoint kind's
+plan and assembler, server/endpoints.py, and `merged_outputs`), planned at `BATCH_PRIORITY`: the
+scheduler serves online requests' prefill first and preempts running batch items when an online
+request finds no sequence slot or KV room, so a batch may fill an idle engine (`max_in_flight`
+items at once, by default enough to) and online requests still start at the next step. Each finished item is committed on its own; after a
 restart the runner carries on with the items still pending.
 """
 
@@ -25,18 +25,12 @@ import msgspec
 
 from compat import batch_protocol as bp
 from compat import protocol as p
-from compat import to_engine
+from engine.types import EngineClient
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
+from server.endpoints import KIND_BY_PATH, EndpointKind
 from server.errors import ApiError, from_exception
 from server.registry import ModelRegistry
-from server.request_flow import (  # the online handlers' own pieces: one request path for both
-    chat_assembler,
-    collect,
-    completion_assembler,
-    merged_outputs,
-    new_response_id,
-    off_loop_if_large,
-)
+from server.request_flow import collect, merged_outputs, off_loop_if_large  # one request path for online and batch
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +78,7 @@ class LineChecker:
     def __init__(self, endpoint: str, known_models: frozenset[str]) -> None:
         self.endpoint = endpoint
         self.known_models = known_models
-        self.decoder = p.CHAT_DECODER if endpoint == "/v1/chat/completions" else p.COMPLETION_DECODER
+        self.decoder = KIND_BY_PATH[endpoint].decoder
         self.seen: set[str] = set()
 
     def check(self, line_no: int, raw: bytes) -> CheckedLine:
@@ -145,11 +139,11 @@ def checked_lines(path: Path, checker: LineChecker) -> Iterator[tuple[int, Check
 async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) -> ItemResult:
     """One request, as the online endpoint would serve it, at batch priority. Raises ApiError with a
     code in _RETRY_CODES when it should be tried again later."""
-    chat = endpoint == "/v1/chat/completions"
+    kind = KIND_BY_PATH[endpoint]
     try:
-        req = p.decode(p.CHAT_DECODER if chat else p.COMPLETION_DECODER, item.body)
+        req = p.decode(kind.decoder, item.body)
         async with registry.lease(req.model) as engine:
-            response = await _generate(req, chat, engine, len(item.body))
+            response = await _generate(kind, req, engine, len(item.body))
     except Exception as exc:  # noqa: BLE001 - the item's own error line
         error = from_exception(exc)
         if error.code in _RETRY_CODES:
@@ -161,17 +155,9 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
     return ItemResult(True, line, usage.prompt_tokens, cached, usage.completion_tokens)
 
 
-async def _generate(req: Any, chat: bool, engine: Any, body_bytes: int) -> Any:
-    if chat:
-        response_id = new_response_id("chatcmpl")
-        plan = await off_loop_if_large(body_bytes, to_engine.chat_plan, req, req.messages, engine, response_id)
-        assembler = chat_assembler(req, plan, engine, response_id)
-    else:
-        response_id = new_response_id("cmpl")
-        plan = await off_loop_if_large(body_bytes, to_engine.completion_plan, req, req.prompt, engine, response_id)
-        assembler = completion_assembler(req, plan, engine, response_id)
-    for request in plan.requests:
-        request.priority = BATCH_PRIORITY
+async def _generate(kind: EndpointKind, req: Any, engine: EngineClient, body_bytes: int) -> Any:
+    plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, kind.prompt(req), engine,
+                                              kind.response_id(), priority=BATCH_PRIORITY)
     return await collect(merged_outputs(engine, plan.requests), assembler)
 
 

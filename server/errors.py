@@ -7,6 +7,8 @@ from typing import Mapping
 
 import msgspec
 
+from engine.types import CheckpointError, ContextLengthExceeded, EngineDead, EngineError, InvalidRequest, QueueFull
+
 _STATUS_TYPES: Mapping[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -52,8 +54,6 @@ class ApiError(Exception):
 def from_exception(exc: BaseException) -> ApiError:
     """Map any exception to what the client sees; unknown ones become a bare 500 (no traceback,
     no internals: the server log has the details)."""
-    from engine.types import CheckpointError, ContextLengthExceeded, EngineDead, EngineError, InvalidRequest, QueueFull
-
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ContextLengthExceeded):

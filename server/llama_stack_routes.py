@@ -11,39 +11,37 @@ Llama Stack chunk events and end without `[DONE]`, which its client would try to
 from __future__ import annotations
 
 import asyncio
+import functools
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 from aiohttp import web
 
 from compat import llama_stack as ls
-from compat import to_engine
 from compat.from_engine import token_text
 from engine.types import EngineClient, RequestOutput
-from server import sse
+from server import endpoints, sse
+from server.endpoints import EndpointKind, Plan, new_response_id
 from server.request_flow import (
     Indexed,
-    chat_assembler,
     check_batch_size,
     collect,
-    completion_assembler,
     decode_body,
     json_response,
     lease,
     log_fields,
     merged_outputs,
-    new_response_id,
     off_loop_if_large,
 )
 from server.routes import health
 
 
 def add_llama_stack_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/inference/chat-completion", chat_completion)
-    app.router.add_post("/v1/inference/completion", completion)
-    app.router.add_post("/v1/inference/batch-chat-completion", batch_chat_completion)
-    app.router.add_post("/v1/inference/batch-completion", batch_completion)
+    for kind in (_CHAT, _COMPLETION):
+        app.router.add_post(kind.path, functools.partial(_serve, kind))
+        app.router.add_post(kind.batch_path, functools.partial(_serve_batch, kind))
     # Llama Stack's vLLM provider checks health at urljoin(base_url, "health"): /v1/health for ".../v1/"
     app.router.add_get("/v1/health", health)
 
@@ -83,17 +81,18 @@ async def _stream(request: web.Request, events: AsyncIterator[dict], head: list[
 
 
 # --------------------------------------------------------------------------- chat and completion
-def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
+def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Plan]:
     chat, parser_tools = ls.chat_request(req, messages, engine.chat_format.family, param)
-    plan = to_engine.chat_plan(chat, chat.messages, engine, response_id)
+    plan = endpoints.CHAT.plan(chat, endpoints.CHAT.prompt(chat), engine, response_id)
     if parser_tools is not None:  # system_message_behavior=replace: the caller's prompt, our parser
         plan.tools = parser_tools
     return chat, plan
 
 
-def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Any]:
+def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Plan]:
     completion_req = ls.completion_request(req, content, param)
-    return completion_req, to_engine.completion_plan(completion_req, completion_req.prompt, engine, response_id)
+    plan = endpoints.COMPLETION.plan(completion_req, endpoints.COMPLETION.prompt(completion_req), engine, response_id)
+    return completion_req, plan
 
 
 async def _chat_events(outputs: AsyncIterator[Indexed], assembler: Any, stops: _StopTokens) -> AsyncIterator[dict]:
@@ -119,25 +118,44 @@ async def _completion_events(outputs: AsyncIterator[Indexed], assembler: Any, st
 
 @dataclass(frozen=True, slots=True)
 class _Kind:
-    """What differs between chat and completion; the request flow around it is one."""
+    """Llama Stack's chat or completion: its routes, decoders and fields, and how its request is
+    rewritten as one of the OpenAI endpoint kind `openai` (which plans it and assembles the response)
+    and that response reshaped."""
 
-    id_prefix: str
-    plan: Callable[..., tuple[Any, Any]]  # (ls request, item, engine, response id, param) -> (OpenAI request, plan)
-    assembler: Callable[..., Any]  # server.routes' assembler factory for the OpenAI request
+    openai: EndpointKind
+    path: str
+    batch_path: str
+    decoder: msgspec.json.Decoder
+    batch_decoder: msgspec.json.Decoder
+    item_field: str  # the request's prompt field (also the `param` its errors name)
+    batch_field: str  # a batch request's list of them
+    plan: Callable[..., tuple[Any, Plan]]  # (ls request, item, engine, response id, param) -> (OpenAI request, plan)
     respond: Callable[[Any, str | None], dict]  # OpenAI response, stop token -> Llama Stack response
     events: Callable[..., AsyncIterator[dict]]  # (outputs, assembler, stops) -> Llama Stack stream events
     head: Callable[[], list[dict]]  # stream events before any output
 
 
-CHAT = _Kind("chatcmpl", _chat_plan, chat_assembler, ls.chat_response, _chat_events, lambda: [ls.ChatEvents.start()])
-COMPLETION = _Kind("cmpl", _completion_plan, completion_assembler, ls.completion_response, _completion_events, list)
+_CHAT = _Kind(
+    openai=endpoints.CHAT, path="/v1/inference/chat-completion", batch_path="/v1/inference/batch-chat-completion",
+    decoder=ls.CHAT_DECODER, batch_decoder=ls.BATCH_CHAT_DECODER, item_field="messages", batch_field="messages_batch",
+    plan=_chat_plan, respond=ls.chat_response, events=_chat_events, head=lambda: [ls.ChatEvents.start()],
+)
+_COMPLETION = _Kind(
+    openai=endpoints.COMPLETION, path="/v1/inference/completion", batch_path="/v1/inference/batch-completion",
+    decoder=ls.COMPLETION_DECODER, batch_decoder=ls.BATCH_COMPLETION_DECODER, item_field="content",
+    batch_field="content_batch", plan=_completion_plan, respond=ls.completion_response, events=_completion_events,
+    head=list,
+)
 
 
-async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: int, param: str) -> web.StreamResponse:
+async def _serve(kind: _Kind, request: web.Request) -> web.StreamResponse:
+    """POST /v1/inference/chat-completion and /v1/inference/completion."""
+    req, size = await _decode(request, kind.decoder)
     async with lease(request, req.model_id) as engine:
-        response_id = new_response_id(kind.id_prefix)
-        converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, param)
-        assembler = kind.assembler(converted, plan, engine, response_id)
+        response_id = kind.openai.response_id()
+        item = getattr(req, kind.item_field)
+        converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, kind.item_field)
+        assembler = kind.openai.assembler(converted, plan, engine, response_id)
         stops = _StopTokens(engine)
         outputs = stops.track(merged_outputs(engine, plan.requests))
         if req.stream:
@@ -146,15 +164,18 @@ async def _serve(request: web.Request, kind: _Kind, req: Any, item: Any, size: i
         return json_response(kind.respond(response, stops.by_index.get(0)))
 
 
-async def _serve_batch(request: web.Request, kind: _Kind, req: Any, items: list, param: str) -> web.Response:
+async def _serve_batch(kind: _Kind, request: web.Request) -> web.Response:
+    """POST /v1/inference/batch-chat-completion and /v1/inference/batch-completion."""
+    req, _ = await _decode(request, kind.batch_decoder)
+    items, param = getattr(req, kind.batch_field), kind.batch_field
     check_batch_size(request, len(items), param)
     async with lease(request, req.model_id) as engine:
         batch_id = new_response_id("batch")
 
         async def one(k: int, item: Any) -> dict:
-            response_id = f"{kind.id_prefix}-{batch_id}-{k}"
+            response_id = kind.openai.batch_item_id(batch_id, k)
             converted, plan = kind.plan(req, item, engine, response_id, f"{param}[{k}]")
-            assembler = kind.assembler(converted, plan, engine, response_id)
+            assembler = kind.openai.assembler(converted, plan, engine, response_id)
             stops = _StopTokens(engine)
             response = await collect(stops.track(merged_outputs(engine, plan.requests)), assembler)
             return kind.respond(response, stops.by_index.get(0))
@@ -171,24 +192,3 @@ async def _all(one: Callable[[int, Any], Any], items: list) -> list[dict]:
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [task.result() for task in tasks]
-
-
-# --------------------------------------------------------------------------- handlers
-async def chat_completion(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, ls.CHAT_DECODER)
-    return await _serve(request, CHAT, req, req.messages, size, "messages")
-
-
-async def completion(request: web.Request) -> web.StreamResponse:
-    req, size = await _decode(request, ls.COMPLETION_DECODER)
-    return await _serve(request, COMPLETION, req, req.content, size, "content")
-
-
-async def batch_chat_completion(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, ls.BATCH_CHAT_DECODER)
-    return await _serve_batch(request, CHAT, req, req.messages_batch, "messages_batch")
-
-
-async def batch_completion(request: web.Request) -> web.Response:
-    req, _ = await _decode(request, ls.BATCH_COMPLETION_DECODER)
-    return await _serve_batch(request, COMPLETION, req, req.content_batch, "content_batch")

@@ -25,7 +25,7 @@ from compat import limits
 from compat.protocol import validation_param
 from engine.config import launched_by_torchrun
 from engine.types import InvalidRequest
-from server.app import CONFIG_KEY
+from server.app_keys import CONFIG_KEY
 from server.errors import ApiError
 from server.model_spec import ModelSpec
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry

@@ -13,7 +13,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from compat import batch_protocol as bp
+from compat import llama_stack as ls
 from compat import protocol as p
+from server.model_routes import RegisterModelRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -32,10 +35,6 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 
 
 def request_types() -> dict[tuple[str, str], type]:
-    from compat import batch_protocol as bp
-    from compat import llama_stack as ls
-    from server.model_routes import RegisterModelRequest
-
     return {
         ("POST", "/v1/inference/chat-completion"): ls.ChatCompletionRequest,
         ("POST", "/v1/inference/completion"): ls.CompletionRequest,

@@ -2,7 +2,7 @@
 
 A `checkpoint_dir` sent to the API is untrusted: it must resolve (realpath, symlinks followed)
 inside one of the checkpoint roots, may not contain `..`, and no symlink inside it may point out
-of the roots. Directories named by the server's own config and env are trusted and may live
+of the roots (the loader's own guard, engine/loading/file_guard.py, checked here at registration). Directories named by the server's own config and env are trusted and may live
 anywhere. Without a `checkpoint_dir` the checkpoint is looked up the way meta-reference did:
 `<root>/<model_id>` in every root, then `<root>/<llama_model>` (`llama model download` names its
 folders after descriptors).
@@ -17,24 +17,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
+from engine.loading import file_guard
 from server.errors import ApiError
-
-_MAX_SCAN_DEPTH = 3  # checkpoint dirs are flat (Meta) or one level deep (HF `original/`)
-_MAX_SCAN_ENTRIES = 10_000  # a bound on the symlink scan of an untrusted dir
 
 
 def _error(message: str, code: str, param: str = "checkpoint_dir") -> ApiError:
     return ApiError(400, message, param=param, code=code)
-
-
-def _real_roots(roots: Sequence[Path]) -> list[Path]:
-    return [Path(os.path.realpath(os.path.expanduser(root))) for root in roots]
-
-
-def _inside(path: Path, roots: Iterable[Path]) -> bool:
-    return any(path == root or path.is_relative_to(root) for root in roots)
 
 
 def _check_relative_name(name: str, param: str) -> Path:
@@ -47,39 +37,28 @@ def _check_relative_name(name: str, param: str) -> Path:
     return path
 
 
-def _check_symlinks_inside(directory: Path, real_roots: list[Path]) -> None:
-    """Refuse a dir whose files link out of the roots: the loader would read them otherwise."""
-    pending: list[tuple[Path, int]] = [(directory, 0)]
-    seen = 0
-    while pending:
-        current, depth = pending.pop()
-        with os.scandir(current) as entries:
-            for entry in entries:
-                seen += 1
-                if seen > _MAX_SCAN_ENTRIES:
-                    raise _error(f"checkpoint dir {directory.name!r} has too many files", "invalid_checkpoint_dir")
-                if entry.is_symlink():
-                    if not _inside(Path(os.path.realpath(entry.path)), real_roots):
-                        raise _error(
-                            f"checkpoint dir {directory.name!r} contains {entry.name!r}, a symlink that leaves the "
-                            "checkpoint roots",
-                            "checkpoint_dir_outside_roots",
-                        )
-                elif entry.is_dir(follow_symlinks=False) and depth + 1 < _MAX_SCAN_DEPTH:
-                    pending.append((Path(entry.path), depth + 1))
+def _check_links_inside(directory: Path, roots: list[Path]) -> None:
+    """Refuse a dir whose files link out of the roots: the loader would refuse them (file_guard)."""
+    try:
+        file_guard.check_tree(directory, roots)
+    except file_guard.OutsideRoots as exc:
+        raise _error(f"checkpoint dir {directory.name!r} contains {exc.entry_name!r}, a symlink that leaves the "
+                     "checkpoint roots", "checkpoint_dir_outside_roots") from None
+    except file_guard.TooManyFiles:
+        raise _error(f"checkpoint dir {directory.name!r} has too many files", "invalid_checkpoint_dir") from None
 
 
 def _checked_untrusted(candidate: Path, real_roots: list[Path], shown: str) -> Path:
     """The realpath of an existing dir under the roots; `candidate` is absolute and lexically inside."""
     real = Path(os.path.realpath(candidate))
-    if not _inside(real, real_roots):
+    if not file_guard.is_inside(real, real_roots):
         raise _error(
             f"checkpoint_dir {shown!r} resolves outside the checkpoint roots (symlink escape)",
             "checkpoint_dir_outside_roots",
         )
     if not real.is_dir():
         raise _error(f"checkpoint_dir {shown!r} is not a directory", "checkpoint_not_found")
-    _check_symlinks_inside(real, real_roots)
+    _check_links_inside(real, real_roots)
     return real
 
 
@@ -97,12 +76,12 @@ def check_checkpoint_dir(requested: str | Path, roots: Sequence[Path], *, truste
             "checkpoint_dir_outside_roots",
         )
     path = _check_relative_name(shown, "checkpoint_dir")
-    real_roots = _real_roots(roots)
+    real_roots = file_guard.real_roots(roots)
     if path.is_absolute():
         lexical = Path(os.path.normpath(path))
         # Checked before existence, so that a client cannot probe paths outside the roots.
         lexical_roots = [Path(os.path.normpath(os.path.abspath(os.path.expanduser(r)))) for r in roots]
-        if not _inside(lexical, lexical_roots + real_roots):
+        if not file_guard.is_inside(lexical, lexical_roots + real_roots):
             raise _error(
                 f"checkpoint_dir {shown!r} is outside the checkpoint roots ({_roots_text(roots)})",
                 "checkpoint_dir_outside_roots",
@@ -120,7 +99,7 @@ def find_checkpoint_dir(
     names: Sequence[str], roots: Sequence[Path], *, trusted: bool, model_id: str
 ) -> Path:
     """Look for `<root>/<name>` for each name in order (model id first, then the descriptor), each root."""
-    real_roots = _real_roots(roots)
+    real_roots = file_guard.real_roots(roots)
     tried: list[str] = []
     for name in dict.fromkeys(n for n in names if n):
         if Path(name).is_absolute() or ".." in Path(name).parts or "\x00" in name:
@@ -152,7 +131,7 @@ def shown_path(path: Path | str, roots: Sequence[Path]) -> str:
     """A checkpoint dir as clients see it: relative to the root it is in, else only its folder name,
     so that listings and errors never reveal the server's file system layout."""
     real = Path(os.path.realpath(path))
-    for root in _real_roots(roots):
+    for root in file_guard.real_roots(roots):
         if real.is_relative_to(root):
             return str(real.relative_to(root)) or "."
     return real.name
@@ -161,7 +140,7 @@ def shown_path(path: Path | str, roots: Sequence[Path]) -> str:
 def redact_paths(text: str, paths: Sequence[Path | str], roots: Sequence[Path]) -> str:
     """`text` with every absolute path below `paths` and the roots replaced by its shown form."""
     prefixes = {str(p) for p in paths} | {str(os.path.realpath(p)) for p in paths}
-    prefixes |= {str(r) for r in roots} | {str(r) for r in _real_roots(roots)}
+    prefixes |= {str(r) for r in roots} | {str(r) for r in file_guard.real_roots(roots)}
     for prefix in sorted((p for p in prefixes if p not in ("", "/")), key=len, reverse=True):
         text = text.replace(prefix, shown_path(prefix, roots))
     return text

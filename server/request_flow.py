@@ -1,21 +1,20 @@
 """The request path every entry point shares: the online OpenAI handlers (server/routes.py), the
 Llama Stack routes and the Batch API runner. A model's engine is leased for the whole request,
-the prompt is planned (off the event loop when large), the engine requests are submitted together
-and their outputs merged by choice index, and an assembler turns them into OpenAI objects.
+the prompt is planned (off the event loop when large) by its kind (server/endpoints.py), the engine
+requests are submitted together and their outputs merged by choice index, and the kind's assembler
+turns them into OpenAI objects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
 from compat import protocol as p
-from compat.from_engine import ChatAssembler, CompletionAssembler
 from engine.types import EngineClient, EngineRequest, RequestOutput
 from server.app_keys import CONFIG_KEY, LOG_FIELDS
 from server.errors import ApiError
@@ -48,36 +47,11 @@ async def decode_body(request: web.Request, decoder: Any) -> Any:
     return req, len(body)
 
 
-async def off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) (rendering and tokenizing a prompt), in a thread when the body is large."""
+async def off_loop_if_large(body_bytes: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) (rendering and tokenizing a prompt), in a thread when the body is large."""
     if body_bytes > INLINE_TOKENIZE_MAX_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
-def new_response_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def chat_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
-                   include_usage: bool = False) -> ChatAssembler:
-    """One place that turns a chat request (single or batch item) and its plan into an assembler."""
-    return ChatAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
-        tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
-        include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
-    )
-
-
-def completion_assembler(req: Any, plan: Any, engine: EngineClient, response_id: str, *,
-                         include_usage: bool = False) -> CompletionAssembler:
-    """Likewise for completions; a batch item's plan holds one prompt."""
-    return CompletionAssembler(
-        response_id=response_id, model=req.model, tokenizer=engine.tokenizer,
-        prompt_token_counts=[len(ids) for ids in plan.prompt_token_ids],
-        echo_texts=plan.prompt_texts if req.echo else None, n=req.n, logprobs=req.logprobs,
-        include_usage=include_usage, prompt_logprobs=req.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids,
-    )
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 async def merged_outputs(engine: EngineClient, requests: Sequence[EngineRequest]) -> AsyncIterator[Indexed]:

@@ -1,15 +1,18 @@
 """Thin handlers: decode -> compat -> engine -> compat -> encode.
 
-Each handler (with the pieces in server/request_flow.py) leases its engine from the registry for the whole request (a hot switch lets it
-finish on the weights it started with) and closes its output iterator in a `finally`, which
-aborts the engine request when the client goes away.
+Chat and completions share one handler (and one batch handler), parameterized by their endpoint
+kind (server/endpoints.py). Each handler (with the pieces in server/request_flow.py) leases its
+engine from the registry for the whole request (a hot switch lets it finish on the weights it
+started with) and closes its output iterator in a `finally`, which aborts the engine request when
+the client goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,30 +23,27 @@ from compat.from_engine import token_text
 from engine.types import EngineClient
 from server import sse
 from server.app_keys import METRICS_KEY, STATE_KEY
+from server.endpoints import KINDS, Assembler, EndpointKind, new_response_id
 from server.errors import from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.request_flow import (
     Indexed,
-    chat_assembler,
     check_batch_size,
     collect,
-    completion_assembler,
     decode_body,
     json_response,
     lease,
     log_fields,
     merged_outputs,
-    new_response_id,
     off_loop_if_large,
 )
 from server.tokenizer_info import model_or_only, tokenizer_info_body
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/batch/chat/completions", batch_chat_completions)
-    app.router.add_post("/v1/batch/completions", batch_completions)
+    for kind in KINDS:
+        app.router.add_post(kind.path, functools.partial(generate, kind))
+        app.router.add_post(kind.batch_path, functools.partial(generate_batch, kind))
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
@@ -72,8 +72,7 @@ class _Timing:
 
 
 async def _respond(
-    request: web.Request, stream: bool, outputs: AsyncIterator[Indexed], assembler: Any, include_usage: bool,
-    head: Callable[[], list],
+    request: web.Request, stream: bool, outputs: AsyncIterator[Indexed], assembler: Assembler, include_usage: bool
 ) -> web.StreamResponse:
     timing = _Timing(request)
     try:
@@ -92,8 +91,8 @@ async def _respond(
             return [assembler.usage_chunk()] if include_usage else []
 
         if first is None:
-            return await sse.stream(request, None, outputs, lambda _: None, head(), tail)
-        return await sse.stream(request, first, outputs, render, head(), tail)
+            return await sse.stream(request, None, outputs, lambda _: None, assembler.head_chunks(), tail)
+        return await sse.stream(request, first, outputs, render, assembler.head_chunks(), tail)
     finally:
         await outputs.aclose()
         usage = assembler.usage()
@@ -101,84 +100,50 @@ async def _respond(
 
 
 # --------------------------------------------------------------------------- chat and completions
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req, size = await decode_body(request, p.CHAT_DECODER)
+async def generate(kind: EndpointKind, request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions."""
+    req, size = await decode_body(request, kind.decoder)
     async with lease(request, req.model) as engine:
-        response_id = new_response_id("chatcmpl")
-        plan = await off_loop_if_large(size, to_engine.chat_plan, req, req.messages, engine, response_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = chat_assembler(req, plan, engine, response_id, include_usage=include_usage)
-        outputs = merged_outputs(engine, plan.requests)
-        return await _respond(request, req.stream, outputs, assembler, include_usage, assembler.role_chunks)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    req, size = await decode_body(request, p.COMPLETION_DECODER)
-    async with lease(request, req.model) as engine:
-        response_id = new_response_id("cmpl")
-        plan = await off_loop_if_large(size, to_engine.completion_plan, req, req.prompt, engine, response_id)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        assembler = completion_assembler(req, plan, engine, response_id, include_usage=include_usage)
-        outputs = merged_outputs(engine, plan.requests)
-        return await _respond(request, req.stream, outputs, assembler, include_usage, list)
+        plan, assembler = await off_loop_if_large(size, kind.prepare, req, kind.prompt(req), engine, kind.response_id(),
+                                                  include_usage=include_usage)
+        return await _respond(request, req.stream, merged_outputs(engine, plan.requests), assembler, include_usage)
 
 
 # --------------------------------------------------------------------------- batch endpoints
+async def generate_batch(kind: EndpointKind, request: web.Request) -> web.Response:
+    """POST /v1/batch/chat/completions and /v1/batch/completions: many prompts, shared parameters."""
+    req, size = await decode_body(request, kind.batch_decoder)
+    prompts, param = kind.batch_prompts(req)
+    check_batch_size(request, len(prompts), param)
+    async with lease(request, req.model) as engine:
+        batch_id = new_response_id("batch")
+        items = await asyncio.gather(*(_batch_item(kind, req, k, prompt, engine, kind.batch_item_id(batch_id, k), size)
+                                       for k, prompt in enumerate(prompts)))
+        return _batch_response(batch_id, kind.batch_object, req.model, list(items), request)
+
+
 async def _batch_item(
-    request: web.Request, index: int, make: Callable[[], tuple[AsyncIterator[Indexed], Any]], body_bytes: int
+    kind: EndpointKind, req: Any, index: int, prompt: Any, engine: EngineClient, response_id: str, body_bytes: int
 ) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
-        outputs, assembler = await off_loop_if_large(body_bytes, make)
-        return p.BatchItem(index=index, response=await collect(outputs, assembler))
+        plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, prompt, engine, response_id)
+        return p.BatchItem(index=index, response=await collect(merged_outputs(engine, plan.requests), assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
         error = from_exception(exc)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))
 
 
-def _batch_response(response_id: str, kind: str, model: str, items: list[p.BatchItem], request: web.Request) -> web.Response:
+def _batch_response(response_id: str, object_name: str, model: str, items: list[p.BatchItem],
+                    request: web.Request) -> web.Response:
     prompt = sum(item.response.usage.prompt_tokens for item in items if item.response is not None)
     completion = sum(item.response.usage.completion_tokens for item in items if item.response is not None)
     log_fields(request, prompt_tokens=prompt, completion_tokens=completion, batch_items=len(items))
     usage = p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-    return json_response(p.BatchResponse(id=response_id, object=kind, created=int(time.time()), model=model,
+    return json_response(p.BatchResponse(id=response_id, object=object_name, created=int(time.time()), model=model,
                                          data=items, usage=usage))
-
-
-async def batch_chat_completions(request: web.Request) -> web.Response:
-    req, size = await decode_body(request, p.BATCH_CHAT_DECODER)
-    check_batch_size(request, len(req.messages_batch), "messages_batch")
-    async with lease(request, req.model) as engine:
-        batch_id = new_response_id("batch")
-
-        def make(k: int, messages: list) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
-            def build() -> tuple[AsyncIterator[Indexed], Any]:
-                response_id = f"chatcmpl-{batch_id}-{k}"
-                plan = to_engine.chat_plan(req, messages, engine, response_id)
-                return merged_outputs(engine, plan.requests), chat_assembler(req, plan, engine, response_id)
-            return build
-
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, m), size) for k, m in enumerate(req.messages_batch)))
-        return _batch_response(batch_id, "batch.chat.completion", req.model, list(items), request)
-
-
-async def batch_completions(request: web.Request) -> web.Response:
-    req, size = await decode_body(request, p.BATCH_COMPLETION_DECODER)
-    prompts, param = to_engine.batch_prompts(req)
-    check_batch_size(request, len(prompts), param)
-    async with lease(request, req.model) as engine:
-        batch_id = new_response_id("batch")
-
-        def make(k: int, prompt: str | list[int]) -> Callable[[], tuple[AsyncIterator[Indexed], Any]]:
-            def build() -> tuple[AsyncIterator[Indexed], Any]:
-                response_id = f"cmpl-{batch_id}-{k}"
-                plan = to_engine.completion_plan(req, prompt if isinstance(prompt, str) else [prompt], engine, response_id)
-                return merged_outputs(engine, plan.requests), completion_assembler(req, plan, engine, response_id)
-            return build
-
-        items = await asyncio.gather(*(_batch_item(request, k, make(k, pr), size) for k, pr in enumerate(prompts)))
-        return _batch_response(batch_id, "batch.text_completion", req.model, list(items), request)
 
 
 # --------------------------------------------------------------------------- tokenizer endpoints

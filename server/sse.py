@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from compat.protocol import ENCODER
+from server.app_keys import CONFIG_KEY
 from server.errors import ApiError, from_exception
 
 SSE_HEADERS = {
@@ -47,8 +48,6 @@ async def stream(
 
     `first` was awaited before this call, so errors raised before any output (queue full, invalid
     request) still get a proper HTTP status instead of an in-band error."""
-    from server.app_keys import CONFIG_KEY
-
     config = request.app[CONFIG_KEY]
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)

@@ -1,6 +1,6 @@
 """The engine as the server sees it: `generate()` per request, the model stepping on its own thread.
 
-The event loop only does I/O: `generate()` validates, hands the request to the engine thread and
+The event loop only does I/O: `generate()` checks the request (once), hands the request to the engine thread and
 awaits the request's own slot. The engine thread applies adds and aborts, runs one step, and sends
 each event loop the step's deltas in one `call_soon_threadsafe`. A slot merges deltas its consumer
 has not taken yet, so a slow reader never holds up the step or anyone else. When idle the engine
@@ -135,7 +135,9 @@ class AsyncEngine:
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Validate now (raising InvalidRequest, ContextLengthExceeded, QueueFull or EngineDead
         before anything is yielded), queue on first iteration, then yield deltas."""
-        self._check_can_add(request)
+        self._check_open()
+        self.core.check(request)  # the request's one check: pure, so nothing later repeats it
+        self._check_can_queue(request)
         return self._stream(request)
 
     async def abort(self, request_id: str) -> None:
@@ -159,12 +161,18 @@ class AsyncEngine:
             await asyncio.to_thread(self.runner.shutdown)
 
     # ------------------------------------------------------------------ event-loop side
-    def _check_can_add(self, request: EngineRequest) -> None:
+    def _check_open(self) -> None:
         if self._dead is not None:
             raise EngineDead(f"model {self.model_id!r} is not available: {self._dead}")
         if self._stopping:
             raise EngineDead(f"model {self.model_id!r} is shutting down")
-        self.core.check(request)  # pure: reads only immutable limits
+
+    def _check_can_add(self, request: EngineRequest) -> None:
+        """What may have changed since generate() checked the request: checked again before queueing."""
+        self._check_open()
+        self._check_can_queue(request)
+
+    def _check_can_queue(self, request: EngineRequest) -> None:
         if request.request_id in self._active:
             raise request_id_in_use(request.request_id)
         num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
@@ -248,7 +256,7 @@ class AsyncEngine:
         for kind, payload, slot in inbox:
             if kind == "add":
                 try:
-                    self.core.add_request(payload)
+                    self.core.admit(payload)  # checked by generate(), on the caller's side
                 except EngineError as exc:
                     items.append((slot, exc))
                 else:

@@ -47,14 +47,12 @@ class StepTiming:
 def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) -> None:
     """The engine's guard against a request it cannot serve (InvalidRequest / ContextLengthExceeded):
     compat has checked the request already, with the same functions (engine.types). Cheap and side
-    effect free, so the async engine runs it on the caller's side before queueing."""
+    effect free; it runs once per request, in `EngineCore.check` (the async engine calls that on the
+    caller's side before queueing, then admits the request on the engine thread)."""
     if not request.prompt_token_ids:
         raise InvalidRequest("the prompt is empty: at least one token is needed", param="prompt")
     check_token_ids(request.prompt_token_ids, vocab_size, "prompt")
-    try:
-        request.params.validate(vocab_size)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    request.params.validate(vocab_size)
     check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
 
 
@@ -86,11 +84,16 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> None:
+        """Whether this engine can serve the request at all; pure (reads only immutable limits)."""
         check_request(request, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull."""
+        """Check and queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull."""
         self.check(request)
+        self.admit(request)
+
+    def admit(self, request: EngineRequest) -> None:
+        """Queue a request that `check` passed; raises InvalidRequest (its id is in use) or QueueFull."""
         if self.scheduler.get(request.request_id) is not None:
             raise request_id_in_use(request.request_id)
         seq = Sequence(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.tokenizers.hf import GENERATION_CONFIG_FILE, _read_json
-from engine.types import CheckpointError, SamplingDefaults, SamplingParams
+from engine.types import CheckpointError, InvalidRequest, SamplingDefaults, SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -41,7 +41,7 @@ def sampling_defaults_from(config: dict[str, Any], *, source: str) -> SamplingDe
     defaults = SamplingDefaults(**values)
     try:
         SamplingParams(**dataclasses.asdict(defaults)).validate(vocab_size=0)
-    except ValueError as exc:
+    except InvalidRequest as exc:
         raise CheckpointError(f"{source}: {exc}") from None
     return defaults
 

@@ -77,6 +77,15 @@ def test_fan_out_ids_and_seeds():
     assert [r.params.seed for r in unseeded.requests] == [None, None]
 
 
+def test_priority_is_set_when_the_request_is_planned():
+    engine = FakeEngine()
+    assert {r.priority for r in to_engine.chat_plan(chat(n=2), chat().messages, engine, "c").requests} == {0}
+    batch = to_engine.chat_plan(chat(n=2), chat().messages, engine, "c", priority=1)
+    req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "n": 2}))
+    completions = to_engine.completion_plan(req, req.prompt, engine, "cmpl", priority=1)
+    assert [r.priority for r in batch.requests + completions.requests] == [1] * 6
+
+
 def test_completion_plan_indexes_prompt_major():
     engine = FakeEngine()
     req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "n": 2}))
@@ -99,6 +108,16 @@ def test_logit_bias_keys_must_be_token_ids():
     with pytest.raises(InvalidRequest) as info:
         to_engine.chat_plan(chat(logit_bias={"abc": 1}), chat().messages, engine, "c")
     assert info.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias token id 999999 is outside the vocabulary"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids", "stop token id 999999 is outside the vocabulary"),
+])
+def test_token_ids_outside_the_vocabulary_name_their_parameter(fields, param, message):
+    with pytest.raises(InvalidRequest, match=message) as info:
+        to_engine.chat_plan(chat(**fields), chat().messages, FakeEngine(), "c")
+    assert info.value.param == param
 
 
 # --------------------------------------------------------------------------- from_engine

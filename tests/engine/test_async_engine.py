@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from engine.core import engine_core
 from engine.core.async_engine import AsyncEngine, merge_outputs
 from engine.config import EngineConfig
 from engine.core.sequence import ScheduledBatch, StepOutput
@@ -113,6 +114,21 @@ async def test_errors_raise_before_anything_is_yielded(engine: AsyncEngine):
     engine.runner.open()
     assert (await first).new_token_ids
     await gen.aclose()
+    await assert_clean(engine)
+
+
+async def test_a_request_is_checked_once(engine: AsyncEngine, monkeypatch):
+    checked: list[str] = []
+    check = engine_core.check_request
+
+    def counting(request: EngineRequest, **limits) -> None:
+        checked.append(request.request_id)
+        check(request, **limits)
+
+    monkeypatch.setattr(engine_core, "check_request", counting)
+    outs = await collect(engine, request("once", "abc"))
+    assert outs[-1].finish_reason == "length"
+    assert checked == ["once"]  # by generate(); not again on the way to the engine thread, nor there
     await assert_clean(engine)
 
 

@@ -347,9 +347,8 @@ def test_params_max_seq_len_is_bounded(ckpt, value):
 
 
 def test_files_are_rechecked_at_open_time_inside_symlinked_dirs(tmp_path, tiny_checkpoint):
-    """Registration scans the dir without entering symlinked dirs; at load every file's real path
-    must still be inside the roots, and a shard swapped for a link out after resolving is refused
-    when it is opened."""
+    """Resolving scans the dir, symlinked dirs entered: every file's real path must be inside the
+    roots; and a shard swapped for a link out after resolving is refused when it is opened."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir(), outside.mkdir()
     model = Path(shutil.copytree(tiny_checkpoint, root / "m"))

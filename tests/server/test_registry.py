@@ -503,6 +503,19 @@ async def test_dotdot_and_symlink_escapes_are_refused(registry, root, tmp_path) 
     assert "consolidated.00.pth" in inner.message
 
 
+async def test_a_link_out_inside_a_linked_dir_is_refused_at_registration(registry, root, tmp_path) -> None:
+    """The scan enters links to dirs inside the roots, as the loader's guard does (engine/loading/file_guard.py),
+    so what the loader would refuse is refused when the model is registered."""
+    inside, outside = checkpoint(root, "inside"), checkpoint(tmp_path, "secret")
+    (root / "shared").mkdir()
+    os.symlink(outside / "params.json", root / "shared" / "leak")
+    os.symlink(root / "shared", inside / "extras", target_is_directory=True)  # a link that stays in the roots
+    error = api_error(lambda: registry.locate_checkpoint("m", checkpoint_dir="inside"))
+    assert error.code == "checkpoint_dir_outside_roots" and "'leak', a symlink that leaves" in error.message
+    os.unlink(root / "shared" / "leak")
+    assert registry.locate_checkpoint("m", checkpoint_dir="inside") == inside.resolve()
+
+
 async def test_missing_checkpoint_dir_is_a_400(registry, root) -> None:
     error = api_error(lambda: registry.locate_checkpoint("m", checkpoint_dir=str(root / "absent")))
     assert error.code == "checkpoint_not_found"
