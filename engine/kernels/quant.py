@@ -1,8 +1,9 @@
 """ctypes entry points over engine/kernels/csrc/quant_kernels.c (low-bit linears and dequantizers).
 
-Built and cached exactly like the fused CPU kernels (engine.kernels.cpu.library_path: prebuilt per
-x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by source,
-flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch path, which computes the same numbers.
+Built and cached like every kernel library (engine.kernels.build, QUANT_KERNELS: prebuilt per
+x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by sources,
+flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch
+path, which computes the same numbers.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpu import library_path
+from engine.kernels.build import QUANT_KERNELS, library_path
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -135,7 +135,7 @@ def _check_contiguous(weight: QuantizedWeight) -> None:
 def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
     """The kernels, built on first use; None (logged once) where they cannot be built here."""
     try:
-        return QuantKernels(ctypes.CDLL(str(library_path(SOURCE, cache_dir))))
+        return QuantKernels(ctypes.CDLL(str(library_path(QUANT_KERNELS, cache_dir))))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("quantized-linear C kernels unavailable (%s); using the torch path", exc)
         return None
