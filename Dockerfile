@@ -10,9 +10,9 @@
 # container toolkit: `docker run --gpus all -e LLAMASERVE_DEVICE=cuda ...`). `--build-arg
 # BASE_IMAGE=...` swaps the base for another Debian-based Python 3.11 image (e.g. a CUDA one).
 #
-# The CPU kernels (engine/kernels/csrc/cpu_kernels.c) are compiled here, in the builder stage, once per
+# The C kernels (engine/kernels/csrc/) are compiled here, in the builder stage, once per
 # x86-64 level (v2 SSE4.2, v3 AVX2+FMA, v4 AVX-512); at start the server loads the highest level
-# the CPU's flags allow (LLAMASERVE_PREBUILT_KERNELS, engine/kernels/cpu.py). Why not keep the
+# the CPU's flags allow (LLAMASERVE_PREBUILT_KERNELS, engine/kernels/build.py). Why not keep the
 # compiler and build -march=native at first load, as outside the image: measured on this
 # project's 2-core Xeon (AVX-512, AMX), the v4 build's decode step was within noise of the native
 # build's (tiny config, one thread: bf16 batch 1 10.6 vs 11.6 ms, fp32 15.7 vs 16.0 ms; batch 8
@@ -43,7 +43,7 @@ COPY engine/ engine/
 # the README's install command, so CI (which runs it) proves this step
 RUN pip install torch==2.13.0 .
 # kernels per x86-64 level, and the demo model fetched and converted now rather than at each start
-RUN if [ "$(uname -m)" = x86_64 ]; then python -m engine.kernels.cpu prebuild /opt/llamaserve/kernels; fi \
+RUN if [ "$(uname -m)" = x86_64 ]; then python -m engine.kernels.build prebuild /opt/llamaserve/kernels; fi \
     && mkdir -p /opt/llamaserve/kernels \
     && python -m engine.loading.demo /opt/llamaserve/cache \
     && rm -rf /opt/llamaserve/cache/downloads

@@ -7,7 +7,7 @@ rope_and_cache_write on inputs hot in the calling threads' caches, and silu_mul 
 inputs an AMX linear has just written (as in the model: the linear splits its output columns
 between the threads, so at 2 threads half of each row comes from the other core); the greedy
 argmax of [rows, 49152] logits (bfloat16 and float32) against numpy's (after the float32 copy). Median
-microseconds per call. --baseline loads a second build of engine/kernels/csrc/cpu_kernels.c (a .so from the
+microseconds per call. --baseline loads a second build of the cpu_kernels library (engine/kernels/csrc/; a .so from the
 kernel cache of another checkout) and interleaves it with this one, call for call, in the same
 process: on a machine shared with other jobs only such A/B ratios carry over.
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import load_average  # noqa: E402
 from engine.kernels.amx import load_amx_linear  # noqa: E402
-from engine.kernels.cpu import _SIGNATURES, CpuKernels, load_cpu_kernels  # noqa: E402
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
 from engine.core.sampler import _row_max  # noqa: E402
 
 DIM, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
@@ -90,14 +90,7 @@ class Inputs:
 def baseline_build(path: Path) -> CpuKernels:
     """CpuKernels over another build, which may predate entry points this checkout added (those it
     has keep their signatures)."""
-    lib = ctypes.CDLL(str(path))
-    kernels = CpuKernels.__new__(CpuKernels)
-    for name, argtypes in _SIGNATURES.items():
-        if hasattr(lib, name):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
-    kernels._lib = lib
-    return kernels
+    return CpuKernels(ctypes.CDLL(str(path)), partial=True)
 
 
 def measure(k: CpuKernels, t: Inputs, threads: int, calls: int) -> dict[str, float]:
@@ -122,7 +115,7 @@ def measure(k: CpuKernels, t: Inputs, threads: int, calls: int) -> dict[str, flo
             calls,
             lambda: fresh.update(delta=t.w2(t.h, threads)),
         )
-    if hasattr(k._lib, "argmax_rows"):
+    if k.address("argmax_rows") is not None:
         row[f"argmax [{t.logits.shape[0]}, {VOCAB}] bf16"] = median_us(lambda: k.argmax_rows(t.logits, threads), calls)
         row[f"argmax [{t.logits.shape[0]}, {VOCAB}] f32"] = median_us(lambda: k.argmax_rows(t.logits32, threads), calls)
     return row

@@ -50,13 +50,22 @@ def test_multi_stage_non_root_with_healthcheck_and_volume():
 
 
 def test_environment_names_are_real_settings():
-    from engine import cpu_kernels
+    from engine.kernels import build
     from engine.loading import demo
     from server.config import ENV_PREFIX, OPTIONS
 
-    known = {ENV_PREFIX + o.name.upper() for o in OPTIONS} | {demo.CACHE_DIR_ENV, cpu_kernels.PREBUILT_DIR_ENV}
+    known = {ENV_PREFIX + o.name.upper() for o in OPTIONS} | {demo.CACHE_DIR_ENV, build.PREBUILT_DIR_ENV}
     used = set(re.findall(r"\b(LLAMASERVE_[A-Z_]+)=", DOCKERFILE.read_text()))
     assert used and used <= known, used - known
+
+
+def test_every_module_it_runs_exists():
+    """`python -m X` in a RUN step (the kernels' prebuild, the demo's fetch) names a module of this checkout."""
+    import importlib.util
+
+    modules = {m for name, args in instructions() if name == "RUN" for m in re.findall(r"python -m ([\w.]+)", args)}
+    assert "engine.kernels.build" in modules
+    assert all(importlib.util.find_spec(m) is not None for m in modules), modules
 
 
 def test_dockerignore_lets_every_copied_path_through():
@@ -98,5 +107,9 @@ def test_the_package_the_image_installs_builds_with_its_kernel_source(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("llamaserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"engine/kernels/csrc/cpu_kernels.c", "engine/loading/demo.py", "engine/kernels/cpu.py", "server/__main__.py", "compat/protocol.py"} <= names
+    from engine.kernels import build
+
+    sources = {f"engine/kernels/csrc/{path.name}" for path in [*build.CSRC_DIR.glob("*.c"), *build.CSRC_DIR.glob("*.h")]}
+    assert sources <= names and "engine/kernels/csrc/vec.h" in sources
+    assert {"engine/loading/demo.py", "engine/kernels/build.py", "server/__main__.py", "compat/protocol.py"} <= names
     assert not any(n.startswith(("tests/", "bench/")) for n in names)

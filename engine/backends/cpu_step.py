@@ -31,12 +31,12 @@ from torch import nn
 
 from engine.kernels.amx import AmxLinear
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
-from engine.kernels.cpu import CpuKernels, library_path
+from engine.kernels.build import DECODE_STEP, library_path
+from engine.kernels.cpu import CpuKernels
 from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent.parent / "kernels" / "csrc" / "decode_step.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KINDS = {"interleaved": 0, "pairs": 1, "quant": 2}  # decode_step.c's LINEAR_*
 _KERNEL_NAMES = (
@@ -92,7 +92,7 @@ class _Tokens(ctypes.Structure):
 @functools.cache
 def _load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(library_path(SOURCE, cache_dir)))
+        lib = ctypes.CDLL(str(library_path(DECODE_STEP, cache_dir)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("compiled decode step unavailable (%s); decode runs op by op", exc)
         return None

@@ -3,8 +3,8 @@ batches of many streams, and for prefill chunks of weights that keep no oneDNN c
 picks a blocked loop for those sizes itself).
 
 The weight is the bfloat16 pairs copy CpuKernels.interleave already makes ([n / 16, k / 2, 16, 2]),
-which is the AMX B-tile layout as it stands: no further copy. Built and cached like the fused CPU
-kernels (engine.kernels.cpu.library_path); the source compiles at every x86-64 level and the kernel
+which is the AMX B-tile layout as it stands: no further copy. Built and cached like every kernel
+library (engine.kernels.build, AMX_LINEAR); the source compiles at every x86-64 level and the kernel
 runs only where amx_init() finds AMX-BF16 and Linux grants the tile state. None where it cannot
 run: PackedCpuLinear then keeps oneDNN.
 """
@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpu import library_path
+from engine.kernels.build import AMX_LINEAR, library_path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "amx_linear.c"
 # the kernel's tile sizes: k a multiple of K_STEP, n of 16
 K_STEP = 32
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -73,7 +72,7 @@ class AmxLinear:
 def load_amx_linear(cache_dir: Path | None = None) -> AmxLinear | None:
     """The kernel where this CPU and OS run AMX bfloat16 tiles; None (logged once) elsewhere."""
     try:
-        lib = ctypes.CDLL(str(library_path(SOURCE, cache_dir)))
+        lib = ctypes.CDLL(str(library_path(AMX_LINEAR, cache_dir)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("AMX linear kernel unavailable (%s); bfloat16 linears stay on oneDNN", exc)
         return None

@@ -1,8 +1,10 @@
 """ctypes entry points over engine/kernels/csrc/quant_kernels.c (low-bit linears and dequantizers).
 
-Built and cached exactly like the fused CPU kernels (engine.kernels.cpu.library_path: prebuilt per
-x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by source,
-flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch path, which computes the same numbers.
+Built and cached like every kernel library (engine.kernels.build, QUANT_KERNELS: prebuilt per
+x86-64 level in the image, else the system C compiler, -march=native, a cache dir keyed by sources,
+flags, compiler and CPU). None where it cannot be loaded: engine.quant.linear then runs its torch
+path, which computes the same numbers. Weights are engine.quant.formats' QuantizedWeight, told apart
+by their `format` name: this module sits below engine.quant and imports it for type hints only.
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ import functools
 import logging
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels.cpu import library_path
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.kernels.build import QUANT_KERNELS, library_path
+
+if TYPE_CHECKING:
+    from engine.quant.formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_FORMAT_CODES = {Int8Weight: 0, Int4Weight: 1, Fp8Weight: 2}  # quant_kernels.c's FMT_*
+FORMAT_CODES = {"int8": 0, "int4": 1, "fp8": 2}  # QuantizedWeight.format -> quant_kernels.c's FMT_*
 
 
 class _QuantWeightDesc(ctypes.Structure):
@@ -33,7 +37,7 @@ class _QuantWeightDesc(ctypes.Structure):
     _fields_ = [("w", _p), ("scales", _p), ("mins", _p), ("n", _i64), ("k", _i64), ("group", _i64), ("fmt", ctypes.c_int32), ("scales_f16", ctypes.c_int32)]
 
 
-_SIGNATURES = {
+SIGNATURES = {
     # weight desc, bf16, x, rows, out, threads
     "quant_linear": ((ctypes.POINTER(_QuantWeightDesc), _i32, _p, _i64, _p, _i32), _i32),
     # w, scales, scales_f16, n, k, group, row0, row1, bf16, out, threads
@@ -53,7 +57,7 @@ class QuantKernels:
     """Typed calls; weights must be contiguous (QuantizedWeight.contiguous()), x [rows, in] contiguous."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, (argtypes, restype) in _SIGNATURES.items():
+        for name, (argtypes, restype) in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
@@ -65,7 +69,7 @@ class QuantKernels:
     def bind(self, weight: QuantizedWeight) -> "BoundQuantLinear":
         """The kernel call for one weight with its pointers and sizes fixed (QuantLinear binds once)."""
         _check_contiguous(weight)
-        if type(weight) not in _FORMAT_CODES:
+        if getattr(weight, "format", None) not in FORMAT_CODES:
             raise TypeError(f"no kernel for {type(weight).__name__}")
         return BoundQuantLinear(self._lib.quant_linear, weight)
 
@@ -82,13 +86,13 @@ class QuantKernels:
             raise ValueError(f"dequantize rows [{row0}, {row1}) of a [{n}, {k}] weight into {list(out.shape)}")
         _check_contiguous(weight)
         code, wp, sp = _DTYPE_CODES[out.dtype], weight.qweight.data_ptr(), weight.scales.data_ptr()
-        if isinstance(weight, Int4Weight):
+        if weight.format == "int4":
             mins = None if weight.mins is None else weight.mins.data_ptr()
             self._lib.int4_dequantize(wp, sp, mins, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
-        elif isinstance(weight, Int8Weight):
+        elif weight.format == "int8":
             f16 = int(weight.scales.dtype == torch.float16)
             self._lib.int8_dequantize(wp, sp, f16, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
-        elif isinstance(weight, Fp8Weight):
+        elif weight.format == "fp8":
             self._lib.fp8_dequantize(wp, sp, n, k, row0, row1, code, out.data_ptr(), threads)
         else:
             raise TypeError(f"no kernel for {type(weight).__name__}")
@@ -105,7 +109,7 @@ class BoundQuantLinear:
         mins = getattr(weight, "mins", None)
         self._desc = _QuantWeightDesc(
             weight.qweight.data_ptr(), weight.scales.data_ptr(), None if mins is None else mins.data_ptr(),
-            self.out_features, self.in_features, weight.group_size, _FORMAT_CODES[type(weight)],
+            self.out_features, self.in_features, weight.group_size, FORMAT_CODES[weight.format],
             int(weight.scales.dtype == torch.float16),
         )  # fmt: skip
         self._desc_ref = ctypes.byref(self._desc)
@@ -135,7 +139,7 @@ def _check_contiguous(weight: QuantizedWeight) -> None:
 def load_quant_kernels(cache_dir: Path | None = None) -> QuantKernels | None:
     """The kernels, built on first use; None (logged once) where they cannot be built here."""
     try:
-        return QuantKernels(ctypes.CDLL(str(library_path(SOURCE, cache_dir))))
+        return QuantKernels(ctypes.CDLL(str(library_path(QUANT_KERNELS, cache_dir))))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("quantized-linear C kernels unavailable (%s); using the torch path", exc)
         return None

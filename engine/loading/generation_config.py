@@ -14,17 +14,24 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.tokenizers.hf import GENERATION_CONFIG_FILE, _read_json
+from engine.loading.json_file import read_json_object
 from engine.types import CheckpointError, InvalidRequest, SamplingDefaults, SamplingParams
 
+GENERATION_CONFIG_FILE = "generation_config.json"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(checkpoint_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's generation_config.json (None without one): its sampling defaults, and the
+    eos ids an HF tokenizer reads from it."""
+    return read_json_object(Path(checkpoint_dir) / GENERATION_CONFIG_FILE)
 
 
 def read_sampling_defaults(checkpoint_dir: Path) -> SamplingDefaults:
     """The defaults of the checkpoint in `checkpoint_dir`; OpenAI's when it has no generation_config.json."""
-    path = Path(checkpoint_dir) / GENERATION_CONFIG_FILE
-    config = _read_json(path, required=False)  # the tokenizer reads its eos ids from the same file
-    return SamplingDefaults() if config is None else sampling_defaults_from(config, source=str(path))
+    config = read_generation_config(checkpoint_dir)
+    source = str(Path(checkpoint_dir) / GENERATION_CONFIG_FILE)
+    return SamplingDefaults() if config is None else sampling_defaults_from(config, source=source)
 
 
 def sampling_defaults_from(config: dict[str, Any], *, source: str) -> SamplingDefaults:

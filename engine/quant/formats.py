@@ -26,6 +26,8 @@ from typing import ClassVar
 
 import torch
 
+from engine.quant import linear as quant_linear
+
 INT4_GROUP_SIZE = 32  # GGUF Q4_0 / Q4_1's block; the default for int4 quantization
 _BLOCK = 32  # int4 nibble packing unit (GGUF's), so every int4 group size is a multiple of it
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -71,10 +73,7 @@ class QuantizedWeight:
         """Its Linear (engine.backends.base.PreparedWeight): QuantLinear over the C kernels when
         they build here, else its torch path. Every backend without its own linear for a
         quantized weight takes this one."""
-        from engine.kernels.quant import load_quant_kernels
-        from engine.quant.linear import make_linear
-
-        return make_linear(self, load_quant_kernels())
+        return quant_linear.make_linear(self)
 
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """Output rows [start, stop) (a column-parallel shard)."""

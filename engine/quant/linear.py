@@ -15,19 +15,24 @@ resident) and picks a path per call from the number of input rows and the activa
 
 The thresholds come from bench/quant_linear.py on the 2-core development machine (docs/quantization.md
 has the numbers). The module computes over its local model-parallel shard only: collectives belong to
-the caller (the backend seam).
+the caller (the backend seam). Weights are told apart by their `format` name: formats.py names
+QuantLinear as its weights' Linear (QuantizedWeight.make_linear), so this module imports it for type
+hints only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
-from engine.kernels.quant import QuantKernels, supports
+from engine.kernels import quant as quant_kernels  # load_quant_kernels looked up when called (tests stand in for it)
+from engine.kernels.quant import FORMAT_CODES, QuantKernels, supports
+
+if TYPE_CHECKING:
+    from engine.quant.formats import QuantizedWeight
 
 # Tiles of dequantized rows hold at most this many elements (1 MiB in float32): they stay in L2
 # between the dequantization that writes them and the matmul that reads them.
@@ -147,18 +152,19 @@ def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dt
 
 def _aten_int8_scales(weight: QuantizedWeight) -> torch.Tensor | None:
     """The bfloat16 per-row scales aten._weight_int8pack_mm takes, if they equal ours exactly."""
-    if not isinstance(weight, Int8Weight) or weight.group_size != weight.in_features:
+    if weight.format != "int8" or weight.group_size != weight.in_features:
         return None
     scales = weight.scales.reshape(-1)
     as_bf16 = scales.to(torch.bfloat16)
     return as_bf16 if torch.equal(as_bf16.float(), scales.float()) else None
 
 
-def make_linear(weight: QuantizedWeight, kernels: QuantKernels | None) -> QuantLinear:
-    """The linear for a quantized weight (the backend seam's hook); every format takes QuantLinear."""
-    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
+def make_linear(weight: QuantizedWeight) -> QuantLinear:
+    """The linear for a quantized weight (QuantizedWeight.make_linear, the backend seam's hook):
+    QuantLinear over the C kernels when they load here, else its torch path; every format takes it."""
+    if weight.format not in FORMAT_CODES:
         raise TypeError(f"no linear for {type(weight).__name__}")
-    return QuantLinear(weight, kernels)
+    return QuantLinear(weight, quant_kernels.load_quant_kernels())
 
 
 class QuantEmbedding(nn.Module):
@@ -197,8 +203,7 @@ class QuantEmbedding(nn.Module):
 
 def embedding(table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> nn.Module:
     """ids -> rows of `table`: nn.Embedding over a float table, QuantEmbedding over a quantized one."""
-    if isinstance(table, QuantizedWeight):
-        from engine.kernels.quant import load_quant_kernels
-
-        return QuantEmbedding(table, dtype, load_quant_kernels() if table.qweight.device.type == "cpu" else None)
-    return nn.Embedding.from_pretrained(table, freeze=True)
+    if isinstance(table, torch.Tensor):
+        return nn.Embedding.from_pretrained(table, freeze=True)
+    on_cpu = table.qweight.device.type == "cpu"
+    return QuantEmbedding(table, dtype, quant_kernels.load_quant_kernels() if on_cpu else None)

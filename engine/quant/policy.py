@@ -5,7 +5,7 @@ engine.quant.QUANTIZATION_TYPES: `fp8_mixed` (float8 e4m3, per-row scales), `int
 group-wise scales and mins, group 32) and `int8` (per-row scales). Each quantizes the transformer's
 linears (wq|wk|wv, wo, w1|w3, w2, fused at load) into an engine.quant weight; embeddings, norms
 and the output head stay in the model dtype (meta-reference's "mixed"). A quantized weight is a
-prepared weight (engine.backends.base.PreparedWeight) whose Linear is engine.quant.QuantLinear:
+prepared weight (engine.backends.base.PreparedWeight) whose Linear is engine.quant.linear.QuantLinear:
 the codes and scales stay resident, never a float copy. docs/quantization.md has the formats.
 """
 

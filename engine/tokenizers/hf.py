@@ -15,14 +15,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.tokenizers.tokenizer import ByteTableTokenizer
+from engine.loading.generation_config import GENERATION_CONFIG_FILE, read_generation_config
+from engine.loading.json_file import read_json_object
+from engine.tokenizers.base import ByteTableTokenizer
 from engine.types import CheckpointError
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 # Tokens that end a turn in common chat formats. llama.cpp treats these as end-of-generation
 # whatever the metadata says, and so do we, so both servers stop at the same place.
@@ -192,23 +193,9 @@ class HFTokenizer(ByteTableTokenizer):
         return token_id in self._special_names
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
-    if not path.exists():
-        if required:
-            raise CheckpointError(f"{path}: missing")
-        return None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return value
-
-
 def read_tokenizer_config(checkpoint_dir: Path) -> dict[str, Any]:
     """tokenizer_config.json, or {} when the checkpoint has none."""
-    return _read_json(Path(checkpoint_dir) / TOKENIZER_CONFIG_FILE, required=False) or {}
+    return read_json_object(Path(checkpoint_dir) / TOKENIZER_CONFIG_FILE) or {}
 
 
 def load_hf_tokenizer(checkpoint_dir: Path) -> HFTokenizer:
@@ -224,8 +211,7 @@ def load_hf_tokenizer(checkpoint_dir: Path) -> HFTokenizer:
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: cannot read the tokenizer: {exc}") from None
     config = read_tokenizer_config(checkpoint_dir)
-    generation = _read_json(checkpoint_dir / GENERATION_CONFIG_FILE, required=False)
-    return HFTokenizer(text, config, source=str(path), generation_config=generation)
+    return HFTokenizer(text, config, source=str(path), generation_config=read_generation_config(checkpoint_dir))
 
 
 __all__ = ["END_OF_GENERATION_SPELLINGS", "HFTokenizer", "gpt2_byte_decoder", "load_hf_tokenizer", "read_tokenizer_config"]

@@ -8,14 +8,16 @@ Skipped (with the reason) where this CPU or OS has no AMX bfloat16 tiles or no c
 from __future__ import annotations
 
 import ctypes
+import subprocess
 
 import pytest
 import torch
 
-from engine import amx_linear as amx_mod
+from engine.kernels import amx as amx_mod
+from engine.kernels import build
 from engine.backends import cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight
-from engine.kernels.cpu import library_path, load_cpu_kernels
+from engine.kernels.cpu import load_cpu_kernels
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # [out, in]: qkv, w13, wo, w2
 
@@ -23,7 +25,7 @@ DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)]  # [out, in]: q
 @pytest.fixture(scope="module")
 def kernels():
     k = load_cpu_kernels()
-    if k is None or k._bf16_pairs is None:
+    if k is None or not k.has_bf16_pairs:
         pytest.skip("no CPU kernels with the AVX512_BF16 pairs layout here")
     return k
 
@@ -126,7 +128,7 @@ def test_k_not_a_multiple_of_32_is_refused(kernels, amx):
     assert not amx.supports(pairs)
     with pytest.raises(ValueError):
         amx.bind(pairs)
-    lib = ctypes.CDLL(str(library_path(amx_mod.SOURCE)))
+    lib = ctypes.CDLL(str(build.library_path(build.AMX_LINEAR)))
     x, out = torch.randn(2, 48).bfloat16(), torch.empty(2, 32, dtype=torch.bfloat16)
     rc = lib.amx_linear_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(pairs.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                              ctypes.c_int64(2), ctypes.c_int64(32), ctypes.c_int64(48), ctypes.c_int(1))  # fmt: skip
@@ -180,11 +182,9 @@ def test_float32_layers_never_take_amx(kernels, amx):
 def test_the_plain_x86_64_v2_build_runs_the_tiles(kernels, amx, tmp_path):
     """The image's prebuilt libraries: amx_linear.c carries its own target attributes, so even the
     lowest level's build runs AMX where amx_init allows it."""
-    import engine.kernels.cpu as ck
-
     try:
-        (path,) = ck.prebuild(tmp_path, ["x86-64-v2"], [amx_mod.SOURCE])
-    except (OSError, ck.subprocess.SubprocessError) as exc:
+        (path,) = build.prebuild(tmp_path, ["x86-64-v2"], [build.AMX_LINEAR])
+    except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
     lib = ctypes.CDLL(str(path))
     assert lib.amx_init() == 1

@@ -1,4 +1,5 @@
-"""The fused CPU kernels (engine/kernels/cpu.py, engine/kernels/csrc/cpu_kernels.c) against plain torch.
+"""The fused CPU kernels (engine/kernels/cpu.py over the cpu_kernels library, engine/kernels/csrc/)
+against plain torch, and their build and cache (engine/kernels/build.py).
 
 Each kernel is checked on its own against the torch maths it replaces (float32 tightly, bfloat16
 within bf16 rounding), then the fused Transformer forward against the same model's torch path
@@ -23,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels as ck
+from engine.kernels import build
+from engine.kernels import cpu as ck
 from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
 from engine.config import EngineConfig
 from engine.executor.worker_group import WorkerGroup
@@ -611,7 +613,7 @@ def test_failed_build_returns_none_and_warns(tmp_path, monkeypatch, caplog, comp
 def test_cached_loader_falls_back_through_env(tmp_path, monkeypatch, caplog):
     """load_cpu_kernels() itself (functools.cache'd), with CC and the cache dir from the environment."""
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setenv(ck.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(build.CACHE_DIR_ENV, str(tmp_path / "cache"))
     ck.load_cpu_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
@@ -636,7 +638,7 @@ def test_build_reuses_the_cached_library(tmp_path, monkeypatch):
     if ck.load_cpu_kernels() is None:
         pytest.skip("no working C compiler here")
     cache_dir = tmp_path / "cache"
-    first = ck._build(cache_dir)
+    first = build.build_library(build.CPU_KERNELS, cache_dir)
     assert first.parent == cache_dir and first.name.startswith("cpu_kernels-") and first.suffix == ".so"
     mtime = first.stat().st_mtime_ns
     assert [p.name for p in cache_dir.iterdir()] == [first.name]  # no temporary build dir left behind
@@ -648,8 +650,8 @@ def test_build_reuses_the_cached_library(tmp_path, monkeypatch):
         calls.append(list(cmd))
         return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(ck.subprocess, "run", recording_run)
-    second = ck._build(cache_dir)
+    monkeypatch.setattr(subprocess, "run", recording_run)
+    second = build.build_library(build.CPU_KERNELS, cache_dir)
     assert second == first and second.stat().st_mtime_ns == mtime
     assert all("--version" in cmd for cmd in calls), f"recompiled: {calls}"  # only the key's version query
     assert ck.CpuKernels(ctypes.CDLL(str(second))) is not None
@@ -658,8 +660,9 @@ def test_build_reuses_the_cached_library(tmp_path, monkeypatch):
 def test_build_key_depends_on_the_compiler(tmp_path):
     if ck.load_cpu_kernels() is None:
         pytest.skip("no working C compiler here")
-    assert ck._build_key(ck._compiler()) == ck._build_key(ck._compiler())
-    assert ck._build_key(fake_compiler(tmp_path)) != ck._build_key(ck._compiler())
+    cc = build.c_compiler()
+    assert build.build_key(build.CPU_KERNELS, cc) == build.build_key(build.CPU_KERNELS, cc)
+    assert build.build_key(build.CPU_KERNELS, fake_compiler(tmp_path)) != build.build_key(build.CPU_KERNELS, cc)
 
 
 # =========================================================================== the executor's switch
@@ -700,13 +703,13 @@ def test_cache_dir_is_created_private(tmp_path):
     if ck.load_cpu_kernels() is None:
         pytest.skip("no working C compiler here")
     cache_dir = tmp_path / "fresh" / "kernels"
-    ck._build(cache_dir)
+    build.build_library(build.CPU_KERNELS, cache_dir)
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize("what", ["dir", "library"])
 def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what):
-    monkeypatch.setattr(ck, "_build_key", lambda compiler, source=None: "fixedkey")
+    monkeypatch.setattr(build, "build_key", lambda library, cc: "fixedkey")
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     planted = cache_dir / "cpu_kernels-fixedkey.so"
@@ -718,14 +721,14 @@ def test_writable_by_others_cache_is_refused(tmp_path, monkeypatch, caplog, what
 
 
 def test_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_build_key", lambda compiler, source=None: "fixedkey")
+    monkeypatch.setattr(build, "build_key", lambda library, cc: "fixedkey")
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir(mode=0o700)
     (cache_dir / "cpu_kernels-fixedkey.so").write_bytes(b"x")
     real_getuid = os.getuid()
-    monkeypatch.setattr(ck.os, "getuid", lambda: real_getuid + 1)  # as if another user had made them
+    monkeypatch.setattr(os, "getuid", lambda: real_getuid + 1)  # as if another user had made them
     with pytest.raises(OSError, match="owned by uid"):
-        ck._build(cache_dir)
+        build.build_library(build.CPU_KERNELS, cache_dir)
 
 
 @pytest.mark.parametrize("cpuinfo,expected", [
@@ -735,12 +738,12 @@ def test_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     ("processor\t: 0\ncpu\t\t: POWER9\nclock\t\t: 2.2GHz\ncpu MHz\t: 2200\n", "cpu\t\t: POWER9\nclock\t\t: 2.2GHz"),
 ])
 def test_build_key_reads_the_cpu_feature_line_on_every_architecture(cpuinfo, expected):
-    assert ck.cpu_feature_line(cpuinfo) == expected
+    assert build.cpu_feature_line(cpuinfo) == expected
 
 
 # =========================================================================== prebuilt per x86-64 level (the image)
-V2 = set(ck.X86_LEVELS["x86-64-v2"])
-V3 = V2 | ck.X86_LEVELS["x86-64-v3"]
+V2 = set(build.X86_LEVELS["x86-64-v2"])
+V3 = V2 | build.X86_LEVELS["x86-64-v3"]
 
 
 @pytest.mark.parametrize("flags, level", [
@@ -749,26 +752,25 @@ V3 = V2 | ck.X86_LEVELS["x86-64-v3"]
     (V2, "x86-64-v2"),
     (V3 - {"fma"}, "x86-64-v2"),
     (V3, "x86-64-v3"),
-    (V3 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v4"),
-    (V2 | ck.X86_LEVELS["x86-64-v4"], "x86-64-v2"),  # AVX-512 without AVX2 cannot be v4
-    (V3 | ck.X86_LEVELS["x86-64-v4"] | {"avx512_bf16"}, "x86-64-v4-bf16"),
+    (V3 | build.X86_LEVELS["x86-64-v4"], "x86-64-v4"),
+    (V2 | build.X86_LEVELS["x86-64-v4"], "x86-64-v2"),  # AVX-512 without AVX2 cannot be v4
+    (V3 | build.X86_LEVELS["x86-64-v4"] | {"avx512_bf16"}, "x86-64-v4-bf16"),
     (V3 | {"avx512_bf16"}, "x86-64-v3"),
 ])  # fmt: skip
 def test_x86_level_from_cpu_flags(flags, level):
-    assert ck.x86_level(flags) == level
+    assert build.x86_level(flags) == level
 
 
 def test_prebuilt_library_is_found_and_computes_like_torch(tmp_path, monkeypatch):
     """The lowest level runs on any x86-64 CI machine; a stale build (other source) is never picked."""
-    level = ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split()))
-    if level is None:
+    if build.cpu_level() is None:
         pytest.skip("not an x86-64-v2 CPU")
     try:
-        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
+        (built,) = build.prebuild(tmp_path, ["x86-64-v2"], [build.CPU_KERNELS])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
-    (tmp_path / built.name.replace("-x86-64-v2", "-x86-64-v4").replace(ck._source_key(), "0" * 16)).write_bytes(b"stale")
-    assert ck.find_prebuilt(tmp_path) == built
+    (tmp_path / built.name.replace("-x86-64-v2", "-x86-64-v4").replace(build.source_key(build.CPU_KERNELS), "0" * 16)).write_bytes(b"stale")
+    assert build.find_prebuilt(tmp_path, build.CPU_KERNELS) == built
     kernels = ck.CpuKernels(ctypes.CDLL(str(built)))
     residual, weight = torch.randn(3, 64, generator=gen(5)), torch.randn(64, generator=gen(6))
     out = torch.empty_like(residual)
@@ -781,10 +783,10 @@ def test_portable_build_gives_the_native_builds_bits(kernels, tmp_path):
     """The x86-64-v2 build (portable loops: silu computed, not looked up; argmax in one scalar pass)
     against this machine's build: bfloat16 SiLU-mul of every gate value times random up, bfloat16
     add+RMSNorm, and the greedy argmax of both dtypes, bit for bit."""
-    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) is None:
+    if build.cpu_level() is None:
         pytest.skip("not an x86-64-v2 CPU")
     try:
-        (built,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
+        (built,) = build.prebuild(tmp_path, ["x86-64-v2"], [build.CPU_KERNELS])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
     portable, g = ck.CpuKernels(ctypes.CDLL(str(built))), gen(9)
@@ -795,12 +797,12 @@ def test_portable_build_gives_the_native_builds_bits(kernels, tmp_path):
     logits = torch.randint(-3, 3, (33, 1000), generator=g).float()
     logits[3, 7], logits[5, 9], logits[6] = math.nan, math.inf, -0.0
     results = []
-    for build in (kernels, portable):
+    for library in (kernels, portable):
         silu = torch.empty(64, 1024, dtype=torch.bfloat16)
-        build.silu_mul(gate_up, silu, THREADS)
+        library.silu_mul(gate_up, silu, THREADS)
         res, normed = residual.clone(), torch.empty_like(residual)
-        build.add_rms_norm(res, delta, weight, normed, 1e-5, THREADS)
-        argmax = [build.argmax_rows(logits.to(dtype), THREADS) for dtype in DTYPES]
+        library.add_rms_norm(res, delta, weight, normed, 1e-5, THREADS)
+        argmax = [library.argmax_rows(logits.to(dtype), THREADS) for dtype in DTYPES]
         results.append((silu.view(torch.int16), res.view(torch.int16), normed.view(torch.int16), str(argmax)))
     for native, plain in zip(*results):
         assert torch.equal(native, plain) if isinstance(native, torch.Tensor) else native == plain
@@ -809,16 +811,16 @@ def test_portable_build_gives_the_native_builds_bits(kernels, tmp_path):
 def test_the_bf16_level_is_built_with_avx512_bf16(tmp_path):
     """The image's best build on an AVX512_BF16 CPU has the bfloat16 pairs kernel (vdpbf16ps), which a
     plain x86-64-v4 build lacks, and computes the same one-row linear as torch."""
-    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) != "x86-64-v4-bf16":
+    if build.cpu_level() != "x86-64-v4-bf16":
         pytest.skip("not an AVX-512 CPU with AVX512_BF16")
     try:
-        built = {level: ck.prebuild(tmp_path, [level], [ck.SOURCE])[0] for level in ("x86-64-v4", "x86-64-v4-bf16")}
+        built = {level: build.prebuild(tmp_path, [level], [build.CPU_KERNELS])[0] for level in ("x86-64-v4", "x86-64-v4-bf16")}
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
-    assert ck.find_prebuilt(tmp_path) == built["x86-64-v4-bf16"]
-    assert ck.CpuKernels(ctypes.CDLL(str(built["x86-64-v4"])))._bf16_pairs is None
+    assert build.find_prebuilt(tmp_path, build.CPU_KERNELS) == built["x86-64-v4-bf16"]
+    assert not ck.CpuKernels(ctypes.CDLL(str(built["x86-64-v4"]))).has_bf16_pairs
     kernels = ck.CpuKernels(ctypes.CDLL(str(built["x86-64-v4-bf16"])))
-    assert kernels._bf16_pairs is not None
+    assert kernels.has_bf16_pairs
     weight = torch.randn(64, 96, generator=gen(7)).to(torch.bfloat16)
     x = torch.randn(1, 96, generator=gen(8)).to(torch.bfloat16)
     one_row = kernels.bind_interleaved(kernels.interleave(weight))
@@ -828,16 +830,22 @@ def test_the_bf16_level_is_built_with_avx512_bf16(tmp_path):
 def test_every_source_is_prebuilt_and_loaded_from_the_image_dir(tmp_path, monkeypatch):
     """The image has no compiler: the quantized kernels and the compiled decode step come prebuilt
     too, and library_path takes them from LLAMASERVE_PREBUILT_KERNELS instead of building."""
-    if ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split())) is None:
+    if build.cpu_level() is None:
         pytest.skip("not an x86-64-v2 CPU")
     try:
-        built = ck.prebuild(tmp_path, ["x86-64-v2"])
+        built = build.prebuild(tmp_path, ["x86-64-v2"])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
     assert {path.name.split("-")[0] for path in built} == {"amx_linear", "cpu_kernels", "decode_step", "quant_kernels"}
-    monkeypatch.setenv(ck.PREBUILT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(build.PREBUILT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent-compiler")  # building instead would fail
-    for source in ck.all_sources():
-        path = ck.library_path(source, tmp_path / "cache")
+    for library in build.LIBRARIES:
+        path = build.library_path(library, tmp_path / "cache")
         assert path in built
         ctypes.CDLL(str(path))
+
+
+def test_every_c_source_is_in_one_library():
+    """A C file no library lists would be neither built nor prebuilt."""
+    listed = [source for library in build.LIBRARIES for source in library.sources]
+    assert sorted(listed) == sorted(path.name for path in build.CSRC_DIR.glob("*.c"))

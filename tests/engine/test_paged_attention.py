@@ -4,10 +4,13 @@ backend's greedy tokens."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
-from engine import cpu_kernels as ck
+from engine.kernels import build
+from engine.kernels import cpu as ck
 
 THREADS = 2
 
@@ -212,7 +215,7 @@ def test_paged_attention_on_tiles_shapes(kernels):
 
 
 def test_the_plain_x86_64_v2_build_runs_attention_on_tiles(kernels, tmp_path):
-    """The image's prebuilt libraries: the tile path carries its own target attributes (amx.h), so
+    """The image's prebuilt libraries: the tile path carries its own target attributes (vec.h), so
     even the lowest level's build runs it where the CPU and Linux allow tiles, bit for bit as the
     build for this CPU does."""
     if not on_tiles(kernels, 64, 16):
@@ -220,8 +223,8 @@ def test_the_plain_x86_64_v2_build_runs_attention_on_tiles(kernels, tmp_path):
     import ctypes
 
     try:
-        (path,) = ck.prebuild(tmp_path, ["x86-64-v2"], [ck.SOURCE])
-    except (OSError, ck.subprocess.SubprocessError) as exc:
+        (path,) = build.prebuild(tmp_path, ["x86-64-v2"], [build.CPU_KERNELS])
+    except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"no working C compiler here: {exc}")
     v2 = ck.CpuKernels(ctypes.CDLL(str(path)))
     assert v2.paged_attention_on_tiles(torch.bfloat16, 64, 16)

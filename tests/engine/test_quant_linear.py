@@ -164,7 +164,7 @@ def test_empty_batch(kernels) -> None:
 
 def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch) -> None:
     """No working compiler: load_quant_kernels() is None (logged) and the module runs its torch path."""
-    from engine.quant import kernels as qk
+    from engine.kernels import quant as qk
 
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc (fake) 1.0'\nexit 1\n")
@@ -182,12 +182,13 @@ def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch) -> None:
 
 
 def test_quant_kernel_build_key_covers_its_source() -> None:
-    from engine import cpu_kernels as ck
-    from engine.quant import kernels as qk
+    from engine.kernels import build
+    from engine.kernels import quant as qk
 
     if qk.load_quant_kernels() is None:
         pytest.skip("no working C compiler here")
-    assert ck._build_key(ck._compiler(), qk.SOURCE) != ck._build_key(ck._compiler())
+    cc = build.c_compiler()
+    assert build.build_key(build.QUANT_KERNELS, cc) != build.build_key(build.CPU_KERNELS, cc)
 
 
 def test_kernel_same_bits_for_any_thread_count(kernels) -> None:
@@ -203,16 +204,16 @@ def test_portable_build_without_avx512(kernels, tmp_path) -> None:
     import ctypes
     import subprocess
 
-    from engine import cpu_kernels as ck
-    from engine.quant import kernels as qk
+    from engine.kernels import build
+    from engine.kernels import quant as qk
 
-    if " avx2 " not in f" {ck._cpu_flags()} ":
+    if " avx2 " not in f" {build.cpu_flags()} ":
         pytest.skip("this CPU has no AVX2 to run the variant on")
     target = tmp_path / "quant_kernels_portable.so"
-    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]
-    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
-    if built.returncode != 0:
-        pytest.skip(f"cannot build an AVX2-only variant here: {built.stderr[-300:]}")
+    try:
+        build.compile_library(build.QUANT_KERNELS, target, build.compiler_flags(["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]))
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot build an AVX2-only variant here: {str(exc)[-300:]}")
     portable = qk.QuantKernels(ctypes.CDLL(str(target)))
     for fmt in FORMATS:
         for cols in (96, 100) if fmt != "int4" else (96,):
@@ -232,18 +233,18 @@ def test_avx512_build_without_bf16(kernels, tmp_path) -> None:
     import ctypes
     import subprocess
 
-    from engine import cpu_kernels as ck
-    from engine.quant import kernels as qk
+    from engine.kernels import build
+    from engine.kernels import quant as qk
 
-    levels = list(ck.X86_LEVELS)
-    level = ck.x86_level(set(ck._cpu_flags().split(":", 1)[-1].split()))
+    levels = list(build.X86_LEVELS)
+    level = build.cpu_level()
     if level is None or levels.index(level) < levels.index("x86-64-v4"):  # v4 code runs on v4-bf16 CPUs too
         pytest.skip("this CPU cannot run x86-64-v4 code")
     target = tmp_path / "quant_kernels_v4.so"
-    flags = [f for f in ck._FLAGS if f != "-march=native"] + ["-march=x86-64-v4", "-Wno-psabi"]
-    built = subprocess.run([ck._compiler(), *flags, "-o", str(target), str(qk.SOURCE)], capture_output=True, text=True, timeout=300)
-    if built.returncode != 0:
-        pytest.skip(f"cannot build an x86-64-v4 variant here: {built.stderr[-300:]}")
+    try:
+        build.compile_library(build.QUANT_KERNELS, target, [*build.compiler_flags(["-march=x86-64-v4"]), "-Wno-psabi"])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot build an x86-64-v4 variant here: {str(exc)[-300:]}")
     v4 = qk.QuantKernels(ctypes.CDLL(str(target)))
     w = torch.randn(48, 576, generator=gen(21)) * 0.05
     for q in (quantize_int4(w), quantize_int4(w, mins=False), quantize_int8(w, group_size=32)):

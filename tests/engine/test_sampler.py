@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine import sampler as sampler_mod
+from engine.core import sampler as sampler_mod
 from engine.kernels.cpu import load_cpu_kernels
 from engine.core.sampler import Sampler, SampleResult
 from engine.core.sequence import Sequence, ending_token_ids

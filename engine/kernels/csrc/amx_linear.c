@@ -3,7 +3,7 @@
  * run out of bandwidth (bench/NOTES.md 'AMX linears'), and for prefill chunks of weights that have
  * no oneDNN copy (a blocked loop once x outgrows L2, 'AMX linears at prefill sizes').
  *
- * The weight is the bfloat16 pairs layout engine/kernels/csrc/cpu_kernels.c's one-row kernel reads,
+ * The weight is the bfloat16 pairs layout linear.c's one-row kernel reads,
  * [n / 16, k / 2, 16, 2] (CpuKernels.interleave): each 16-column block's k / 2 rows of (column,
  * pair) are exactly AMX B tiles (16 pair-rows x 64 bytes) stacked along k, so one buffer serves the
  * one-row kernel and this one. x [rows, k] and out [rows, n] are row-major bfloat16; k a multiple
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "vec.h"
 #ifdef AMX_COMPILED
 #include <immintrin.h>
 #endif

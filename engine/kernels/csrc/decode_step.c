@@ -7,7 +7,7 @@
  * ~4 ms of a 29 ms 32-decode step on the demo model (bench/NOTES.md). Here the whole stack of layers
  * runs as one C loop over a program bound once at load: every weight's pointers and sizes, each
  * layer's K/V cache, scratch rows for the most rows it serves, and the addresses of the kernels
- * themselves (engine/kernels/csrc/cpu_kernels.c, quant_kernels.c and amx_linear.c, loaded separately and
+ * themselves (the cpu_kernels, quant_kernels and amx_linear libraries, loaded separately and
  * passed in by address, so this file holds no kernel code of its own and the step computes exactly
  * what the per-op path computes, call for call: one row through the one-row linears, 2+ rows
  * through the AMX tiles, attention through whichever paged kernel the step's metadata names).

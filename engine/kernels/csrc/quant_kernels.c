@@ -1,5 +1,5 @@
-/* Low-bit weight linears for CPU (engine/kernels/quant.py builds and loads this file with
- * engine/kernels/cpu.py's build function).
+/* Low-bit weight linears for CPU (the quant_kernels library: engine/kernels/build.py builds it,
+ * engine/kernels/quant.py binds it).
  *
  * y[m, r] = sum_j x[m, j] * W[r, j], where W is stored as codes plus scales (engine/quant/formats.py
  * defines the numbers; these kernels compute the same dot products up to summation order). Each
@@ -20,19 +20,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "vec.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QK_AVX512 1 /* the conversions below in intrinsics: GCC lowers vector-extension casts badly */
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
-
 #define AI inline __attribute__((always_inline))
 #define BLOCK 32
 #define TILE 8 /* input rows sharing one dequantized weight block */
-/* Below this many weight elements a call runs on the calling thread (fork/join costs more). */
-#define PARALLEL_MIN_ELEMS 65536
 
 enum { FMT_INT8 = 0, FMT_INT4 = 1, FMT_FP8 = 2 };
 

@@ -1,453 +1,7 @@
-/* Fused CPU kernels for the decode-heavy parts of a Llama step (engine/kernels/cpu.py builds and
- * loads this file). What torch runs as 5-30 small ops per layer (RMSNorm, RoPE, the K/V cache
- * write, paged attention through a gather, SiLU-and-multiply) is one call each here, with no
- * intermediate tensors: at the demo model's size the per-op cost, not the arithmetic, is what a
- * decode step spends outside its matmuls, and paged attention reads K/V in place instead of
- * gathering every sequence's blocks into a padded copy first.
- *
- * Element types: float32 (dtype code 0) and bfloat16 (code 1), computed in float32 and rounded to
- * the model dtype exactly where the torch path rounds (so bfloat16 results match it bit for bit
- * except for summation order). OpenMP: linked against the libgomp torch already loaded, and run
- * with the caller's thread count, so it shares the engine thread's team.
- */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "bf16.h"
-
-/* AVX-512 rows of 16 (the v4 and v4-bf16 builds, -march=native on such CPUs): GCC's vectorizer stops
- * at 256 bits there and emulates bfloat16 rounding in ~8 integer ops a vector; these take 512-bit
- * steps with masked tails and, on AVX512_BF16, round with vcvtneps2bf16 (load_row, store_row and the
- * elementwise kernels below). Other builds keep the portable loops; both give the same bits
- * (f32_to_bf16's round to nearest even). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define HAVE_AVX512_ROWS 1
-#include <immintrin.h>
-
-static inline __mmask16 row_mask(int64_t left) { /* the first `left` of 16 lanes (none for left <= 0) */
-    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-}
-
-/* bfloat16 lane i to the high half of 32-bit lane i in one word permute (zero-extend and shift take two ops) */
-static inline __m512 bf16x16_to_f32(__m256i v) {
-    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3,
-                                         0, 2, 0, 1, 0, 0, 0);
-    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(v)));
-}
-
-static inline __m512 bf16x16_load(const bf16_t *p, __mmask16 m) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
-
-static inline __m256i bf16x16_round_soft(__m512 x) { /* f32_to_bf16 on 16 lanes */
-    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40)); /* quiet NaN */
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* vcvtneps2bf16 rounds as f32_to_bf16 does (NaNs quieted alike) but flushes denormal inputs to zero:
- * a vector holding one (fpclass 0x20) takes the integer path instead. */
-#define DENORMAL 0x20
-
-static inline __m256i bf16x16_round(__m512 x) {
-#ifdef __AVX512BF16__
-    if (__builtin_expect(_mm512_fpclass_ps_mask(x, DENORMAL) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(x);
-#endif
-    return bf16x16_round_soft(x);
-}
-
-/* f32_to_bf16(round_bf16(a) * b): a bfloat16 result times a bfloat16 value, both rounded, with one
- * denormal check for the two roundings */
-static inline __m256i bf16x16_round_mul(__m512 a, __m512 b) {
-#ifdef __AVX512BF16__
-    const __m512 y = _mm512_mul_ps(bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(a)), b);
-    if (__builtin_expect(_kortestz_mask16_u8(_mm512_fpclass_ps_mask(a, DENORMAL), _mm512_fpclass_ps_mask(y, DENORMAL)), 1))
-        return (__m256i)_mm512_cvtneps_pbh(y);
-#endif
-    return bf16x16_round_soft(_mm512_mul_ps(bf16x16_to_f32(bf16x16_round_soft(a)), b));
-}
-
-/* 16 (masked: fewer) values of a row of either dtype, as float32, and back (rounded) */
-static inline __m512 row16_load(const void *row, int64_t i, __mmask16 m, int bf16) {
-    return bf16 ? bf16x16_load((const bf16_t *)row + i, m) : _mm512_maskz_loadu_ps(m, (const float *)row + i);
-}
-
-static inline void row16_store(void *row, int64_t i, __mmask16 m, __m512 x, int bf16) {
-    if (bf16)
-        _mm256_mask_storeu_epi16((bf16_t *)row + i, m, bf16x16_round(x));
-    else
-        _mm512_mask_storeu_ps((float *)row + i, m, x);
-}
-#endif
-
-static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
-    if (bf16) {
-        const bf16_t *s = (const bf16_t *)src;
-#ifdef HAVE_AVX512_ROWS
-        for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, row_mask(n - i), bf16x16_load(s + i, row_mask(n - i)));
-#else
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-#endif
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
-    if (bf16) {
-        bf16_t *d = (bf16_t *)dst;
-#ifdef HAVE_AVX512_ROWS
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 m = row_mask(n - i);
-            _mm256_mask_storeu_epi16(d + i, m, bf16x16_round(_mm512_maskz_loadu_ps(m, src + i)));
-        }
-#else
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-#endif
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
-
-static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
-
-/* Cephes' exp2f polynomial: 2^f for f in [-0.5, 0.5], highest power first. exp_approx and its
- * 16-lane forms (silu16, pa_amx_exp) evaluate it as the same chain of FMAs: the same bits. */
-#define EXP2_C6 1.535336188319500e-4f
-#define EXP2_C5 1.339887440266574e-3f
-#define EXP2_C4 9.618437357674640e-3f
-#define EXP2_C3 5.550332471162809e-2f
-#define EXP2_C2 2.402264791363012e-1f
-#define EXP2_C1 6.931472028550421e-1f
-#define EXP2_C0 1.0f
-
-/* exp(x) to ~1e-7 relative error: 2^k * 2^f with the polynomial above for f in [-0.5, 0.5].
- * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.44269504088896341f;
-    float k = __builtin_rintf(t); /* to nearest (vectorizes as a round instruction) */
-    float f = t - k;
-    float p = EXP2_C6;
-    p = p * f + EXP2_C5;
-    p = p * f + EXP2_C4;
-    p = p * f + EXP2_C3;
-    p = p * f + EXP2_C2;
-    p = p * f + EXP2_C1;
-    p = p * f + EXP2_C0;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)k + 127) << 23;
-    return p * scale.f;
-}
-
-/* exp_approx's polynomial on 16 lanes of f (an __m512). A macro, not a function: its users carry
- * different target attributes (the AVX-512 build's silu16, the AMX attention at every level). */
-#define EXP2_POLY16(f)                                                                 \
-    ({                                                                                 \
-        const __m512 f_ = (f);                                                         \
-        __m512 p_ = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f_, _mm512_set1_ps(EXP2_C5)); \
-        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C4));                         \
-        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C3));                         \
-        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C2));                         \
-        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C1));                         \
-        _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C0));                              \
-    })
-
-/* Work below this many elements runs on the calling thread: a parallel region's fork and join
- * costs more than the work saves. */
-#define PARALLEL_MIN_ELEMS 65536
-/* Row-wise elementwise kernels (norm, SiLU, RoPE) split sooner: at 32 decode rows x 1536, 49K elements,
- * two threads already beat one (bench/NOTES.md); RoPE + cache write of 32 demo tokens (30K elements,
- * AVX-512): 5.5 -> 4.6 us wall. */
-#define ROWWISE_PARALLEL_MIN_ELEMS (PARALLEL_MIN_ELEMS / 4)
-
-/* ------------------------------------------------------------------------------------------ RMSNorm
- * residual [rows, dim] += delta (if given, rounded to the model dtype as torch's add is), then
- * out = rms_norm(residual) * weight. float32: x * rsqrt(mean(x^2) + eps) * w in one rounding
- * (F.rms_norm); bfloat16: normalised in float32, rounded, times the weight, rounded again (the
- * torch path's `rms_norm(x.float()).type_as(x) * weight`). */
-static void add_rms_norm_f32(float *res, const float *delta, const float *w, float *out, int64_t dim, float eps) {
-    if (delta != NULL) {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) res[i] += delta[i];
-    }
-    float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = 0; i < dim; i++) sum_sq += res[i] * res[i];
-    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) out[i] = res[i] * inv_rms * w[i];
-}
-
-/* bfloat16 rows, NORM_ROWS at a time (add_rms_norm_rows_bf16); w: the weight as float32, x: NORM_ROWS * dim
- * floats of scratch (both the caller's, per thread). */
-#define NORM_ROWS 8 /* sum_sq_rows keeps one accumulator a row, all in registers */
-
-#ifdef HAVE_AVX512_ROWS
-/* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
- * (GCC prefers 256 bits there), so results keep their bits: a 16-lane order changed a few outputs in
- * a million by an ulp, which turned greedy answers of a batch-dependent test (test_demo_model's
- * native Q4_1 facts, 4 of 10 runs). That order: an 8-lane accumulator, the dim % 8 tail added to
- * lane 0, then its reduction tree, here in vector ops (-fassociative-math may regroup scalar adds).
- * One row's sum is a chain of dim / 8 dependent FMAs: NORM_ROWS rows run theirs side by side
- * (1 thread, 512 x 576: 161 -> 100 us with 4 rows; 8 rows, which two FMA ports of 4-cycle latency
- * keep busy: 88 -> 82 us). */
-static inline float sum_sq_finish(__m256 acc, const float *x, int64_t i, int64_t dim) {
-    if (i < dim) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc);
-        for (; i < dim; i++) lanes[0] = __builtin_fmaf(x[i], x[i], lanes[0]);
-        acc = _mm256_loadu_ps(lanes);
-    }
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); /* lanes j + j+4 */
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                        /* b0 + b2, b1 + b3 */
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 0x55)));
-}
-
-static void sum_sq_rows(const float *x, int64_t n, int64_t dim, float sums[NORM_ROWS]) { /* x: n <= NORM_ROWS rows */
-    const float *row[NORM_ROWS];
-    for (int64_t r = 0; r < NORM_ROWS; r++) row[r] = x + (r < n ? r : n - 1) * dim; /* spare chains redo the last row */
-    __m256 acc[NORM_ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < NORM_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-#pragma GCC unroll 8
-        for (int r = 0; r < NORM_ROWS; r++) {
-            const __m256 v = _mm256_loadu_ps(row[r] + i);
-            acc[r] = _mm256_fmadd_ps(v, v, acc[r]);
-        }
-    }
-    for (int64_t r = 0; r < n; r++) sums[r] = sum_sq_finish(acc[r], row[r], i, dim);
-}
-
-/* res[i..i+16) (+= delta, rounded and stored back), as float32 into x */
-static inline void add_row16_bf16(bf16_t *res, const bf16_t *delta, float *x, int64_t i, __mmask16 m) {
-    __m512 v = bf16x16_load(res + i, m);
-    if (delta != NULL) {
-        const __m256i r = bf16x16_round(_mm512_add_ps(v, bf16x16_load(delta + i, m)));
-        _mm256_mask_storeu_epi16(res + i, m, r);
-        v = bf16x16_to_f32(r);
-    }
-    _mm512_mask_storeu_ps(x + i, m, v);
-}
-
-/* out = round(round(x * inv_rms) * w) for one row */
-static inline void norm_row_bf16(const float *x, const float *w, bf16_t *out, int64_t dim, float inv_rms) {
-    const __m512 scale = _mm512_set1_ps(inv_rms);
-    int64_t i = 0;
-    for (; i + 16 <= dim; i += 16) {
-        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
-        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round_mul(normed, _mm512_loadu_ps(w + i)));
-    }
-    if (i < dim) {
-        const __mmask16 m = row_mask(dim - i);
-        const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), scale);
-        _mm256_mask_storeu_epi16(out + i, m, bf16x16_round_mul(normed, _mm512_maskz_loadu_ps(m, w + i)));
-    }
-}
-
-/* n <= NORM_ROWS consecutive rows; x: NORM_ROWS * dim floats of scratch */
-static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
-                                   int64_t dim, float eps) {
-    for (int64_t r = 0; r < n; r++) {
-        bf16_t *res_r = res + r * dim;
-        const bf16_t *delta_r = delta ? delta + r * dim : NULL;
-        int64_t i = 0;
-        for (; i + 16 <= dim; i += 16) add_row16_bf16(res_r, delta_r, x + r * dim, i, 0xffff); /* constant mask: plain loads and stores */
-        if (i < dim) add_row16_bf16(res_r, delta_r, x + r * dim, i, row_mask(dim - i));
-    }
-    float sums[NORM_ROWS];
-    sum_sq_rows(x, n, dim, sums);
-    for (int64_t r = 0; r < n; r++) norm_row_bf16(x + r * dim, w, out + r * dim, dim, 1.0f / sqrtf(sums[r] / (float)dim + eps));
-}
-#else
-static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t dim, float eps) {
-    load_row(x, res, dim, 1);
-    if (delta != NULL) {
-        float d[dim];
-        load_row(d, delta, dim, 1);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) x[i] = round_bf16(x[i] + d[i]);
-        store_row(res, x, dim, 1);
-    }
-    float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = 0; i < dim; i++) sum_sq += x[i] * x[i];
-    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) x[i] = round_bf16(round_bf16(x[i] * inv_rms) * w[i]);
-    store_row(out, x, dim, 1);
-}
-
-static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
-                                   int64_t dim, float eps) {
-    for (int64_t r = 0; r < n; r++)
-        add_rms_norm_bf16(res + r * dim, delta ? delta + r * dim : NULL, w, out + r * dim, x, dim, eps);
-}
-#endif
-
-void add_rms_norm(int bf16, void *residual, const void *delta, const void *weight, void *out, int64_t rows,
-                  int64_t dim, float eps, int num_threads) {
-    if (!bf16) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
-        for (int64_t r = 0; r < rows; r++)
-            add_rms_norm_f32((float *)residual + r * dim, delta ? (const float *)delta + r * dim : NULL,
-                             (const float *)weight, (float *)out + r * dim, dim, eps);
-        return;
-    }
-#pragma omp parallel num_threads(num_threads) if (rows * dim >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
-    {
-        float w[dim], x[NORM_ROWS * dim]; /* the weight widened once per thread, not once per row */
-        load_row(w, weight, dim, 1);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r += NORM_ROWS) {
-            const int64_t n = rows - r < NORM_ROWS ? rows - r : NORM_ROWS;
-            add_rms_norm_rows_bf16((bf16_t *)residual + r * dim, delta ? (const bf16_t *)delta + r * dim : NULL, w,
-                                   (bf16_t *)out + r * dim, x, n, dim, eps);
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------------------------ SiLU
- * gate_up [rows, 2 * hidden] (w1 | w3 outputs) -> out [rows, hidden] = silu(gate) * up, each
- * rounded to the model dtype as torch's silu and mul_ are. */
-static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
-
-#ifdef HAVE_AVX512_ROWS
-/* silu() on 16 lanes, the same bits: exp_approx's steps as GCC compiles the scalar code (the
- * polynomial in FMAs, 1 + p * 2^k as one FMA, which vscalefps + add equals since p * 2^k is exact
- * wherever 1 + it is not just 1). exp_approx(-g)'s clamp of -g to [-87, 88] is g's to [-88, 87];
- * vreduceps gives f = t - rint(t) in one step, exactly, so k = t - f exactly too. */
-static inline __m512 silu16(__m512 g) {
-    const __m512 x = _mm512_min_ps(_mm512_set1_ps(87.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), g)); /* NaN stays */
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-1.44269504088896341f));
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT), k = _mm512_sub_ps(t, f);
-    const __m512 p = EXP2_POLY16(f);
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, k)));
-}
-
-/* A bfloat16 gate takes one of 65536 values: round_bf16(silu(g)) for each, as float32, indexed by g's
- * bits (256 KiB, filled once when the library loads). A 16-lane gather from it replaces silu16's
- * ~20 vector ops and its division (vdivps alone is ~16 cycles a vector on this class of CPU, the
- * bound of the computed loop); activations cluster in a few exponents, so the lines it touches stay
- * in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's rounding, denormals
- * kept); the multiply by up and its rounding are unchanged. */
-static float silu_bf16_table[1 << 16];
-
-__attribute__((constructor)) static void fill_silu_bf16_table(void) {
-    for (int32_t i = 0; i < (1 << 16); i += 16) {
-        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-        _mm512_storeu_ps(silu_bf16_table + i, bf16x16_to_f32(bf16x16_round_soft(silu16(g))));
-    }
-}
-
-/* f32_to_bf16(silu_bf16_table[gate] * up) on 16 (masked: fewer) lanes */
-static inline __m256i silu_mul16(const bf16_t *gate, const bf16_t *up, __mmask16 m) {
-    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
-    const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
-    return bf16x16_round(_mm512_mul_ps(s, bf16x16_load(up, m)));
-}
-
-static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
-    int64_t i = 0;
-    for (; i + 16 <= hidden; i += 16) _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
-    if (i < hidden) {
-        const __mmask16 m = row_mask(hidden - i);
-        _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
-    }
-}
-#else
-static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
-    enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
-    float g[CHUNK], u[CHUNK];
-    for (int64_t start = 0; start < hidden; start += CHUNK) {
-        const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
-        load_row(g, gate + start, n, 1);
-        load_row(u, up + start, n, 1);
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) g[i] = round_bf16(round_bf16(silu(g[i])) * u[i]);
-        store_row(out + start, g, n, 1);
-    }
-}
-#endif
-
-void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hidden, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        if (bf16) {
-            const bf16_t *g = (const bf16_t *)gate_up + r * 2 * hidden;
-            silu_mul_row_bf16(g, g + hidden, (bf16_t *)out + r * hidden, hidden);
-            continue;
-        }
-        const float *g = (const float *)gate_up + r * 2 * hidden, *u = g + hidden; /* no staging copies */
-        float *o = (float *)out + r * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = silu(g[i]) * u[i];
-    }
-}
-
-/* ------------------------------------------------------------------------------------------ RoPE + cache write
- * qkv [tokens, (heads + 2 * kv_heads) * head_dim]: q and k heads rotated in place by the
- * position's angles (adjacent pairs (x[2i], x[2i+1]) as complex numbers, the reference's layout),
- * rope [max_pos, head_dim / 2, 2] float32 (cos, sin); then k and v copied to their cache slot:
- * caches [num_slots, kv_heads, head_dim]. */
-/* One token's heads [rot_heads, head_dim] rotated in place by its angles [head_dim / 2, 2]. */
-#ifdef HAVE_AVX512_ROWS
-/* 16 lanes are 8 (re, im) pairs: re' = re * c - im * s, im' = re * s + im * c with the products of re
- * fused, as GCC's vectorized scalar loop rounds them (same bits): fmaddsub(re re, c s, im im * s c).
- * Each chunk of the angles serves every head. */
-static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
-    for (int64_t i = 0; i < head_dim; i += 16) {
-        const __mmask16 m = row_mask(head_dim - i);
-        const __m512 cs = _mm512_maskz_loadu_ps(m, angles + i), sc = _mm512_permute_ps(cs, 0xB1);
-        for (int64_t h = 0; h < rot_heads; h++) {
-            const __m512 x = row16_load(heads, h * head_dim + i, m, bf16);
-            const __m512 y = _mm512_fmaddsub_ps(_mm512_moveldup_ps(x), cs, _mm512_mul_ps(_mm512_movehdup_ps(x), sc));
-            row16_store(heads, h * head_dim + i, m, y, bf16);
-        }
-    }
-}
-#else
-static void rope_heads(void *heads, const float *angles, int64_t rot_heads, int64_t head_dim, int bf16) {
-    const size_t es = elem_size(bf16);
-    float x[head_dim];
-    for (int64_t h = 0; h < rot_heads; h++) {
-        char *head = (char *)heads + (size_t)h * head_dim * es;
-        load_row(x, head, head_dim, bf16);
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim / 2; i++) {
-            const float re = x[2 * i], im = x[2 * i + 1], c = angles[2 * i], s = angles[2 * i + 1];
-            x[2 * i] = re * c - im * s;
-            x[2 * i + 1] = re * s + im * c;
-        }
-        store_row(head, x, head_dim, bf16);
-    }
-}
-#endif
-
-void rope_and_cache_write(int bf16, void *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                          const int64_t *positions, const float *rope, const int64_t *slots, void *k_cache,
-                          void *v_cache, int num_threads) {
-    const size_t es = elem_size(bf16);
-    const int64_t row_elems = (heads + 2 * kv_heads) * head_dim;
-    const size_t kv_bytes = (size_t)kv_heads * head_dim * es;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * row_elems >= ROWWISE_PARALLEL_MIN_ELEMS && tokens > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        char *row = (char *)qkv + (size_t)t * row_elems * es;
-        rope_heads(row, rope + positions[t] * head_dim, heads + kv_heads, head_dim, bf16);
-        const char *k = row + (size_t)heads * head_dim * es;
-        memcpy((char *)k_cache + (size_t)slots[t] * kv_bytes, k, kv_bytes);
-        memcpy((char *)v_cache + (size_t)slots[t] * kv_bytes, k + kv_bytes, kv_bytes);
-    }
-}
+/* Paged attention over the K/V caches in place (the cpu_kernels library; engine/kernels/cpu.py
+ * binds them): paged_decode_attention (one query token per sequence), paged_attention (prefill
+ * chunks and decodes in one call) and its AMX tile path. */
+#include "vec.h"
 
 /* ------------------------------------------------------------------------------------------ paged decode attention
  * One query token per sequence, attending to its seq_lens[b] cached keys read in place through
@@ -620,107 +174,6 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
     free(task_begin);
 }
 
-/* ------------------------------------------------------------------------------------------ one-row linear
- * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
- * each step of k is one contiguous 16-wide load and a vertical multiply-add: the weight streams
- * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
- * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
- * oneDNN wins from a few rows up. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-static inline v16f load16(const char *p, int bf16) {
-    if (bf16) {
-        v16h h;
-        memcpy(&h, p, sizeof(h));
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        v16f f;
-        memcpy(&f, &u, sizeof(f));
-        return f;
-    }
-    v16f f;
-    memcpy(&f, p, sizeof(f));
-    return f;
-}
-
-void interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
-                        int num_threads) {
-    const size_t es = elem_size(bf16), step = 16 * es;
-    float *xf = malloc((size_t)(rows * k) * sizeof(float));
-    for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
-    for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * k) * step;
-        for (int64_t m = 0; m < rows; m++) {
-            const float *xm = xf + m * k;
-            v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
-            int64_t i = 0;
-            for (; i + 4 <= k; i += 4) {
-                a0 += load16(w + (size_t)i * step, bf16) * xm[i];
-                a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
-                a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
-                a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
-            }
-            for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
-            float sums[16];
-            v16f s = (a0 + a1) + (a2 + a3);
-            memcpy(sums, &s, sizeof(sums));
-            store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
-        }
-    }
-    free(xf);
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-/* bfloat16 one-row linear on AVX512_BF16 CPUs: W given as [n / 16, k / 2, 16, 2] (16 output rows
- * interleaved, each with two consecutive columns side by side), so one 64-byte load holds two steps
- * of k for 16 outputs and one vdpbf16ps multiplies them by the broadcast pair of x (each product of
- * two bfloat16 values is exact in float32; the sums are float32, as in interleaved_linear). Half the
- * instructions per weight byte of converting each value to float32 first: the loop keeps up with
- * memory. k even. */
-static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 as one 32-bit lane (x may be 2-byte aligned only) */
-    int pair;
-    memcpy(&pair, x + 2 * i, sizeof(pair));
-    return pair;
-}
-
-void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
-                                   int num_threads) {
-    const int64_t pairs = k / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
-    for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
-        for (int64_t m = 0; m < rows; m++) {
-            const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
-            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
-             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            int64_t i = 0;
-#define PAIR_STEP(acc, j) \
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
-            for (; i + 8 <= pairs; i += 8) {
-                PAIR_STEP(a0, i);
-                PAIR_STEP(a1, i + 1);
-                PAIR_STEP(a2, i + 2);
-                PAIR_STEP(a3, i + 3);
-                PAIR_STEP(a4, i + 4);
-                PAIR_STEP(a5, i + 5);
-                PAIR_STEP(a6, i + 6);
-                PAIR_STEP(a7, i + 7);
-            }
-            for (; i < pairs; i++) PAIR_STEP(a0, i);
-#undef PAIR_STEP
-            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
-            float sums[16];
-            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-            store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
-        }
-    }
-}
-#endif
-
 /* ------------------------------------------------------------------------------------------ paged attention
  * Many sequences' new tokens, prefill chunks and decodes alike, in one call (vLLM's CPU backend does
  * the same): sequence b's are rows row_start[b] .. row_start[b] + new_tokens[b] of qkv and out, the
@@ -737,10 +190,6 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
  * (below) instead, which also beats torch's SDPA on prefill chunks; elsewhere CpuKernelBackend runs
  * the decodes through this path and prefill chunks stay with SDPA, whose bf16 GEMMs beat these
  * float32 loops (bench/NOTES.md). */
-typedef float pa_v16f __attribute__((vector_size(64)));
-typedef uint16_t pa_v16h __attribute__((vector_size(32)));
-typedef uint32_t pa_v16u __attribute__((vector_size(64)));
-typedef int32_t pa_v16i __attribute__((vector_size(64)));
 #define PA_TILE_ROWS 48
 #define PA_KEYS 16
 
@@ -750,29 +199,29 @@ typedef int32_t pa_v16i __attribute__((vector_size(64)));
  * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
  * products and weighted sums do not depend on the order as long as q, K, V and the output share
  * it; pa_unpermute puts the output back. A last run of 16 values is widened as is. */
-static inline void pa_load_row(pa_v16f *dst, const char *src, int64_t DV, int bf16) {
+static inline void pa_load_row(v16f *dst, const char *src, int64_t DV, int bf16) {
     if (!bf16) {
-        memcpy(dst, src, (size_t)DV * sizeof(pa_v16f));
+        memcpy(dst, src, (size_t)DV * sizeof(v16f));
         return;
     }
     int64_t c = 0;
     for (; c + 2 <= DV; c += 2) {
-        pa_v16u u;
+        v16u u;
         memcpy(&u, src + c * 32, sizeof(u));
-        const pa_v16u even = u << 16, odd = u & 0xffff0000u;
+        const v16u even = u << 16, odd = u & 0xffff0000u;
         memcpy(&dst[c], &even, sizeof(even));
         memcpy(&dst[c + 1], &odd, sizeof(odd));
     }
     if (c < DV) {
-        pa_v16h h;
+        v16h h;
         memcpy(&h, src + c * 32, sizeof(h));
-        const pa_v16u u = __builtin_convertvector(h, pa_v16u) << 16;
+        const v16u u = __builtin_convertvector(h, v16u) << 16;
         memcpy(&dst[c], &u, sizeof(u));
     }
 }
 
 /* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
-static inline void pa_unpermute(float *dst, const pa_v16f *src, int64_t DV, int bf16) {
+static inline void pa_unpermute(float *dst, const v16f *src, int64_t DV, int bf16) {
     const float *f = (const float *)src;
     int64_t c = 0;
     if (bf16)
@@ -786,20 +235,20 @@ static inline void pa_unpermute(float *dst, const pa_v16f *src, int64_t DV, int 
 
 /* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
  * vectors of partial products into one vector of 16 dot products (lane j: key j). */
-#define PA_COMBINE(a, b, w)                                                                                   \
-    (__builtin_shuffle((a), (b), (pa_v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),   \
-                                           PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),   \
-                                           PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),            \
-                                           PA_I1(w, 14), PA_I1(w, 15)}) +                                     \
-     __builtin_shuffle((a), (b), (pa_v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),   \
-                                           PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),   \
-                                           PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),            \
-                                           PA_I2(w, 14), PA_I2(w, 15)}))
+#define PA_COMBINE(a, b, w)                                                                               \
+    (__builtin_shuffle((a), (b), (v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),  \
+                                        PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),  \
+                                        PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),           \
+                                        PA_I1(w, 14), PA_I1(w, 15)}) +                                    \
+     __builtin_shuffle((a), (b), (v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),  \
+                                        PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),  \
+                                        PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),           \
+                                        PA_I2(w, 14), PA_I2(w, 15)}))
 #define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : 16 + (l) - (w))
 #define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : 16 + (l))
 
-static inline pa_v16f pa_sum16(const pa_v16f p[16]) {
-    pa_v16f q[8], r[4], s[2];
+static inline v16f pa_sum16(const v16f p[16]) {
+    v16f q[8], r[4], s[2];
     for (int i = 0; i < 8; i++) q[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
     for (int i = 0; i < 4; i++) r[i] = PA_COMBINE(q[2 * i], q[2 * i + 1], 2);
     for (int i = 0; i < 2; i++) s[i] = PA_COMBINE(r[2 * i], r[2 * i + 1], 4);
@@ -828,14 +277,14 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
     const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
     /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
-    pa_v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
     float row_max[rows], row_sum[rows];
     for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
         const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
         pa_load_row(qv[r], src, DV, a->bf16);
         for (int64_t c = 0; c < DV; c++) {
             qv[r][c] *= a->scale;
-            acc[r][c] = (pa_v16f){0};
+            acc[r][c] = (v16f){0};
         }
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
@@ -858,19 +307,19 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
         }
         for (int64_t j = n; j < PA_KEYS; j++)
-            for (int64_t c = 0; c < DV; c++) kf[j][c] = (pa_v16f){0}; /* scores of keys past the run: masked */
+            for (int64_t c = 0; c < DV; c++) kf[j][c] = (v16f){0}; /* scores of keys past the run: masked */
         for (int64_t r = 0; r < rows; r++) {
             const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
             if (visible <= 0) continue;
             const int64_t m = visible < n ? visible : n;
-            pa_v16f p[PA_KEYS];
+            v16f p[PA_KEYS];
             for (int64_t j = 0; j < PA_KEYS; j++) {
-                pa_v16f dot = qv[r][0] * kf[j][0];
+                v16f dot = qv[r][0] * kf[j][0];
                 for (int64_t c = 1; c < DV; c++) dot += qv[r][c] * kf[j][c];
                 p[j] = dot;
             }
             float s[PA_KEYS];
-            const pa_v16f scores = pa_sum16(p);
+            const v16f scores = pa_sum16(p);
             memcpy(s, &scores, sizeof(s));
             float new_max = row_max[r];
 #pragma omp simd reduction(max : new_max)
@@ -890,7 +339,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             row_sum[r] = row_sum[r] * rescale + sum;
             row_max[r] = new_max;
             for (int64_t c = 0; c < DV; c++) {
-                pa_v16f o = acc[r][c] * rescale;
+                v16f o = acc[r][c] * rescale;
                 for (int64_t j = 0; j < m; j++) o += vf[j][c] * s[j];
                 acc[r][c] = o;
             }
@@ -907,7 +356,6 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
 }
 
-#include "amx.h"
 #ifdef AMX_COMPILED
 #define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
@@ -1275,123 +723,4 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
     (void)bf16, (void)head_dim, (void)block_size;
     return 0;
 #endif
-}
-
-/* ------------------------------------------------------------------------------------------ greedy sampling
- * ids[r], values[r] = the first index of row r's largest value and that value, as numpy's argmax on
- * the rows as float32 (engine/core/sampler.py's all-greedy path): equal values (+0 and -0 included) keep
- * the first, and a NaN anywhere wins (the first NaN). x: [rows, row_stride] of either dtype, cols
- * used. bfloat16 rows are read as they are: the float32 copy of a [32, 49152] batch cost more than
- * the search (bench/NOTES.md); float32 rows on both threads where numpy's argmax takes one. */
-static inline int is_nan_bits(const void *x, int64_t i, int bf16) {
-    return bf16 ? (((const bf16_t *)x)[i] & 0x7fff) > 0x7f80 : (((const uint32_t *)x)[i] & 0x7fffffffu) > 0x7f800000u;
-}
-
-static inline float value_at(const void *x, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
-}
-
-static int64_t first_nan(const void *x, int64_t cols, int bf16) {
-    for (int64_t i = 0; i < cols; i++)
-        if (is_nan_bits(x, i, bf16)) return i;
-    return -1;
-}
-
-#ifdef HAVE_AVX512_ROWS
-static inline __mmask32 row_mask32(int64_t left) { return left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u); }
-
-/* bfloat16 in two passes, the maximum and then the first position holding it. The maximum: 32 values
- * a step split into even and odd float32 lanes (no shuffles); NaN shows in the largest |x| bits
- * instead (vmaxps drops it). */
-static float row_max_bf16(const bf16_t *x, int64_t cols, int *has_nan) {
-    const __m512i minus_inf = _mm512_set1_epi16((short)0xff80), high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 max = _mm512_set1_ps(-INFINITY);
-    __m512i max_abs = _mm512_setzero_si512();
-    for (int64_t i = 0; i < cols; i += 32) {
-        const __m512i v = _mm512_mask_loadu_epi16(minus_inf, row_mask32(cols - i), x + i);
-        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        max = _mm512_max_ps(max, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
-        max_abs = _mm512_max_epu16(max_abs, _mm512_and_si512(v, _mm512_set1_epi16(0x7fff)));
-    }
-    *has_nan = _mm512_cmpgt_epu16_mask(max_abs, _mm512_set1_epi16(0x7f80)) != 0;
-    return _mm512_reduce_max_ps(max);
-}
-
-/* float32 in one pass (a second would read the row from L3 again): per lane the largest value and the
- * first index holding it, four such accumulators side by side (the compare-and-blend chain is
- * latency-bound alone), then the smallest index among the lanes holding the maximum. Indices are
- * 32-bit lanes: cols < 2^31. */
-#define ARGMAX_F32_WAYS 4
-static int64_t argmax_row_f32(const float *x, int64_t cols, int *has_nan) {
-    __m512 best[ARGMAX_F32_WAYS];
-    __m512i best_at[ARGMAX_F32_WAYS], at[ARGMAX_F32_WAYS];
-    __m512i max_abs = _mm512_setzero_si512();
-    for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
-        best[w] = _mm512_set1_ps(-INFINITY);
-        at[w] = best_at[w] = _mm512_add_epi32(_mm512_set1_epi32(16 * w), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    }
-    for (int64_t i = 0; i < cols; i += 16 * ARGMAX_F32_WAYS) {
-#pragma GCC unroll 4
-        for (int w = 0; w < ARGMAX_F32_WAYS; w++) {
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), row_mask(cols - i - 16 * w), x + i + 16 * w);
-            const __mmask16 better = _mm512_cmp_ps_mask(v, best[w], _CMP_GT_OQ);
-            best[w] = _mm512_mask_mov_ps(best[w], better, v);
-            best_at[w] = _mm512_mask_mov_epi32(best_at[w], better, at[w]);
-            at[w] = _mm512_add_epi32(at[w], _mm512_set1_epi32(16 * ARGMAX_F32_WAYS));
-            max_abs = _mm512_max_epu32(max_abs, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
-        }
-    }
-    *has_nan = _mm512_cmpgt_epu32_mask(max_abs, _mm512_set1_epi32(0x7f800000)) != 0;
-    __m512 all = best[0];
-    for (int w = 1; w < ARGMAX_F32_WAYS; w++) all = _mm512_max_ps(all, best[w]);
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(all));
-    __m512i first = _mm512_set1_epi32(INT32_MAX);
-    for (int w = 0; w < ARGMAX_F32_WAYS; w++) /* lanes holding the maximum (either zero for a zero) */
-        first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[w], top, _CMP_EQ_OQ), first, best_at[w]);
-    return _mm512_reduce_min_epi32(first);
-}
-
-/* The first position holding `best` (either zero for a zero): bfloat16 compares bits, 32 a step */
-static int64_t first_equal_bf16(const bf16_t *x, int64_t cols, float best) {
-    union { float f; uint32_t u; } b = {best};
-    const uint16_t bits = (uint16_t)(b.u >> 16), care = (bits & 0x7fff) ? 0xffff : 0x7fff; /* -0 == +0 */
-    const __m512i target = _mm512_set1_epi16((short)(bits & care)), keep = _mm512_set1_epi16((short)care);
-    for (int64_t i = 0; i < cols; i += 32) {
-        const __mmask32 m = row_mask32(cols - i);
-        const __mmask32 hit = _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), keep), target);
-        if (hit) return i + __builtin_ctz(hit);
-    }
-    return 0; /* not reached: the maximum is one of the row's values */
-}
-
-static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
-    int has_nan;
-    int64_t i;
-    if (bf16) {
-        const float best = row_max_bf16(x, cols, &has_nan);
-        i = has_nan ? 0 : first_equal_bf16(x, cols, best);
-    } else {
-        i = argmax_row_f32(x, cols, &has_nan);
-    }
-    if (has_nan) i = first_nan(x, cols, bf16);
-    *value = value_at(x, i, bf16);
-    return i;
-}
-#else
-static int64_t argmax_row(const void *x, int64_t cols, int bf16, float *value) {
-    const int64_t nan = first_nan(x, cols, bf16);
-    int64_t best = nan >= 0 ? nan : 0;
-    if (nan < 0)
-        for (int64_t i = 1; i < cols; i++)
-            if (value_at(x, i, bf16) > value_at(x, best, bf16)) best = i;
-    *value = value_at(x, best, bf16);
-    return best;
-}
-#endif
-
-void argmax_rows(int bf16, const void *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *ids, float *values,
-                 int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS && rows > 1)
-    for (int64_t r = 0; r < rows; r++)
-        ids[r] = argmax_row((const char *)x + (size_t)r * row_stride * elem_size(bf16), cols, bf16, values + r);
 }

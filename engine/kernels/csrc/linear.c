@@ -1,0 +1,100 @@
+/* One-row linears over interleaved weights (the cpu_kernels library; engine/kernels/cpu.py binds
+ * them; amx_linear.c reads the same bfloat16 pairs layout). */
+#include "vec.h"
+
+/* ------------------------------------------------------------------------------------------ one-row linear
+ * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
+ * each step of k is one contiguous 16-wide load and a vertical multiply-add: the weight streams
+ * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
+ * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
+ * oneDNN wins from a few rows up. */
+static inline v16f load16(const char *p, int bf16) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, p, sizeof(h));
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        v16f f;
+        memcpy(&f, &u, sizeof(f));
+        return f;
+    }
+    v16f f;
+    memcpy(&f, p, sizeof(f));
+    return f;
+}
+
+void interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                        int num_threads) {
+    const size_t es = elem_size(bf16), step = 16 * es;
+    float *xf = malloc((size_t)(rows * k) * sizeof(float));
+    for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < n / 16; b++) {
+        const char *w = (const char *)weight + (size_t)(b * k) * step;
+        for (int64_t m = 0; m < rows; m++) {
+            const float *xm = xf + m * k;
+            v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
+            int64_t i = 0;
+            for (; i + 4 <= k; i += 4) {
+                a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+                a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
+                a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
+                a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
+            }
+            for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+            float sums[16];
+            v16f s = (a0 + a1) + (a2 + a3);
+            memcpy(sums, &s, sizeof(sums));
+            store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
+        }
+    }
+    free(xf);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* bfloat16 one-row linear on AVX512_BF16 CPUs: W given as [n / 16, k / 2, 16, 2] (16 output rows
+ * interleaved, each with two consecutive columns side by side), so one 64-byte load holds two steps
+ * of k for 16 outputs and one vdpbf16ps multiplies them by the broadcast pair of x (each product of
+ * two bfloat16 values is exact in float32; the sums are float32, as in interleaved_linear). Half the
+ * instructions per weight byte of converting each value to float32 first: the loop keeps up with
+ * memory. k even. */
+static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 as one 32-bit lane (x may be 2-byte aligned only) */
+    int pair;
+    memcpy(&pair, x + 2 * i, sizeof(pair));
+    return pair;
+}
+
+void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                                   int num_threads) {
+    const int64_t pairs = k / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t b = 0; b < n / 16; b++) {
+        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
+        for (int64_t m = 0; m < rows; m++) {
+            const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
+            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
+             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            int64_t i = 0;
+#define PAIR_STEP(acc, j) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
+            for (; i + 8 <= pairs; i += 8) {
+                PAIR_STEP(a0, i);
+                PAIR_STEP(a1, i + 1);
+                PAIR_STEP(a2, i + 2);
+                PAIR_STEP(a3, i + 3);
+                PAIR_STEP(a4, i + 4);
+                PAIR_STEP(a5, i + 5);
+                PAIR_STEP(a6, i + 6);
+                PAIR_STEP(a7, i + 7);
+            }
+            for (; i < pairs; i++) PAIR_STEP(a0, i);
+#undef PAIR_STEP
+            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
+            float sums[16];
+            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
+        }
+    }
+}
+#endif

@@ -1,0 +1,213 @@
+/* What the C kernels in this folder share (engine/kernels/build.py digests every header into each
+ * library's build key, so a change here rebuilds them all): bfloat16 <-> float32, 16-lane vector
+ * types, rows of either element type as float32 (AVX-512 steps where the build has them), the
+ * exp approximation, the parallel threshold, and the AMX tile setup.
+ *
+ * Element types: float32 (dtype code 0) and bfloat16 (code 1), computed in float32 and rounded to
+ * the model dtype exactly where the torch path rounds (so bfloat16 results match it bit for bit
+ * except for summation order). OpenMP: linked against the libgomp torch already loaded, and run
+ * with the caller's thread count, so it shares the engine thread's team. */
+#ifndef LLAMASERVE_VEC_H
+#define LLAMASERVE_VEC_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------ bfloat16 */
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* ------------------------------------------------------------------------------------------ 16-lane vectors
+ * GCC vector extensions: the same code vectorizes at every build level (v16f is one zmm on AVX-512,
+ * two ymm on AVX2). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* ------------------------------------------------------------------------------------------ rows
+ * AVX-512 rows of 16 (the v4 and v4-bf16 builds, -march=native on such CPUs): GCC's vectorizer stops
+ * at 256 bits there and emulates bfloat16 rounding in ~8 integer ops a vector; these take 512-bit
+ * steps with masked tails and, on AVX512_BF16, round with vcvtneps2bf16 (load_row and store_row
+ * here, the elementwise kernels in elementwise.c). Other builds keep the portable loops; both give
+ * the same bits (f32_to_bf16's round to nearest even). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define HAVE_AVX512_ROWS 1
+#include <immintrin.h>
+
+static inline __mmask16 row_mask(int64_t left) { /* the first `left` of 16 lanes (none for left <= 0) */
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+/* bfloat16 lane i to the high half of 32-bit lane i in one word permute (zero-extend and shift take two ops) */
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3,
+                                         0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(v)));
+}
+
+static inline __m512 bf16x16_load(const bf16_t *p, __mmask16 m) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
+
+static inline __m256i bf16x16_round_soft(__m512 x) { /* f32_to_bf16 on 16 lanes */
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40)); /* quiet NaN */
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* vcvtneps2bf16 rounds as f32_to_bf16 does (NaNs quieted alike) but flushes denormal inputs to zero:
+ * a vector holding one (fpclass 0x20) takes the integer path instead. */
+#define DENORMAL 0x20
+
+static inline __m256i bf16x16_round(__m512 x) {
+#ifdef __AVX512BF16__
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, DENORMAL) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+    return bf16x16_round_soft(x);
+}
+
+#endif
+
+static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const bf16_t *s = (const bf16_t *)src;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, row_mask(n - i), bf16x16_load(s + i, row_mask(n - i)));
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        bf16_t *d = (bf16_t *)dst;
+#ifdef HAVE_AVX512_ROWS
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = row_mask(n - i);
+            _mm256_mask_storeu_epi16(d + i, m, bf16x16_round(_mm512_maskz_loadu_ps(m, src + i)));
+        }
+#else
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+#endif
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline size_t elem_size(int bf16) { return bf16 ? 2 : 4; }
+
+/* ------------------------------------------------------------------------------------------ exp
+ * Cephes' exp2f polynomial: 2^f for f in [-0.5, 0.5], highest power first. exp_approx and its
+ * 16-lane forms (silu16, pa_amx_exp) evaluate it as the same chain of FMAs: the same bits. */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+#define EXP2_C0 1.0f
+
+/* exp(x) to ~1e-7 relative error: 2^k * 2^f with the polynomial above for f in [-0.5, 0.5].
+ * Plain arithmetic so loops over it vectorize (expf calls would not, without -ffast-math). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float k = __builtin_rintf(t); /* to nearest (vectorizes as a round instruction) */
+    float f = t - k;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
+    p = p * f + EXP2_C0;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)k + 127) << 23;
+    return p * scale.f;
+}
+
+/* exp_approx's polynomial on 16 lanes of f (an __m512). A macro, not a function: its users carry
+ * different target attributes (the AVX-512 build's silu16, the AMX attention at every level). */
+#define EXP2_POLY16(f)                                                                 \
+    ({                                                                                 \
+        const __m512 f_ = (f);                                                         \
+        __m512 p_ = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f_, _mm512_set1_ps(EXP2_C5)); \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C4));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C3));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C2));                         \
+        p_ = _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C1));                         \
+        _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C0));                              \
+    })
+
+/* Work below this many elements runs on the calling thread: a parallel region's fork and join
+ * costs more than the work saves. */
+#define PARALLEL_MIN_ELEMS 65536
+
+/* ------------------------------------------------------------------------------------------ AMX tiles
+ * Whether this process may run AMX bfloat16 tiles, for the kernels that use them (amx_linear.c, and
+ * attention.c's paged attention): the CPU has AMX-BF16, AMX-TILE, AVX-512F and AVX512_BF16, and
+ * Linux granted the tile data state, which it hands out on request only (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; oneDNN asks the same). The answer is cached:
+ * it cannot change. AMX_COMPILED: the compiler can build tile code (each kernel then carries its own
+ * target attributes, so every x86-64 build level, the prebuilt ones included, has it). */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define AMX_COMPILED 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_cpu_has_tiles(void) {
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, 0) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    const int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512f = (b >> 16) & 1;
+    __cpuid_count(7, 1, a, b, c, d);
+    const int avx512_bf16 = (a >> 5) & 1;
+    return amx_bf16 && amx_tile && avx512f && avx512_bf16;
+}
+
+static __attribute__((unused)) int amx_tiles_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
+    if (s == 0) {
+        s = amx_cpu_has_tiles() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
+    }
+    return s > 0;
+}
+
+/* The instruction sets tile code compiles for, around it: AMX_TARGET_BEGIN ... AMX_TARGET_END. */
+#define AMX_TARGET_BEGIN \
+    _Pragma("GCC push_options") _Pragma("GCC target(\"amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16\")")
+#define AMX_TARGET_END _Pragma("GCC pop_options")
+
+/* ldtilecfg's operand, palette 1: each tile's bytes per row and rows */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) AmxTileConfig;
+#else
+static __attribute__((unused)) int amx_tiles_permitted(void) { return 0; }
+#endif
+
+#endif
