@@ -12,7 +12,7 @@ import ctypes
 import pytest
 import torch
 
-from engine import amx_linear as amx_mod
+from engine.kernels import amx as amx_mod
 from engine.backends import cpu
 from engine.backends.cpu import PackedCpuLinear, pack_weight
 from engine.kernels.cpu import library_path, load_cpu_kernels

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels as ck
+from engine.kernels import cpu as ck
 from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
 from engine.config import EngineConfig
 from engine.executor.worker_group import WorkerGroup

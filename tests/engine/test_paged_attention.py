@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_kernels as ck
+from engine.kernels import cpu as ck
 
 THREADS = 2
 
