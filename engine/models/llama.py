@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear
-from engine.loading.checkpoint import ModelArgs
+from engine.executor.step_inputs import StepInputs
+from engine.models.args import ModelArgs
+from engine.models.weights import PreparedWeights
 from engine.quant.formats import QuantizedWeight, cat_rows
 from engine.quant.linear import embedding
-from engine.executor.step_inputs import StepInputs
-from engine.types import CheckpointError
 
 __all__ = ["KVCache", "Transformer", "allocate_kv_caches", "kv_cache_bytes_per_block", "kv_cache_shape"]
 
@@ -172,22 +172,6 @@ def linear_names(n_layers: int) -> LinearNames:
     return LinearNames(tuple(f"layers.{i}.{name}.weight" for i in range(n_layers) for name in per_block), "output.weight")
 
 
-class _Weights:
-    """The prepared weights, each taken by the module that owns it; leftovers are an error."""
-
-    def __init__(self, weights: Mapping[str, object], source: str) -> None:
-        self._weights, self._source = dict(weights), source
-
-    def take(self, name: str):
-        if name not in self._weights:
-            raise CheckpointError(f"{self._source}: missing weight {name!r}")
-        return self._weights.pop(name)
-
-    def check_all_taken(self) -> None:
-        if self._weights:
-            raise CheckpointError(f"{self._source}: unexpected weights {sorted(self._weights)[:5]}")
-
-
 # --------------------------------------------------------------------------- the transformer
 class RMSNorm(_DirectCall):
     """forward(residual, delta): (residual + delta, rms_norm(residual + delta)), through the backend."""
@@ -203,7 +187,7 @@ class RMSNorm(_DirectCall):
 
 
 class Attention(_DirectCall):
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         n_local_heads = args.n_heads // mp.mp_size
         n_local_kv_heads = max(1, args.kv_heads // mp.mp_size)  # past n_kv_heads ranks repeat heads
@@ -219,7 +203,7 @@ class Attention(_DirectCall):
 
 
 class FeedForward(_DirectCall):
-    def __init__(self, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         self.w13 = backend.linear(weights.take(prefix + "w13.weight"))  # column-parallel: w1|w3
         self.w2 = backend.linear(weights.take(prefix + "w2.weight"), mp.reduce)  # row-parallel
@@ -230,7 +214,7 @@ class FeedForward(_DirectCall):
 
 
 class TransformerBlock(_DirectCall):
-    def __init__(self, layer_id: int, args: ModelArgs, weights: _Weights, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, layer_id: int, args: ModelArgs, weights: PreparedWeights, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         prefix = f"layers.{layer_id}."
         self.layer_id = layer_id
@@ -251,12 +235,12 @@ class TransformerBlock(_DirectCall):
 class Transformer(nn.Module):
     """Build it with Transformer.from_state_dict (the loading path, weights prepared once).
 
-    Another architecture on the same skeleton (engine/llama4) overrides `block`, `_rope_table`,
+    Another architecture on the same skeleton (engine/models/llama4/) overrides `block`, `_rope_table`,
     `_prepare_weights` and `_linear_names`, and its forward."""
 
     block: type[nn.Module] = TransformerBlock
 
-    def __init__(self, args: ModelArgs, weights: _Weights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
         super().__init__()
         mp = Collectives(mp_size)
         self.params = args
@@ -305,7 +289,7 @@ class Transformer(nn.Module):
         # the fused float weights and the prepared dict are let go here: during __init__ each prepared
         # weight is referenced by its module only (engine.kernels.memory.WeightArena then moves the one-row
         # copies with one extra weight at a time, not a second copy of the model)
-        weights = _Weights(backend.prepare(weights, cls._linear_names(args)), source)
+        weights = PreparedWeights(backend.prepare(weights, cls._linear_names(args)), source)
         return cls(args, weights, backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
 
     @torch.inference_mode()
@@ -345,15 +329,6 @@ class Transformer(nn.Module):
 def _storage_key(tensor: torch.Tensor) -> int:
     """Tensors sharing storage share a key (a tied head); oneDNN's packed layout has no storage."""
     return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
-
-
-def model_class(args: ModelArgs) -> type[nn.Module]:
-    """The model for a checkpoint's architecture: Llama 4's own layers (engine/models/llama4/) or this one."""
-    if args.is_llama4:
-        from engine.models.llama4.model import Llama4Transformer
-
-        return Llama4Transformer
-    return Transformer
 
 
 def kv_cache_shape(args: ModelArgs, mp_size: int, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

@@ -216,7 +216,8 @@ MANY_CONTEXTS = [1, 16, 17, 5, 32, 33, 100, 160, 257, 63, 64, 65, 2, 200]
 
 def _amx_model(dtype: torch.dtype = torch.bfloat16):
     from engine.backends import select_backend
-    from engine.loading.checkpoint import ModelArgs, random_state_dict
+    from engine.loading.checkpoint import random_state_dict
+    from engine.models.args import ModelArgs
     from engine.config import EngineConfig
     from engine.models.llama import Transformer
 

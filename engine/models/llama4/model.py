@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames
-from engine.loading.checkpoint import ModelArgs
-from engine.models.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
-from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, _Weights, apply_rotary_emb, fuse_linears
 from engine.executor.step_inputs import StepInputs
+from engine.models.args import ModelArgs
+from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, apply_rotary_emb, fuse_linears
+from engine.models.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
+from engine.models.weights import PreparedWeights
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ def temperature_scales(args: ModelArgs, positions: torch.Tensor, dtype: torch.dt
 
 
 class Llama4Attention(nn.Module):
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives, *, nope: bool) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives, *, nope: bool) -> None:
         super().__init__()
         self.heads = HeadLayout(args.n_heads // mp.mp_size, max(1, args.kv_heads // mp.mp_size), args.head_dim)
         self.wqkv = backend.linear(weights.take(prefix + "wqkv.weight"))  # column-parallel: wq|wk|wv
@@ -88,7 +89,7 @@ class Llama4Attention(nn.Module):
 class MoEFeedForward(nn.Module):
     """llama4 MoE: out = shared_expert(x) + sum over the top_k experts e of expert_e(sigmoid(score_e) * x)."""
 
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.moe_args.num_experts, args.moe_args.top_k
         self.router_DE = nn.Parameter(weights.take(prefix + "router_DE"), requires_grad=False)  # noqa: N815 replicated
@@ -119,7 +120,7 @@ class MoEFeedForward(nn.Module):
 
 
 class Llama4Block(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs, weights: _Weights, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, layer_id: int, args: ModelArgs, weights: PreparedWeights, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         prefix = f"layers.{layer_id}."
         nope = is_nope_layer(args, layer_id)
