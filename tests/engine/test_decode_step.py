@@ -11,10 +11,11 @@ import torch
 
 from engine.backends import cpu_step
 from engine.backends.cpu_step import DecodeStep
+from engine.kernels.decode_step import BLOCK_LINEARS, load_decode_step_library
 from engine.quant.linear import QuantLinear
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
-if cpu_step._load_library() is None:
+if load_decode_step_library() is None:
     pytest.skip("no C compiler: the decode step cannot be built", allow_module_level=True)
 
 PROMPT_LENGTHS = [5, 11, 8]
@@ -79,11 +80,11 @@ def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoin
     try:
         model = executor._shard.model
         assert model.decode_step is not None
-        linears = [linear for block in model.layers for linear in cpu_step._block_linears(block)]
+        linears = [linear for block in model.layers for linear in cpu_step.block_linears(block)]
         addresses = [linear.interleaved.data_ptr() for linear in linears]
         storages = {linear.interleaved.untyped_storage().data_ptr() for linear in linears}
         assert len(storages) == 1 and addresses == sorted(addresses)
-        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in cpu_step._BLOCK_LINEARS]
+        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in BLOCK_LINEARS]
         assert program_addresses == addresses
         x = torch.randn(1, linears[0].in_features).to(getattr(torch, dtype))
         torch.testing.assert_close(linears[0](x), linears[0]._onednn(x), rtol=2e-2, atol=2e-2)  # the moved copy serves one row
@@ -136,7 +137,7 @@ def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatc
     import engine.kernels.quant as quant_kernels
 
     if missing == "step library":
-        monkeypatch.setattr(cpu_step, "_load_library", lambda: None)
+        monkeypatch.setattr(cpu_step, "load_decode_step_library", lambda: None)
     else:
         monkeypatch.setattr(quant_kernels, "load_quant_kernels", lambda: None)  # QuantLinear: torch path
     executor = make_executor(tiny_checkpoint, dtype="float32", quantization="int8")
@@ -184,7 +185,7 @@ def test_engine_greedy_generation_same_with_and_without_the_step(tiny_checkpoint
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     cfg = config(spec, dtype="float32", enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
-    model = core.runner._executor._shard.model
+    model = core.runner._workers._shard.model
     counting = Counting(model.decode_step)
     try:
         results = {}
@@ -365,7 +366,7 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
-    model = core.runner._executor._shard.model
+    model = core.runner._workers._shard.model
     step, many_rows = model.decode_step, []
 
     def counting(h, meta, kv_caches):
