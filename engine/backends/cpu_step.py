@@ -1,21 +1,25 @@
-"""A pure-decode step as one C call (engine/kernels/csrc/decode_step.c), bound once at load.
+"""The CPU backend's compiled pure-decode step: the program of engine/kernels/csrc/decode_step.c
+(bindings: engine/kernels/decode_step.py) built once at load from the model's blocks, and run as
+one C call per step.
 
 Why: each of the ~9 kernel calls per layer costs 4-7 us of Python and ctypes on top of its work,
 ~1.5 ms of a one-stream demo step and ~4 ms of a 32-decode one (bench/NOTES.md). The program holds
 every block's weights in their one-row forms (PackedCpuLinear's interleaved copies, QuantLinear's
 bound descriptors), the norms, scratch rows and the kernels' addresses; per step Python passes the
-tokens' positions and slots and the attention metadata's block tables and lengths (as
-CpuKernelBackend.attention_metadata built them for the per-op path). It calls the same kernels in
-the same order as the per-op path (the tests check the logits agree bit for bit), so it is an
-optimisation of dispatch only. The output head stays the model's own module call after it (one
-call a step; a dense head is oneDNN's, as fast as a one-row copy would be, bench/NOTES.md).
+tokens' positions and slots and the attention layout's block tables and lengths (as
+CpuKernelBackend.attention_metadata built them for the per-op path, through the paged kernel its
+path names). It calls the same kernels in the same order as the per-op path (the tests check the
+logits agree bit for bit), so it is an optimisation of dispatch only. The output head stays the
+model's own module call after it (one call a step; a dense head is oneDNN's, as fast as a one-row
+copy would be, bench/NOTES.md).
 
 Steps of one decode are served wherever every block linear has a one-row form for the model dtype;
 steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on the AMX
-tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would.
-Elsewhere (a weight too large for an interleaved copy, a quantized path that another kernel serves
-faster at one row, no compiler; prefill chunks, mixed steps, more rows) build_decode_step returns
-None or the step returns None, and the model runs its per-op path.
+tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would:
+the step's max_rows. Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
+pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
+interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
+compiler, build_decode_step returns None and the model runs its per-op path.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import torch
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
+from engine.backends.base import AttentionMetadata, AttentionPath, KVCache
 from engine.kernels.amx import AmxLinear
 from engine.kernels.cpu import CpuKernels
 from engine.kernels.decode_step import (
@@ -49,45 +53,37 @@ def _one_row(linear: nn.Module, dtype: torch.dtype) -> StepLinear | None:
 
 class DecodeStep:
     """The bound program (engine.backends.base.CompiledDecodeStep). Holds every tensor and
-    descriptor whose address the program keeps. `paged_type`: the metadata class whose sequences
-    CpuKernels.paged_attention reads (engine.backends.cpu.PagedAttentionMetadata)."""
+    descriptor whose address the program keeps."""
 
-    def __init__(self, fn, program: StepProgram, keep: list, paged_type: type) -> None:
-        self._fn, self._program, self._keep, self._paged_type = fn, program, keep, paged_type
+    def __init__(self, fn, program: StepProgram, keep: list) -> None:
+        self._fn, self._program, self._keep = fn, program, keep
         self._program_ref = ctypes.byref(program)
         self._layers = program.layers
         self.max_rows = program.max_rows
         self._cache_ptrs: list[int] = []
 
-    def __call__(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor | None:
+    def __call__(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         tokens = self._tokens(h.shape[0], meta)
-        if tokens is None:
-            return None
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
         if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
             raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
         return out
 
-    def _tokens(self, rows: int, meta: AttentionMetadata) -> StepTokens | None:
-        """The step as the program reads it, from the metadata the per-op path would use; None where
-        the step is not `rows` sequences decoding one token each, rows in 1..max_rows."""
-        if rows > self.max_rows or meta.prefills:
-            return None
-        if isinstance(meta, self._paged_type):  # every sequence in one paged_attention call
-            if meta.seq_lens.shape[0] != rows:  # fewer sequences than tokens: prefill chunks among them
-                return None
-            attention, decode_rows, row_start, new_tokens = ATTENTION_PAGED, None, meta.row_start.data_ptr(), meta.new_tokens.data_ptr()
-            tables, seq_lens = meta.block_tables, meta.seq_lens
-        else:
-            paged = meta.decodes
-            if not isinstance(paged, PagedDecodes) or paged.rows.shape[0] != rows:
-                return None
+    def _tokens(self, rows: int, meta: AttentionMetadata) -> StepTokens:
+        """The step as the program reads it: `rows` sequences' decode tokens (the plan's choice,
+        CpuKernelBackend.plan_step), attended by the paged kernel meta.path names."""
+        if rows > self.max_rows:  # its scratch holds max_rows rows: a plan that chose it wrongly must not write past them
+            raise ValueError(f"decode step: {rows} rows, it serves at most {self.max_rows}")
+        paged = meta.batched
+        if meta.path is AttentionPath.PAGED:  # PagedSequences: every sequence in one paged_attention call
+            attention, decode_rows, row_start, new_tokens = ATTENTION_PAGED, None, paged.row_start.data_ptr(), paged.new_tokens.data_ptr()
+        else:  # PagedDecodes: paged_decode_attention
             attention, decode_rows, row_start, new_tokens = ATTENTION_DECODE, paged.rows.data_ptr(), None, None
-            tables, seq_lens = paged.block_tables, paged.seq_lens
+        tables = paged.block_tables
         return StepTokens(
             rows, attention, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), decode_rows, row_start, new_tokens,
-            tables.data_ptr(), seq_lens.data_ptr(), tables.shape[1], meta.rope.data_ptr(),
+            tables.data_ptr(), paged.seq_lens.data_ptr(), tables.shape[1], meta.rope.data_ptr(),
         )  # fmt: skip
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> None:
@@ -114,8 +110,6 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     linear has no one-row form or the program cannot be built. With `amx`, and every block linear
     on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
     size) are bound at the first step."""
-    from engine.backends.cpu import PagedAttentionMetadata  # cpu.py imports this module
-
     dtype = model.backend.dtype
     if dtype not in DTYPE_CODES:
         return None
@@ -150,7 +144,7 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
         model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
-    return DecodeStep(lib.decode_step, program, keep, PagedAttentionMetadata)
+    return DecodeStep(lib.decode_step, program, keep)
 
 
 def _tile_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> int:
