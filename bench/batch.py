@@ -309,7 +309,8 @@ def tiny_checkpoint(out: Path) -> Path:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
+    from engine.models.args import ModelArgs
 
     spec = importlib.util.find_spec("llama_models")
     if spec is None or not spec.submodule_search_locations:

@@ -31,7 +31,7 @@ from typing import Any
 
 RESULTS_VERSION = 1
 
-# params.json fields of each config (engine.loading.checkpoint.ModelArgs takes them verbatim)
+# params.json fields of each config (engine.models.args.ModelArgs takes them verbatim)
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
     "small": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.3),
@@ -43,8 +43,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def model_args(config_name: str):
-    """engine.loading.checkpoint.ModelArgs of a named config (imports torch)."""
-    from engine.loading.checkpoint import ModelArgs
+    """engine.models.args.ModelArgs of a named config (imports torch)."""
+    from engine.models.args import ModelArgs
 
     if config_name not in CONFIGS:
         raise SystemExit(f"unknown config {config_name!r}; choose from {', '.join(CONFIGS)}")

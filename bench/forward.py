@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Results, add_results_arguments, model_args, torch_machine  # noqa: E402
-from engine.loading.checkpoint import ModelArgs, random_state_dict  # noqa: E402
+from engine.loading.checkpoint import random_state_dict  # noqa: E402
+from engine.models.args import ModelArgs  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
 from engine.backends.cpu import PackedCpuLinear, pack_weight, packing_available  # noqa: E402
 from engine.backends.torch_ops import TorchBackend  # noqa: E402

@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward import BLOCK_SIZE, CONTEXT_TOKENS, DECODE_STEPS, _sequence, best_of  # noqa: E402
 
 from engine.backends import resolve_dtype, select_backend  # noqa: E402
-from engine.loading.checkpoint import ModelArgs, MoEArgs, random_state_dict  # noqa: E402
+from engine.loading.checkpoint import random_state_dict  # noqa: E402
+from engine.models import model_class  # noqa: E402
+from engine.models.args import ModelArgs, MoEArgs  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.models.llama import allocate_kv_caches, model_class  # noqa: E402
+from engine.models.llama import allocate_kv_caches  # noqa: E402
 from engine.executor.executor import build_step_inputs  # noqa: E402
 from engine.core.sequence import ScheduledBatch  # noqa: E402
 

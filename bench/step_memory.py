@@ -104,7 +104,7 @@ class ModelDriver:
     def __init__(self, dtype, max_rows: int, layers: int) -> None:
         from bench.common import CONFIGS
         from bench.forward import BLOCK_SIZE, Bench
-        from engine.loading.checkpoint import ModelArgs
+        from engine.models.args import ModelArgs
 
         self.block_size = BLOCK_SIZE
         self.blocks_per_seq = math.ceil((max_rows + 256) / BLOCK_SIZE)

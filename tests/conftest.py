@@ -23,7 +23,7 @@ TINY_DESCRIPTOR = "Llama3.2-1B-Instruct"  # supplies the family; params.json sup
 
 @pytest.fixture(scope="session")
 def tiny_model_args():
-    from engine.loading.checkpoint import ModelArgs
+    from engine.models.args import ModelArgs
 
     return ModelArgs(**TINY_PARAMS)
 

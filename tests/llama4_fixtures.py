@@ -41,7 +41,7 @@ TINY_LLAMA4_DESCRIPTOR = "Llama-4-Scout-17B-16E-Instruct"  # the family (tokeniz
 
 
 def tiny_llama4_args(**overrides: Any):
-    from engine.loading.checkpoint import ModelArgs
+    from engine.models.args import ModelArgs
 
     params = {**TINY_LLAMA4_PARAMS, **overrides}
     return ModelArgs.from_params(params, source="tiny Llama 4 params")

@@ -8,11 +8,13 @@ best implementation depends on the device and dtype goes through a Backend chose
   the backend multiplies with (quantized, packed, ...); the model never patches itself afterwards.
 - linear(weight): the Linear module for one prepared weight, dispatched on the weight's type.
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
-- compiled_decode_step(model), optional: a pure-decode step (one token of each of 1..N sequences)
-  through all blocks in one call, built once at load; the model runs its per-op blocks wherever it
-  gives None.
-- attention_metadata(inputs, ...): built once per step, read by every layer's attention. One type
-  (AttentionMetadata) for every backend; each backend fills and reads the fields it needs.
+- compiled_decode_step(model), optional: a pure-decode step (one token of each of 1..max_rows
+  sequences) through all blocks in one call, built once at load; None where the backend has none.
+- plan_step(inputs, ...): once per step, the StepPlan every reader of the step follows: the
+  attention layout (AttentionMetadata, its `path` naming the kernel that attends it) and whether
+  the compiled step runs the blocks. The model's forward, the compiled step and attention() read
+  the plan; none of them chooses a path again. attention_metadata(inputs, ..., chunk_size) builds
+  one layout (the plan's, and Llama 4's chunked one).
 
 The Linear contract (what a quantized linear implements, see docs/backends.md): a module or
 callable mapping x [..., in_features] -> y [..., out_features] in x's dtype, over this rank's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -51,11 +54,13 @@ class Linear(Protocol):
 
 class CompiledDecodeStep(Protocol):
     """step(h, meta, kv_caches): h [rows, dim] the tokens' embeddings (the residual stream, updated
-    in place) -> the final norm's output [rows, dim], exactly as the per-op blocks compute it; or
-    None, untouched, when the step is not one decode token of each of `rows` sequences, rows in the
-    range the step serves (1, or more where the backend can; the model then runs its blocks)."""
+    in place) -> the final norm's output [rows, dim], exactly as the per-op blocks compute it. Run
+    only where the step's plan chose it (Backend.plan_step): every row one sequence's decode token,
+    rows in 1..max_rows, attended on a paged path (meta.path)."""
 
-    def __call__(self, h: torch.Tensor, meta: "AttentionMetadata", kv_caches: list[KVCache]) -> torch.Tensor | None: ...
+    max_rows: int
+
+    def __call__(self, h: torch.Tensor, meta: "AttentionMetadata", kv_caches: list[KVCache]) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -98,6 +103,16 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [n_new, kv_len] bool, True = attend; None: no prefix, plain causal
 
 
+class AttentionPath(Enum):
+    """The kernel that attends a layout's batched sequences (AttentionMetadata.batched), chosen by
+    the backend when it builds the layout; prefill chunks left in `prefills` go to torch's SDPA
+    one at a time on every path."""
+
+    GATHERED = "gathered"  # torch SDPA over the decodes' blocks gathered into one padded batch (GatheredDecodes)
+    PAGED_DECODES = "paged decodes"  # paged_decode_attention: the decodes in place through their block tables (PagedDecodes)
+    PAGED = "paged"  # one paged_attention call (PagedSequences): the decodes, or on AMX tiles every sequence
+
+
 @dataclass(slots=True)
 class GatheredDecodes:
     """The decoding sequences as torch SDPA reads them: their blocks gathered into one padded batch."""
@@ -110,7 +125,7 @@ class GatheredDecodes:
 
 @dataclass(slots=True)
 class PagedDecodes:
-    """The decoding sequences as a paged-attention kernel reads them, in place through the tables."""
+    """The decoding sequences as paged_decode_attention reads them, in place through the tables."""
 
     rows: torch.Tensor  # [num_decodes] int64, flat-batch row of each decode token
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, contiguous
@@ -118,15 +133,28 @@ class PagedDecodes:
 
 
 @dataclass(slots=True)
+class PagedSequences:
+    """Sequences as one paged_attention call reads them (each with its new tokens, causal over its
+    cached prefix): the decodes, or every sequence of the step (prefill chunks included) where the
+    kernel runs on AMX tiles."""
+
+    row_start: torch.Tensor  # [sequences] int32, flat-batch row of each sequence's first new token
+    new_tokens: torch.Tensor  # [sequences] int32, its new tokens (1 for a decode)
+    seq_lens: torch.Tensor  # [sequences] int32, K/V length including this step's tokens
+    block_tables: torch.Tensor  # [sequences, max_blocks] int32
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's batch, built once per step for all layers by
-    the backend (Backend.attention_metadata). Prefill chunks are attended one at a time; the
-    decodes (sequences with one new token) together, in the layout the backend's kernel reads."""
+    the backend (Backend.attention_metadata). Prefill chunks in `prefills` are attended one at a
+    time; `batched` sequences together, in the layout of the kernel `path` names."""
 
+    path: AttentionPath
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token's K/V
     prefills: list[PrefillChunk]
-    decodes: GatheredDecodes | PagedDecodes | None
+    batched: GatheredDecodes | PagedDecodes | PagedSequences | None  # None: no sequence attended together
     rope: torch.Tensor  # torch: [num_tokens, 1, head_dim // 2] complex rotations; kernels: the whole table
 
     @staticmethod
@@ -158,6 +186,16 @@ def _prefill_chunk(inputs: StepInputs, i: int, start: int, n_new: int, kv_len: i
         if windowed:  # ... from the start of its own chunk only
             mask &= key_pos >= query_pos // chunk_size * chunk_size
     return PrefillChunk(slice(start, start + n_new), inputs.block_tables[i, :num_blocks].to(torch.int64), kv_len, mask)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """How one step runs, decided once by the backend (Backend.plan_step): the model's forward runs
+    the compiled step or its blocks by `compiled`, and every attention call (the compiled step's
+    too) takes the kernel attention.path names."""
+
+    attention: AttentionMetadata  # the step's attention layout (Llama 4's NoPE layers: the global one)
+    compiled: bool  # the model's compiled decode step runs every block and the final norm in one call
 
 
 # --------------------------------------------------------------------------- the backend
@@ -222,9 +260,16 @@ class Backend:
         raise TypeError(f"{self.name} backend: no linear for a weight of type {type(weight).__name__}")
 
     # ----------------------------------------------------------------- per step (see torch_ops)
+    def plan_step(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, compiled: CompiledDecodeStep | None) -> StepPlan:
+        """The one decision of how this step runs, for a model whose compiled step (from
+        compiled_decode_step) is `compiled`: here the attention layout, blocks op by op (this
+        backend compiles no step)."""
+        return StepPlan(self.attention_metadata(inputs, freqs_cis, cache), False)
+
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
-        """chunk_size: chunked local attention (Llama 4's RoPE layers), each query's keys limited
-        to its own chunk of chunk_size positions."""
+        """One attention layout for the step, its path chosen here. chunk_size: chunked local
+        attention (Llama 4's RoPE layers), each query's keys limited to its own chunk of
+        chunk_size positions."""
         raise NotImplementedError
 
     def cache_write(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> None:
@@ -254,9 +299,9 @@ class Backend:
 
     # ----------------------------------------------------------------- load time, optional
     def compiled_decode_step(self, model: nn.Module) -> CompiledDecodeStep | None:
-        """A compiled pure-decode step (one token of each of 1..N sequences) through all of `model`'s
-        blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once at load; None
-        (here): the model runs its blocks op by op."""
+        """A compiled pure-decode step (one token of each of 1..max_rows sequences) through all of
+        `model`'s blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once
+        at load; plan_step says which steps it runs. None (here): the model runs its blocks op by op."""
         return None
 
 

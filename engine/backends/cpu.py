@@ -12,13 +12,16 @@ tables), and a second copy of each small weight in the interleaved layout the on
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.kernels.amx import AmxLinear, load_amx_linear
-from engine.backends.base import AttentionMetadata, GatheredDecodes, HeadLayout, KVCache, Linear, PagedDecodes, PrefillChunk
+from engine.backends.base import (
+    AttentionMetadata, AttentionPath, CompiledDecodeStep, HeadLayout, KVCache, Linear, PagedDecodes, PagedSequences, StepPlan,
+)  # fmt: skip
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.kernels.cpu import CpuKernels
@@ -86,7 +89,8 @@ class PackedCpuLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
         self._kernels, self._amx = kernels, amx
-        self._tiles_take_all_rows = weight.packed is None or self.out_features <= self.in_features
+        # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
+        self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
         if weight.packed is None and self._many_rows is None:
             raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel")
@@ -100,10 +104,14 @@ class PackedCpuLinear(nn.Module):
         self._many_rows = self._amx.bind(interleaved) if supported else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One row: the one-row kernel; bfloat16 rows up to _max_tile_rows: the AMX tiles; else
+        oneDNN. Chosen here, per call, by the input's rows, not in the step's plan: one step's
+        linears see different row counts (the blocks all its tokens, the head its sampled rows,
+        each expert its routed tokens)."""
         rows = x.shape[0]
-        if self._one_row is not None and rows == 1:
+        if rows == 1 and self._one_row is not None:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and (rows <= AMX_MAX_ROWS or self._tiles_take_all_rows):
+        if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         return self._onednn(x)
 
@@ -181,32 +189,39 @@ class CpuKernelBackend(OneDnnBackend):
         self.kernels = kernels
         self.amx = load_amx_linear() if dtype == torch.bfloat16 else None
 
+    def plan_step(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, compiled: CompiledDecodeStep | None) -> StepPlan:
+        """The compiled step where it serves the step: every sequence decodes one token (each
+        sequence has at least one: num_tokens == num_seqs), at most its max_rows of them, on a
+        paged path (the kernels it calls); else the blocks op by op."""
+        meta = self.attention_metadata(inputs, freqs_cis, cache)
+        rows = inputs.num_tokens
+        pure_decode = rows == inputs.num_seqs
+        served = compiled is not None and pure_decode and 0 < rows <= compiled.max_rows and meta.path is not AttentionPath.GATHERED
+        return StepPlan(meta, served)
+
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
-        k_cache = cache[0]
-        block_size = k_cache.shape[1]
+        """The paths, in order: torch's (GATHERED) for chunk windows the kernels cannot read (chunk
+        size not a multiple of the block size); every sequence in one paged_attention call where it
+        runs on AMX tiles and a sequence has 2+ new tokens (a prefill chunk); the decodes in one
+        paged_attention call from two per thread (prefill chunks: SDPA); else paged_decode_attention."""
+        num_blocks, block_size, _, head_dim = cache[0].shape
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
-        head_dim = k_cache.shape[-1]
-        if (
-            chunk_size is None
-            and self.kernels.paged_attention_on_tiles(k_cache.dtype, head_dim, block_size)
-            and bool((inputs.query_start_loc.diff() > 1).any())  # a sequence with 2+ new tokens: a prefill chunk
-        ):
-            # prefill chunks and decodes in one call: no per-chunk block ids and masks to build
-            meta = _all_sequences_metadata(inputs, rope)
-            check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
-            return meta
-        starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
-        if chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
-            meta = _paged_attention_metadata(inputs, rope, prefills, decodes, starts)
-            check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=block_size)
-            return meta
-        paged = _paged_decodes(inputs, decodes, starts) if decodes else None
-        if paged is not None and chunk_size is not None:
-            paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
-        meta = AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, paged, rope)
-        check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+        # a sequence with 2+ new tokens (each has at least one): a prefill chunk, which the tiles take too
+        positions, slots = inputs.positions, inputs.slot_mapping
+        if chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_on_tiles(cache[0].dtype, head_dim, block_size):
+            meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, [], _all_sequences(inputs), rope)
+        else:
+            starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
+            if chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
+                meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, prefills, _paged_decode_sequences(inputs, decodes, starts), rope)
+            else:
+                paged = _paged_decodes(inputs, decodes, starts) if decodes else None
+                if paged is not None and chunk_size is not None:
+                    paged = _window_paged_decodes(paged, chunk_size // block_size, block_size)
+                meta = AttentionMetadata(AttentionPath.PAGED_DECODES, positions, slots, prefills, paged, rope)
+        check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=num_blocks, block_size=block_size)
         return meta
 
     def compiled_decode_step(self, model: nn.Module) -> DecodeStep | None:
@@ -225,20 +240,21 @@ class CpuKernelBackend(OneDnnBackend):
         )  # fmt: skip
 
     def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        if isinstance(meta.decodes, GatheredDecodes):  # a layout the kernel cannot read (see attention_metadata)
+        path = meta.path
+        if path is AttentionPath.GATHERED:  # a layout the kernels cannot read (see attention_metadata)
             return TorchBackend.attention(self, qkv, heads, cache, meta)
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, heads.heads * heads.head_dim, dtype=qkv.dtype)
         k_cache, v_cache = cache
-        if isinstance(meta, PagedAttentionMetadata):  # the decodes in one call; prefill chunks below
+        batched = meta.batched
+        if path is AttentionPath.PAGED:  # the decodes (on tiles: every sequence) in one call; prefill chunks below
             self.kernels.paged_attention(
-                qkv, out, meta.row_start, meta.new_tokens, meta.seq_lens, meta.block_tables, k_cache, v_cache,
+                qkv, out, batched.row_start, batched.new_tokens, batched.seq_lens, batched.block_tables, k_cache, v_cache,
                 heads.heads, heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
             )  # fmt: skip
-        elif meta.decodes is not None:
-            paged = meta.decodes
+        elif batched is not None:
             self.kernels.paged_decode_attention(
-                qkv, out, paged.rows, k_cache, v_cache, paged.block_tables, paged.seq_lens, heads.heads,
+                qkv, out, batched.rows, k_cache, v_cache, batched.block_tables, batched.seq_lens, heads.heads,
                 heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
             )  # fmt: skip
         if meta.prefills:
@@ -254,40 +270,24 @@ class CpuKernelBackend(OneDnnBackend):
         return hidden
 
 
-@dataclass(slots=True)
-class PagedAttentionMetadata(AttentionMetadata):
-    """Sequences as CpuKernels.paged_attention reads them (`decodes` stays None). Where the kernel
-    runs on AMX tiles (CpuKernels.paged_attention_on_tiles) a step with prefill chunks gives it every
-    sequence (1.3-2.5x faster than SDPA on them, bench/NOTES.md); elsewhere it gets the decodes only
-    and prefill chunks stay in `prefills` for torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the
-    kernel's float32 loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams')."""
-
-    row_start: torch.Tensor  # [sequences] int32, flat-batch row of each sequence's first new token
-    new_tokens: torch.Tensor  # [sequences] int32, its new tokens (1 for a decode)
-    seq_lens: torch.Tensor  # [sequences] int32, K/V length including this step's tokens
-    block_tables: torch.Tensor  # [sequences, max_blocks] int32
-
-
-def _paged_attention_metadata(
-    inputs: StepInputs, rope: torch.Tensor, prefills: list[PrefillChunk], decodes: list[int], starts: list[int]
-) -> PagedAttentionMetadata:  # fmt: skip
+# paged_attention takes all of a step's sequences on AMX tiles (1.3-2.5x faster than SDPA on prefill
+# chunks, bench/NOTES.md); elsewhere it gets the decodes only and prefill chunks stay with torch's
+# SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32 loops on chunks past a few dozen
+# tokens (bench/NOTES.md 'Many streams').
+def _paged_decode_sequences(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedSequences:
     """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
-    sequence's blocks over the threads is what a few decodes need, this kernel's one item per
+    sequence's blocks over the threads is what a few decodes need, paged_attention's one item per
     (sequence, KV head) is faster from there (1.8x at 32 decodes, 1 thread)."""
     row_start, tables, seq_lens = _decode_rows(inputs, decodes, starts, torch.int32)
-    ones = torch.ones(len(decodes), dtype=torch.int32)
-    return PagedAttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, None, rope, row_start, ones, seq_lens, tables)
+    return PagedSequences(row_start, torch.ones(len(decodes), dtype=torch.int32), seq_lens, tables)
 
 
-def _all_sequences_metadata(inputs: StepInputs, rope: torch.Tensor) -> PagedAttentionMetadata:
+def _all_sequences(inputs: StepInputs) -> PagedSequences:
     """Every sequence of the step, prefill chunks (with or without a cached prefix) and decodes
     alike, for one paged_attention call; no prefills left for SDPA."""
     starts = inputs.query_start_loc.to(torch.int32)
     row_start, new_tokens = starts[:-1].contiguous(), (starts[1:] - starts[:-1]).contiguous()
-    return PagedAttentionMetadata(
-        inputs.positions, inputs.slot_mapping, [], None, rope, row_start, new_tokens, inputs.seq_lens.contiguous(),
-        inputs.block_tables.contiguous(),
-    )  # fmt: skip
+    return PagedSequences(row_start, new_tokens, inputs.seq_lens.contiguous(), inputs.block_tables.contiguous())
 
 
 def _paged_decodes(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedDecodes:
@@ -321,16 +321,17 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
     (a scheduler bug) must raise here, as torch's indexing would, not corrupt memory."""
     ranges = [(inputs.positions, num_positions, "position", torch.int64), (inputs.slot_mapping, num_blocks * block_size, "KV slot", torch.int64)]
     decode = None  # (block tables, seq_lens, rows, the rows' dtype), as the step's kernel reads them
-    if isinstance(meta, PagedAttentionMetadata):
-        decode = (meta.block_tables, meta.seq_lens, meta.row_start, torch.int32)
+    batched = meta.batched
+    if meta.path is AttentionPath.PAGED:
+        decode = (batched.block_tables, batched.seq_lens, batched.row_start, torch.int32)
         # a sequence's new tokens: at least 1, no more than its K/V, rows inside the step
         ranges += [
-            (meta.new_tokens - 1, 1 << 30, "new token count - 1", torch.int32),
-            (meta.seq_lens - meta.new_tokens, 1 << 30, "cached prefix length", torch.int32),
-            (meta.row_start + meta.new_tokens - 1, inputs.num_tokens, "last new row", torch.int32),
+            (batched.new_tokens - 1, 1 << 30, "new token count - 1", torch.int32),
+            (batched.seq_lens - batched.new_tokens, 1 << 30, "cached prefix length", torch.int32),
+            (batched.row_start + batched.new_tokens - 1, inputs.num_tokens, "last new row", torch.int32),
         ]  # fmt: skip
-    elif meta.decodes is not None:
-        decode = (meta.decodes.block_tables, meta.decodes.seq_lens, meta.decodes.rows, torch.int64)
+    elif batched is not None:
+        decode = (batched.block_tables, batched.seq_lens, batched.rows, torch.int64)
     if decode is not None:
         tables, seq_lens, rows, row_dtype = decode
         ranges += [

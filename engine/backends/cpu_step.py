@@ -1,156 +1,89 @@
-"""A pure-decode step as one C call (engine/kernels/csrc/decode_step.c), bound once at load.
+"""The CPU backend's compiled pure-decode step: the program of engine/kernels/csrc/decode_step.c
+(bindings: engine/kernels/decode_step.py) built once at load from the model's blocks, and run as
+one C call per step.
 
 Why: each of the ~9 kernel calls per layer costs 4-7 us of Python and ctypes on top of its work,
 ~1.5 ms of a one-stream demo step and ~4 ms of a 32-decode one (bench/NOTES.md). The program holds
 every block's weights in their one-row forms (PackedCpuLinear's interleaved copies, QuantLinear's
 bound descriptors), the norms, scratch rows and the kernels' addresses; per step Python passes the
-tokens' positions and slots and the attention metadata's block tables and lengths (as
-CpuKernelBackend.attention_metadata built them for the per-op path). It calls the same kernels in
-the same order as the per-op path (the tests check the logits agree bit for bit), so it is an
-optimisation of dispatch only. The output head stays the model's own module call after it (one
-call a step; a dense head is oneDNN's, as fast as a one-row copy would be, bench/NOTES.md).
+tokens' positions and slots and the attention layout's block tables and lengths (as
+CpuKernelBackend.attention_metadata built them for the per-op path, through the paged kernel its
+path names). It calls the same kernels in the same order as the per-op path (the tests check the
+logits agree bit for bit), so it is an optimisation of dispatch only. The output head stays the
+model's own module call after it (one call a step; a dense head is oneDNN's, as fast as a one-row
+copy would be, bench/NOTES.md).
 
 Steps of one decode are served wherever every block linear has a one-row form for the model dtype;
 steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on the AMX
-tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would.
-Elsewhere (a weight too large for an interleaved copy, a quantized path that another kernel serves
-faster at one row, no compiler; prefill chunks, mixed steps, more rows) build_decode_step returns
-None or the step returns None, and the model runs its per-op path.
+tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would:
+the step's max_rows. Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
+pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
+interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
+compiler, build_decode_step returns None and the model runs its per-op path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import subprocess
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.backends.base import AttentionMetadata, AttentionPath, KVCache
 from engine.kernels.amx import AmxLinear
-from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
-from engine.kernels.build import DECODE_STEP, library_path
 from engine.kernels.cpu import CpuKernels
+from engine.kernels.decode_step import (
+    ATTENTION_DECODE, ATTENTION_PAGED, BLOCK_LINEARS, DTYPE_CODES, KERNEL_NAMES, LINEAR_KINDS, TILE_ROWS, StepKernels, StepLayer,
+    StepLinear, StepProgram, StepScratch, StepTokens, load_decode_step_library,
+)  # fmt: skip
 from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_LINEAR_KINDS = {"interleaved": 0, "pairs": 1, "quant": 2}  # decode_step.c's LINEAR_*
-_KERNEL_NAMES = (
-    "add_rms_norm", "silu_mul", "rope_and_cache_write", "paged_decode_attention", "paged_attention", "interleaved_linear",
-    "interleaved_linear_bf16_pairs",
-)  # fmt: skip
 
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (*_KERNEL_NAMES, "quant_linear", "amx_linear")]
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("weight", _p), ("n", _i64), ("k", _i64)]
-
-
-_BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")  # a block's linears in step order (decode_step.c's step_layer)
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attention_norm", _p), ("ffn_norm", _p), *((name, _Linear) for name in _BLOCK_LINEARS), ("k_cache", _p), ("v_cache", _p)]
-
-
-_SCRATCH = ("normed", "qkv", "attn", "attn_out", "gate_up", "act", "ffn_out")
-
-
-class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _p) for name in _SCRATCH]
-
-
-class _Program(ctypes.Structure):
-    _fields_ = [
-        ("kernels", ctypes.POINTER(_Kernels)), ("layers", ctypes.POINTER(_Layer)), ("scratch", ctypes.POINTER(_Scratch)),
-        ("final_norm", _p),
-        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows")),
-        ("eps", _f32), ("scale", _f32),
-    ]  # fmt: skip
-
-
-_ATTENTION_DECODE, _ATTENTION_PAGED = 0, 1  # decode_step.c's ATTENTION_*: paged_decode_attention, paged_attention
-TILE_ROWS = 16  # engine/kernels/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles
-
-
-class _Tokens(ctypes.Structure):
-    _fields_ = [
-        ("rows", _i64), ("attention", _i64), ("position", _p), ("slot", _p), ("decode_rows", _p), ("row_start", _p),
-        ("new_tokens", _p), ("block_table", _p), ("seq_len", _p), ("max_blocks", _i64), ("rope", _p),
-    ]  # fmt: skip
-
-
-@functools.cache
-def _load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(library_path(DECODE_STEP, cache_dir)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("compiled decode step unavailable (%s); decode runs op by op", exc)
-        return None
-    lib.decode_step.argtypes = (ctypes.POINTER(_Program), _p, _p, ctypes.POINTER(_Tokens), ctypes.c_int)
-    lib.decode_step.restype = ctypes.c_int
-    return lib
-
-
-def _one_row(linear: nn.Module, dtype: torch.dtype) -> _Linear | None:
+def _one_row(linear: nn.Module, dtype: torch.dtype) -> StepLinear | None:
     describe = getattr(linear, "one_row_descriptor", None)  # PackedCpuLinear, QuantLinear
     form = describe(dtype) if describe is not None else None
     if form is None:
         return None
     kind, address, n, k = form
-    return _Linear(_LINEAR_KINDS[kind], address, n, k)
+    return StepLinear(LINEAR_KINDS[kind], address, n, k)
 
 
 class DecodeStep:
     """The bound program (engine.backends.base.CompiledDecodeStep). Holds every tensor and
-    descriptor whose address the program keeps. `paged_type`: the metadata class whose sequences
-    CpuKernels.paged_attention reads (engine.backends.cpu.PagedAttentionMetadata)."""
+    descriptor whose address the program keeps."""
 
-    def __init__(self, fn, program: _Program, keep: list, paged_type: type) -> None:
-        self._fn, self._program, self._keep, self._paged_type = fn, program, keep, paged_type
+    def __init__(self, fn, program: StepProgram, keep: list) -> None:
+        self._fn, self._program, self._keep = fn, program, keep
         self._program_ref = ctypes.byref(program)
         self._layers = program.layers
         self.max_rows = program.max_rows
         self._cache_ptrs: list[int] = []
 
-    def __call__(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor | None:
+    def __call__(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         tokens = self._tokens(h.shape[0], meta)
-        if tokens is None:
-            return None
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
         if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
             raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
         return out
 
-    def _tokens(self, rows: int, meta: AttentionMetadata) -> _Tokens | None:
-        """The step as the program reads it, from the metadata the per-op path would use; None where
-        the step is not `rows` sequences decoding one token each, rows in 1..max_rows."""
-        if rows > self.max_rows or meta.prefills:
-            return None
-        if isinstance(meta, self._paged_type):  # every sequence in one paged_attention call
-            if meta.seq_lens.shape[0] != rows:  # fewer sequences than tokens: prefill chunks among them
-                return None
-            attention, decode_rows, row_start, new_tokens = _ATTENTION_PAGED, None, meta.row_start.data_ptr(), meta.new_tokens.data_ptr()
-            tables, seq_lens = meta.block_tables, meta.seq_lens
-        else:
-            paged = meta.decodes
-            if not isinstance(paged, PagedDecodes) or paged.rows.shape[0] != rows:
-                return None
-            attention, decode_rows, row_start, new_tokens = _ATTENTION_DECODE, paged.rows.data_ptr(), None, None
-            tables, seq_lens = paged.block_tables, paged.seq_lens
-        return _Tokens(
+    def _tokens(self, rows: int, meta: AttentionMetadata) -> StepTokens:
+        """The step as the program reads it: `rows` sequences' decode tokens (the plan's choice,
+        CpuKernelBackend.plan_step), attended by the paged kernel meta.path names."""
+        if rows > self.max_rows:  # its scratch holds max_rows rows: a plan that chose it wrongly must not write past them
+            raise ValueError(f"decode step: {rows} rows, it serves at most {self.max_rows}")
+        paged = meta.batched
+        if meta.path is AttentionPath.PAGED:  # PagedSequences: every sequence in one paged_attention call
+            attention, decode_rows, row_start, new_tokens = ATTENTION_PAGED, None, paged.row_start.data_ptr(), paged.new_tokens.data_ptr()
+        else:  # PagedDecodes: paged_decode_attention
+            attention, decode_rows, row_start, new_tokens = ATTENTION_DECODE, paged.rows.data_ptr(), None, None
+        tables = paged.block_tables
+        return StepTokens(
             rows, attention, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), decode_rows, row_start, new_tokens,
-            tables.data_ptr(), seq_lens.data_ptr(), tables.shape[1], meta.rope.data_ptr(),
+            tables.data_ptr(), paged.seq_lens.data_ptr(), tables.shape[1], meta.rope.data_ptr(),
         )  # fmt: skip
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> None:
@@ -177,23 +110,21 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     linear has no one-row form or the program cannot be built. With `amx`, and every block linear
     on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
     size) are bound at the first step."""
-    from engine.backends.cpu import PagedAttentionMetadata  # cpu.py imports this module
-
     dtype = model.backend.dtype
-    if dtype not in _DTYPE_CODES:
+    if dtype not in DTYPE_CODES:
         return None
-    gather_one_row_copies([linear for block in model.layers for linear in _block_linears(block)])
+    gather_one_row_copies([linear for block in model.layers for linear in block_linears(block)])
     layers, keep = [], []
     for i, block in enumerate(model.layers):
-        forms = {name: _one_row(linear, dtype) for name, linear in zip(_BLOCK_LINEARS, _block_linears(block))}
+        forms = {name: _one_row(linear, dtype) for name, linear in zip(BLOCK_LINEARS, block_linears(block))}
         if any(form is None for form in forms.values()):
             log.info("decode step: layer %d's %s has no one-row form; decode runs op by op", i, [n for n, f in forms.items() if f is None])
             return None
-        keep += _block_linears(block)  # the owners of the addresses in `forms`
-        layers.append(_Layer(block.attention_norm.weight.data_ptr(), block.ffn_norm.weight.data_ptr(), **forms))
-    uses_quant = any(getattr(layer, name).kind == _LINEAR_KINDS["quant"] for layer in layers for name in _BLOCK_LINEARS)
+        keep += block_linears(block)  # the owners of the addresses in `forms`
+        layers.append(StepLayer(block.attention_norm.weight.data_ptr(), block.ffn_norm.weight.data_ptr(), **forms))
+    uses_quant = any(getattr(layer, name).kind == LINEAR_KINDS["quant"] for layer in layers for name in BLOCK_LINEARS)
     quant_address = _quant_linear_address() if uses_quant else None
-    lib = _load_library()
+    lib = load_decode_step_library()
     if lib is None or (uses_quant and quant_address is None):
         return None
     first = model.layers[0]
@@ -203,25 +134,25 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if max_rows > 1 else 1
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
-    addresses = {name: kernels.address(name) for name in _KERNEL_NAMES}
-    kernel_table = _Kernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if max_rows > 1 else None)
-    layer_array = (_Layer * len(layers))(*layers)
-    scratch_table = _Scratch(**{name: t.data_ptr() for name, t in scratch.items()})
-    program = _Program(
+    addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
+    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if max_rows > 1 else None)
+    layer_array = (StepLayer * len(layers))(*layers)
+    scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})
+    program = StepProgram(
         ctypes.pointer(kernel_table), layer_array, ctypes.pointer(scratch_table), model.norm.weight.data_ptr(),
-        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, _DTYPE_CODES[dtype], max_rows, TILE_ROWS,
+        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, DTYPE_CODES[dtype], max_rows, TILE_ROWS,
         model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
-    return DecodeStep(lib.decode_step, program, keep, PagedAttentionMetadata)
+    return DecodeStep(lib.decode_step, program, keep)
 
 
-def _tile_rows(model: nn.Module, layers: list[_Layer], amx: AmxLinear | None) -> int:
+def _tile_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> int:
     """The most decodes a step serves: every block linear's tile_rows (the rows its forward runs on
     the AMX tiles from its pairs copy) where all have some, else 1 (one-row linears only)."""
-    if amx is None or any(getattr(layer, name).kind != _LINEAR_KINDS["pairs"] for layer in layers for name in _BLOCK_LINEARS):
+    if amx is None or any(getattr(layer, name).kind != LINEAR_KINDS["pairs"] for layer in layers for name in BLOCK_LINEARS):
         return 1
-    rows = [linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for block in model.layers for linear in _block_linears(block)]
+    rows = [linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for block in model.layers for linear in block_linears(block)]
     return max(1, min(rows))
 
 
@@ -231,8 +162,8 @@ def _scratch(widths: dict[str, int], rows: int, dtype: torch.dtype) -> dict[str,
     return {name: arena.place(i, torch.zeros(rows, width, dtype=dtype)) for i, (name, width) in enumerate(widths.items())}
 
 
-def _block_linears(block: nn.Module) -> tuple[nn.Module, ...]:
-    """A block's linears in the order a decode step runs them (_BLOCK_LINEARS)."""
+def block_linears(block: nn.Module) -> tuple[nn.Module, ...]:
+    """A block's linears in the order a decode step runs them (BLOCK_LINEARS)."""
     return block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2
 
 

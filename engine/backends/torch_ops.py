@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.backends.base import AttentionMetadata, Backend, GatheredDecodes, HeadLayout, KVCache, PrefillChunk
+from engine.backends.base import AttentionMetadata, AttentionPath, Backend, GatheredDecodes, HeadLayout, KVCache, PrefillChunk
 from engine.models.llama import apply_rotary_emb, repeat_kv, rms_norm
 from engine.executor.step_inputs import StepInputs
 
@@ -49,7 +49,7 @@ class TorchBackend(Backend):
         starts, seq_lens, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
         gathered = _gathered_decodes(inputs, decodes, starts, seq_lens, block_size, chunk_size) if decodes else None
         rope = freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
-        return AttentionMetadata(inputs.positions, inputs.slot_mapping, prefills, gathered, rope)
+        return AttentionMetadata(AttentionPath.GATHERED, inputs.positions, inputs.slot_mapping, prefills, gathered, rope)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is not None:
@@ -68,7 +68,7 @@ class TorchBackend(Backend):
     def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = qkv.shape[0]
         q, k, v = split_heads(qkv, heads)
-        decodes = meta.decodes
+        decodes = meta.batched  # GatheredDecodes: this backend's only path
         if decodes is not None and not meta.prefills and isinstance(decodes.rows, slice):  # all decodes (then rows 0..n): no scatter
             return _decode_attention(q, cache, decodes, heads).view(num_tokens, -1)
         out = torch.empty_like(q)

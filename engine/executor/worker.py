@@ -19,7 +19,8 @@ from engine.backends import select_backend
 from engine.loading.checkpoint import CheckpointSpec, load_rank_state_dict, nbytes_of
 from engine.config import EngineConfig
 from engine.loading.progress import Progress, ProgressCallback
-from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block, model_class
+from engine.models import model_class
+from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
 from engine.quant.cuda import to_device
 from engine.quant.formats import QuantizedWeight
 from engine.executor.step_inputs import StepInputs

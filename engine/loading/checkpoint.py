@@ -26,7 +26,10 @@ import torch
 from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.loading.file_guard import guard_tree, guarded
+from engine.loading.layout import ParamLayout, local_shape, param_layouts, rank_range
+from engine.loading.llama4 import normalize_shard, parallel_size_problems, to_meta_layout
 from engine.loading.progress import Progress, ProgressCallback
+from engine.models.args import ModelArgs
 from engine.types import CheckpointError, Family, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -34,157 +37,6 @@ log = logging.getLogger(__name__)
 PARAMS_FILE = "params.json"
 # Keys Meta checkpoints carry that the model does not use (Llama 2 shards hold their RoPE table).
 _IGNORED_KEYS = frozenset({"rope.freqs"})
-# params.json fields that mean these weights are not plain dense Llama text weights.
-_INCOMPATIBLE_FIELDS = {
-    "quantization_args": "pre-quantized (QAT/SpinQuant) checkpoints are not supported",
-    "lora_args": "checkpoints with unmerged LoRA adapters are not supported",
-    "vision_chunk_size": "Llama 3.2 Vision checkpoints are not supported",
-    "vision_args": "vision checkpoints are not supported",
-}
-# Llama 4's params.json has vision_args: its text weights load, the vision weights are skipped.
-_LLAMA4_ALLOWED = frozenset({"vision_args"})
-
-
-# --------------------------------------------------------------------------- architecture
-@dataclass(frozen=True, slots=True)
-class MoEArgs:
-    """params.json's moe_args (llama-models' llama4 MoEArgs, same defaults)."""
-
-    num_experts: int = -1
-    capacity_factor: float = 1.0
-    auto_scale_F: bool = True  # noqa: N815 (Meta's name) hidden size scaled so active params match a dense layer
-    top_k: int = 1
-    interleave_moe_layer_step: int = 1  # every n-th layer is MoE (Maverick 2, Scout 1)
-
-    @classmethod
-    def from_params(cls, params: Any, *, source: str) -> "MoEArgs":
-        if isinstance(params, MoEArgs):
-            return params
-        if not isinstance(params, dict):
-            raise CheckpointError(f"{source}: moe_args must be an object, found {type(params).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - names)
-        if unknown:
-            log.info("%s: ignoring moe_args keys %s", source, ", ".join(unknown))
-        return cls(**{k: v for k, v in params.items() if k in names})
-
-
-_LLAMA4_FIELDS = frozenset(
-    {"ffn_exp", "attention_chunk_size", "rope_high_freq_factor", "nope_layer_interval", "use_qk_norm",
-     "attn_temperature_tuning", "floor_scale", "attn_scale", "moe_args"}
-)  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    """params.json, field for field as Meta writes it (llama3 reference `ModelArgs`)."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
-    vocab_size: int = -1  # -1 (Llama 2): from the tokenizer
-    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
-    rope_scaling_factor: float | None = None  # with use_scaled_rope; None: 8 (Llama 3.1), 32 for Llama 3.2 1B/3B
-    tie_word_embeddings: bool = False  # output.weight may be absent and shares tok_embeddings
-    # Llama 4 (llama-models' llama4/args.py; engine/models/llama4/ reads them). Defaults: Llama 3 behaviour.
-    ffn_exp: float | None = None  # MoE feed-forward size as a multiple of dim
-    attention_chunk_size: int | None = None  # chunked local attention on the RoPE layers
-    rope_high_freq_factor: float | None = None  # Llama 4's RoPE scaling (with rope_scaling_factor)
-    nope_layer_interval: int | None = None  # every n-th layer has no positional encoding
-    use_qk_norm: bool = False
-    attn_temperature_tuning: bool = False  # on the NoPE layers
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
-    moe_args: MoEArgs | None = None
-    extra: tuple[tuple[str, Any], ...] = ()  # params.json keys this engine does not use, kept for the record
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any], *, source: str, defaults: dict[str, Any] | None = None) -> "ModelArgs":
-        """Build from params.json content; unknown keys are kept in `extra` and logged."""
-        if not isinstance(params, dict):
-            raise CheckpointError(f"{source}: expected a JSON object, found {type(params).__name__}")
-        llama4 = params.get("moe_args") is not None
-        for key, why in _INCOMPATIBLE_FIELDS.items():
-            if params.get(key) is not None and not (llama4 and key in _LLAMA4_ALLOWED):
-                raise CheckpointError(f"{source}: has {key!r}: {why}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {**(defaults or {}), **{k: v for k, v in params.items() if k in names}}
-        if known.get("moe_args") is not None:
-            known["moe_args"] = MoEArgs.from_params(known["moe_args"], source=source)
-        extra = tuple(sorted((k, v) for k, v in params.items() if k not in names))
-        if extra:
-            log.info("%s: ignoring params.json keys %s", source, ", ".join(k for k, _ in extra))
-        missing = [k for k in ("dim", "n_layers", "n_heads") if k not in known]
-        if missing:
-            raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")
-        try:
-            args = cls(**known, extra=extra)
-        except TypeError as exc:
-            raise CheckpointError(f"{source}: {exc}") from None
-        args.validate(source)
-        return args
-
-    def validate(self, source: str) -> None:
-        def bad(message: str) -> CheckpointError:
-            return CheckpointError(f"{source}: {message}")
-
-        for name in ("dim", "n_layers", "n_heads", "multiple_of"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise bad(f"{name} must be a positive integer, found {value!r}")
-        if self.dim % self.n_heads or self.head_dim % 2:
-            raise bad(f"dim {self.dim} must split into {self.n_heads} heads of even size")
-        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
-            raise bad(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
-        if not self.norm_eps > 0 or not self.rope_theta > 0:
-            raise bad("norm_eps and rope_theta must be > 0")
-        if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1:
-            raise bad(f"rope_scaling_factor must be >= 1, found {self.rope_scaling_factor!r}")
-        if self.is_llama4:
-            from engine.models.llama4.args import validate_llama4_args
-
-            validate_llama4_args(self, dict(self.extra), bad)
-
-    def to_params(self) -> dict[str, Any]:
-        """params.json content (the inverse of from_params)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        for optional in ("n_kv_heads", "rope_scaling_factor"):
-            if out[optional] is None:
-                del out[optional]
-        if not out["tie_word_embeddings"]:
-            del out["tie_word_embeddings"]
-        for f in dataclasses.fields(self):  # Llama 4 fields only when they differ from Llama 3's defaults
-            if f.name in _LLAMA4_FIELDS and out[f.name] == f.default:
-                del out[f.name]
-        if self.moe_args is not None:
-            out["moe_args"] = dataclasses.asdict(self.moe_args)
-        return {**out, **dict(self.extra)}
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def is_llama4(self) -> bool:
-        """Llama 4's architecture (engine/models/llama4/): MoE, NoPE layers, chunked attention, qk-norm."""
-        return self.moe_args is not None or self.nope_layer_interval is not None or self.attention_chunk_size is not None or self.use_qk_norm
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size, computed exactly as the llama3 reference FeedForward does."""
-        hidden = int(2 * (4 * self.dim) / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 # --------------------------------------------------------------------------- checkpoint description
@@ -349,51 +201,6 @@ def check_tokenizer_vocab(spec: CheckpointSpec, tokenizer_vocab_size: int) -> No
 
 
 # --------------------------------------------------------------------------- parallel layout
-@dataclass(frozen=True, slots=True)
-class ParamLayout:
-    full_shape: tuple[int, ...]
-    parallel_dim: int | None  # None: replicated on every rank (norms)
-    kv_heads: int = 0  # > 0 for wk/wv: ranks past n_kv_heads repeat heads (Meta's MP > n_kv_heads rule)
-
-
-def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
-    """Every weight the model holds, with its full (unsharded) shape and parallel dimension."""
-    ffn_layouts = dense_ffn_layouts
-    if args.is_llama4:
-        from engine.loading.llama4 import llama4_ffn_layouts as ffn_layouts
-    d = args.dim
-    out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        out.update(attention_layouts(args, p))
-        out.update(ffn_layouts(args, i, p))
-        out[p + "attention_norm.weight"] = ParamLayout((d,), None)
-        out[p + "ffn_norm.weight"] = ParamLayout((d,), None)
-    out["norm.weight"] = ParamLayout((d,), None)
-    if not args.tie_word_embeddings:
-        out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
-    return out
-
-
-def attention_layouts(args: ModelArgs, prefix: str) -> dict[str, ParamLayout]:
-    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
-    return {
-        prefix + "attention.wq.weight": ParamLayout((q, d), 0),
-        prefix + "attention.wk.weight": ParamLayout((kv, d), 0, args.kv_heads),
-        prefix + "attention.wv.weight": ParamLayout((kv, d), 0, args.kv_heads),
-        prefix + "attention.wo.weight": ParamLayout((d, q), 1),
-    }
-
-
-def dense_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
-    d, f = args.dim, args.ffn_hidden_dim
-    return {
-        prefix + "feed_forward.w1.weight": ParamLayout((f, d), 0),
-        prefix + "feed_forward.w2.weight": ParamLayout((d, f), 1),
-        prefix + "feed_forward.w3.weight": ParamLayout((f, d), 0),
-    }
-
-
 def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
     """Raise CheckpointError when the model cannot be cut into mp_size ranks."""
     kv = args.kv_heads
@@ -407,31 +214,9 @@ def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
     if args.vocab_size % mp_size:
         problems.append(f"vocab_size {args.vocab_size}")
     if args.is_llama4:
-        from engine.loading.llama4 import parallel_size_problems
-
         problems += parallel_size_problems(args, mp_size)
     if problems:
         raise CheckpointError(f"model-parallel size {mp_size} does not divide {', '.join(problems)}")
-
-
-def _rank_range(layout: ParamLayout, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) along the parallel dim that `rank` of `size` holds."""
-    total = layout.full_shape[layout.parallel_dim]  # type: ignore[index]
-    if layout.kv_heads and size > layout.kv_heads:
-        head_dim = total // layout.kv_heads
-        head = rank * layout.kv_heads // size
-        return head * head_dim, (head + 1) * head_dim
-    step = total // size
-    return rank * step, (rank + 1) * step
-
-
-def local_shape(layout: ParamLayout, rank: int, size: int) -> tuple[int, ...]:
-    if layout.parallel_dim is None:
-        return layout.full_shape
-    start, end = _rank_range(layout, rank, size)
-    shape = list(layout.full_shape)
-    shape[layout.parallel_dim] = end - start
-    return tuple(shape)
 
 
 # --------------------------------------------------------------------------- loading
@@ -452,8 +237,6 @@ class _Shards:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = _torch_load(path)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
-                from engine.loading.llama4 import normalize_shard
-
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
             self._open[old_rank] = state
@@ -586,10 +369,10 @@ def nbytes_of(weight: torch.Tensor | QuantizedWeight) -> int:
 
 def _old_ranks(layout: ParamLayout, new_rank: int, new_size: int, old_size: int) -> Iterator[tuple[int, int, int]]:
     """(old_rank, start, end) of the old shards overlapping new_rank's slice, in global coordinates."""
-    start, end = _rank_range(layout, new_rank, new_size)
+    start, end = rank_range(layout, new_rank, new_size)
     seen = set()
     for old in range(old_size):
-        o_start, o_end = _rank_range(layout, old, old_size)
+        o_start, o_end = rank_range(layout, old, old_size)
         # Saved past n_kv_heads, neighbouring shards hold the same KV head: read it once.
         if o_start < end and start < o_end and (o_start, o_end) not in seen:
             seen.add((o_start, o_end))
@@ -603,9 +386,9 @@ def _slice_for_rank(shards: _Shards, key: str, layout: ParamLayout, rank: int, s
     old = shards.old_layout(key)
     if old.parallel_dim != dim:  # saved split along another dim: rebuild the full weight, then cut
         full = _cat([shards.get(o)[key] for o in range(old_size)], old.parallel_dim)
-        start, end = _rank_range(layout, rank, size)
+        start, end = rank_range(layout, rank, size)
         return _narrow(full, dim, start, end - start)
-    start, end = _rank_range(layout, rank, size)
+    start, end = rank_range(layout, rank, size)
     pieces = []
     for old, o_start, o_end in _old_ranks(layout, rank, size, old_size):
         lo, hi = max(start, o_start), min(end, o_end)
@@ -667,7 +450,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], args: ModelArgs, rank: int, 
     for key, layout in param_layouts(args).items():
         tensor = full[key]
         if layout.parallel_dim is not None:
-            start, end = _rank_range(layout, rank, size)
+            start, end = rank_range(layout, rank, size)
             tensor = tensor.narrow(layout.parallel_dim, start, end - start)
         out[key] = tensor.clone()
     return out
@@ -691,8 +474,6 @@ def write_random_checkpoint(
     for rank in range(num_shards):
         shard = shard_state_dict(full, args, rank, num_shards)
         if args.is_llama4:  # written as Meta ships Llama 4 (fused, renamed)
-            from engine.loading.llama4 import to_meta_layout
-
             shard = to_meta_layout(shard, args)
         torch.save(shard, out_dir / f"consolidated.{rank:02d}.pth")
     (out_dir / PARAMS_FILE).write_text(json.dumps(args.to_params(), indent=2))
@@ -720,15 +501,11 @@ def estimate_weight_bytes(args: ModelArgs, dtype: torch.dtype | str) -> int:
 
 __all__ = [
     "CheckpointSpec",
-    "ModelArgs",
-    "ParamLayout",
     "check_parallel_size",
     "check_tokenizer_vocab",
     "estimate_weight_bytes",
     "find_shards",
     "load_rank_state_dict",
-    "local_shape",
-    "param_layouts",
     "random_state_dict",
     "resolve_checkpoint",
     "shard_state_dict",

@@ -155,7 +155,7 @@ def _uniform(value: Any, path: Path, key: str) -> int:
 def ffn_params(dim: int, hidden_dim: int) -> dict[str, Any]:
     """multiple_of / ffn_dim_multiplier that make the llama3 reference FeedForward formula give exactly
     `hidden_dim`: the published Meta values when they fit, else multiple_of = hidden_dim itself."""
-    from engine.loading.checkpoint import ModelArgs
+    from engine.models.args import ModelArgs
 
     base = int(2 * (4 * dim) / 3)
     candidates: list[dict[str, Any]] = [{"multiple_of": m, "ffn_dim_multiplier": None} for m in (256, 1024, 4096)]
@@ -279,7 +279,8 @@ def _meta_key(name: str, n_layers: int, path: Path) -> str | None:
 
 
 def _expected_shapes(params: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    from engine.loading.checkpoint import ModelArgs, param_layouts
+    from engine.loading.layout import param_layouts
+    from engine.models.args import ModelArgs
 
     known = {k: v for k, v in params.items() if k not in ("hidden_dim", "max_seq_len")}
     args = ModelArgs(**known)

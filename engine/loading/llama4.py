@@ -23,29 +23,13 @@ import logging
 
 import torch
 
-from engine.loading.checkpoint import ModelArgs, ParamLayout, dense_ffn_layouts, local_shape, param_layouts
+from engine.loading.layout import local_shape, param_layouts
+from engine.models.args import ModelArgs
 from engine.models.llama4.args import is_moe_layer, moe_hidden_dim
 
 log = logging.getLogger(__name__)
 
 _VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
-
-
-def llama4_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
-    """A MoE layer's router, experts (split along F) and shared expert; dense layers as Llama 3."""
-    if not is_moe_layer(args, layer_id):
-        return dense_ffn_layouts(args, layer_id, prefix)
-    d, e, fm = args.dim, args.moe_args.num_experts, moe_hidden_dim(args)
-    p = prefix + "feed_forward."
-    return {
-        p + "router_DE": ParamLayout((d, e), None),
-        p + "experts.w1": ParamLayout((e, d, fm), 2),
-        p + "experts.w3": ParamLayout((e, d, fm), 2),
-        p + "experts.w2": ParamLayout((e, fm, d), 1),
-        p + "shared_expert.w1.weight": ParamLayout((fm, d), 0),
-        p + "shared_expert.w3.weight": ParamLayout((fm, d), 0),
-        p + "shared_expert.w2.weight": ParamLayout((d, fm), 1),
-    }
 
 
 def parallel_size_problems(args: ModelArgs, mp_size: int) -> list[str]:

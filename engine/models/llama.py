@@ -6,8 +6,9 @@ so a Meta checkpoint's state dict loads as is. What differs:
 
 - the forward contract: one flat batch of new tokens from many sequences (prefill chunks and
   single decode tokens mixed), each token's K/V written to its slot in a paged cache and
-  attention read back through each sequence's block table. Attention metadata is built once per
-  step and passed down explicitly.
+  attention read back through each sequence's block table. The backend plans each step once
+  (Backend.plan_step: the attention layout and its kernel, or the compiled decode step) and the
+  plan is passed down explicitly.
 - every operation whose fastest form depends on the hardware (linears, add + RMSNorm, RoPE + cache
   write, attention, SiLU-mul) goes through a Backend chosen once per model (engine/backends/;
   docs/backends.md). A new backend or quantized linear is a new file there, never an `if` here.
@@ -30,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear
-from engine.loading.checkpoint import ModelArgs
+from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear, StepPlan
+from engine.executor.step_inputs import StepInputs
+from engine.models.args import ModelArgs
+from engine.models.weights import PreparedWeights
 from engine.quant.formats import QuantizedWeight, cat_rows
 from engine.quant.linear import embedding
-from engine.executor.step_inputs import StepInputs
-from engine.types import CheckpointError
 
 __all__ = ["KVCache", "Transformer", "allocate_kv_caches", "kv_cache_bytes_per_block", "kv_cache_shape"]
 
@@ -172,22 +173,6 @@ def linear_names(n_layers: int) -> LinearNames:
     return LinearNames(tuple(f"layers.{i}.{name}.weight" for i in range(n_layers) for name in per_block), "output.weight")
 
 
-class _Weights:
-    """The prepared weights, each taken by the module that owns it; leftovers are an error."""
-
-    def __init__(self, weights: Mapping[str, object], source: str) -> None:
-        self._weights, self._source = dict(weights), source
-
-    def take(self, name: str):
-        if name not in self._weights:
-            raise CheckpointError(f"{self._source}: missing weight {name!r}")
-        return self._weights.pop(name)
-
-    def check_all_taken(self) -> None:
-        if self._weights:
-            raise CheckpointError(f"{self._source}: unexpected weights {sorted(self._weights)[:5]}")
-
-
 # --------------------------------------------------------------------------- the transformer
 class RMSNorm(_DirectCall):
     """forward(residual, delta): (residual + delta, rms_norm(residual + delta)), through the backend."""
@@ -203,7 +188,7 @@ class RMSNorm(_DirectCall):
 
 
 class Attention(_DirectCall):
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         n_local_heads = args.n_heads // mp.mp_size
         n_local_kv_heads = max(1, args.kv_heads // mp.mp_size)  # past n_kv_heads ranks repeat heads
@@ -219,7 +204,7 @@ class Attention(_DirectCall):
 
 
 class FeedForward(_DirectCall):
-    def __init__(self, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         self.w13 = backend.linear(weights.take(prefix + "w13.weight"))  # column-parallel: w1|w3
         self.w2 = backend.linear(weights.take(prefix + "w2.weight"), mp.reduce)  # row-parallel
@@ -230,7 +215,7 @@ class FeedForward(_DirectCall):
 
 
 class TransformerBlock(_DirectCall):
-    def __init__(self, layer_id: int, args: ModelArgs, weights: _Weights, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, layer_id: int, args: ModelArgs, weights: PreparedWeights, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         prefix = f"layers.{layer_id}."
         self.layer_id = layer_id
@@ -251,12 +236,13 @@ class TransformerBlock(_DirectCall):
 class Transformer(nn.Module):
     """Build it with Transformer.from_state_dict (the loading path, weights prepared once).
 
-    Another architecture on the same skeleton (engine/llama4) overrides `block`, `_rope_table`,
-    `_prepare_weights` and `_linear_names`, and its forward."""
+    Another architecture on the same skeleton (engine/models/llama4/) overrides `block`,
+    `_rope_table`, `_prepare_weights`, `_linear_names` and `step_data` (what its blocks read
+    about a step); the forward is this one."""
 
     block: type[nn.Module] = TransformerBlock
 
-    def __init__(self, args: ModelArgs, weights: _Weights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
         super().__init__()
         mp = Collectives(mp_size)
         self.params = args
@@ -269,9 +255,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
         self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
         weights.check_all_taken()
-        # a decode step compiled by the backend (all blocks and the final norm in one call; one
-        # sequence, or up to a bound of pure-decode sequences where the backend can),
-        # or None: forward's per-op loop. Built for this class's blocks only (Llama 4 has its own).
+        # a decode step compiled by the backend (all blocks and the final norm in one call, for the
+        # pure-decode steps its plan gives it), or None: forward's per-op loop only. Built for this
+        # class's blocks only (Llama 4 has its own).
         self.decode_step = backend.compiled_decode_step(self) if mp_size == 1 and self.block is TransformerBlock else None
         # the RoPE table, in float64 when the model runs in float64, else float32 (as Meta does)
         real = torch.float64 if backend.dtype == torch.float64 else torch.float32
@@ -305,23 +291,30 @@ class Transformer(nn.Module):
         # the fused float weights and the prepared dict are let go here: during __init__ each prepared
         # weight is referenced by its module only (engine.kernels.memory.WeightArena then moves the one-row
         # copies with one extra weight at a time, not a second copy of the model)
-        weights = _Weights(backend.prepare(weights, cls._linear_names(args)), source)
+        weights = PreparedWeights(backend.prepare(weights, cls._linear_names(args)), source)
         return cls(args, weights, backend, mp_size=mp_size, max_seq_len=max_seq_len).eval()
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
         """[num_logits, vocab_size] logits in the model dtype for inputs.logits_indices rows (the
         sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
-        greedy argmax reading it, bench/NOTES.md)."""
-        meta = self.backend.attention_metadata(inputs, self.freqs_cis, kv_caches[0])
+        greedy argmax reading it, bench/NOTES.md). How the step runs is the backend's plan, made
+        once here: the compiled step, or the blocks op by op over the plan's attention layout."""
+        plan = self.backend.plan_step(inputs, self.freqs_cis, kv_caches[0], self.decode_step)
         h = self.tok_embeddings(inputs.input_ids)
-        normed = self.decode_step(h, meta, kv_caches) if self.decode_step is not None else None  # None: not its shape of step
-        if normed is None:
-            delta = None
+        if plan.compiled:
+            normed = self.decode_step(h, plan.attention, kv_caches)
+        else:
+            step, delta = self.step_data(inputs, kv_caches[0], plan), None
             for layer, cache in zip(self.layers, kv_caches):
-                h, delta = layer(h, delta, cache, meta)
+                h, delta = layer(h, delta, cache, step)
             _, normed = self.norm(h, delta)
         return self.output(normed.index_select(0, inputs.logits_indices))
+
+    def step_data(self, inputs: StepInputs, cache: KVCache, plan: StepPlan) -> AttentionMetadata:
+        """What every block reads about this step (its forward's last argument): here the plan's
+        attention layout; an architecture with more per-step data builds it here, once a step."""
+        return plan.attention
 
     def weight_bytes(self) -> int:
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
@@ -345,15 +338,6 @@ class Transformer(nn.Module):
 def _storage_key(tensor: torch.Tensor) -> int:
     """Tensors sharing storage share a key (a tied head); oneDNN's packed layout has no storage."""
     return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
-
-
-def model_class(args: ModelArgs) -> type[nn.Module]:
-    """The model for a checkpoint's architecture: Llama 4's own layers (engine/models/llama4/) or this one."""
-    if args.is_llama4:
-        from engine.models.llama4.model import Llama4Transformer
-
-        return Llama4Transformer
-    return Transformer
 
 
 def kv_cache_shape(args: ModelArgs, mp_size: int, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

@@ -77,7 +77,8 @@ class Checkpoints:
         consolidated.NN.pth files (the same full weights whatever their number)."""
         import torch
 
-        from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
+        from engine.loading.checkpoint import write_random_checkpoint
+        from engine.models.args import ModelArgs
 
         out = self.root / name
         key = str(out)

@@ -136,7 +136,8 @@ def test_starts_empty_then_skip_initialize_registers_without_loading(server, htt
 
 # --------------------------------------------------------------------------- load in the call, unload frees memory
 def test_register_loads_in_the_call_and_delete_frees_memory(server, http, base_checkpoint):
-    from engine.loading.checkpoint import ModelArgs, estimate_weight_bytes
+    from engine.loading.checkpoint import estimate_weight_bytes
+    from engine.models.args import ModelArgs
     from tests.e2e.conftest import E2E_DTYPE, E2E_PARAMS
 
     weight_bytes = estimate_weight_bytes(ModelArgs(**E2E_PARAMS), E2E_DTYPE)  # ~132 MB in float64

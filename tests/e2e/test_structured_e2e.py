@@ -75,7 +75,8 @@ def llama3(checkpoints, base_checkpoint):
 def llama2(checkpoints):
     import torch
 
-    from engine.loading.checkpoint import ModelArgs, write_random_checkpoint
+    from engine.loading.checkpoint import write_random_checkpoint
+    from engine.models.args import ModelArgs
     from tests.engine.tokenizer_fixtures import tiny_llama2_path
 
     out = checkpoints.root / LLAMA2_DESCRIPTOR

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from engine.backends import cpu_step
+from engine.backends.base import AttentionPath
 from engine.backends.cpu_step import DecodeStep
+from engine.kernels.decode_step import BLOCK_LINEARS, load_decode_step_library
 from engine.quant.linear import QuantLinear
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
-if cpu_step._load_library() is None:
+if load_decode_step_library() is None:
     pytest.skip("no C compiler: the decode step cannot be built", allow_module_level=True)
 
 PROMPT_LENGTHS = [5, 11, 8]
@@ -26,11 +28,17 @@ class Counting:
 
     def __init__(self, step: DecodeStep) -> None:
         self.step, self.ran = step, 0
+        self.max_rows = step.max_rows  # what the step's plan reads
 
     def __call__(self, h, meta, kv_caches):
         out = self.step(h, meta, kv_caches)
-        self.ran += out is not None
+        self.ran += 1
         return out
+
+
+def plan(model, inputs, caches):
+    """The backend's plan for this step, as the model's forward makes it."""
+    return model.backend.plan_step(inputs, model.freqs_cis, caches[0], model.decode_step)
 
 
 def compare_with_and_without(executor, prompts: list[list[int]]) -> tuple[dict, dict, int]:
@@ -79,11 +87,11 @@ def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoin
     try:
         model = executor._shard.model
         assert model.decode_step is not None
-        linears = [linear for block in model.layers for linear in cpu_step._block_linears(block)]
+        linears = [linear for block in model.layers for linear in cpu_step.block_linears(block)]
         addresses = [linear.interleaved.data_ptr() for linear in linears]
         storages = {linear.interleaved.untyped_storage().data_ptr() for linear in linears}
         assert len(storages) == 1 and addresses == sorted(addresses)
-        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in cpu_step._BLOCK_LINEARS]
+        program_addresses = [getattr(layer, name).weight for layer in model.decode_step._layers[: len(model.layers)] for name in BLOCK_LINEARS]
         assert program_addresses == addresses
         x = torch.randn(1, linears[0].in_features).to(getattr(torch, dtype))
         torch.testing.assert_close(linears[0](x), linears[0]._onednn(x), rtol=2e-2, atol=2e-2)  # the moved copy serves one row
@@ -136,7 +144,7 @@ def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatc
     import engine.kernels.quant as quant_kernels
 
     if missing == "step library":
-        monkeypatch.setattr(cpu_step, "_load_library", lambda: None)
+        monkeypatch.setattr(cpu_step, "load_decode_step_library", lambda: None)
     else:
         monkeypatch.setattr(quant_kernels, "load_quant_kernels", lambda: None)  # QuantLinear: torch path
     executor = make_executor(tiny_checkpoint, dtype="float32", quantization="int8")
@@ -149,8 +157,7 @@ def test_without_its_kernels_the_model_runs_op_by_op(tiny_checkpoint, monkeypatc
 
 
 def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
-    """A prefill, or (float32: no tiles) several sequences' decodes: the step returns None and
-    leaves h untouched."""
+    """A prefill of one sequence, or of several: the plan runs the blocks op by op."""
     from engine.executor.executor import build_step_inputs
     from engine.core.sequence import ScheduledBatch, Sequence
     from engine.types import SamplingParams
@@ -164,11 +171,7 @@ def test_other_steps_are_left_to_the_per_op_path(tiny_checkpoint):
         for counts in ([3], [3, 3]):
             batch = ScheduledBatch(seqs[: len(counts)], counts)
             inputs = build_step_inputs(batch, executor.block_size)[0]
-            meta = model.backend.attention_metadata(inputs, model.freqs_cis, caches[0])
-            h = torch.randn(inputs.num_tokens, model.params.dim)
-            before = h.clone()
-            assert model.decode_step(h, meta, caches) is None
-            assert torch.equal(h, before)
+            assert not plan(model, inputs, caches).compiled
     finally:
         executor.shutdown()
 
@@ -184,7 +187,7 @@ def test_engine_greedy_generation_same_with_and_without_the_step(tiny_checkpoint
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     cfg = config(spec, dtype="float32", enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
-    model = core.runner._executor._shard.model
+    model = core.runner._workers._shard.model
     counting = Counting(model.decode_step)
     try:
         results = {}
@@ -216,7 +219,8 @@ MANY_CONTEXTS = [1, 16, 17, 5, 32, 33, 100, 160, 257, 63, 64, 65, 2, 200]
 
 def _amx_model(dtype: torch.dtype = torch.bfloat16):
     from engine.backends import select_backend
-    from engine.loading.checkpoint import ModelArgs, random_state_dict
+    from engine.loading.checkpoint import random_state_dict
+    from engine.models.args import ModelArgs
     from engine.config import EngineConfig
     from engine.models.llama import Transformer
 
@@ -291,15 +295,14 @@ def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, n
     """bfloat16 on AMX: the fused step's logits and K/V writes equal the per-op path's exactly
     (same kernels, same order), with the sequences at different lengths, across block boundaries,
     through both paged kernels (2 decodes on 2 threads: paged_decode_attention; else paged_attention)."""
-    from engine.backends.base import PagedDecodes
-
     model, old_threads = amx_model, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         inputs = _step(num_seqs)
         fused_caches, per_op_caches = _caches(model, seed=num_seqs), _caches(model, seed=num_seqs)
-        meta = model.backend.attention_metadata(inputs, model.freqs_cis, fused_caches[0])
-        assert isinstance(meta.decodes, PagedDecodes) == (num_seqs < 2 * threads)  # both kernels covered
+        step_plan = plan(model, inputs, fused_caches)
+        assert step_plan.compiled
+        assert (step_plan.attention.path is AttentionPath.PAGED_DECODES) == (num_seqs < 2 * threads)  # both kernels covered
         ran, fused, per_op = _with_and_without_step(model, inputs, fused_caches, per_op_caches)
     finally:
         torch.set_num_threads(old_threads)
@@ -312,17 +315,13 @@ def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, n
 @pytest.mark.parametrize("kind", ["prefill chunk", "mixed", "past the bound"])
 def test_steps_the_many_row_step_does_not_serve_run_the_per_op_path(amx_model, kind):
     """A prefill chunk, decodes mixed with prefill chunks (on AMX one paged_attention call takes them
-    all), more decodes than AMX_MAX_ROWS: the step returns None with h untouched, and the model's
+    all), more decodes than AMX_MAX_ROWS: the plan runs the blocks op by op, and the model's
     logits (so its tokens) are those of the per-op path."""
     model = amx_model
     new_tokens = {"prefill chunk": [20], "mixed": [1, 1, 1, 17, 1], "past the bound": [1] * (cpu_step_max_rows() + 1)}[kind]
     inputs = _step(len(new_tokens), new_tokens)
     caches, per_op_caches = _caches(model, seed=1), _caches(model, seed=1)
-    meta = model.backend.attention_metadata(inputs, model.freqs_cis, caches[0])
-    h = torch.randn(inputs.num_tokens, model.params.dim).to(torch.bfloat16)
-    before = h.clone()
-    assert model.decode_step(h, meta, caches) is None
-    assert torch.equal(h, before)
+    assert not plan(model, inputs, caches).compiled
     ran, with_step, per_op = _with_and_without_step(model, inputs, caches, per_op_caches)
     assert ran == 0
     assert torch.equal(with_step, per_op) and torch.equal(with_step.argmax(-1), per_op.argmax(-1))
@@ -332,10 +331,9 @@ def test_float32_serves_one_decode_only():
     """float32 has no tiles: the step serves one-row steps, several decodes run op by op."""
     model = _amx_model(torch.float32)
     assert model.decode_step is not None and model.decode_step.max_rows == 1
-    inputs = _step(4)
     caches = _caches(model, seed=2)
-    meta = model.backend.attention_metadata(inputs, model.freqs_cis, caches[0])
-    assert model.decode_step(torch.randn(4, model.params.dim), meta, caches) is None
+    assert plan(model, _step(1), caches).compiled
+    assert not plan(model, _step(4), caches).compiled
 
 
 @pytest.mark.parametrize("quantization", ["int4_mixed", "fp8_mixed"])
@@ -364,13 +362,14 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
-    model = core.runner._executor._shard.model
+    model = core.runner._workers._shard.model
     step, many_rows = model.decode_step, []
 
     def counting(h, meta, kv_caches):
-        out = step(h, meta, kv_caches)
-        many_rows.append(out is not None and h.shape[0] > 1)
-        return out
+        many_rows.append(h.shape[0] > 1)
+        return step(h, meta, kv_caches)
+
+    counting.max_rows = step.max_rows  # what the step's plan reads
 
     try:
         results = []

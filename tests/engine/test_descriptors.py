@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.loading.checkpoint import ModelArgs, parameter_count
+from engine.loading.checkpoint import parameter_count
+from engine.models.args import ModelArgs
 from engine.loading.descriptors import DESCRIPTORS, find_descriptor, resolve_descriptor
 from engine.types import CheckpointError, InvalidRequest
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loading.checkpoint import ModelArgs, resolve_checkpoint
+from engine.loading.checkpoint import resolve_checkpoint
+from engine.models.args import ModelArgs
 from engine.loading.gguf_import import ffn_params, import_gguf, main
 from engine.tokenizers.hf import gpt2_byte_decoder, load_hf_tokenizer
 from engine.types import CheckpointError

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loading.checkpoint import ModelArgs, load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
+from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint, write_random_checkpoint
+from engine.models.args import ModelArgs
 from engine.config import EngineConfig
 from engine.executor.worker_group import WorkerGroup
 from engine.models.llama import precompute_freqs_cis

@@ -1,5 +1,5 @@
 /* A pure-decode step in one call: every block and the final norm for 1..max_rows sequences that
- * each decode one token (engine/backends/cpu_step.py builds and binds it).
+ * each decode one token (engine/backends/cpu_step.py builds the program; engine/kernels/decode_step.py binds it).
  *
  * Why: a small model's step is ~9 kernel calls per layer (two add+RMSNorms, four linears, RoPE +
  * cache write, paged attention, SiLU-mul), and through Python and ctypes each call costs 4-7 us on

@@ -11,7 +11,7 @@ import torch
 from engine.types import CheckpointError
 
 if TYPE_CHECKING:
-    from engine.loading.checkpoint import ModelArgs
+    from engine.models.args import ModelArgs
 
 
 def _positive_int(value: Any) -> bool:

@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames
-from engine.loading.checkpoint import ModelArgs
-from engine.models.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
-from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, _Weights, apply_rotary_emb, fuse_linears
+from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, StepPlan
 from engine.executor.step_inputs import StepInputs
+from engine.models.args import ModelArgs
+from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, apply_rotary_emb, fuse_linears
+from engine.models.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
+from engine.models.weights import PreparedWeights
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ def temperature_scales(args: ModelArgs, positions: torch.Tensor, dtype: torch.dt
 
 
 class Llama4Attention(nn.Module):
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives, *, nope: bool) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives, *, nope: bool) -> None:
         super().__init__()
         self.heads = HeadLayout(args.n_heads // mp.mp_size, max(1, args.kv_heads // mp.mp_size), args.head_dim)
         self.wqkv = backend.linear(weights.take(prefix + "wqkv.weight"))  # column-parallel: wq|wk|wv
@@ -88,7 +89,7 @@ class Llama4Attention(nn.Module):
 class MoEFeedForward(nn.Module):
     """llama4 MoE: out = shared_expert(x) + sum over the top_k experts e of expert_e(sigmoid(score_e) * x)."""
 
-    def __init__(self, args: ModelArgs, weights: _Weights, prefix: str, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, prefix: str, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.moe_args.num_experts, args.moe_args.top_k
         self.router_DE = nn.Parameter(weights.take(prefix + "router_DE"), requires_grad=False)  # noqa: N815 replicated
@@ -119,7 +120,7 @@ class MoEFeedForward(nn.Module):
 
 
 class Llama4Block(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs, weights: _Weights, backend: Backend, mp: Collectives) -> None:
+    def __init__(self, layer_id: int, args: ModelArgs, weights: PreparedWeights, backend: Backend, mp: Collectives) -> None:
         super().__init__()
         prefix = f"layers.{layer_id}."
         nope = is_nope_layer(args, layer_id)
@@ -174,8 +175,9 @@ def split_experts(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[st
 
 
 class Llama4Transformer(Transformer):
-    """Transformer's skeleton and loading path (embedding, blocks, norm, head; weights prepared
-    once) with Llama 4's blocks, RoPE table, expert weights and per-step layouts."""
+    """Transformer's skeleton, loading path and forward (embedding, blocks, norm, head; weights
+    prepared once; one plan a step) with Llama 4's blocks, RoPE table, expert weights and per-step
+    data (step_data: the chunked layout beside the plan's)."""
 
     block = Llama4Block
 
@@ -191,23 +193,13 @@ class Llama4Transformer(Transformer):
     def _linear_names(args: ModelArgs):
         return llama4_linear_names(args)
 
-    def step(self, inputs: StepInputs, cache: KVCache) -> Llama4Step:
+    def step_data(self, inputs: StepInputs, cache: KVCache, plan: StepPlan) -> Llama4Step:
+        """The plan's layout for the NoPE layers, the chunked one for the RoPE layers (the one
+        other layout a step builds), the tokens' RoPE rows and the NoPE layers' q temperatures."""
         args = self.params
-        global_meta = self.backend.attention_metadata(inputs, self.freqs_cis, cache)
+        global_meta = plan.attention
         chunk = args.attention_chunk_size
         local_meta = self.backend.attention_metadata(inputs, self.freqs_cis, cache, chunk) if chunk else global_meta
         rope = self.freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
         q_scale = temperature_scales(args, inputs.positions, self.backend.dtype) if args.attn_temperature_tuning else None
         return Llama4Step(global_meta, local_meta, rope, q_scale)
-
-    @torch.inference_mode()
-    def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
-        """[num_logits, vocab_size] logits in the model dtype for inputs.logits_indices rows (the
-        sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
-        greedy argmax reading it, bench/NOTES.md)."""
-        step = self.step(inputs, kv_caches[0])
-        h, delta = self.tok_embeddings(inputs.input_ids), None
-        for layer, cache in zip(self.layers, kv_caches):
-            h, delta = layer(h, delta, cache, step)
-        _, h = self.norm(h, delta)
-        return self.output(h.index_select(0, inputs.logits_indices))

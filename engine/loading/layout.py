@@ -1,0 +1,94 @@
+"""How a checkpoint's weights are cut over model-parallel ranks: each weight's full shape and
+parallel dimension (column-parallel: output rows; row-parallel: input columns; the vocab-parallel
+embedding: vocab rows; Llama 4's experts: their hidden size F), and the slice a rank holds.
+
+What the loader reshards by (engine/loading/checkpoint.py) and what Meta's Llama 4 key mapping
+(engine/loading/llama4.py) splits fused shards by; it reads only the architecture (ModelArgs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.models.args import ModelArgs
+from engine.models.llama4.args import is_moe_layer, moe_hidden_dim
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    full_shape: tuple[int, ...]
+    parallel_dim: int | None  # None: replicated on every rank (norms)
+    kv_heads: int = 0  # > 0 for wk/wv: ranks past n_kv_heads repeat heads (Meta's MP > n_kv_heads rule)
+
+
+def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
+    """Every weight the model holds, with its full (unsharded) shape and parallel dimension."""
+    ffn_layouts = llama4_ffn_layouts if args.is_llama4 else dense_ffn_layouts
+    d = args.dim
+    out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        out.update(attention_layouts(args, p))
+        out.update(ffn_layouts(args, i, p))
+        out[p + "attention_norm.weight"] = ParamLayout((d,), None)
+        out[p + "ffn_norm.weight"] = ParamLayout((d,), None)
+    out["norm.weight"] = ParamLayout((d,), None)
+    if not args.tie_word_embeddings:
+        out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
+    return out
+
+
+def attention_layouts(args: ModelArgs, prefix: str) -> dict[str, ParamLayout]:
+    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    return {
+        prefix + "attention.wq.weight": ParamLayout((q, d), 0),
+        prefix + "attention.wk.weight": ParamLayout((kv, d), 0, args.kv_heads),
+        prefix + "attention.wv.weight": ParamLayout((kv, d), 0, args.kv_heads),
+        prefix + "attention.wo.weight": ParamLayout((d, q), 1),
+    }
+
+
+def dense_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
+    d, f = args.dim, args.ffn_hidden_dim
+    return {
+        prefix + "feed_forward.w1.weight": ParamLayout((f, d), 0),
+        prefix + "feed_forward.w2.weight": ParamLayout((d, f), 1),
+        prefix + "feed_forward.w3.weight": ParamLayout((f, d), 0),
+    }
+
+
+def rank_range(layout: ParamLayout, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) along the parallel dim that `rank` of `size` holds."""
+    total = layout.full_shape[layout.parallel_dim]  # type: ignore[index]
+    if layout.kv_heads and size > layout.kv_heads:
+        head_dim = total // layout.kv_heads
+        head = rank * layout.kv_heads // size
+        return head * head_dim, (head + 1) * head_dim
+    step = total // size
+    return rank * step, (rank + 1) * step
+
+
+def local_shape(layout: ParamLayout, rank: int, size: int) -> tuple[int, ...]:
+    if layout.parallel_dim is None:
+        return layout.full_shape
+    start, end = rank_range(layout, rank, size)
+    shape = list(layout.full_shape)
+    shape[layout.parallel_dim] = end - start
+    return tuple(shape)
+
+
+def llama4_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str, ParamLayout]:
+    """A MoE layer's router, experts (split along F) and shared expert; dense layers as Llama 3."""
+    if not is_moe_layer(args, layer_id):
+        return dense_ffn_layouts(args, layer_id, prefix)
+    d, e, fm = args.dim, args.moe_args.num_experts, moe_hidden_dim(args)
+    p = prefix + "feed_forward."
+    return {
+        p + "router_DE": ParamLayout((d, e), None),
+        p + "experts.w1": ParamLayout((e, d, fm), 2),
+        p + "experts.w3": ParamLayout((e, d, fm), 2),
+        p + "experts.w2": ParamLayout((e, fm, d), 1),
+        p + "shared_expert.w1.weight": ParamLayout((fm, d), 0),
+        p + "shared_expert.w3.weight": ParamLayout((fm, d), 0),
+        p + "shared_expert.w2.weight": ParamLayout((d, fm), 1),
+    }
