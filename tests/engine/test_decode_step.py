@@ -11,6 +11,7 @@ import torch
 
 from engine.backends import cpu_step
 from engine.backends.base import AttentionPath
+from engine.backends.cpu import packing_available
 from engine.backends.cpu_step import DecodeStep
 from engine.kernels.decode_step import BLOCK_LINEARS, load_decode_step_library
 from engine.quant.linear import QuantLinear
@@ -18,6 +19,14 @@ from tests.engine.test_model import make_executor, random_prompts, run_random_sc
 
 if load_decode_step_library() is None:
     pytest.skip("no C compiler: the decode step cannot be built", allow_module_level=True)
+
+# bfloat16 models get the compiled step only where oneDNN packs bfloat16 (AVX-512 class CPUs); on an
+# AVX2-only CPU they run the plain torch backend, which compiles no step.
+needs_bf16_packing = pytest.mark.skipif(
+    not packing_available(torch.bfloat16),
+    reason="oneDNN cannot pack bfloat16 on this CPU (no AVX-512): bfloat16 runs the torch backend, no compiled step",
+)
+DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)]
 
 PROMPT_LENGTHS = [5, 11, 8]
 MAX_NEW = 8
@@ -63,7 +72,7 @@ def assert_same_run(with_step: dict, without: dict, ran: int) -> None:
         torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", [None, "int8", "int4_mixed", "fp8_mixed"])
 def test_decode_step_matches_per_op_path(tiny_checkpoint, dtype, quantization):
     executor = make_executor(tiny_checkpoint, dtype=dtype, quantization=quantization)
@@ -79,7 +88,7 @@ def test_decode_step_matches_per_op_path(tiny_checkpoint, dtype, quantization):
         executor.shutdown()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoint, dtype):
     """build_decode_step moves every block linear's one-row copy into one WeightArena (huge pages),
     in the order the step reads them, and the per-op path's one-row calls read the same copies."""
@@ -112,7 +121,7 @@ def native_gguf(request, tmp_path_factory):
     return import_gguf(tmp / "tiny.gguf", tmp / "ckpt", progress=False, keep_quantized=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_step_on_native_gguf_blocks(native_gguf, dtype):
     from engine.loading.checkpoint import resolve_checkpoint
     from engine.config import EngineConfig
@@ -336,6 +345,7 @@ def test_float32_serves_one_decode_only():
     assert not plan(model, _step(4), caches).compiled
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("quantization", ["int4_mixed", "fp8_mixed"])
 def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
     """Quantized block linears have one-row kernels but no tiles: one decode runs fused, several
@@ -349,6 +359,7 @@ def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
         executor.shutdown()
 
 
+@needs_bf16_packing
 def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint):
     """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
     between mixed ones): the same tokens with the compiled step as without it, and on AMX the
