@@ -22,6 +22,7 @@ from server.drain import drain_middleware
 from server.errors import ApiError, from_exception
 from server.metrics import ServerMetrics
 from server.model_spec import EngineFactory
+from server.subsystems import SUBSYSTEMS_KEY, Subsystems
 
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -51,6 +52,9 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app[REGISTRY_KEY] = registry
     metrics = ServerMetrics(registry.engines)
     metrics.add_lifecycle(registry.lifecycle_stats)
+    subsystems = Subsystems()  # optional parts (the Batch API) register here and fail alone
+    metrics.add_subsystems(lambda: [(state.name, state.is_up) for state in subsystems.all()])
+    app[SUBSYSTEMS_KEY] = subsystems
     app[METRICS_KEY] = metrics
     app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
     routes.add_routes(app)

@@ -7,6 +7,11 @@
 The store lives in `batch_dir` (the CLI defaults it under the cache dir, so batches survive a
 restart and resume); without one it is a temporary directory removed at exit. It is opened at
 start when configured (unfinished batches resume at once), else on the first Batch API call.
+
+The Batch API is an optional subsystem (server/subsystems.py): a store that cannot open (a dir the
+server's user cannot write, a corrupt database) or a runner that fails takes only it down. Its
+routes then answer 503 `batch_unavailable` with the reason, /ready and /metrics say so, and the
+store and runner are tried again after a growing delay; inference serves on throughout.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import structlog
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -25,26 +29,36 @@ from compat import batch_protocol as bp
 from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
 from server.batch_runner import BatchRunner
-from server.batch_store import BatchRow, BatchStore, FileRow, StoreBusy, StoreError
+from server.batch_store import BatchRow, BatchStore, FileRow, StoreError
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.subsystems import SUBSYSTEMS_KEY, Backoff, Subsystems, supervise
 
 _CHUNK_BYTES = 1 << 16
 _MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
 _IGNORED_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # files here live until deleted
 
 
-class BatchService:
-    """The store (opened once) and its runner, for one app."""
+BATCH_SUBSYSTEM = "batch"
+RESTART_BACKOFF = Backoff(initial_s=1.0, max_s=60.0)  # between attempts to open the store or restart the runner
 
-    def __init__(self, config: ServerConfig, registry: ModelRegistry) -> None:
+
+class BatchService:
+    """The store and its runner for one app: an optional subsystem (server/subsystems.py). Opening
+    the store and running the runner happen in one supervised task: when either fails, the Batch API
+    routes answer 503 with the reason while inference serves on, and the task starts again later."""
+
+    def __init__(self, config: ServerConfig, registry: ModelRegistry, subsystems: Subsystems | None = None) -> None:
         self.config = config
         self.registry = registry
+        self.subsystems = subsystems if subsystems is not None else Subsystems()
+        self.subsystems.register(BATCH_SUBSYSTEM)
         self._store: BatchStore | None = None
         self._runner: BatchRunner | None = None
         self._temp_dir: Path | None = None
-        self._opening = asyncio.Lock()
+        self._supervisor: asyncio.Task | None = None
+        self._first_attempt_done = asyncio.Event()
 
     @property
     def max_in_flight(self) -> int:
@@ -58,35 +72,55 @@ class BatchService:
         engine = self.config.engine
         return max(1, min(2 * engine.max_batch_size, engine.max_waiting_requests // 2))
 
+    def start(self) -> None:
+        """Open the store and run the runner in the background, supervised; idempotent."""
+        if self._supervisor is None:
+            self.subsystems.starting(BATCH_SUBSYSTEM)
+            self._supervisor = asyncio.create_task(
+                supervise(self.subsystems, BATCH_SUBSYSTEM, self._serve, backoff=RESTART_BACKOFF),
+                name="batch-supervisor")
+
     async def store(self) -> BatchStore:
-        if self._store is None:
-            async with self._opening:
-                if self._store is None:
-                    await self._open()
-        assert self._store is not None
+        """The open store, or a 503 saying why the Batch API is down."""
+        self.start()
+        await self._first_attempt_done.wait()
+        if self._store is None or self.subsystems.get(BATCH_SUBSYSTEM).status == "down":
+            raise self.subsystems.unavailable(BATCH_SUBSYSTEM, "The Batch API")
         return self._store
 
-    async def _open(self) -> None:
+    async def _serve(self) -> None:
+        """One supervised run: open the store (once; it stays open across runner restarts), then run
+        batches until cancelled. Raises when the store cannot open or the runner fails."""
+        try:
+            if self._store is None:
+                self._store = await self._open()
+        finally:
+            self._first_attempt_done.set()
+        self._runner = BatchRunner(self._store, self.registry, max_in_flight=self.max_in_flight)
+        self.subsystems.up(BATCH_SUBSYSTEM)
+        await self._runner.run()
+
+    async def _open(self) -> BatchStore:
         root = self.config.batch_dir
         if root is None:
-            self._temp_dir = root = Path(tempfile.mkdtemp(prefix="llamaserve-batches-"))
-        try:
-            store = await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
-                                            max_requests=self.config.batch_max_requests)
-        except StoreBusy as exc:
-            raise ApiError(503, str(exc), code="batch_storage_busy") from None
-        self._store = store
-        self._runner = BatchRunner(store, self.registry, max_in_flight=self.max_in_flight)
-        self._runner.start()
+            if self._temp_dir is None:
+                self._temp_dir = Path(tempfile.mkdtemp(prefix="llamaserve-batches-"))
+            root = self._temp_dir
+        return await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
+                                       max_requests=self.config.batch_max_requests)
 
-    @property
-    def runner(self) -> BatchRunner:
-        assert self._runner is not None
-        return self._runner
+    def wake(self) -> None:
+        if self._runner is not None:
+            self._runner.wake()
+
+    def cancel(self, batch_id: str) -> None:
+        if self._runner is not None:
+            self._runner.cancel(batch_id)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.stop()
+        if self._supervisor is not None:
+            self._supervisor.cancel()  # cancels in-flight items: they stay pending for the next start
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
         if self._temp_dir is not None:
@@ -110,13 +144,10 @@ def add_batch_routes(app: web.Application) -> None:
 
 
 async def _batch_context(app: web.Application) -> AsyncIterator[None]:
-    service = BatchService(app[CONFIG_KEY], app[REGISTRY_KEY])
+    service = BatchService(app[CONFIG_KEY], app[REGISTRY_KEY], app[SUBSYSTEMS_KEY])
     app[BATCH_KEY] = service
     if service.config.batch_dir is not None:
-        try:
-            await service.store()  # resume what a previous run left unfinished
-        except ApiError as exc:
-            structlog.get_logger("llamaserve.batch").warning("batch API unavailable", error=exc.message)
+        service.start()  # resume what a previous run left unfinished; a failure stays in the subsystem
     try:
         yield
     finally:
@@ -261,7 +292,7 @@ async def create_batch(request: web.Request) -> web.Response:
     row = await _io(request, lambda: store.create_batch(
         input_file_id=body.input_file_id, endpoint=body.endpoint, completion_window=body.completion_window,
         completion_window_s=window_s, metadata=body.metadata))
-    request.app[BATCH_KEY].runner.wake()
+    request.app[BATCH_KEY].wake()
     return _json(batch_object(row))
 
 
@@ -281,7 +312,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     store = await _store(request)
     row = await _io(request, store.request_cancel, request.match_info["batch_id"])
     if row.status == "cancelling":
-        request.app[BATCH_KEY].runner.cancel(row.id)
+        request.app[BATCH_KEY].cancel(row.id)
     return _json(batch_object(row))
 
 

@@ -185,16 +185,6 @@ class BatchRunner:
         self.max_in_flight = max_in_flight
         self._wake = asyncio.Event()  # a new batch, a cancel, or an item finished
         self._cancelled: set[str] = set()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="batch-runner")
-
-    async def stop(self) -> None:
-        """Cancel in-flight items (their engine requests are aborted); they stay pending for a restart."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -203,7 +193,10 @@ class BatchRunner:
         self._cancelled.add(batch_id)
         self._wake.set()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Work through the batches until cancelled (in-flight items are then aborted in the engine and
+        stay pending for the next start). Raises only when the store cannot record a failed batch:
+        the caller (BatchService's supervisor) reports that and starts the runner again."""
         while True:
             self._wake.clear()
             batch = await self.store.io(self.store.next_batch)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
@@ -139,6 +140,8 @@ def _now_s() -> int:
 
 class BatchStore:
     def __init__(self, root: Path, *, max_file_bytes: int, max_requests: int) -> None:
+        """Open (creating if needed) the store under `root`. Raises StoreBusy, OSError or
+        sqlite3.Error; a store that fails to open holds nothing (no lock, no connection)."""
         self.root = Path(root).expanduser()
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
@@ -150,13 +153,13 @@ class BatchStore:
         except BlockingIOError:
             self._lock_file.close()
             raise StoreBusy(f"batch storage {self.root} is in use by another server process") from None
-        self._db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
-        self._db.executescript(_SCHEMA)
+        with contextlib.ExitStack() as on_failure:  # else a retry in this process finds its own lock: "busy"
+            on_failure.callback(self._lock_file.close)
+            self._db = _connect(self.root / "batches.sqlite3")
+            on_failure.callback(self._db.close)
+            self._remove_orphans()
+            on_failure.pop_all()  # opened: both stay until close()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
-        self._remove_orphans()
 
     async def io(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store's own thread: the event loop never waits on disk."""
@@ -175,7 +178,7 @@ class BatchStore:
         """Temporary files of a write that was cut off, and bodies whose row never committed."""
         known = {row["id"] for row in self._db.execute("SELECT id FROM files")}
         for path in self.files_dir.iterdir():
-            if path.name not in known:
+            if path.name not in known and not path.is_dir():  # a folder is not ours to remove, nor a reason to fail
                 path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ files
@@ -392,6 +395,19 @@ class BatchStore:
         for row in self._db.execute("SELECT line, ok, result FROM items WHERE batch_id = ? AND state = 'done' "
                                     "ORDER BY line", (batch_id,)):
             yield row["line"], bool(row["ok"]), bytes(row["result"])
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
+        db.executescript(_SCHEMA)
+    except BaseException:
+        db.close()
+        raise
+    return db
 
 
 class _Tx:

@@ -326,3 +326,77 @@ def test_batch_fills_the_engine_by_default_within_half_the_waiting_queue():
     assert in_flight(EngineConfig(max_batch_size=8)) == 16  # every slot, and the next items queued
     assert in_flight(EngineConfig(max_batch_size=8, max_waiting_requests=10)) == 5  # online requests keep room
     assert in_flight(EngineConfig(max_batch_size=8), configured=3) == 3
+
+
+# --------------------------------------------------------------------------- a broken store (issue 29, finding 1)
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+BATCH_ROUTES = (("GET", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
+                ("DELETE", "/v1/files/file-x"), ("GET", "/v1/batches"), ("GET", "/v1/batches/batch_x"),
+                ("POST", "/v1/batches/batch_x/cancel"))
+
+
+def broken_batch_dir(tmp_path: Path, breakage: str) -> tuple[Path, str]:
+    """A batch dir the store cannot open, and a word its reason names."""
+    if breakage == "under_a_file":
+        (tmp_path / "a-file").write_bytes(b"not a folder")
+        return tmp_path / "a-file" / "batches", "NotADirectoryError"
+    batch_dir = tmp_path / "batches"
+    batch_dir.mkdir()
+    (batch_dir / "batches.sqlite3").write_bytes(b"this is not an SQLite database" * 100)
+    return batch_dir, "not a database"
+
+
+async def text_metric(client, line_start: str) -> str:
+    text = await (await client.get("/metrics")).text()
+    return next((line for line in text.splitlines() if line.startswith(line_start)), "")
+
+
+@pytest.mark.parametrize("breakage", ["under_a_file", "corrupt_database"])
+async def test_a_batch_store_that_cannot_open_leaves_inference_serving(aiohttp_client, factory, tmp_path, breakage):
+    batch_dir, word = broken_batch_dir(tmp_path, breakage)
+    client = await start(aiohttp_client, factory, tmp_path, batch_dir=batch_dir)  # starts: no exception escapes
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    for method, path in BATCH_ROUTES:
+        error = await error_of(await client.request(method, path), 503)
+        assert error["code"] == "batch_unavailable" and error["type"] == "service_unavailable", error
+        assert word in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert (await error_of(await upload(client, jsonl([chat_line("a")])), 503))["code"] == "batch_unavailable"
+    create = await client.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions",
+                                                    "completion_window": "24h"})
+    assert (await error_of(create, 503))["code"] == "batch_unavailable"
+    # Readiness is about inference: it stays 200 and says what is down, and why.
+    ready = await client.get("/ready")
+    body = await ready.json()
+    assert ready.status == 200 and body["status"] == "ready", body
+    assert body["subsystems"]["batch"]["status"] == "down" and word in body["subsystems"]["batch"]["reason"]
+    assert await text_metric(client, 'llamaserve:subsystem_up{subsystem="batch"}') == \
+        'llamaserve:subsystem_up{subsystem="batch"} 0.0'
+
+
+async def test_the_batch_store_comes_back_once_it_can_open(aiohttp_client, factory, tmp_path, monkeypatch):
+    from server import batch_api
+    from server.subsystems import Backoff
+
+    monkeypatch.setattr(batch_api, "RESTART_BACKOFF", Backoff(initial_s=0.01, max_s=0.05))
+    batch_dir, _ = broken_batch_dir(tmp_path, "under_a_file")
+    client = await start(aiohttp_client, factory, tmp_path, batch_dir=batch_dir)
+    assert (await client.get("/v1/files")).status == 503
+    (tmp_path / "a-file").unlink()  # the operator fixes the storage; the server retries on its own
+
+    async def up() -> bool:
+        return (await client.get("/v1/files")).status == 200
+
+    await poll(up, what="the batch API to come back")
+    ready = await (await client.get("/ready")).json()
+    assert ready["subsystems"]["batch"]["status"] == "up" and ready["subsystems"]["batch"]["restarts"] >= 1
+    assert await text_metric(client, 'llamaserve:subsystem_up{subsystem="batch"}') == \
+        'llamaserve:subsystem_up{subsystem="batch"} 1.0'
+    done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["status"] == "completed"
+
+
+async def test_a_folder_inside_the_files_dir_is_left_alone(aiohttp_client, factory, tmp_path):
+    (tmp_path / "batches" / "files" / "stray-folder").mkdir(parents=True)
+    client = await start(aiohttp_client, factory, tmp_path)
+    done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["status"] == "completed" and (tmp_path / "batches" / "files" / "stray-folder").is_dir()

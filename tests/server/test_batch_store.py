@@ -147,3 +147,26 @@ def test_wrong_purpose_and_paging_cursor(store):
     with pytest.raises(StoreError) as cursor:
         store.list_batches(after="batch_unknown", limit=5)
     assert cursor.value.param == "after"
+
+
+def test_a_store_that_fails_to_open_holds_nothing(tmp_path):
+    """The server retries a store that failed to open; the retry must see the real error again, not
+    the lock its own failed attempt kept ("in use by another server process")."""
+    import sqlite3
+
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / "batches.sqlite3").write_bytes(b"not a database" * 300)
+    failures = []
+    for _ in range(2):
+        with pytest.raises(sqlite3.DatabaseError) as failed:
+            open_store(root)
+        failures.append(failed)  # a caller may keep the error, and through its traceback the half-open store
+    (root / "batches.sqlite3").unlink()
+    open_store(root).close()
+
+
+def test_a_folder_in_the_files_dir_does_not_stop_the_store(tmp_path):
+    (tmp_path / "store" / "files" / "a-folder").mkdir(parents=True)
+    open_store(tmp_path / "store").close()
+    assert (tmp_path / "store" / "files" / "a-folder").is_dir()
