@@ -192,10 +192,13 @@ class BatchStore:
         _fsync(temp_path)
         row = FileRow(new_id("file-"), _now_s(), num_bytes, filename, purpose, expires_at)
         os.replace(temp_path, self.files_dir / row.id)
-        _fsync_dir(self.files_dir)
-        with self._transaction() as db:
-            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                       (row.id, row.created_at, row.bytes, row.filename, row.purpose, row.expires_at))
+        try:
+            _fsync_dir(self.files_dir)
+            with self._transaction() as db:
+                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _file_values(row))
+        except BaseException:
+            (self.files_dir / row.id).unlink(missing_ok=True)  # no row, no body: a full disk gets its space back
+            raise
         return row
 
     def get_file(self, file_id: str) -> FileRow:
@@ -421,7 +424,18 @@ class _Tx:
         return self.db
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        if exc_type is not None:
+            self._rollback()
+            return
+        try:
+            self.db.execute("COMMIT")
+        except BaseException:
+            self._rollback()  # a COMMIT that failed (disk full) leaves the transaction open: every BEGIN after it would fail
+            raise
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:  # SQLite may have rolled back already (some I/O errors do)
+            self.db.execute("ROLLBACK")
 
 
 def _batch_row(row: sqlite3.Row) -> BatchRow:

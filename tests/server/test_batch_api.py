@@ -400,3 +400,44 @@ async def test_a_folder_inside_the_files_dir_is_left_alone(aiohttp_client, facto
     client = await start(aiohttp_client, factory, tmp_path)
     done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
     assert done["status"] == "completed" and (tmp_path / "batches" / "files" / "stray-folder").is_dir()
+
+
+async def test_a_runner_that_cannot_record_a_failure_restarts_and_finishes_the_batch(aiohttp_client, factory, tmp_path,
+                                                                                    monkeypatch):
+    """Issue 29, finding 6: with the disk full even fail_batch raises; the runner used to end there,
+    silently, with the batch in_progress until a restart."""
+    from server import batch_api
+    from server.batch_api import BATCH_KEY
+    from server.subsystems import Backoff
+    from tests.server.test_batch_store import CommitFails
+
+    monkeypatch.setattr(batch_api, "RESTART_BACKOFF", Backoff(initial_s=0.01, max_s=0.05))
+    client = await start(aiohttp_client, factory, tmp_path, batch_max_in_flight=1)
+    store = await client.app[BATCH_KEY].store()
+    engine = factory.engines["fake"]
+    engine.hold = Hold(after=1)
+    batch = await create(client, [chat_line(f"d{i}") for i in range(3)])
+    await poll(lambda: _true(engine.hold.reached.is_set()), what="the first item in the engine")
+    disk = CommitFails(store._db)
+    monkeypatch.setattr(store, "_db", disk)  # the disk fills up under the running batch
+    engine.hold.release.set()
+
+    async def batch_down() -> dict | None:
+        ready = await (await client.get("/ready")).json()
+        return ready if ready["subsystems"]["batch"]["status"] == "down" else None
+
+    ready = await poll(batch_down, what="the batch subsystem to report the failure")
+    assert ready["status"] == "ready" and "disk is full" in ready["subsystems"]["batch"]["reason"]
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # inference unaffected
+    disk.full = False  # space again: the runner restarts on its own and the batch carries on
+
+    async def completed() -> dict | None:
+        response = await client.get(f"/v1/batches/{batch['id']}")
+        body = await response.json()
+        return body if response.status == 200 and body["status"] in TERMINAL else None
+
+    done = await poll(completed, what="the batch to finish once the disk has room")
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert [line["custom_id"] for line in await content_lines(client, done["output_file_id"])] == ["d0", "d1", "d2"]
+    batch_state = (await (await client.get("/ready")).json())["subsystems"]["batch"]
+    assert batch_state["status"] == "up" and batch_state["restarts"] >= 1

@@ -170,3 +170,35 @@ def test_a_folder_in_the_files_dir_does_not_stop_the_store(tmp_path):
     (tmp_path / "store" / "files" / "a-folder").mkdir(parents=True)
     open_store(tmp_path / "store").close()
     assert (tmp_path / "store" / "files" / "a-folder").is_dir()
+
+
+class CommitFails:
+    """The store's connection, with every COMMIT failing while `full` (as on a full disk)."""
+
+    def __init__(self, db) -> None:
+        self.db = db
+        self.full = True
+
+    def execute(self, sql: str, *args):
+        import sqlite3
+
+        if sql == "COMMIT" and self.full:
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+
+def test_a_failed_commit_rolls_back_and_the_next_write_works(store, monkeypatch):
+    import sqlite3
+
+    db = CommitFails(store._db)
+    monkeypatch.setattr(store, "_db", db)
+    with pytest.raises(sqlite3.OperationalError):
+        add_input(store, b"lost\n")
+    assert not db.in_transaction  # before: still inside the transaction, so every later BEGIN failed
+    assert [path.name for path in store.files_dir.iterdir()] == []  # nor is the body left behind
+    db.full = False
+    row = add_input(store, b"kept\n")
+    assert store.list_files(after=None, limit=10, order="asc", purpose=None) == ([row], False)
