@@ -14,16 +14,15 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, KV_CACHE_BYTES, MAX_SEQ_LEN, wait_answering, wait_until
-from tests.e2e.test_batch_api_e2e import finished_rows
-from tests.e2e.test_cli_e2e import REPO, free_port
+from tests.e2e.conftest import BASE_DESCRIPTOR, wait_until
+from tests.e2e.test_batch_api_e2e import finished_rows, start_server
+from tests.e2e.test_cli_e2e import free_port
 
 pytestmark = pytest.mark.slow  # starts the server process twice
 MODEL = BASE_DESCRIPTOR
@@ -64,16 +63,7 @@ def fill(disk: Path) -> Path:
 
 
 def start(batch_dir: Path, checkpoint: Path, root: Path, log_path: Path, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-               "--checkpoint-dir", str(checkpoint), "--checkpoint-root", str(root), "--dtype", "float32",
-               "--cpu-kv-cache-bytes", str(KV_CACHE_BYTES), "--max-seq-len", str(MAX_SEQ_LEN), "--no-cpu-kernels",
-               "--batch-dir", str(batch_dir), "--batch-max-in-flight", "2", "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_") and k != "INFERENCE_MODEL"}
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-        wait_answering(http, process, log_path, "/ready", timeout_s=120, interval_s=0.1, what="/ready")
-    return process
+    return start_server(port, batch_dir, checkpoint, root, log_path, dtype="float32", extra_flags=("--no-cpu-kernels",))
 
 
 def serves_online(http: httpx.Client) -> None:
