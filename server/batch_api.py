@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import structlog
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -35,9 +36,12 @@ from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.subsystems import SUBSYSTEMS_KEY, Backoff, Subsystems, supervise
 
+log = structlog.get_logger("llamaserve.batch")
+
 _CHUNK_BYTES = 1 << 16
 _MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
-_IGNORED_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # files here live until deleted
+_EXPIRES_AFTER_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # OpenAI's form spelling
+PURGE_INTERVAL_S = 600.0  # expired files read as absent at once; this is how soon their bytes go
 
 
 BATCH_SUBSYSTEM = "batch"
@@ -98,7 +102,16 @@ class BatchService:
             self._first_attempt_done.set()
         self._runner = BatchRunner(self._store, self.registry, max_in_flight=self.max_in_flight)
         self.subsystems.up(BATCH_SUBSYSTEM)
-        await self._runner.run()
+        tasks = [asyncio.create_task(self._runner.run(), name="batch-runner"),
+                 asyncio.create_task(_purge_periodically(self._store), name="batch-purge")]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # the failure, for the supervisor to report
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _open(self) -> BatchStore:
         root = self.config.batch_dir
@@ -107,7 +120,8 @@ class BatchService:
                 self._temp_dir = Path(tempfile.mkdtemp(prefix="llamaserve-batches-"))
             root = self._temp_dir
         return await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
-                                       max_requests=self.config.batch_max_requests)
+                                       max_requests=self.config.batch_max_requests,
+                                       retention_s=self.config.batch_retention_s)
 
     def wake(self) -> None:
         if self._runner is not None:
@@ -128,6 +142,15 @@ class BatchService:
 
 
 BATCH_KEY = web.AppKey("batch_service", BatchService)
+
+
+async def _purge_periodically(store: BatchStore) -> None:
+    """Delete expired files and old finished batches now and every PURGE_INTERVAL_S."""
+    while True:
+        purged = await store.io(store.purge)
+        if purged.files or purged.batches:
+            log.info("purged expired batch storage", files=purged.files, batches=purged.batches)
+        await asyncio.sleep(PURGE_INTERVAL_S)
 
 
 def add_batch_routes(app: web.Application) -> None:
@@ -177,6 +200,7 @@ async def create_file(request: web.Request) -> web.Response:
         raise ApiError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'",
                        code="invalid_request")
     purpose: str | None = None
+    expires_after: dict[str, str] = {}
     upload: tuple[Path, str, int] | None = None
     try:
         try:
@@ -190,8 +214,8 @@ async def create_file(request: web.Request) -> web.Response:
                     upload = await _receive_file(part, store)
                 elif part.name == "purpose":
                     purpose = (await _small_field(part)).decode("utf-8", "replace").strip()
-                elif part.name in _IGNORED_FIELDS:
-                    await _small_field(part)
+                elif part.name in _EXPIRES_AFTER_FIELDS:
+                    expires_after[part.name] = (await _small_field(part)).decode("utf-8", "replace").strip()
                 else:
                     raise ApiError(400, f"Unrecognized request argument supplied: {part.name}", param=part.name,
                                    code="invalid_request")
@@ -202,13 +226,30 @@ async def create_file(request: web.Request) -> web.Response:
         if purpose != "batch":
             raise ApiError(400, f"purpose {purpose!r} is not served here; upload batch input files with "
                            "purpose 'batch'", param="purpose", code="invalid_value")
+        expires_after_s = _expires_after_s(expires_after)
         path, filename, num_bytes = upload
-        row = await store.io(lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes))
+        row = await store.io(lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes,
+                                                    expires_after_s=expires_after_s))
         upload = None
         return _json(file_object(row))
     finally:
         if upload is not None:
             upload[0].unlink(missing_ok=True)
+
+
+def _expires_after_s(fields: dict[str, str]) -> int | None:
+    """`expires_after[anchor]` and `expires_after[seconds]` of an upload form -> seconds, or None."""
+    if not fields:
+        return None
+    if fields.get("expires_after[anchor]") != "created_at":
+        raise ApiError(400, "expires_after[anchor] must be 'created_at'", param="expires_after[anchor]",
+                       code="invalid_value")
+    text = fields.get("expires_after[seconds]", "")
+    low, high = bp.MIN_EXPIRES_AFTER_S, bp.MAX_EXPIRES_AFTER_S
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(high)) and low <= int(text) <= high):
+        raise ApiError(400, f"expires_after[seconds] must be an integer from {low} to {high}",
+                       param="expires_after[seconds]", code="invalid_value")
+    return int(text)
 
 
 async def _small_field(part: BodyPartReader) -> bytes:
@@ -291,7 +332,8 @@ async def create_batch(request: web.Request) -> web.Response:
     store = await _store(request)
     row = await _io(request, lambda: store.create_batch(
         input_file_id=body.input_file_id, endpoint=body.endpoint, completion_window=body.completion_window,
-        completion_window_s=window_s, metadata=body.metadata))
+        completion_window_s=window_s, metadata=body.metadata,
+        output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None))
     request.app[BATCH_KEY].wake()
     return _json(batch_object(row))
 

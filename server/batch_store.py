@@ -8,8 +8,17 @@
 Every state change is one transaction. An item's result is committed as a row the moment it
 finishes (`finish_item` only moves a pending item, so an item is recorded exactly once even if a
 restart runs it again), and the output and error files are written from those rows only when the
-batch finalizes: a server killed mid-batch restarts with every finished result kept and nothing
-duplicated or cut off. Results are never held in memory.
+batch finalizes, in the transaction that deletes the rows: a result is stored once, as a row
+while its batch runs and in a file after. A server killed mid-batch restarts with every finished
+result kept and nothing duplicated or cut off. Results are never held in memory.
+
+Retention: a file expires at its `expires_at` (the client's `expires_after`, at most `retention_s`;
+by default `retention_s` after its creation) and reads as absent from then on; a finished batch is
+kept `retention_s` after it finished. `purge()` deletes both (rows and bodies); the input file of an
+unfinished batch stays until the batch finishes. `retention_s` 0 keeps everything until deleted.
+
+Schema changes are numbered migrations (PRAGMA user_version): a store written by an older version
+is brought up to date when it is opened.
 
 Synchronous and single-threaded by design: the server runs every call on one dedicated thread
 (`BatchStore.io`), tests call it directly.
@@ -58,6 +67,10 @@ CREATE TABLE IF NOT EXISTS items (
     ok INTEGER, result BLOB, PRIMARY KEY (batch_id, line)
 ) WITHOUT ROWID;
 """
+_UNFINISHED = "('validating', 'in_progress', 'finalizing', 'cancelling')"
+_FINISHED = "('completed', 'failed', 'expired', 'cancelled')"
+_FINISHED_AT = "COALESCE(completed_at, failed_at, expired_at, cancelled_at)"
+DEFAULT_RETENTION_S = 30 * 24 * 3600  # OpenAI's default for batch files
 
 
 class StoreError(Exception):
@@ -111,6 +124,13 @@ class BatchRow:
     input_tokens: int
     cached_tokens: int
     output_tokens: int
+    output_expires_after_s: int | None  # the client's output_expires_after; None: the store's retention
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeCounts:
+    files: int
+    batches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,19 +154,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
-def _now_s() -> int:
-    return int(time.time())
-
-
 class BatchStore:
-    def __init__(self, root: Path, *, max_file_bytes: int, max_requests: int) -> None:
+    def __init__(self, root: Path, *, max_file_bytes: int, max_requests: int,
+                 retention_s: int = DEFAULT_RETENTION_S, clock: Callable[[], float] = time.time) -> None:
         """Open (creating if needed) the store under `root`. Raises StoreBusy, OSError or
-        sqlite3.Error; a store that fails to open holds nothing (no lock, no connection)."""
+        sqlite3.Error; a store that fails to open holds nothing (no lock, no connection).
+        `clock` gives the time in seconds since the epoch (tests move it)."""
         self.root = Path(root).expanduser()
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes = max_file_bytes
         self.max_requests = max_requests
+        self.retention_s = retention_s
+        self._clock = clock
         self._lock_file = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held for the store's life
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -157,6 +177,7 @@ class BatchStore:
             on_failure.callback(self._lock_file.close)
             self._db = _connect(self.root / "batches.sqlite3")
             on_failure.callback(self._db.close)
+            self._migrate()
             self._remove_orphans()
             on_failure.pop_all()  # opened: both stay until close()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
@@ -174,6 +195,26 @@ class BatchStore:
     def _transaction(self) -> "_Tx":
         return _Tx(self._db)
 
+    def _now_s(self) -> int:
+        return int(self._clock())
+
+    def _migrate(self) -> None:
+        """Bring a store written by an older version up to date, one numbered step at a time."""
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        for number, step in enumerate(_MIGRATIONS[version:], start=version + 1):
+            with self._transaction() as db:
+                step(db, now_s=self._now_s(), retention_s=self.retention_s)
+                db.execute(f"PRAGMA user_version = {number}")
+
+    def _expiry(self, created_at: int, expires_after_s: int | None) -> int | None:
+        """When a file created at `created_at` expires: the client's wish, capped by the retention."""
+        wanted = [s for s in (expires_after_s, self.retention_s) if s]
+        return created_at + min(wanted) if wanted else None
+
+    def _live(self) -> tuple[str, tuple[int]]:
+        """The condition (and its argument) of a file that has not expired."""
+        return "(expires_at IS NULL OR expires_at > ?)", (self._now_s(),)
+
     def _remove_orphans(self) -> None:
         """Temporary files of a write that was cut off, and bodies whose row never committed."""
         known = {row["id"] for row in self._db.execute("SELECT id FROM files")}
@@ -187,22 +228,26 @@ class BatchStore:
         return self.files_dir / f".upload-{secrets.token_hex(8)}.tmp"
 
     def add_file(self, temp_path: Path, *, filename: str, purpose: str, num_bytes: int,
-                 expires_at: int | None = None) -> FileRow:
-        """Move a fully written temporary file under a new id and record it."""
+                 expires_after_s: int | None = None) -> FileRow:
+        """Move a fully written temporary file under a new id and record it; it expires
+        `expires_after_s` from now (at most the retention)."""
         _fsync(temp_path)
-        row = FileRow(new_id("file-"), _now_s(), num_bytes, filename, purpose, expires_at)
+        now_s = self._now_s()
+        row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose, self._expiry(now_s, expires_after_s))
         os.replace(temp_path, self.files_dir / row.id)
         try:
             _fsync_dir(self.files_dir)
             with self._transaction() as db:
-                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _file_values(row))
+                _insert_file(db, row)
         except BaseException:
             (self.files_dir / row.id).unlink(missing_ok=True)  # no row, no body: a full disk gets its space back
             raise
         return row
 
     def get_file(self, file_id: str) -> FileRow:
-        row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        """The file, unless it is unknown or has expired (then it is absent, as after a delete)."""
+        live, now = self._live()
+        row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND {live}", (file_id, *now)).fetchone()
         if row is None:
             raise StoreError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
         return FileRow(**dict(row))
@@ -212,8 +257,9 @@ class BatchStore:
         return self.files_dir / file_id
 
     def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> tuple[list[FileRow], bool]:
+        live, now = self._live()
         rows = self._page("files", after=after, limit=limit, descending=order == "desc",
-                          where="purpose = ?" if purpose else None, args=(purpose,) if purpose else ())
+                          where=f"{live} AND purpose = ?" if purpose else live, args=(*now, purpose) if purpose else now)
         return [FileRow(**dict(row)) for row in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> None:
@@ -233,7 +279,7 @@ class BatchStore:
                 raise StoreError(400, f"after: no object with id {after!r}", code="invalid_value", param="after")
             conditions.append(f"rowid {op} ?")
             params.append(cursor[0])
-        sql = f"SELECT * FROM {table}"
+        sql = f"SELECT {_FILE_COLUMNS if table == 'files' else _BATCH_COLUMNS} FROM {table}"
         if conditions:
             sql += " WHERE " + " AND ".join(conditions)
         sql += f" ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?"
@@ -241,21 +287,21 @@ class BatchStore:
 
     # ------------------------------------------------------------------ batches
     def create_batch(self, *, input_file_id: str, endpoint: str, completion_window_s: int, completion_window: str,
-                     metadata: dict[str, str] | None) -> BatchRow:
+                     metadata: dict[str, str] | None, output_expires_after_s: int | None = None) -> BatchRow:
         file = self.get_file(input_file_id)
         if file.purpose != "batch":
             raise StoreError(400, f"File {input_file_id} has purpose '{file.purpose}'; a batch needs purpose 'batch'",
                              code="invalid_value", param="input_file_id")
-        batch_id, now_s = new_id("batch_"), _now_s()
+        batch_id, now_s = new_id("batch_"), self._now_s()
         with self._transaction() as db:
             db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
-                       "expires_at, metadata) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?)",
+                       "expires_at, metadata, output_expires_after_s) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
                        (batch_id, endpoint, input_file_id, completion_window, now_s, now_s + completion_window_s,
-                        json.dumps(metadata) if metadata is not None else None))
+                        json.dumps(metadata) if metadata is not None else None, output_expires_after_s))
         return self.get_batch(batch_id)
 
     def get_batch(self, batch_id: str) -> BatchRow:
-        row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if row is None:
             raise StoreError(404, f"No batch found with id '{batch_id}'", code="batch_not_found", param="batch_id")
         return _batch_row(row)
@@ -267,8 +313,7 @@ class BatchStore:
     def next_batch(self) -> BatchRow | None:
         """The batch the runner should work on next, or None when every batch is finished."""
         row = self._db.execute(
-            f"SELECT * FROM batches WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling') "
-            f"ORDER BY {_WORK_ORDER} LIMIT 1").fetchone()
+            f"SELECT {_BATCH_COLUMNS} FROM batches WHERE status IN {_UNFINISHED} ORDER BY {_WORK_ORDER} LIMIT 1").fetchone()
         return None if row is None else _batch_row(row)
 
     def request_cancel(self, batch_id: str) -> BatchRow:
@@ -279,19 +324,21 @@ class BatchStore:
             raise StoreError(409, f"Batch {batch_id} is finalizing and can no longer be cancelled",
                              code="batch_not_cancellable", param="batch_id")
         with self._transaction() as db:
-            db.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?", (_now_s(), batch_id))
+            db.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?",
+                       (self._now_s(), batch_id))
         return self.get_batch(batch_id)
 
     def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
         """The input cannot be run at all (missing file, too many lines): the batch fails as a whole."""
         with self._transaction() as db:
             db.execute("UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
-                       (_now_s(), json.dumps(errors), batch_id))
+                       (self._now_s(), json.dumps(errors), batch_id))
+            db.execute("DELETE FROM items WHERE batch_id = ?", (batch_id,))  # a failed batch has no result files
 
     def start_items(self, batch_id: str, lines: Iterable[tuple[int, CheckedLine]]) -> None:
         """Record every input line (validated) and move the batch to in_progress, in one transaction:
         a crash during validation leaves the batch validating, with no items."""
-        now_s = _now_s()
+        now_s = self._now_s()
         total = failed = 0
         model = None
         with self._transaction() as db:
@@ -357,23 +404,26 @@ class BatchStore:
     def set_finalizing(self, batch_id: str) -> None:
         with self._transaction() as db:
             db.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ? AND status = 'in_progress'",
-                       (_now_s(), batch_id))
+                       (self._now_s(), batch_id))
 
     def finalize(self, batch_id: str, final_status: Literal["completed", "cancelled", "expired"]) -> BatchRow:
         """Write the output and error files from the result rows (in line order, so custom_ids come
         in input order), then record them and the final status in one transaction."""
-        file_ids: dict[int, str | None] = {}
+        batch = self.get_batch(batch_id)
+        file_ids: dict[int, FileRow | None] = {}
         for ok in (1, 0):
-            file_ids[ok] = self._materialize(batch_id, ok, "batch_output", f"{batch_id}_{'output' if ok else 'error'}.jsonl")
+            file_ids[ok] = self._materialize(batch, ok, "batch_output", f"{batch_id}_{'output' if ok else 'error'}.jsonl")
         column = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final_status]
         with self._transaction() as db:
             for file_row in filter(None, file_ids.values()):
-                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)", _file_values(file_row))
+                _insert_file(db, file_row)
             db.execute(f"UPDATE batches SET status = ?, {column} = ?, output_file_id = ?, error_file_id = ? "
-                       "WHERE id = ?", (final_status, _now_s(), _id(file_ids[1]), _id(file_ids[0]), batch_id))
+                       "WHERE id = ?", (final_status, self._now_s(), _id(file_ids[1]), _id(file_ids[0]), batch_id))
+            db.execute("DELETE FROM items WHERE batch_id = ?", (batch_id,))  # the files hold the results now
         return self.get_batch(batch_id)
 
-    def _materialize(self, batch_id: str, ok: int, purpose: str, filename: str) -> FileRow | None:
+    def _materialize(self, batch: BatchRow, ok: int, purpose: str, filename: str) -> FileRow | None:
+        batch_id = batch.id
         rows = self._db.execute("SELECT result FROM items WHERE batch_id = ? AND state = 'done' AND ok = ? "
                                 "ORDER BY line", (batch_id, ok))
         temp = self.files_dir / f".{batch_id}-{ok}.tmp"
@@ -388,7 +438,9 @@ class BatchStore:
             temp.unlink()
             return None
         _fsync(temp)
-        row = FileRow(new_id("file-"), _now_s(), num_bytes, filename, purpose, None)
+        now_s = self._now_s()
+        row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose,
+                      self._expiry(now_s, batch.output_expires_after_s))
         os.replace(temp, self.files_dir / row.id)  # an orphan until the transaction below commits
         _fsync_dir(self.files_dir)
         return row
@@ -398,6 +450,44 @@ class BatchStore:
         for row in self._db.execute("SELECT line, ok, result FROM items WHERE batch_id = ? AND state = 'done' "
                                     "ORDER BY line", (batch_id,)):
             yield row["line"], bool(row["ok"]), bytes(row["result"])
+
+    # ------------------------------------------------------------------ retention
+    def purge(self) -> PurgeCounts:
+        """Delete expired files (rows, then bodies) but the input of an unfinished batch, and finished
+        batches older than the retention."""
+        now_s = self._now_s()
+        with self._transaction() as db:
+            expired = [row["id"] for row in db.execute(
+                f"SELECT id FROM files WHERE expires_at <= ? AND id NOT IN "
+                f"(SELECT input_file_id FROM batches WHERE status IN {_UNFINISHED})", (now_s,))]
+            db.executemany("DELETE FROM files WHERE id = ?", [(file_id,) for file_id in expired])
+            batches = 0
+            if self.retention_s:
+                batches = db.execute(f"DELETE FROM batches WHERE status IN {_FINISHED} AND {_FINISHED_AT} <= ?",
+                                     (now_s - self.retention_s,)).rowcount
+        for file_id in expired:
+            (self.files_dir / file_id).unlink(missing_ok=True)  # a crash before this: an orphan, removed at open
+        return PurgeCounts(files=len(expired), batches=batches)
+
+
+# --------------------------------------------------------------------------- schema migrations
+def _v1_retention(db: sqlite3.Connection, *, now_s: int, retention_s: int) -> None:
+    """Retention and results stored once: batches remember the output expiry their client asked
+    for; finished batches' result rows go (their files hold the results); files from before
+    retention are kept one retention period from now."""
+    db.execute("ALTER TABLE batches ADD COLUMN output_expires_after_s INTEGER")
+    db.execute(f"DELETE FROM items WHERE batch_id IN (SELECT id FROM batches WHERE status IN {_FINISHED})")
+    if retention_s:
+        db.execute("UPDATE files SET expires_at = ? WHERE expires_at IS NULL", (now_s + retention_s,))
+
+
+_MIGRATIONS: tuple[Callable[..., None], ...] = (_v1_retention,)
+_FILE_COLUMNS = "id, created_at, bytes, filename, purpose, expires_at"
+_BATCH_COLUMNS = ", ".join(BatchRow.__dataclass_fields__)
+
+
+def _insert_file(db: sqlite3.Connection, row: FileRow) -> None:
+    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", _file_values(row))
 
 
 def _connect(path: Path) -> sqlite3.Connection:

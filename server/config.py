@@ -59,6 +59,7 @@ class ServerConfig:
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
     batch_max_in_flight: int = 0  # batch items in the engine at once; 0: twice max_batch_size (BatchService)
+    batch_retention_s: int = 30 * 24 * 3600  # files (unless asked for less) and finished batches; 0: until deleted
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -131,6 +132,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_max_requests", int, "server", "most requests (lines) in one batch input file"),
     Option("batch_max_in_flight", int, "server", "most batch items in the engine at once; online requests "
            "preempt them either way (0: enough to fill the engine)"),
+    Option("batch_retention_s", int, "server", "seconds Batch API files (unless their upload asks for less) and "
+           "finished batches are kept, then purged (default 30 days; 0: until deleted)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
@@ -366,6 +369,7 @@ def _validate(config: ServerConfig) -> None:
         (config.batch_max_requests >= 1 and config.batch_max_file_bytes >= 1,
          "batch_max_requests and batch_max_file_bytes must be >= 1"),
         (config.batch_max_in_flight >= 0, "batch_max_in_flight must be >= 0"),
+        (config.batch_retention_s >= 0, "batch_retention_s must be >= 0 (0: keep until deleted)"),
         (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
         (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),

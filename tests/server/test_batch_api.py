@@ -41,9 +41,11 @@ async def start(aiohttp_client, factory: FakeEngineFactory, tmp_path: Path, **ov
     return client
 
 
-async def upload(client, data: bytes, purpose: str = "batch", filename: str = "in.jsonl"):
+async def upload(client, data: bytes, purpose: str = "batch", filename: str = "in.jsonl", **fields: str):
     form = aiohttp.FormData()
     form.add_field("purpose", purpose)
+    for name, value in fields.items():
+        form.add_field(name, value)
     form.add_field("file", data, filename=filename, content_type="application/jsonl")
     return await client.post("/v1/files", data=form)
 
@@ -441,3 +443,49 @@ async def test_a_runner_that_cannot_record_a_failure_restarts_and_finishes_the_b
     assert [line["custom_id"] for line in await content_lines(client, done["output_file_id"])] == ["d0", "d1", "d2"]
     batch_state = (await (await client.get("/ready")).json())["subsystems"]["batch"]
     assert batch_state["status"] == "up" and batch_state["restarts"] >= 1
+
+
+# --------------------------------------------------------------------------- retention (issue 29, finding 3)
+DAY_S = 24 * 3600
+
+
+async def test_files_expire_as_their_client_asks_or_after_the_retention(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, batch_retention_s=7 * DAY_S)
+    default = await (await upload(client, jsonl([chat_line("a")]))).json()
+    assert default["expires_at"] == default["created_at"] + 7 * DAY_S
+    asked = await (await upload(client, jsonl([chat_line("a")]), **{"expires_after[anchor]": "created_at",
+                                                                    "expires_after[seconds]": "3600"})).json()
+    assert asked["expires_at"] == asked["created_at"] + 3600
+    for fields, param in (({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+                           "expires_after[anchor]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "59"},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "²"},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "9" * 5000},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at"}, "expires_after[seconds]")):
+        error = await error_of(await upload(client, jsonl([chat_line("a")]), **fields), 400)
+        assert error["param"] == param and error["code"] == "invalid_value", error
+
+    body = {"input_file_id": asked["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+            "output_expires_after": {"anchor": "created_at", "seconds": 7200}}
+    too_soon = await client.post("/v1/batches", json={**body, "output_expires_after": {"anchor": "created_at",
+                                                                                       "seconds": 5}})
+    assert "output_expires_after" in (await error_of(too_soon, 400))["param"]
+    done = await batch_when(client, (await (await client.post("/v1/batches", json=body)).json())["id"])
+    output = await (await client.get(f"/v1/files/{done['output_file_id']}")).json()
+    assert output["expires_at"] == output["created_at"] + 7200
+
+
+async def test_expired_files_are_purged_when_the_store_opens(aiohttp_client, factory, tmp_path):
+    from server.batch_store import BatchStore
+    from tests.server.test_batch_store import Clock, add_input
+
+    a_month_ago = Clock(time.time() - 31 * DAY_S)
+    earlier = BatchStore(tmp_path / "batches", max_file_bytes=1 << 20, max_requests=10, clock=a_month_ago)
+    old = add_input(earlier)  # a previous run's upload, expired since
+    earlier.close()
+    client = await start(aiohttp_client, factory, tmp_path)
+    assert (await client.get(f"/v1/files/{old.id}")).status == 404
+    await poll(lambda: _true(not (tmp_path / "batches" / "files" / old.id).exists()), what="the purge")

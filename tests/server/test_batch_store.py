@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.batch_store import BatchStore, CheckedLine, StoreBusy, StoreError
+from server.batch_store import BatchStore, CheckedLine, PurgeCounts, StoreBusy, StoreError
 
 
 def open_store(root: Path, **limits: int) -> BatchStore:
@@ -202,3 +202,128 @@ def test_a_failed_commit_rolls_back_and_the_next_write_works(store, monkeypatch)
     db.full = False
     row = add_input(store, b"kept\n")
     assert store.list_files(after=None, limit=10, order="asc", purpose=None) == ([row], False)
+
+
+# --------------------------------------------------------------------------- retention (issue 29, finding 3)
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self, now_s: float = 1_800_000_000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def finished_batch(store: BatchStore, num_items: int = 2):
+    batch = new_batch(store, num_items=num_items)
+    for line in range(1, num_items + 1):
+        store.finish_item(batch.id, line, ok=True, result=b'"r%d"' % line)
+    store.set_finalizing(batch.id)
+    return store.finalize(batch.id, "completed")
+
+
+def test_a_result_is_stored_once(store):
+    done = finished_batch(store)
+    assert list(store.results(done.id)) == []  # the rows went when the output file was written
+    assert store.file_path(done.output_file_id).read_bytes() == b'"r1"\n"r2"\n'
+    failed = new_batch(store, num_items=2)
+    store.finish_item(failed.id, 1, ok=True, result=b'"r1"')
+    store.fail_batch(failed.id, [{"code": "x", "message": "y"}])
+    assert list(store.results(failed.id)) == [] and store.num_pending(failed.id) == 0
+
+
+def test_files_expire_and_purge_removes_them_and_old_batches(tmp_path):
+    clock, day_s = Clock(), 24 * 3600
+    store = BatchStore(tmp_path / "store", max_file_bytes=1 << 20, max_requests=100, retention_s=30 * day_s,
+                       clock=clock)
+    try:
+        default = add_input(store)
+        assert default.expires_at == default.created_at + 30 * day_s  # the retention by default
+        path = store.upload_path()
+        path.write_bytes(b"{}\n")
+        short = store.add_file(path, filename="s.jsonl", purpose="batch", num_bytes=3, expires_after_s=3600)
+        assert short.expires_at == short.created_at + 3600
+        path = store.upload_path()
+        path.write_bytes(b"{}\n")
+        capped = store.add_file(path, filename="c.jsonl", purpose="batch", num_bytes=3, expires_after_s=60 * day_s)
+        assert capped.expires_at == capped.created_at + 30 * day_s  # never longer than the retention
+        done = finished_batch(store)
+        running = new_batch(store)
+
+        clock.now_s += 3600  # the short one has expired: absent at once, purged when purge runs
+        with pytest.raises(StoreError):
+            store.get_file(short.id)
+        assert short.id not in [row.id for row in store.list_files(after=None, limit=100, order="asc", purpose=None)[0]]
+        assert store.purge() == PurgeCounts(files=1, batches=0)
+        assert not (store.files_dir / short.id).exists()
+
+        clock.now_s += 30 * day_s  # every file has expired, the finished batch is past the retention
+        counts = store.purge()
+        assert counts.batches == 1 and store.list_batches(after=None, limit=10)[0] == [store.get_batch(running.id)]
+        with pytest.raises(StoreError):
+            store.get_batch(done.id)
+        # The unfinished batch's input stays until the batch is done; everything else is gone.
+        assert sorted(path.name for path in store.files_dir.iterdir()) == [running.input_file_id]
+        assert counts.files == len({default.id, capped.id, done.input_file_id, done.output_file_id})
+    finally:
+        store.close()
+
+
+def test_retention_zero_keeps_everything(tmp_path):
+    clock = Clock()
+    store = BatchStore(tmp_path / "store", max_file_bytes=1 << 20, max_requests=100, retention_s=0, clock=clock)
+    try:
+        kept = add_input(store)
+        done = finished_batch(store)
+        clock.now_s += 10 * 365 * 24 * 3600
+        assert kept.expires_at is None and store.purge() == PurgeCounts(files=0, batches=0)
+        assert store.get_file(kept.id) == kept and store.get_batch(done.id).status == "completed"
+    finally:
+        store.close()
+
+
+# The schema of the stores the previous version wrote (before numbered migrations).
+OLD_SCHEMA = """
+CREATE TABLE files (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, bytes INTEGER NOT NULL, filename TEXT NOT NULL,
+    purpose TEXT NOT NULL, expires_at INTEGER);
+CREATE TABLE batches (id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER,
+    metadata TEXT, model TEXT, in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER,
+    failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT,
+    error_file_id TEXT, errors TEXT, total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0, input_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE items (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT, body BLOB, state TEXT NOT NULL,
+    ok INTEGER, result BLOB, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+INSERT INTO files VALUES ('file-old', 1000, 3, 'in.jsonl', 'batch', NULL);
+INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, completed_at)
+    VALUES ('batch_done', '/v1/completions', 'file-old', '24h', 'completed', 1000, 1001);
+INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, total)
+    VALUES ('batch_running', '/v1/completions', 'file-old', '24h', 'in_progress', 1000, 2);
+INSERT INTO items VALUES ('batch_done', 1, 'a', NULL, 'done', 1, CAST('"old result"' AS BLOB));
+INSERT INTO items VALUES ('batch_running', 1, 'a', NULL, 'done', 1, CAST('"kept"' AS BLOB));
+INSERT INTO items VALUES ('batch_running', 2, 'b', CAST('{}' AS BLOB), 'pending', NULL, NULL);
+"""
+
+
+def test_a_store_from_the_previous_version_is_migrated(tmp_path):
+    import sqlite3
+
+    root = tmp_path / "store"
+    (root / "files").mkdir(parents=True)
+    (root / "files" / "file-old").write_bytes(b"{}\n")
+    with sqlite3.connect(root / "batches.sqlite3") as db:
+        db.executescript(OLD_SCHEMA)
+    clock = Clock()
+    store = BatchStore(root, max_file_bytes=1 << 20, max_requests=100, retention_s=3600, clock=clock)
+    try:
+        old = store.get_file("file-old")
+        assert old.expires_at == int(clock.now_s) + 3600  # one retention period from the upgrade
+        assert list(store.results("batch_done")) == []  # results stored once
+        assert list(store.results("batch_running")) == [(1, True, b'"kept"')]
+        assert [item.line for item in store.pending_items("batch_running", after_line=0, limit=10)] == [2]
+        assert store.get_batch("batch_done").output_expires_after_s is None
+    finally:
+        store.close()
+    open_store(root).close()  # and opening it again changes nothing
