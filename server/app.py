@@ -190,5 +190,6 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
-    auth.check(request, config.api_key, config.admin_api_key, allow_remote_admin=config.allow_remote_admin)
+    request[auth.OWNER] = auth.check(request, config.api_key, config.admin_api_key,
+                                     allow_remote_admin=config.allow_remote_admin, named_keys=config.named_api_keys)
     return await handler(request)

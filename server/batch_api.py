@@ -29,6 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from compat import batch_protocol as bp
 from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
+from server.auth import OWNER
 from server.batch_runner import BatchRunner
 from server.batch_store import BatchRow, BatchStore, FileRow, StoreError
 from server.config import ServerConfig
@@ -228,8 +229,8 @@ async def create_file(request: web.Request) -> web.Response:
                            "purpose 'batch'", param="purpose", code="invalid_value")
         expires_after_s = _expires_after_s(expires_after)
         path, filename, num_bytes = upload
-        row = await store.io(lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes,
-                                                    expires_after_s=expires_after_s))
+        row = await _io(request, lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes,
+                                                        expires_after_s=expires_after_s, owner=request[OWNER]))
         upload = None
         return _json(file_object(row))
     finally:
@@ -296,25 +297,25 @@ async def list_files(request: web.Request) -> web.Response:
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
     store = await _store(request)
     rows, has_more = await _io(request, lambda: store.list_files(after=query.get("after"), limit=limit, order=order,
-                                                                 purpose=query.get("purpose")))
+                                                                 purpose=query.get("purpose"), owner=request[OWNER]))
     return _json(_page([file_object(row) for row in rows], has_more))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
     store = await _store(request)
-    return _json(file_object(await _io(request, store.get_file, request.match_info["file_id"])))
+    return _json(file_object(await _io(request, store.get_file, request.match_info["file_id"], request[OWNER])))
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
     store = await _store(request)
-    path = await _io(request, store.file_path, request.match_info["file_id"])
+    path = await _io(request, store.file_path, request.match_info["file_id"], request[OWNER])
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
 
 async def delete_file(request: web.Request) -> web.Response:
     store = await _store(request)
     file_id = request.match_info["file_id"]
-    await _io(request, store.delete_file, file_id)
+    await _io(request, store.delete_file, file_id, request[OWNER])
     return _json(bp.FileDeleted(id=file_id))
 
 
@@ -333,7 +334,8 @@ async def create_batch(request: web.Request) -> web.Response:
     row = await _io(request, lambda: store.create_batch(
         input_file_id=body.input_file_id, endpoint=body.endpoint, completion_window=body.completion_window,
         completion_window_s=window_s, metadata=body.metadata,
-        output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None))
+        output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
+        owner=request[OWNER]))
     request.app[BATCH_KEY].wake()
     return _json(batch_object(row))
 
@@ -341,18 +343,19 @@ async def create_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", default=20, low=1, high=100)
     store = await _store(request)
-    rows, has_more = await _io(request, lambda: store.list_batches(after=request.query.get("after"), limit=limit))
+    rows, has_more = await _io(request, lambda: store.list_batches(after=request.query.get("after"), limit=limit,
+                                                                   owner=request[OWNER]))
     return _json(_page([batch_object(row) for row in rows], has_more))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
     store = await _store(request)
-    return _json(batch_object(await _io(request, store.get_batch, request.match_info["batch_id"])))
+    return _json(batch_object(await _io(request, store.get_batch, request.match_info["batch_id"], request[OWNER])))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
     store = await _store(request)
-    row = await _io(request, store.request_cancel, request.match_info["batch_id"])
+    row = await _io(request, store.request_cancel, request.match_info["batch_id"], request[OWNER])
     if row.status == "cancelling":
         request.app[BATCH_KEY].cancel(row.id)
     return _json(batch_object(row))

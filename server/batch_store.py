@@ -17,6 +17,10 @@ by default `retention_s` after its creation) and reads as absent from then on; a
 kept `retention_s` after it finished. `purge()` deletes both (rows and bodies); the input file of an
 unfinished batch stays until the batch finishes. `retention_s` 0 keeps everything until deleted.
 
+Owners: every file and batch belongs to the API key name that created it (server/auth.py); a
+call that names an owner finds only that owner's objects (another owner's read as absent). The
+runner, which works for every owner, names none.
+
 Schema changes are numbered migrations (PRAGMA user_version): a store written by an older version
 is brought up to date when it is opened.
 
@@ -38,6 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
+
+from server.auth import DEFAULT_OWNER
 
 T = TypeVar("T")
 
@@ -95,6 +101,7 @@ class FileRow:
     filename: str
     purpose: str
     expires_at: int | None
+    owner: str = DEFAULT_OWNER
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,7 @@ class BatchRow:
     cached_tokens: int
     output_tokens: int
     output_expires_after_s: int | None  # the client's output_expires_after; None: the store's retention
+    owner: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,9 +219,13 @@ class BatchStore:
         wanted = [s for s in (expires_after_s, self.retention_s) if s]
         return created_at + min(wanted) if wanted else None
 
-    def _live(self) -> tuple[str, tuple[int]]:
-        """The condition (and its argument) of a file that has not expired."""
-        return "(expires_at IS NULL OR expires_at > ?)", (self._now_s(),)
+    def _visible(self, owner: str | None) -> tuple[str, tuple]:
+        """The condition (and its arguments) of a file `owner` may see: not expired, and its own
+        (any owner's when None)."""
+        live = "(expires_at IS NULL OR expires_at > ?)"
+        if owner is None:
+            return live, (self._now_s(),)
+        return f"{live} AND owner = ?", (self._now_s(), owner)
 
     def _remove_orphans(self) -> None:
         """Temporary files of a write that was cut off, and bodies whose row never committed."""
@@ -228,12 +240,13 @@ class BatchStore:
         return self.files_dir / f".upload-{secrets.token_hex(8)}.tmp"
 
     def add_file(self, temp_path: Path, *, filename: str, purpose: str, num_bytes: int,
-                 expires_after_s: int | None = None) -> FileRow:
-        """Move a fully written temporary file under a new id and record it; it expires
+                 expires_after_s: int | None = None, owner: str = DEFAULT_OWNER) -> FileRow:
+        """Move a fully written temporary file under a new id and record it as `owner`'s; it expires
         `expires_after_s` from now (at most the retention)."""
         _fsync(temp_path)
         now_s = self._now_s()
-        row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose, self._expiry(now_s, expires_after_s))
+        row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose, self._expiry(now_s, expires_after_s),
+                      owner)
         os.replace(temp_path, self.files_dir / row.id)
         try:
             _fsync_dir(self.files_dir)
@@ -244,37 +257,42 @@ class BatchStore:
             raise
         return row
 
-    def get_file(self, file_id: str) -> FileRow:
-        """The file, unless it is unknown or has expired (then it is absent, as after a delete)."""
-        live, now = self._live()
-        row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND {live}", (file_id, *now)).fetchone()
+    def get_file(self, file_id: str, owner: str | None = None) -> FileRow:
+        """The file, unless it is unknown, expired or another owner's (then it is absent, as after a delete)."""
+        visible, args = self._visible(owner)
+        row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND {visible}",
+                               (file_id, *args)).fetchone()
         if row is None:
             raise StoreError(404, f"No such File object: {file_id}", code="file_not_found", param="file_id")
         return FileRow(**dict(row))
 
-    def file_path(self, file_id: str) -> Path:
-        self.get_file(file_id)
+    def file_path(self, file_id: str, owner: str | None = None) -> Path:
+        self.get_file(file_id, owner)
         return self.files_dir / file_id
 
-    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> tuple[list[FileRow], bool]:
-        live, now = self._live()
+    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None,
+                   owner: str | None = None) -> tuple[list[FileRow], bool]:
+        visible, args = self._visible(owner)
         rows = self._page("files", after=after, limit=limit, descending=order == "desc",
-                          where=f"{live} AND purpose = ?" if purpose else live, args=(*now, purpose) if purpose else now)
+                          where=f"{visible} AND purpose = ?" if purpose else visible,
+                          args=(*args, purpose) if purpose else args)
         return [FileRow(**dict(row)) for row in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str) -> None:
-        self.get_file(file_id)
+    def delete_file(self, file_id: str, owner: str | None = None) -> None:
+        self.get_file(file_id, owner)
         with self._transaction() as db:
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
         (self.files_dir / file_id).unlink(missing_ok=True)
 
     def _page(self, table: str, *, after: str | None, limit: int, descending: bool, where: str | None = None,
               args: tuple = ()) -> list[sqlite3.Row]:
-        """limit + 1 rows after the cursor `after` (an id), ordered by creation (rowid breaks ties)."""
+        """limit + 1 rows matching `where` after the cursor `after` (an id of a row matching it too),
+        ordered by creation (rowid breaks ties)."""
         conditions, params = [where] if where else [], list(args)
         op = "<" if descending else ">"
         if after is not None:
-            cursor = self._db.execute(f"SELECT rowid FROM {table} WHERE id = ?", (after,)).fetchone()
+            cursor = self._db.execute(f"SELECT rowid FROM {table} WHERE id = ?{f' AND {where}' if where else ''}",
+                                      (after, *args)).fetchone()
             if cursor is None:
                 raise StoreError(400, f"after: no object with id {after!r}", code="invalid_value", param="after")
             conditions.append(f"rowid {op} ?")
@@ -287,27 +305,35 @@ class BatchStore:
 
     # ------------------------------------------------------------------ batches
     def create_batch(self, *, input_file_id: str, endpoint: str, completion_window_s: int, completion_window: str,
-                     metadata: dict[str, str] | None, output_expires_after_s: int | None = None) -> BatchRow:
-        file = self.get_file(input_file_id)
+                     metadata: dict[str, str] | None, output_expires_after_s: int | None = None,
+                     owner: str = DEFAULT_OWNER) -> BatchRow:
+        """A batch of `owner`'s, over one of its files."""
+        file = self.get_file(input_file_id, owner)
         if file.purpose != "batch":
             raise StoreError(400, f"File {input_file_id} has purpose '{file.purpose}'; a batch needs purpose 'batch'",
                              code="invalid_value", param="input_file_id")
         batch_id, now_s = new_id("batch_"), self._now_s()
         with self._transaction() as db:
             db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
-                       "expires_at, metadata, output_expires_after_s) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
+                       "expires_at, metadata, output_expires_after_s, owner) "
+                       "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
                        (batch_id, endpoint, input_file_id, completion_window, now_s, now_s + completion_window_s,
-                        json.dumps(metadata) if metadata is not None else None, output_expires_after_s))
+                        json.dumps(metadata) if metadata is not None else None, output_expires_after_s, owner))
         return self.get_batch(batch_id)
 
-    def get_batch(self, batch_id: str) -> BatchRow:
-        row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    def get_batch(self, batch_id: str, owner: str | None = None) -> BatchRow:
+        """The batch, unless it is unknown or another owner's (any owner's when None)."""
+        where, args = ("", ()) if owner is None else (" AND owner = ?", (owner,))
+        row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?{where}",
+                               (batch_id, *args)).fetchone()
         if row is None:
             raise StoreError(404, f"No batch found with id '{batch_id}'", code="batch_not_found", param="batch_id")
         return _batch_row(row)
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[BatchRow], bool]:
-        rows = self._page("batches", after=after, limit=limit, descending=True)  # newest first, as OpenAI lists them
+    def list_batches(self, *, after: str | None, limit: int, owner: str | None = None) -> tuple[list[BatchRow], bool]:
+        where, args = (None, ()) if owner is None else ("owner = ?", (owner,))
+        rows = self._page("batches", after=after, limit=limit, descending=True,  # newest first, as OpenAI lists them
+                          where=where, args=args)
         return [_batch_row(row) for row in rows[:limit]], len(rows) > limit
 
     def next_batch(self) -> BatchRow | None:
@@ -316,8 +342,8 @@ class BatchStore:
             f"SELECT {_BATCH_COLUMNS} FROM batches WHERE status IN {_UNFINISHED} ORDER BY {_WORK_ORDER} LIMIT 1").fetchone()
         return None if row is None else _batch_row(row)
 
-    def request_cancel(self, batch_id: str) -> BatchRow:
-        batch = self.get_batch(batch_id)
+    def request_cancel(self, batch_id: str, owner: str | None = None) -> BatchRow:
+        batch = self.get_batch(batch_id, owner)
         if batch.status in TERMINAL_STATUSES or batch.status == "cancelling":
             return batch  # OpenAI answers a cancel of a finished batch with the batch as it is
         if batch.status == "finalizing":
@@ -440,7 +466,7 @@ class BatchStore:
         _fsync(temp)
         now_s = self._now_s()
         row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose,
-                      self._expiry(now_s, batch.output_expires_after_s))
+                      self._expiry(now_s, batch.output_expires_after_s), batch.owner)
         os.replace(temp, self.files_dir / row.id)  # an orphan until the transaction below commits
         _fsync_dir(self.files_dir)
         return row
@@ -481,13 +507,20 @@ def _v1_retention(db: sqlite3.Connection, *, now_s: int, retention_s: int) -> No
         db.execute("UPDATE files SET expires_at = ? WHERE expires_at IS NULL", (now_s + retention_s,))
 
 
-_MIGRATIONS: tuple[Callable[..., None], ...] = (_v1_retention,)
-_FILE_COLUMNS = "id, created_at, bytes, filename, purpose, expires_at"
+def _v2_owners(db: sqlite3.Connection, **_: int) -> None:
+    """Owners: what was stored before belongs to the --api-key (or the keyless server's clients)."""
+    for table in ("files", "batches"):
+        db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
+        db.execute(f"CREATE INDEX {table}_by_owner ON {table} (owner)")
+
+
+_MIGRATIONS: tuple[Callable[..., None], ...] = (_v1_retention, _v2_owners)
+_FILE_COLUMNS = ", ".join(FileRow.__dataclass_fields__)
 _BATCH_COLUMNS = ", ".join(BatchRow.__dataclass_fields__)
 
 
 def _insert_file(db: sqlite3.Connection, row: FileRow) -> None:
-    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", _file_values(row))
+    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", _file_values(row))
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -536,7 +569,7 @@ def _batch_row(row: sqlite3.Row) -> BatchRow:
 
 
 def _file_values(row: FileRow) -> tuple:
-    return (row.id, row.created_at, row.bytes, row.filename, row.purpose, row.expires_at)
+    return tuple(getattr(row, name) for name in FileRow.__dataclass_fields__)
 
 
 def _id(row: FileRow | None) -> str | None:

@@ -39,6 +39,8 @@ class ServerConfig:
     api_key: str | None = None
     admin_api_key: str | None = None
     allow_remote_admin: bool = False  # with no key, registry routes still accept non-loopback clients
+    api_keys_file: Path | None = None  # NAME KEY lines; build_config reads it into named_api_keys
+    named_api_keys: tuple[tuple[str, str], ...] = ()  # (owner name, key): server/auth.py
     models: list[ModelSpec] = field(default_factory=list)
     checkpoint_roots: list[Path] = field(default_factory=lambda: [Path(DEFAULT_CHECKPOINT_ROOT).expanduser()])
     memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
@@ -109,6 +111,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_api_key", str, "auth", "key for POST/DELETE /v1/models (default: the api key)"),
     Option("allow_remote_admin", _bool, "auth", "without an admin key, let non-loopback clients register, "
            "switch and delete models (default: loopback only)"),
+    Option("api_keys_file", Path, "auth", "file of inference keys, one 'NAME KEY' per line ('#' comments): each "
+           "name owns its Batch API files and batches, unseen by other keys; keys sharing a name share them"),
     Option("checkpoint_roots", _paths, "server", "where checkpoints live (colon-separated in env/yaml string; "
            "the flag --checkpoint-root repeats)"),
     Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),
@@ -353,7 +357,38 @@ def _assemble(values: dict[str, Any], models: list[ModelSpec]) -> ServerConfig:
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     _validate(config)
+    if config.api_keys_file is not None:
+        config = dataclasses.replace(config, named_api_keys=read_api_keys(config.api_keys_file, config))
     return config
+
+
+_KEY_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def read_api_keys(path: Path, config: ServerConfig) -> tuple[tuple[str, str], ...]:
+    """(name, key) per 'NAME KEY' line of `path`; errors name the line, never a key."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the API keys file: {getattr(exc, 'strerror', None) or exc}") from None
+    seen = {config.api_key: "--api-key", config.admin_api_key: "--admin-api-key"}
+    keys = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ConfigError(f"{path}: line {line_no}: expected 'NAME KEY'")
+        name, key = fields
+        if not _KEY_NAME.match(name):
+            raise ConfigError(f"{path}: line {line_no}: the name must be 1-64 letters, digits, '.', '_' or '-'")
+        if key in seen:
+            raise ConfigError(f"{path}: line {line_no}: the same key as {seen[key]}; every key must differ")
+        seen[key] = f"line {line_no}"
+        keys.append((name, key))
+    if not keys:
+        raise ConfigError(f"{path}: no keys (a server meant to need keys would accept none)")
+    return tuple(keys)
 
 
 def _validate(config: ServerConfig) -> None:

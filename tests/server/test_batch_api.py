@@ -489,3 +489,85 @@ async def test_expired_files_are_purged_when_the_store_opens(aiohttp_client, fac
     client = await start(aiohttp_client, factory, tmp_path)
     assert (await client.get(f"/v1/files/{old.id}")).status == 404
     await poll(lambda: _true(not (tmp_path / "batches" / "files" / old.id).exists()), what="the purge")
+
+
+# --------------------------------------------------------------------------- ownership (issue 29, finding 3)
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class As:
+    """The test client, with one API key on every request."""
+
+    def __init__(self, client, key: str) -> None:
+        self.client, self.headers = client, bearer(key)
+
+    def get(self, path: str):
+        return self.client.get(path, headers=self.headers)
+
+    def delete(self, path: str):
+        return self.client.delete(path, headers=self.headers)
+
+    def post(self, path: str, **kwargs: Any):
+        return self.client.post(path, headers=self.headers, **kwargs)
+
+    async def upload(self, data: bytes):
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", data, filename="in.jsonl", content_type="application/jsonl")
+        return await self.post("/v1/files", data=form)
+
+
+async def sees_none_of(other: As, file_id: str, batch: dict) -> None:
+    """`other` finds nothing of these objects: 404 as if absent, and empty lists."""
+    assert (await (await other.get("/v1/files")).json())["data"] == []
+    assert (await (await other.get("/v1/batches")).json())["data"] == []
+    for file in (file_id, batch["output_file_id"]):
+        assert (await error_of(await other.get(f"/v1/files/{file}"), 404))["code"] == "file_not_found"
+        assert (await error_of(await other.get(f"/v1/files/{file}/content"), 404))["code"] == "file_not_found"
+    assert (await error_of(await other.delete(f"/v1/files/{file_id}"), 404))["code"] == "file_not_found"
+    for path in (f"/v1/batches/{batch['id']}", ):
+        assert (await error_of(await other.get(path), 404))["code"] == "batch_not_found"
+    assert (await error_of(await other.post(f"/v1/batches/{batch['id']}/cancel"), 404))["code"] == "batch_not_found"
+    reuse = await other.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h"})
+    assert (await error_of(reuse, 404))["code"] == "file_not_found"
+    for listing in (f"/v1/files?after={file_id}", f"/v1/batches?after={batch['id']}"):
+        assert (await error_of(await other.get(listing), 400))["param"] == "after"  # no object with that id
+
+
+async def test_each_api_key_sees_only_its_own_files_and_batches(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, api_key="sk-main", admin_api_key="sk-admin",
+                         named_api_keys=(("alice", "sk-alice"), ("bob", "sk-bob"), ("alice", "sk-alice-rotated")))
+    alice, bob = As(client, "sk-alice"), As(client, "sk-bob")
+    file = await (await alice.upload(jsonl([chat_line("a")]))).json()
+    created = await (await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                           "endpoint": "/v1/chat/completions"})).json()
+
+    async def done() -> dict | None:
+        batch = await (await alice.get(f"/v1/batches/{created['id']}")).json()
+        return batch if batch["status"] in TERMINAL else None
+
+    batch = await poll(done, what="alice's batch")
+    assert batch["status"] == "completed"
+    for other in (bob, As(client, "sk-main"), As(client, "sk-admin")):
+        await sees_none_of(other, file["id"], batch)
+    # A name owns its objects: alice's second (rotated) key sees them; the owner deletes them.
+    rotated = As(client, "sk-alice-rotated")
+    assert [f["id"] for f in (await (await rotated.get("/v1/files?order=asc")).json())["data"]] == [
+        file["id"], batch["output_file_id"]]
+    assert (await (await rotated.get(f"/v1/batches/{batch['id']}")).json())["id"] == batch["id"]
+    assert (await (await alice.delete(f"/v1/files/{file['id']}")).json())["deleted"]
+    assert (await error_of(await client.get("/v1/files"), 401))["code"] == "invalid_api_key"
+
+
+async def test_the_admin_key_does_not_see_the_inference_keys_objects(aiohttp_client, factory, tmp_path):
+    """Before owners, every key holder listed, read and deleted every file and batch."""
+    client = await start(aiohttp_client, factory, tmp_path, api_key="sk-main", admin_api_key="sk-admin")
+    main = As(client, "sk-main")
+    file = await (await main.upload(jsonl([chat_line("a")]))).json()
+    admin = As(client, "sk-admin")
+    assert (await (await admin.get("/v1/files")).json())["data"] == []
+    assert (await admin.get(f"/v1/files/{file['id']}/content")).status == 404
+    assert (await admin.delete(f"/v1/files/{file['id']}")).status == 404
+    assert (await (await main.get(f"/v1/files/{file['id']}/content")).read()) == jsonl([chat_line("a")])

@@ -324,6 +324,10 @@ def test_a_store_from_the_previous_version_is_migrated(tmp_path):
         assert list(store.results("batch_running")) == [(1, True, b'"kept"')]
         assert [item.line for item in store.pending_items("batch_running", after_line=0, limit=10)] == [2]
         assert store.get_batch("batch_done").output_expires_after_s is None
+        # what was stored before owners belongs to the --api-key's owner (and a keyless server's clients)
+        assert old.owner == "default" and store.get_batch("batch_done", owner="default").id == "batch_done"
+        with pytest.raises(StoreError):
+            store.get_file("file-old", owner="alice")
     finally:
         store.close()
     open_store(root).close()  # and opening it again changes nothing
