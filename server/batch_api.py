@@ -31,7 +31,7 @@ from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
 from server.auth import OWNER
 from server.batch_runner import BatchRunner
-from server.batch_store import BatchRow, BatchStore, FileRow, StoreError
+from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
@@ -122,7 +122,10 @@ class BatchService:
             root = self._temp_dir
         return await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
                                        max_requests=self.config.batch_max_requests,
-                                       retention_s=self.config.batch_retention_s)
+                                       retention_s=self.config.batch_retention_s,
+                                       quota=Quota(files=self.config.batch_quota_files,
+                                                   bytes=self.config.batch_quota_bytes,
+                                                   batches=self.config.batch_quota_batches))
 
     def wake(self) -> None:
         if self._runner is not None:
@@ -187,7 +190,7 @@ async def _io(request: web.Request, fn: Any, *args: Any) -> Any:
     try:
         return await store.io(fn, *args)
     except StoreError as exc:
-        raise ApiError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+        raise ApiError(exc.status, str(exc), param=exc.param, code=exc.code, error_type=exc.error_type) from None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -200,6 +203,8 @@ async def create_file(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'",
                        code="invalid_request")
+    owner = request[OWNER]
+    bytes_left = await _io(request, store.upload_room, owner)  # a key whose quota is full is told before it sends
     purpose: str | None = None
     expires_after: dict[str, str] = {}
     upload: tuple[Path, str, int] | None = None
@@ -212,7 +217,9 @@ async def create_file(request: web.Request) -> web.Response:
                 if part.name == "file":
                     if upload is not None:
                         raise ApiError(400, "send one file per upload", param="file", code="invalid_request")
-                    upload = await _receive_file(part, store)
+                    upload = await _receive_file(part, store, bytes_left)
+                    if bytes_left is not None and upload[2] > bytes_left:
+                        await _io(request, store.check_file_quota, owner, upload[2])  # raises its 429
                 elif part.name == "purpose":
                     purpose = (await _small_field(part)).decode("utf-8", "replace").strip()
                 elif part.name in _EXPIRES_AFTER_FIELDS:
@@ -230,7 +237,7 @@ async def create_file(request: web.Request) -> web.Response:
         expires_after_s = _expires_after_s(expires_after)
         path, filename, num_bytes = upload
         row = await _io(request, lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes,
-                                                        expires_after_s=expires_after_s, owner=request[OWNER]))
+                                                        expires_after_s=expires_after_s, owner=owner))
         upload = None
         return _json(file_object(row))
     finally:
@@ -263,14 +270,17 @@ async def _small_field(part: BodyPartReader) -> bytes:
     return data
 
 
-async def _receive_file(part: BodyPartReader, store: BatchStore) -> tuple[Path, str, int]:
-    """Stream the file part to a temporary file, enforcing the size and request-count limits."""
+async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int | None) -> tuple[Path, str, int]:
+    """Stream the file part to a temporary file, enforcing the size and request-count limits. It
+    stops one byte past `bytes_left` (the owner's quota), so the caller refuses it without storing it."""
     path = store.upload_path()
     num_bytes = num_lines = 0
     try:
         with open(path, "wb") as out:
             while chunk := await part.read_chunk(_CHUNK_BYTES):
                 num_bytes += len(chunk)
+                if bytes_left is not None and num_bytes > bytes_left:
+                    break
                 if num_bytes > store.max_file_bytes:
                     raise ApiError(413, f"The file is larger than this server's limit of {store.max_file_bytes} "
                                    "bytes (--batch-max-file-bytes)", param="file", code="file_too_large")

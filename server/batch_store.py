@@ -21,6 +21,10 @@ Owners: every file and batch belongs to the API key name that created it (server
 call that names an owner finds only that owner's objects (another owner's read as absent). The
 runner, which works for every owner, names none.
 
+Quotas (per owner; 0: none): files kept, their bytes, batches kept. An upload or a batch beyond
+one is refused with 429 `insufficient_quota`, as OpenAI answers a spent quota; a batch's output
+and error files are never refused (its results would be lost): they count, and may go past it.
+
 Schema changes are numbered migrations (PRAGMA user_version): a store written by an older version
 is brought up to date when it is opened.
 
@@ -80,13 +84,15 @@ DEFAULT_RETENTION_S = 30 * 24 * 3600  # OpenAI's default for batch files
 
 
 class StoreError(Exception):
-    """A request the store refuses; the API renders status, code and param as an OpenAI error."""
+    """A request the store refuses; the API renders status, code, param and type as an OpenAI error."""
 
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.param = param
+        self.error_type = error_type
 
 
 class StoreBusy(Exception):
@@ -136,6 +142,22 @@ class BatchRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Quota:
+    """What one owner may keep; 0: no limit."""
+
+    files: int = 0
+    bytes: int = 0
+    batches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    files: int
+    bytes: int
+    batches: int
+
+
+@dataclass(frozen=True, slots=True)
 class PurgeCounts:
     files: int
     batches: int
@@ -164,7 +186,8 @@ def new_id(prefix: str) -> str:
 
 class BatchStore:
     def __init__(self, root: Path, *, max_file_bytes: int, max_requests: int,
-                 retention_s: int = DEFAULT_RETENTION_S, clock: Callable[[], float] = time.time) -> None:
+                 retention_s: int = DEFAULT_RETENTION_S, quota: Quota = Quota(),
+                 clock: Callable[[], float] = time.time) -> None:
         """Open (creating if needed) the store under `root`. Raises StoreBusy, OSError or
         sqlite3.Error; a store that fails to open holds nothing (no lock, no connection).
         `clock` gives the time in seconds since the epoch (tests move it)."""
@@ -174,6 +197,7 @@ class BatchStore:
         self.max_file_bytes = max_file_bytes
         self.max_requests = max_requests
         self.retention_s = retention_s
+        self.quota = quota
         self._clock = clock
         self._lock_file = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held for the store's life
         try:
@@ -251,11 +275,35 @@ class BatchStore:
         try:
             _fsync_dir(self.files_dir)
             with self._transaction() as db:
+                self.check_file_quota(owner, num_bytes)  # in the transaction: concurrent uploads cannot both fit
                 _insert_file(db, row)
         except BaseException:
             (self.files_dir / row.id).unlink(missing_ok=True)  # no row, no body: a full disk gets its space back
             raise
         return row
+
+    # ------------------------------------------------------------------ quotas
+    def usage(self, owner: str) -> Usage:
+        visible, args = self._visible(owner)
+        files, num_bytes = self._db.execute(f"SELECT count(*), coalesce(sum(bytes), 0) FROM files WHERE {visible}",
+                                            args).fetchone()
+        batches = self._db.execute("SELECT count(*) FROM batches WHERE owner = ?", (owner,)).fetchone()[0]
+        return Usage(files, num_bytes, batches)
+
+    def check_file_quota(self, owner: str, num_bytes: int) -> None:
+        """Raise the 429 an upload of `num_bytes` more by `owner` gets, if it does not fit."""
+        used, quota = self.usage(owner), self.quota
+        if quota.files and used.files + 1 > quota.files:
+            raise _quota_error("file_quota_exceeded", f"This API key keeps {used.files} files, its limit "
+                               f"(--batch-quota-files). {_FREE_FILES}")
+        if quota.bytes and used.bytes + num_bytes > quota.bytes:
+            raise _quota_error("storage_quota_exceeded", f"This API key keeps {used.bytes} bytes of files; this file "
+                               f"would pass its limit of {quota.bytes} (--batch-quota-bytes). {_FREE_FILES}", "file")
+
+    def upload_room(self, owner: str) -> int | None:
+        """The bytes `owner` may still upload in one file (None: no limit); the 429 if no file fits."""
+        self.check_file_quota(owner, 0)
+        return max(0, self.quota.bytes - self.usage(owner).bytes) if self.quota.bytes else None
 
     def get_file(self, file_id: str, owner: str | None = None) -> FileRow:
         """The file, unless it is unknown, expired or another owner's (then it is absent, as after a delete)."""
@@ -314,6 +362,11 @@ class BatchStore:
                              code="invalid_value", param="input_file_id")
         batch_id, now_s = new_id("batch_"), self._now_s()
         with self._transaction() as db:
+            kept = self.usage(owner).batches
+            if self.quota.batches and kept + 1 > self.quota.batches:
+                raise _quota_error("batch_quota_exceeded", f"This API key keeps {kept} batches, its limit "
+                                   f"(--batch-quota-batches); finished batches are purged {self.retention_s} s "
+                                   "after they finish.")
             db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
                        "expires_at, metadata, output_expires_after_s, owner) "
                        "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
@@ -494,6 +547,13 @@ class BatchStore:
         for file_id in expired:
             (self.files_dir / file_id).unlink(missing_ok=True)  # a crash before this: an orphan, removed at open
         return PurgeCounts(files=len(expired), batches=batches)
+
+
+_FREE_FILES = "Delete files (DELETE /v1/files/{file_id}) or wait until they expire."
+
+
+def _quota_error(code: str, message: str, param: str | None = None) -> StoreError:
+    return StoreError(429, message, code=code, param=param, error_type="insufficient_quota")
 
 
 # --------------------------------------------------------------------------- schema migrations

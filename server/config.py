@@ -62,6 +62,9 @@ class ServerConfig:
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
     batch_max_in_flight: int = 0  # batch items in the engine at once; 0: twice max_batch_size (BatchService)
     batch_retention_s: int = 30 * 24 * 3600  # files (unless asked for less) and finished batches; 0: until deleted
+    batch_quota_files: int = 10_000  # files one API key may keep (uploads and outputs); 0: no limit
+    batch_quota_bytes: int = 10 * 10**9  # bytes of files one API key may keep; 0: no limit
+    batch_quota_batches: int = 1_000  # batches one API key may keep (finished ones until purged); 0: no limit
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -138,6 +141,10 @@ OPTIONS: tuple[Option, ...] = (
            "preempt them either way (0: enough to fill the engine)"),
     Option("batch_retention_s", int, "server", "seconds Batch API files (unless their upload asks for less) and "
            "finished batches are kept, then purged (default 30 days; 0: until deleted)"),
+    Option("batch_quota_files", int, "server", "files one API key may keep, uploads and batch outputs (0: no limit)"),
+    Option("batch_quota_bytes", parse_bytes, "server", "bytes of files one API key may keep, e.g. 10GB (0: no limit)"),
+    Option("batch_quota_batches", int, "server", "batches one API key may keep, finished ones until they are "
+           "purged (0: no limit)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
@@ -405,6 +412,8 @@ def _validate(config: ServerConfig) -> None:
          "batch_max_requests and batch_max_file_bytes must be >= 1"),
         (config.batch_max_in_flight >= 0, "batch_max_in_flight must be >= 0"),
         (config.batch_retention_s >= 0, "batch_retention_s must be >= 0 (0: keep until deleted)"),
+        (min(config.batch_quota_files, config.batch_quota_bytes, config.batch_quota_batches) >= 0,
+         "batch_quota_files, batch_quota_bytes and batch_quota_batches must be >= 0 (0: no limit)"),
         (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
         (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),

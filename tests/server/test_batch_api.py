@@ -571,3 +571,47 @@ async def test_the_admin_key_does_not_see_the_inference_keys_objects(aiohttp_cli
     assert (await admin.get(f"/v1/files/{file['id']}/content")).status == 404
     assert (await admin.delete(f"/v1/files/{file['id']}")).status == 404
     assert (await (await main.get(f"/v1/files/{file['id']}/content")).read()) == jsonl([chat_line("a")])
+
+
+# --------------------------------------------------------------------------- quotas (issue 29, finding 3)
+async def test_a_full_quota_is_a_clear_429_for_that_key_only(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, batch_quota_files=2, batch_quota_bytes=1000,
+                         batch_quota_batches=1, named_api_keys=(("alice", "sk-alice"), ("bob", "sk-bob")))
+    alice, bob = As(client, "sk-alice"), As(client, "sk-bob")
+    big = await alice.upload(b"x" * 1001)  # more than the quota: refused while it streams
+    error = await error_of(big, 429)
+    assert (error["code"], error["type"], error["param"]) == ("storage_quota_exceeded", "insufficient_quota", "file")
+    assert "--batch-quota-bytes" in error["message"]
+    file = await (await alice.upload(jsonl([chat_line("a")]))).json()
+    batch = await (await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                         "endpoint": "/v1/chat/completions"})).json()
+    again = await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                  "endpoint": "/v1/chat/completions"})
+    assert (await error_of(again, 429))["code"] == "batch_quota_exceeded"
+
+    async def done() -> dict | None:
+        found = await (await alice.get(f"/v1/batches/{batch['id']}")).json()
+        return found if found["status"] in TERMINAL else None
+
+    assert (await poll(done, what="alice's batch"))["status"] == "completed"  # its output is the second file
+    full = await error_of(await alice.upload(jsonl([chat_line("b")])), 429)
+    assert full["code"] == "file_quota_exceeded" and "DELETE /v1/files" in full["message"]
+    assert (await bob.upload(jsonl([chat_line("b")]))).status == 200  # bob's quota is his own
+    assert (await alice.delete(f"/v1/files/{file['id']}")).status == 200
+    assert (await alice.upload(jsonl([chat_line("b")]))).status == 200  # room again
+
+
+def test_quota_and_retention_settings(tmp_path):
+    from server.__main__ import make_parser
+    from server.config import ConfigError, build_config
+
+    config = build_config(make_parser().parse_args(["--batch-quota-bytes", "5GiB", "--batch-quota-files", "7"]),
+                          {"LLAMASERVE_BATCH_QUOTA_BATCHES": "3", "LLAMASERVE_BATCH_RETENTION_S": "0"})
+    assert (config.batch_quota_bytes, config.batch_quota_files, config.batch_quota_batches, config.batch_retention_s) \
+        == (5 << 30, 7, 3, 0)
+    defaults = ServerConfig()
+    assert (defaults.batch_quota_files, defaults.batch_quota_bytes, defaults.batch_quota_batches,
+            defaults.batch_retention_s) == (10_000, 10 * 10**9, 1_000, 30 * 24 * 3600)
+    for flag in ("--batch-quota-files", "--batch-quota-bytes", "--batch-quota-batches", "--batch-retention-s"):
+        with pytest.raises(ConfigError):
+            build_config(make_parser().parse_args([flag, "-1"]), {})

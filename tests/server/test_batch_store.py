@@ -331,3 +331,45 @@ def test_a_store_from_the_previous_version_is_migrated(tmp_path):
     finally:
         store.close()
     open_store(root).close()  # and opening it again changes nothing
+
+
+# --------------------------------------------------------------------------- quotas (issue 29, finding 3)
+def test_quotas_bound_each_owners_files_bytes_and_batches(tmp_path):
+    from server.batch_store import Quota
+
+    store = BatchStore(tmp_path / "store", max_file_bytes=1 << 20, max_requests=100,
+                       quota=Quota(files=3, bytes=20, batches=1))
+
+    def add(data: bytes, owner: str = "alice"):
+        path = store.upload_path()
+        path.write_bytes(data)
+        return store.add_file(path, filename="in.jsonl", purpose="batch", num_bytes=len(data), owner=owner)
+
+    def refused(call, code: str) -> None:
+        with pytest.raises(StoreError) as raised:
+            call()
+        assert (raised.value.status, raised.value.code, raised.value.error_type) == (429, code, "insufficient_quota")
+        assert [p for p in store.files_dir.iterdir() if p.name.startswith(".")] == []  # nothing left behind
+
+    try:
+        first, second = add(b"{}\n" * 3), add(b"{}\n" * 3)  # 18 of 20 bytes
+        refused(lambda: add(b"{}\n"), "storage_quota_exceeded")
+        assert add(b"{}\n" * 6, owner="bob")  # another owner's quota is its own
+        store.delete_file(second.id)
+        third, fourth = add(b"{}\n"), add(b"{}\n")
+        refused(lambda: add(b"{}\n"), "file_quota_exceeded")
+        usage = store.usage("alice")
+        assert (usage.files, usage.bytes, usage.batches) == (3, 9 + 3 + 3, 0)
+        batch = store.create_batch(input_file_id=first.id, endpoint="/v1/completions", completion_window="24h",
+                                   completion_window_s=60, metadata=None, owner="alice")
+        refused(lambda: store.create_batch(input_file_id=first.id, endpoint="/v1/completions", completion_window="24h",
+                                           completion_window_s=60, metadata=None, owner="alice"),
+                "batch_quota_exceeded")
+        # A batch's results are never refused: its output files may go past the quota.
+        store.start_items(batch.id, [(1, CheckedLine("c1", body=b"{}", model="m"))])
+        store.finish_item(batch.id, 1, ok=True, result=b'"a result longer than what is left"')
+        store.set_finalizing(batch.id)
+        done = store.finalize(batch.id, "completed")
+        assert store.usage("alice").files == 4 and store.get_file(done.output_file_id, owner="alice")
+    finally:
+        store.close()
