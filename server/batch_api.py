@@ -31,7 +31,7 @@ from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
 from server.auth import OWNER
 from server.batch_runner import BatchRunner
-from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError
+from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError, open_private
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
@@ -276,7 +276,7 @@ async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int
     path = store.upload_path()
     num_bytes = num_lines = 0
     try:
-        with open(path, "wb") as out:
+        with open_private(path, "wb") as out:
             while chunk := await part.read_chunk(_CHUNK_BYTES):
                 num_bytes += len(chunk)
                 if bytes_left is not None and num_bytes > bytes_left:

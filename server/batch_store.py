@@ -5,6 +5,9 @@
                              fsynced and renamed, so a crash never leaves half a file under an id
     <root>/.lock             held (flock) by the one server process that owns this root
 
+Private to the server's user whatever its umask: dirs 0700, files 0600 (the database's WAL and
+shared-memory files take its mode); a store left with looser modes is tightened when opened.
+
 Every state change is one transaction. An item's result is committed as a row the moment it
 finishes (`finish_item` only moves a pending item, so an item is recorded exactly once even if a
 restart runs it again), and the output and error files are written from those rows only when the
@@ -42,10 +45,11 @@ import json
 import os
 import secrets
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, TypeVar
 
 from server.auth import DEFAULT_OWNER
 
@@ -193,13 +197,16 @@ class BatchStore:
         `clock` gives the time in seconds since the epoch (tests move it)."""
         self.root = Path(root).expanduser()
         self.files_dir = self.root / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, self.files_dir):
+            directory.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            _make_private(directory, _DIR_MODE)
         self.max_file_bytes = max_file_bytes
         self.max_requests = max_requests
         self.retention_s = retention_s
         self.quota = quota
         self._clock = clock
-        self._lock_file = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held for the store's life
+        self._lock_file = open_private(self.root / ".lock", "a+b")  # held for the store's life
+        _make_private(self.root / ".lock", _FILE_MODE)
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -252,10 +259,15 @@ class BatchStore:
         return f"{live} AND owner = ?", (self._now_s(), owner)
 
     def _remove_orphans(self) -> None:
-        """Temporary files of a write that was cut off, and bodies whose row never committed."""
+        """Temporary files of a write that was cut off, and bodies whose row never committed; the
+        rest made private (a previous version left them 0644)."""
         known = {row["id"] for row in self._db.execute("SELECT id FROM files")}
         for path in self.files_dir.iterdir():
-            if path.name not in known and not path.is_dir():  # a folder is not ours to remove, nor a reason to fail
+            if path.is_dir():
+                continue  # a folder is not ours to remove, nor a reason to fail
+            if path.name in known:
+                _make_private(path, _FILE_MODE)
+            else:
                 path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ files
@@ -267,6 +279,7 @@ class BatchStore:
                  expires_after_s: int | None = None, owner: str = DEFAULT_OWNER) -> FileRow:
         """Move a fully written temporary file under a new id and record it as `owner`'s; it expires
         `expires_after_s` from now (at most the retention)."""
+        _make_private(temp_path, _FILE_MODE)  # whoever wrote it
         _fsync(temp_path)
         now_s = self._now_s()
         row = FileRow(new_id("file-"), now_s, num_bytes, filename, purpose, self._expiry(now_s, expires_after_s),
@@ -507,7 +520,7 @@ class BatchStore:
                                 "ORDER BY line", (batch_id, ok))
         temp = self.files_dir / f".{batch_id}-{ok}.tmp"
         num_lines = num_bytes = 0
-        with open(temp, "wb") as out:
+        with open_private(temp, "wb") as out:
             for row in rows:
                 data = bytes(row["result"]) + b"\n"
                 out.write(data)
@@ -583,7 +596,25 @@ def _insert_file(db: sqlite3.Connection, row: FileRow) -> None:
     db.execute(f"INSERT INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", _file_values(row))
 
 
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
+
+
+def open_private(path: Path, mode: str) -> BinaryIO:
+    """open(path, mode) for bytes, creating the file 0600 whatever the umask."""
+    flags = os.O_CREAT | (os.O_RDWR | os.O_APPEND if mode.startswith("a") else os.O_WRONLY | os.O_TRUNC)
+    return os.fdopen(os.open(path, flags | os.O_CLOEXEC, _FILE_MODE), mode)
+
+
+def _make_private(path: Path, mode: int) -> None:
+    if stat.S_IMODE(path.stat().st_mode) != mode:
+        os.chmod(path, mode)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
+    open_private(path, "a+b").close()  # SQLite gives its -wal and -shm files the database's mode
+    for existing in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if existing.exists():
+            _make_private(existing, _FILE_MODE)
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         db.row_factory = sqlite3.Row

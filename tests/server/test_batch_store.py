@@ -373,3 +373,53 @@ def test_quotas_bound_each_owners_files_bytes_and_batches(tmp_path):
         assert store.usage("alice").files == 4 and store.get_file(done.output_file_id, owner="alice")
     finally:
         store.close()
+
+
+# --------------------------------------------------------------------------- private files (issue 29, finding 11)
+def modes(root: Path) -> dict[str, int]:
+    """Permission bits of everything under root (root itself as '.')."""
+    import stat
+
+    found = {".": stat.S_IMODE(root.stat().st_mode)}
+    for path in root.rglob("*"):
+        found[str(path.relative_to(root))] = stat.S_IMODE(path.stat().st_mode)
+    return found
+
+
+@pytest.fixture
+def loose_umask():
+    import os
+
+    previous = os.umask(0o022)  # the default: files 0644, dirs 0755
+    yield
+    os.umask(previous)
+
+
+def test_the_store_is_private_to_the_server(tmp_path, loose_umask):
+    root = tmp_path / "store"
+    store = open_store(root)
+    try:
+        done = new_batch(store, num_items=1)
+        store.finish_item(done.id, 1, ok=True, result=b'"r1"')
+        store.set_finalizing(done.id)
+        store.finalize(done.id, "completed")
+        found = modes(root)
+    finally:
+        store.close()
+    dirs = {name for name in found if (root / name).is_dir()}
+    assert dirs == {".", "files"} and {found[name] for name in dirs} == {0o700}, found
+    assert {mode for name, mode in found.items() if name not in dirs} == {0o600}, found
+    assert len(found) >= 6  # the database (and its WAL), the lock, an input and an output file
+
+
+def test_a_store_written_with_loose_modes_is_made_private_when_opened(tmp_path, loose_umask):
+    import os
+
+    root = tmp_path / "store"
+    store = open_store(root)
+    add_input(store)
+    store.close()
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)  # as the previous version left them
+    open_store(root).close()
+    assert set(modes(root).values()) <= {0o700, 0o600}, modes(root)
