@@ -14,7 +14,6 @@ restart the runner carries on with the items still pending.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+import structlog
 
 from compat import batch_protocol as bp
 from compat import protocol as p
@@ -38,7 +38,7 @@ from server.request_flow import (  # the online handlers' own pieces: one reques
     off_loop_if_large,
 )
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("llamaserve.batch")  # structlog renders tracebacks; the stdlib bridge does not
 
 BATCH_PRIORITY = 1  # online requests have 0; the scheduler runs lower values first
 # Errors that say "not now" rather than "never": the item waits and tries again.
@@ -154,6 +154,8 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
         error = from_exception(exc)
         if error.code in _RETRY_CODES:
             raise error from exc
+        if error.status >= 500:  # our fault, not the line's: the log keeps the traceback the line leaves out
+            log.error("batch item failed", custom_id=item.custom_id, code=error.code, exc_info=exc)
         return ItemResult(False, error_response_line(item.custom_id, error))
     usage = response.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
@@ -208,7 +210,7 @@ class BatchRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the runner
-                log.exception("batch %s failed", batch.id)
+                log.error("batch failed", batch_id=batch.id, exc_info=True)
                 await self.store.io(self.store.fail_batch, batch.id,
                                     [{"code": "internal_error", "message": f"the batch failed: {exc!r}"}])
 
@@ -294,7 +296,8 @@ class BatchRunner:
     async def _item(self, batch: BatchRow, item: PendingItem) -> None:
         while True:
             try:
-                result = await run_item(self.registry, batch.endpoint, item)
+                with structlog.contextvars.bound_contextvars(batch_id=batch.id):  # in what run_item logs
+                    result = await run_item(self.registry, batch.endpoint, item)
                 break
             except ApiError as exc:  # not now: wait as the server asks, then again
                 if _expired(batch):

@@ -615,3 +615,20 @@ def test_quota_and_retention_settings(tmp_path):
     for flag in ("--batch-quota-files", "--batch-quota-bytes", "--batch-quota-batches", "--batch-retention-s"):
         with pytest.raises(ConfigError):
             build_config(make_parser().parse_args([flag, "-1"]), {})
+
+
+async def test_an_unexpected_item_error_is_logged_with_its_traceback(aiohttp_client, factory, tmp_path):
+    """Issue 29, finding 11: the item got its internal_error line, and the server log had nothing."""
+    from structlog.contextvars import merge_contextvars
+    from structlog.testing import capture_logs
+
+    client = await start(aiohttp_client, factory, tmp_path)
+    factory.engines["fake"].raise_on_generate = RuntimeError("a bug in the engine")
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    (line,) = await content_lines(client, done["error_file_id"])
+    assert line["response"]["body"]["error"]["code"] == "internal_error"
+    (logged,) = [entry for entry in logs if entry["event"] == "batch item failed"]
+    assert logged["batch_id"] == done["id"] and logged["custom_id"] == "x" and logged["log_level"] == "error"
+    assert isinstance(logged["exc_info"], RuntimeError) and "a bug in the engine" in str(logged["exc_info"])
