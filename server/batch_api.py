@@ -33,6 +33,7 @@ from server.auth import OWNER
 from server.batch_runner import BatchRunner
 from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError, open_private
 from server.config import ServerConfig
+from server.drain import shutting_down_error
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.subsystems import SUBSYSTEMS_KEY, Backoff, Subsystems, supervise
@@ -64,6 +65,7 @@ class BatchService:
         self._temp_dir: Path | None = None
         self._supervisor: asyncio.Task | None = None
         self._first_attempt_done = asyncio.Event()
+        self._closed = False
 
     @property
     def max_in_flight(self) -> int:
@@ -79,7 +81,7 @@ class BatchService:
 
     def start(self) -> None:
         """Open the store and run the runner in the background, supervised; idempotent."""
-        if self._supervisor is None:
+        if self._supervisor is None and not self._closed:
             self.subsystems.starting(BATCH_SUBSYSTEM)
             self._supervisor = asyncio.create_task(
                 supervise(self.subsystems, BATCH_SUBSYSTEM, self._serve, backoff=RESTART_BACKOFF),
@@ -89,6 +91,8 @@ class BatchService:
         """The open store, or a 503 saying why the Batch API is down."""
         self.start()
         await self._first_attempt_done.wait()
+        if self._closed:
+            raise shutting_down_error()
         if self._store is None or self.subsystems.get(BATCH_SUBSYSTEM).status == "down":
             raise self.subsystems.unavailable(BATCH_SUBSYSTEM, "The Batch API")
         return self._store
@@ -136,6 +140,8 @@ class BatchService:
             self._runner.cancel(batch_id)
 
     async def close(self) -> None:
+        self._closed = True
+        self._first_attempt_done.set()  # a request still waiting for the store gets its 503
         if self._supervisor is not None:
             self._supervisor.cancel()  # cancels in-flight items: they stay pending for the next start
             await asyncio.gather(self._supervisor, return_exceptions=True)

@@ -632,3 +632,16 @@ async def test_an_unexpected_item_error_is_logged_with_its_traceback(aiohttp_cli
     (logged,) = [entry for entry in logs if entry["event"] == "batch item failed"]
     assert logged["batch_id"] == done["id"] and logged["custom_id"] == "x" and logged["log_level"] == "error"
     assert isinstance(logged["exc_info"], RuntimeError) and "a bug in the engine" in str(logged["exc_info"])
+
+
+async def test_a_closed_batch_service_opens_nothing_again(tmp_path):
+    """A request still running at shutdown must not start the store again after the app closed it."""
+    from server.batch_api import BatchService
+    from server.errors import ApiError
+
+    service = BatchService(ServerConfig(batch_dir=tmp_path / "batches"), registry=None)
+    await service.close()
+    with pytest.raises(ApiError) as raised:
+        await service.store()
+    assert raised.value.status == 503 and raised.value.code == "shutting_down"
+    assert not (tmp_path / "batches").exists()
