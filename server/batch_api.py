@@ -31,7 +31,7 @@ from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
 from server.auth import OWNER
 from server.batch_runner import BatchRunner
-from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError, open_private
+from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError, open_private, storage_quota_error
 from server.config import ServerConfig
 from server.drain import shutting_down_error
 from server.errors import ApiError
@@ -196,7 +196,11 @@ async def _io(request: web.Request, fn: Any, *args: Any) -> Any:
     try:
         return await store.io(fn, *args)
     except StoreError as exc:
-        raise ApiError(exc.status, str(exc), param=exc.param, code=exc.code, error_type=exc.error_type) from None
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: StoreError) -> ApiError:
+    return ApiError(exc.status, str(exc), param=exc.param, code=exc.code, error_type=exc.error_type)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -224,8 +228,6 @@ async def create_file(request: web.Request) -> web.Response:
                     if upload is not None:
                         raise ApiError(400, "send one file per upload", param="file", code="invalid_request")
                     upload = await _receive_file(part, store, bytes_left)
-                    if bytes_left is not None and upload[2] > bytes_left:
-                        await _io(request, store.check_file_quota, owner, upload[2])  # raises its 429
                 elif part.name == "purpose":
                     purpose = (await _small_field(part)).decode("utf-8", "replace").strip()
                 elif part.name in _EXPIRES_AFTER_FIELDS:
@@ -277,8 +279,8 @@ async def _small_field(part: BodyPartReader) -> bytes:
 
 
 async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int | None) -> tuple[Path, str, int]:
-    """Stream the file part to a temporary file, enforcing the size and request-count limits. It
-    stops one byte past `bytes_left` (the owner's quota), so the caller refuses it without storing it."""
+    """Stream the file part to a temporary file, enforcing the size and request-count limits and the
+    owner's quota (`bytes_left`): a file that passes one is refused as soon as it does."""
     path = store.upload_path()
     num_bytes = num_lines = 0
     try:
@@ -286,7 +288,7 @@ async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int
             while chunk := await part.read_chunk(_CHUNK_BYTES):
                 num_bytes += len(chunk)
                 if bytes_left is not None and num_bytes > bytes_left:
-                    break
+                    raise _api_error(storage_quota_error(store.quota.bytes - bytes_left, store.quota.bytes))
                 if num_bytes > store.max_file_bytes:
                     raise ApiError(413, f"The file is larger than this server's limit of {store.max_file_bytes} "
                                    "bytes (--batch-max-file-bytes)", param="file", code="file_too_large")

@@ -310,8 +310,7 @@ class BatchStore:
             raise _quota_error("file_quota_exceeded", f"This API key keeps {used.files} files, its limit "
                                f"(--batch-quota-files). {_FREE_FILES}")
         if quota.bytes and used.bytes + num_bytes > quota.bytes:
-            raise _quota_error("storage_quota_exceeded", f"This API key keeps {used.bytes} bytes of files; this file "
-                               f"would pass its limit of {quota.bytes} (--batch-quota-bytes). {_FREE_FILES}", "file")
+            raise storage_quota_error(used.bytes, quota.bytes)
 
     def upload_room(self, owner: str) -> int | None:
         """The bytes `owner` may still upload in one file (None: no limit); the 429 if no file fits."""
@@ -567,6 +566,13 @@ _FREE_FILES = "Delete files (DELETE /v1/files/{file_id}) or wait until they expi
 
 def _quota_error(code: str, message: str, param: str | None = None) -> StoreError:
     return StoreError(429, message, code=code, param=param, error_type="insufficient_quota")
+
+
+def storage_quota_error(used_bytes: int, quota_bytes: int) -> StoreError:
+    """The 429 of an upload that would take its owner past `quota_bytes` (the store's check, and the
+    upload handler's while the file streams in)."""
+    return _quota_error("storage_quota_exceeded", f"This API key keeps {used_bytes} bytes of files; this file would "
+                        f"pass its limit of {quota_bytes} (--batch-quota-bytes). {_FREE_FILES}", "file")
 
 
 # --------------------------------------------------------------------------- schema migrations

@@ -645,3 +645,17 @@ async def test_a_closed_batch_service_opens_nothing_again(tmp_path):
         await service.store()
     assert raised.value.status == 503 and raised.value.code == "shutting_down"
     assert not (tmp_path / "batches").exists()
+
+
+async def test_an_upload_that_passes_the_bytes_quota_is_never_stored(aiohttp_client, factory, tmp_path, monkeypatch):
+    """Cut off mid-stream, the upload is refused there: even if room frees meanwhile (another upload
+    deleted), nothing is stored, least of all the part that was received."""
+    from server.batch_api import BATCH_KEY
+
+    client = await start(aiohttp_client, factory, tmp_path, batch_quota_bytes=1000)
+    store = await client.app[BATCH_KEY].store()
+    monkeypatch.setattr(store, "check_file_quota", lambda owner, num_bytes: None)  # room again, by now
+    error = await error_of(await upload(client, b"x" * (1 << 17)), 429)
+    assert error["code"] == "storage_quota_exceeded"
+    assert (await (await client.get("/v1/files")).json())["data"] == []
+    assert [path.name for path in (tmp_path / "batches" / "files").iterdir()] == []
