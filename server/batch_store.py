@@ -206,14 +206,13 @@ class BatchStore:
         self.quota = quota
         self._clock = clock
         self._lock_file = open_private(self.root / ".lock", "a+b")  # held for the store's life
-        _make_private(self.root / ".lock", _FILE_MODE)
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise StoreBusy(f"batch storage {self.root} is in use by another server process") from None
         with contextlib.ExitStack() as on_failure:  # else a retry in this process finds its own lock: "busy"
             on_failure.callback(self._lock_file.close)
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreBusy(f"batch storage {self.root} is in use by another server process") from None
+            _make_private(self.root / ".lock", _FILE_MODE)
             self._db = _connect(self.root / "batches.sqlite3")
             on_failure.callback(self._db.close)
             self._migrate()
