@@ -56,6 +56,12 @@ RUN groupadd --gid 10001 llamaserve \
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /opt/llamaserve /opt/llamaserve
 COPY docker/entrypoint.sh /usr/local/bin/llamaserve-entrypoint
+# Every dir the server writes by default belongs to its user (the rest of /opt/llamaserve stays
+# root's, read-only to it): the Batch API's store, private to the server (0700). Mount a volume
+# here to keep batches across containers; a named volume takes this owner and mode. A dir it
+# cannot write takes only the Batch API down (503 with the reason), never the server.
+# tests/e2e/test_image_user_e2e.py runs the server as this user against these lines.
+RUN install -d -o 10001 -g 10001 -m 0700 /opt/llamaserve/cache/batches
 # LLAMASERVE_HOST: bind every interface explicitly, so the published port is reachable whatever the
 # server's own default; set LLAMASERVE_API_KEY to require a key from clients.
 ENV PATH=/opt/venv/bin:$PATH \
@@ -64,6 +70,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     LLAMASERVE_PORT=8000 \
     LLAMASERVE_CHECKPOINT_ROOTS=/checkpoints \
     LLAMASERVE_CACHE_DIR=/opt/llamaserve/cache \
+    LLAMASERVE_BATCH_DIR=/opt/llamaserve/cache/batches \
     LLAMASERVE_PREBUILT_KERNELS=/opt/llamaserve/kernels
 VOLUME ["/checkpoints"]
 USER 10001:10001

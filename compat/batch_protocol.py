@@ -14,6 +14,8 @@ from msgspec import Meta, Struct
 
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600}  # OpenAI accepts only 24h
 
+MIN_EXPIRES_AFTER_S, MAX_EXPIRES_AFTER_S = 3600, 30 * 24 * 3600  # OpenAI's bounds: 1 hour to 30 days
+ExpiresAfterSeconds = Annotated[int, Meta(ge=MIN_EXPIRES_AFTER_S, le=MAX_EXPIRES_AFTER_S)]
 MetadataKey = Annotated[str, Meta(max_length=64)]
 MetadataValue = Annotated[str, Meta(max_length=512)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)]
@@ -21,12 +23,19 @@ ObjectId = Annotated[str, Meta(min_length=1, max_length=128)]
 
 
 # --------------------------------------------------------------------------- requests
+class ExpiresAfter(Struct, forbid_unknown_fields=True, kw_only=True):
+    """When a file expires: `seconds` after its creation (the only anchor OpenAI has)."""
+
+    anchor: Literal["created_at"]
+    seconds: ExpiresAfterSeconds
+
+
 class CreateBatchRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     input_file_id: ObjectId
     endpoint: str  # an endpoint kind's route (server/endpoints.py), checked with a message that lists them
     completion_window: str
     metadata: Metadata | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; outputs here do not expire
+    output_expires_after: ExpiresAfter | None = None  # of the output and error files
 
 
 class InputLine(Struct, forbid_unknown_fields=True, kw_only=True):

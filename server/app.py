@@ -27,6 +27,7 @@ from server.model_routes import add_model_routes
 from server.model_spec import EngineFactory
 from server.openapi import add_openapi_route
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.subsystems import SUBSYSTEMS_KEY, Subsystems
 
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,6 +51,9 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app[REGISTRY_KEY] = registry
     metrics = ServerMetrics(registry.engines)
     metrics.add_lifecycle(registry.lifecycle_stats)
+    subsystems = Subsystems()  # optional parts (the Batch API) register here and fail alone
+    metrics.add_subsystems(lambda: [(state.name, state.is_up) for state in subsystems.all()])
+    app[SUBSYSTEMS_KEY] = subsystems
     app[METRICS_KEY] = metrics
     app[LOGGER_KEY] = structlog.get_logger("llamaserve.access")
     routes.add_routes(app)
@@ -181,5 +185,6 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
-    auth.check(request, config.api_key, config.admin_api_key, allow_remote_admin=config.allow_remote_admin)
+    request[auth.OWNER] = auth.check(request, config.api_key, config.admin_api_key,
+                                     allow_remote_admin=config.allow_remote_admin, named_keys=config.named_api_keys)
     return await handler(request)

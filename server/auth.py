@@ -1,12 +1,19 @@
 """Optional API keys: Bearer tokens compared in constant time; /health stays open.
 
-Two keys: `api_key` for inference, `admin_api_key` for registering and deleting models. When an
-admin key is set it also works for inference; when it is not, the inference key guards both.
+`api_key` and the keys of `--api-keys-file` (named: NAME KEY per line) are for inference;
+`admin_api_key` is for registering and deleting models. When an admin key is set it also works
+for inference; when it is not, the inference keys guard both.
+
+Every request gets an owner (`OWNER`): the name of the key it carried. The Batch API keeps each
+owner's files and batches apart. `--api-key` owns as DEFAULT_OWNER, as does everyone on a server
+without keys (so a server that gains its first key keeps its objects); the admin key as
+ADMIN_OWNER; a keys-file key as its name, so several keys with one name (a rotation) share them.
 """
 
 from __future__ import annotations
 
 import hmac
+from typing import Sequence
 
 from aiohttp import web
 
@@ -15,6 +22,11 @@ from server.safety import is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
 _ADMIN_METHODS = frozenset({"POST", "DELETE", "PUT", "PATCH"})
+DEFAULT_OWNER = "default"
+ADMIN_OWNER = "admin"
+OWNER = web.RequestKey("owner", str)  # set by the app's auth middleware
+
+NamedKeys = Sequence[tuple[str, str]]  # (owner name, key)
 
 
 def is_admin_route(request: web.Request) -> bool:
@@ -34,27 +46,42 @@ def _matches(token: bytes | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token, key.encode())
 
 
+def _named_owner(token: bytes | None, named_keys: NamedKeys) -> str | None:
+    """The name of the file key the token is; every key is compared, so the time does not say which."""
+    owner = None
+    for name, key in named_keys:
+        if _matches(token, key) and owner is None:
+            owner = name
+    return owner
+
+
 def check(request: web.Request, api_key: str | None, admin_api_key: str | None, *,
-          allow_remote_admin: bool = False) -> None:
-    """Raise ApiError 401/403 unless the request carries the key its route needs; with no key at
-    all, registry routes are for loopback clients only (server/safety.py)."""
+          allow_remote_admin: bool = False, named_keys: NamedKeys = ()) -> str:
+    """The request's owner; raise ApiError 401/403 unless the request carries the key its route
+    needs. With no key at all, registry routes are for loopback clients only (server/safety.py)."""
     if request.path in OPEN_PATHS:
-        return
-    if api_key is None and admin_api_key is None:
+        return DEFAULT_OWNER
+    if api_key is None and admin_api_key is None and not named_keys:
         if is_admin_route(request) and not allow_remote_admin and not is_loopback(request.remote):
             raise ApiError(403, "Registering, switching and deleting models is open to loopback clients only on "
                            "a server without an admin API key.", code="admin_requires_loopback")
-        return
+        return DEFAULT_OWNER
     token = bearer_token(request)
     is_admin = _matches(token, admin_api_key)
+    named = _named_owner(token, named_keys)
+    inference_owner = DEFAULT_OWNER if _matches(token, api_key) else named
     if is_admin_route(request) and admin_api_key is not None:
         if is_admin:
-            return
-        if _matches(token, api_key):
+            return ADMIN_OWNER
+        if inference_owner is not None:
             raise ApiError(403, "This endpoint requires the admin API key.", code="admin_key_required")
         raise _unauthorized(token)
-    if is_admin or _matches(token, api_key) or api_key is None and not is_admin_route(request):
-        return
+    if is_admin:
+        return ADMIN_OWNER
+    if inference_owner is not None:
+        return inference_owner
+    if api_key is None and not named_keys and not is_admin_route(request):
+        return DEFAULT_OWNER  # only an admin key is set: inference is open
     raise _unauthorized(token)
 
 

@@ -7,6 +7,11 @@
 The store lives in `batch_dir` (the CLI defaults it under the cache dir, so batches survive a
 restart and resume); without one it is a temporary directory removed at exit. It is opened at
 start when configured (unfinished batches resume at once), else on the first Batch API call.
+
+The Batch API is an optional subsystem (server/subsystems.py): a store that cannot open (a dir the
+server's user cannot write, a corrupt database) or a runner that fails takes only it down. Its
+routes then answer 503 `batch_unavailable` with the reason, /ready and /metrics say so, and the
+store and runner are tried again after a growing delay; inference serves on throughout.
 """
 
 from __future__ import annotations
@@ -24,28 +29,44 @@ from aiohttp.http_exceptions import HttpProcessingError
 from compat import batch_protocol as bp
 from compat.protocol import decode
 from server.app_keys import CONFIG_KEY
+from server.auth import OWNER
 from server.batch_runner import BatchRunner
-from server.batch_store import BatchRow, BatchStore, FileRow, StoreBusy, StoreError
+from server.batch_store import BatchRow, BatchStore, FileRow, Quota, StoreError, open_private, storage_quota_error
 from server.config import ServerConfig
 from server.endpoints import KIND_BY_PATH
+from server.drain import shutting_down_error
 from server.errors import ApiError
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.subsystems import SUBSYSTEMS_KEY, Backoff, Subsystems, supervise
+
+log = structlog.get_logger("llamaserve.batch")
 
 _CHUNK_BYTES = 1 << 16
 _MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
-_IGNORED_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # files here live until deleted
+_EXPIRES_AFTER_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # OpenAI's form spelling
+PURGE_INTERVAL_S = 600.0  # expired files read as absent at once; this is how soon their bytes go
+
+
+BATCH_SUBSYSTEM = "batch"
+RESTART_BACKOFF = Backoff(initial_s=1.0, max_s=60.0)  # between attempts to open the store or restart the runner
 
 
 class BatchService:
-    """The store (opened once) and its runner, for one app."""
+    """The store and its runner for one app: an optional subsystem (server/subsystems.py). Opening
+    the store and running the runner happen in one supervised task: when either fails, the Batch API
+    routes answer 503 with the reason while inference serves on, and the task starts again later."""
 
-    def __init__(self, config: ServerConfig, registry: ModelRegistry) -> None:
+    def __init__(self, config: ServerConfig, registry: ModelRegistry, subsystems: Subsystems | None = None) -> None:
         self.config = config
         self.registry = registry
+        self.subsystems = subsystems if subsystems is not None else Subsystems()
+        self.subsystems.register(BATCH_SUBSYSTEM)
         self._store: BatchStore | None = None
         self._runner: BatchRunner | None = None
         self._temp_dir: Path | None = None
-        self._opening = asyncio.Lock()
+        self._supervisor: asyncio.Task | None = None
+        self._first_attempt_done = asyncio.Event()
+        self._closed = False
 
     @property
     def max_in_flight(self) -> int:
@@ -59,35 +80,72 @@ class BatchService:
         engine = self.config.engine
         return max(1, min(2 * engine.max_batch_size, engine.max_waiting_requests // 2))
 
+    def start(self) -> None:
+        """Open the store and run the runner in the background, supervised; idempotent."""
+        if self._supervisor is None and not self._closed:
+            self.subsystems.starting(BATCH_SUBSYSTEM)
+            self._supervisor = asyncio.create_task(
+                supervise(self.subsystems, BATCH_SUBSYSTEM, self._serve, backoff=RESTART_BACKOFF),
+                name="batch-supervisor")
+
     async def store(self) -> BatchStore:
-        if self._store is None:
-            async with self._opening:
-                if self._store is None:
-                    await self._open()
-        assert self._store is not None
+        """The open store, or a 503 saying why the Batch API is down."""
+        self.start()
+        await self._first_attempt_done.wait()
+        if self._closed:
+            raise shutting_down_error()
+        if self._store is None or self.subsystems.get(BATCH_SUBSYSTEM).status == "down":
+            raise self.subsystems.unavailable(BATCH_SUBSYSTEM, "The Batch API")
         return self._store
 
-    async def _open(self) -> None:
+    async def _serve(self) -> None:
+        """One supervised run: open the store (once; it stays open across runner restarts), then run
+        batches until cancelled. Raises when the store cannot open or the runner fails."""
+        try:
+            if self._store is None:
+                self._store = await self._open()
+        finally:
+            self._first_attempt_done.set()
+        self._runner = BatchRunner(self._store, self.registry, max_in_flight=self.max_in_flight)
+        self.subsystems.up(BATCH_SUBSYSTEM)
+        tasks = [asyncio.create_task(self._runner.run(), name="batch-runner"),
+                 asyncio.create_task(_purge_periodically(self._store), name="batch-purge")]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # the failure, for the supervisor to report
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _open(self) -> BatchStore:
         root = self.config.batch_dir
         if root is None:
-            self._temp_dir = root = Path(tempfile.mkdtemp(prefix="llamaserve-batches-"))
-        try:
-            store = await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
-                                            max_requests=self.config.batch_max_requests)
-        except StoreBusy as exc:
-            raise ApiError(503, str(exc), code="batch_storage_busy") from None
-        self._store = store
-        self._runner = BatchRunner(store, self.registry, max_in_flight=self.max_in_flight)
-        self._runner.start()
+            if self._temp_dir is None:
+                self._temp_dir = Path(tempfile.mkdtemp(prefix="llamaserve-batches-"))
+            root = self._temp_dir
+        return await asyncio.to_thread(BatchStore, root, max_file_bytes=self.config.batch_max_file_bytes,
+                                       max_requests=self.config.batch_max_requests,
+                                       retention_s=self.config.batch_retention_s,
+                                       quota=Quota(files=self.config.batch_quota_files,
+                                                   bytes=self.config.batch_quota_bytes,
+                                                   batches=self.config.batch_quota_batches))
 
-    @property
-    def runner(self) -> BatchRunner:
-        assert self._runner is not None
-        return self._runner
+    def wake(self) -> None:
+        if self._runner is not None:
+            self._runner.wake()
+
+    def cancel(self, batch_id: str) -> None:
+        if self._runner is not None:
+            self._runner.cancel(batch_id)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.stop()
+        self._closed = True
+        self._first_attempt_done.set()  # a request still waiting for the store gets its 503
+        if self._supervisor is not None:
+            self._supervisor.cancel()  # cancels in-flight items: they stay pending for the next start
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
         if self._temp_dir is not None:
@@ -95,6 +153,15 @@ class BatchService:
 
 
 BATCH_KEY = web.AppKey("batch_service", BatchService)
+
+
+async def _purge_periodically(store: BatchStore) -> None:
+    """Delete expired files and old finished batches now and every PURGE_INTERVAL_S."""
+    while True:
+        purged = await store.io(store.purge)
+        if purged.files or purged.batches:
+            log.info("purged expired batch storage", files=purged.files, batches=purged.batches)
+        await asyncio.sleep(PURGE_INTERVAL_S)
 
 
 def add_batch_routes(app: web.Application) -> None:
@@ -111,13 +178,10 @@ def add_batch_routes(app: web.Application) -> None:
 
 
 async def _batch_context(app: web.Application) -> AsyncIterator[None]:
-    service = BatchService(app[CONFIG_KEY], app[REGISTRY_KEY])
+    service = BatchService(app[CONFIG_KEY], app[REGISTRY_KEY], app[SUBSYSTEMS_KEY])
     app[BATCH_KEY] = service
     if service.config.batch_dir is not None:
-        try:
-            await service.store()  # resume what a previous run left unfinished
-        except ApiError as exc:
-            structlog.get_logger("llamaserve.batch").warning("batch API unavailable", error=exc.message)
+        service.start()  # resume what a previous run left unfinished; a failure stays in the subsystem
     try:
         yield
     finally:
@@ -133,7 +197,11 @@ async def _io(request: web.Request, fn: Any, *args: Any) -> Any:
     try:
         return await store.io(fn, *args)
     except StoreError as exc:
-        raise ApiError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: StoreError) -> ApiError:
+    return ApiError(exc.status, str(exc), param=exc.param, code=exc.code, error_type=exc.error_type)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -146,7 +214,10 @@ async def create_file(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
         raise ApiError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'",
                        code="invalid_request")
+    owner = request[OWNER]
+    bytes_left = await _io(request, store.upload_room, owner)  # a key whose quota is full is told before it sends
     purpose: str | None = None
+    expires_after: dict[str, str] = {}
     upload: tuple[Path, str, int] | None = None
     try:
         try:
@@ -157,11 +228,11 @@ async def create_file(request: web.Request) -> web.Response:
                 if part.name == "file":
                     if upload is not None:
                         raise ApiError(400, "send one file per upload", param="file", code="invalid_request")
-                    upload = await _receive_file(part, store)
+                    upload = await _receive_file(part, store, bytes_left)
                 elif part.name == "purpose":
                     purpose = (await _small_field(part)).decode("utf-8", "replace").strip()
-                elif part.name in _IGNORED_FIELDS:
-                    await _small_field(part)
+                elif part.name in _EXPIRES_AFTER_FIELDS:
+                    expires_after[part.name] = (await _small_field(part)).decode("utf-8", "replace").strip()
                 else:
                     raise ApiError(400, f"Unrecognized request argument supplied: {part.name}", param=part.name,
                                    code="invalid_request")
@@ -172,13 +243,30 @@ async def create_file(request: web.Request) -> web.Response:
         if purpose != "batch":
             raise ApiError(400, f"purpose {purpose!r} is not served here; upload batch input files with "
                            "purpose 'batch'", param="purpose", code="invalid_value")
+        expires_after_s = _expires_after_s(expires_after)
         path, filename, num_bytes = upload
-        row = await store.io(lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes))
+        row = await _io(request, lambda: store.add_file(path, filename=filename, purpose="batch", num_bytes=num_bytes,
+                                                        expires_after_s=expires_after_s, owner=owner))
         upload = None
         return _json(file_object(row))
     finally:
         if upload is not None:
             upload[0].unlink(missing_ok=True)
+
+
+def _expires_after_s(fields: dict[str, str]) -> int | None:
+    """`expires_after[anchor]` and `expires_after[seconds]` of an upload form -> seconds, or None."""
+    if not fields:
+        return None
+    if fields.get("expires_after[anchor]") != "created_at":
+        raise ApiError(400, "expires_after[anchor] must be 'created_at'", param="expires_after[anchor]",
+                       code="invalid_value")
+    text = fields.get("expires_after[seconds]", "")
+    low, high = bp.MIN_EXPIRES_AFTER_S, bp.MAX_EXPIRES_AFTER_S
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(high)) and low <= int(text) <= high):
+        raise ApiError(400, f"expires_after[seconds] must be an integer from {low} to {high}",
+                       param="expires_after[seconds]", code="invalid_value")
+    return int(text)
 
 
 async def _small_field(part: BodyPartReader) -> bytes:
@@ -191,14 +279,17 @@ async def _small_field(part: BodyPartReader) -> bytes:
     return data
 
 
-async def _receive_file(part: BodyPartReader, store: BatchStore) -> tuple[Path, str, int]:
-    """Stream the file part to a temporary file, enforcing the size and request-count limits."""
+async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int | None) -> tuple[Path, str, int]:
+    """Stream the file part to a temporary file, enforcing the size and request-count limits and the
+    owner's quota (`bytes_left`): a file that passes one is refused as soon as it does."""
     path = store.upload_path()
     num_bytes = num_lines = 0
     try:
-        with open(path, "wb") as out:
+        with open_private(path, "wb") as out:
             while chunk := await part.read_chunk(_CHUNK_BYTES):
                 num_bytes += len(chunk)
+                if bytes_left is not None and num_bytes > bytes_left:
+                    raise _api_error(storage_quota_error(store.quota.bytes - bytes_left, store.quota.bytes))
                 if num_bytes > store.max_file_bytes:
                     raise ApiError(413, f"The file is larger than this server's limit of {store.max_file_bytes} "
                                    "bytes (--batch-max-file-bytes)", param="file", code="file_too_large")
@@ -225,25 +316,25 @@ async def list_files(request: web.Request) -> web.Response:
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
     store = await _store(request)
     rows, has_more = await _io(request, lambda: store.list_files(after=query.get("after"), limit=limit, order=order,
-                                                                 purpose=query.get("purpose")))
+                                                                 purpose=query.get("purpose"), owner=request[OWNER]))
     return _json(_page([file_object(row) for row in rows], has_more))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
     store = await _store(request)
-    return _json(file_object(await _io(request, store.get_file, request.match_info["file_id"])))
+    return _json(file_object(await _io(request, store.get_file, request.match_info["file_id"], request[OWNER])))
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
     store = await _store(request)
-    path = await _io(request, store.file_path, request.match_info["file_id"])
+    path = await _io(request, store.file_path, request.match_info["file_id"], request[OWNER])
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
 
 async def delete_file(request: web.Request) -> web.Response:
     store = await _store(request)
     file_id = request.match_info["file_id"]
-    await _io(request, store.delete_file, file_id)
+    await _io(request, store.delete_file, file_id, request[OWNER])
     return _json(bp.FileDeleted(id=file_id))
 
 
@@ -261,28 +352,31 @@ async def create_batch(request: web.Request) -> web.Response:
     store = await _store(request)
     row = await _io(request, lambda: store.create_batch(
         input_file_id=body.input_file_id, endpoint=body.endpoint, completion_window=body.completion_window,
-        completion_window_s=window_s, metadata=body.metadata))
-    request.app[BATCH_KEY].runner.wake()
+        completion_window_s=window_s, metadata=body.metadata,
+        output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None,
+        owner=request[OWNER]))
+    request.app[BATCH_KEY].wake()
     return _json(batch_object(row))
 
 
 async def list_batches(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", default=20, low=1, high=100)
     store = await _store(request)
-    rows, has_more = await _io(request, lambda: store.list_batches(after=request.query.get("after"), limit=limit))
+    rows, has_more = await _io(request, lambda: store.list_batches(after=request.query.get("after"), limit=limit,
+                                                                   owner=request[OWNER]))
     return _json(_page([batch_object(row) for row in rows], has_more))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
     store = await _store(request)
-    return _json(batch_object(await _io(request, store.get_batch, request.match_info["batch_id"])))
+    return _json(batch_object(await _io(request, store.get_batch, request.match_info["batch_id"], request[OWNER])))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
     store = await _store(request)
-    row = await _io(request, store.request_cancel, request.match_info["batch_id"])
+    row = await _io(request, store.request_cancel, request.match_info["batch_id"], request[OWNER])
     if row.status == "cancelling":
-        request.app[BATCH_KEY].runner.cancel(row.id)
+        request.app[BATCH_KEY].cancel(row.id)
     return _json(batch_object(row))
 
 

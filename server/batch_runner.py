@@ -14,7 +14,6 @@ restart the runner carries on with the items still pending.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+import structlog
 
 from compat import batch_protocol as bp
 from compat import protocol as p
@@ -32,7 +32,7 @@ from server.errors import ApiError, from_exception
 from server.registry import ModelRegistry
 from server.request_flow import collect, merged_outputs, off_loop_if_large  # one request path for online and batch
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("llamaserve.batch")  # structlog renders tracebacks; the stdlib bridge does not
 
 BATCH_PRIORITY = 1  # online requests have 0; the scheduler runs lower values first
 # Errors that say "not now" rather than "never": the item waits and tries again.
@@ -148,6 +148,8 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
         error = from_exception(exc)
         if error.code in _RETRY_CODES:
             raise error from exc
+        if error.status >= 500:  # our fault, not the line's: the log keeps the traceback the line leaves out
+            log.error("batch item failed", custom_id=item.custom_id, code=error.code, exc_info=exc)
         return ItemResult(False, error_response_line(item.custom_id, error))
     usage = response.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
@@ -171,16 +173,6 @@ class BatchRunner:
         self.max_in_flight = max_in_flight
         self._wake = asyncio.Event()  # a new batch, a cancel, or an item finished
         self._cancelled: set[str] = set()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="batch-runner")
-
-    async def stop(self) -> None:
-        """Cancel in-flight items (their engine requests are aborted); they stay pending for a restart."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -189,7 +181,10 @@ class BatchRunner:
         self._cancelled.add(batch_id)
         self._wake.set()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Work through the batches until cancelled (in-flight items are then aborted in the engine and
+        stay pending for the next start). Raises only when the store cannot record a failed batch:
+        the caller (BatchService's supervisor) reports that and starts the runner again."""
         while True:
             self._wake.clear()
             batch = await self.store.io(self.store.next_batch)
@@ -201,7 +196,7 @@ class BatchRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the runner
-                log.exception("batch %s failed", batch.id)
+                log.error("batch failed", batch_id=batch.id, exc_info=True)
                 await self.store.io(self.store.fail_batch, batch.id,
                                     [{"code": "internal_error", "message": f"the batch failed: {exc!r}"}])
 
@@ -287,7 +282,8 @@ class BatchRunner:
     async def _item(self, batch: BatchRow, item: PendingItem) -> None:
         while True:
             try:
-                result = await run_item(self.registry, batch.endpoint, item)
+                with structlog.contextvars.bound_contextvars(batch_id=batch.id):  # in what run_item logs
+                    result = await run_item(self.registry, batch.endpoint, item)
                 break
             except ApiError as exc:  # not now: wait as the server asks, then again
                 if _expired(batch):

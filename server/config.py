@@ -39,6 +39,8 @@ class ServerConfig:
     api_key: str | None = None
     admin_api_key: str | None = None
     allow_remote_admin: bool = False  # with no key, registry routes still accept non-loopback clients
+    api_keys_file: Path | None = None  # NAME KEY lines; build_config reads it into named_api_keys
+    named_api_keys: tuple[tuple[str, str], ...] = ()  # (owner name, key): server/auth.py
     models: list[ModelSpec] = field(default_factory=list)
     checkpoint_roots: list[Path] = field(default_factory=lambda: [Path(DEFAULT_CHECKPOINT_ROOT).expanduser()])
     memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
@@ -59,6 +61,10 @@ class ServerConfig:
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
     batch_max_in_flight: int = 0  # batch items in the engine at once; 0: twice max_batch_size (BatchService)
+    batch_retention_s: int = 30 * 24 * 3600  # files (unless asked for less) and finished batches; 0: until deleted
+    batch_quota_files: int = 10_000  # files one API key may keep (uploads and outputs); 0: no limit
+    batch_quota_bytes: int = 10 * 10**9  # bytes of files one API key may keep; 0: no limit
+    batch_quota_batches: int = 1_000  # batches one API key may keep (finished ones until purged); 0: no limit
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -108,6 +114,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_api_key", str, "auth", "key for POST/DELETE /v1/models (default: the api key)"),
     Option("allow_remote_admin", _bool, "auth", "without an admin key, let non-loopback clients register, "
            "switch and delete models (default: loopback only)"),
+    Option("api_keys_file", Path, "auth", "file of inference keys, one 'NAME KEY' per line ('#' comments): each "
+           "name owns its Batch API files and batches, unseen by other keys; keys sharing a name share them"),
     Option("checkpoint_roots", _paths, "server", "where checkpoints live (colon-separated in env/yaml string; "
            "the flag --checkpoint-root repeats)"),
     Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),
@@ -131,6 +139,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_max_requests", int, "server", "most requests (lines) in one batch input file"),
     Option("batch_max_in_flight", int, "server", "most batch items in the engine at once; online requests "
            "preempt them either way (0: enough to fill the engine)"),
+    Option("batch_retention_s", int, "server", "seconds Batch API files (unless their upload asks for less) and "
+           "finished batches are kept, then purged (default 30 days; 0: until deleted)"),
+    Option("batch_quota_files", int, "server", "files one API key may keep, uploads and batch outputs (0: no limit)"),
+    Option("batch_quota_bytes", parse_bytes, "server", "bytes of files one API key may keep, e.g. 10GB (0: no limit)"),
+    Option("batch_quota_batches", int, "server", "batches one API key may keep, finished ones until they are "
+           "purged (0: no limit)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
@@ -350,7 +364,38 @@ def _assemble(values: dict[str, Any], models: list[ModelSpec]) -> ServerConfig:
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     _validate(config)
+    if config.api_keys_file is not None:
+        config = dataclasses.replace(config, named_api_keys=read_api_keys(config.api_keys_file, config))
     return config
+
+
+_KEY_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def read_api_keys(path: Path, config: ServerConfig) -> tuple[tuple[str, str], ...]:
+    """(name, key) per 'NAME KEY' line of `path`; errors name the line, never a key."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the API keys file: {getattr(exc, 'strerror', None) or exc}") from None
+    seen = {config.api_key: "--api-key", config.admin_api_key: "--admin-api-key"}
+    keys = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ConfigError(f"{path}: line {line_no}: expected 'NAME KEY'")
+        name, key = fields
+        if not _KEY_NAME.match(name):
+            raise ConfigError(f"{path}: line {line_no}: the name must be 1-64 letters, digits, '.', '_' or '-'")
+        if key in seen:
+            raise ConfigError(f"{path}: line {line_no}: the same key as {seen[key]}; every key must differ")
+        seen[key] = f"line {line_no}"
+        keys.append((name, key))
+    if not keys:
+        raise ConfigError(f"{path}: no keys (a server meant to need keys would accept none)")
+    return tuple(keys)
 
 
 def _validate(config: ServerConfig) -> None:
@@ -366,6 +411,9 @@ def _validate(config: ServerConfig) -> None:
         (config.batch_max_requests >= 1 and config.batch_max_file_bytes >= 1,
          "batch_max_requests and batch_max_file_bytes must be >= 1"),
         (config.batch_max_in_flight >= 0, "batch_max_in_flight must be >= 0"),
+        (config.batch_retention_s >= 0, "batch_retention_s must be >= 0 (0: keep until deleted)"),
+        (min(config.batch_quota_files, config.batch_quota_bytes, config.batch_quota_batches) >= 0,
+         "batch_quota_files, batch_quota_bytes and batch_quota_batches must be >= 0 (0: no limit)"),
         (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
         (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),

@@ -123,6 +123,23 @@ class _LifecycleCollector(Collector):
                                     value=stats.memory_budget_bytes)
 
 
+class _SubsystemCollector(Collector):
+    """`subsystem_up{subsystem}`: 0 while an optional subsystem is down (server/subsystems.py)."""
+
+    def __init__(self, states: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        self._states = states
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(f"{PREFIX}subsystem_up", "1 unless the optional subsystem is down (see /ready for "
+                               "the reason).", labels=["subsystem"])
+        for name, is_up in self._states():
+            up.add_metric([name], 1.0 if is_up else 0.0)
+        yield up
+
+
 class ServerMetrics:
     """The app's own registry (never prometheus_client's global one), so apps and tests don't share state."""
 
@@ -141,6 +158,10 @@ class ServerMetrics:
     def add_lifecycle(self, stats: Callable[[], Any]) -> None:
         """Model lifecycle metrics from a `registry.lifecycle_stats`-like callable."""
         self.registry.register(_LifecycleCollector(stats))
+
+    def add_subsystems(self, states: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        """Optional subsystems' health from a callable giving (name, is up) pairs."""
+        self.registry.register(_SubsystemCollector(states))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ from server.app_keys import METRICS_KEY, STATE_KEY
 from server.endpoints import KINDS, Assembler, EndpointKind, new_response_id
 from server.errors import from_exception
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.subsystems import SUBSYSTEMS_KEY
 from server.request_flow import (
     Indexed,
     check_batch_size,
@@ -186,6 +187,13 @@ async def ready(request: web.Request) -> web.Response:
     body: dict = {"status": status}
     if state.startup_errors or failures:
         body["errors"] = [*state.startup_errors, *failures]
+    # Optional subsystems are listed but never make the server unready: readiness tells a balancer
+    # whether to send inference here, and inference works while, say, the batch store is down; a
+    # balancer that pulled the replica would take inference down with it (issue 29). Their state is
+    # here and in llamaserve:subsystem_up for whoever watches the server.
+    subsystems = request.app[SUBSYSTEMS_KEY].all()
+    if subsystems:
+        body["subsystems"] = {sub.name: sub.to_json() for sub in subsystems}
     return json_response(body, status=200 if is_ready else 503)
 
 

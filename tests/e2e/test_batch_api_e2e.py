@@ -198,11 +198,12 @@ def test_online_request_preempts_a_batch_that_fills_the_engine(base_checkpoint, 
 
 
 # --------------------------------------------------------------------------- SIGKILL and restart
-def start_server(port: int, batch_dir: Path, checkpoint: Path, root: Path, log_path: Path) -> subprocess.Popen:
+def start_server(port: int, batch_dir: Path, checkpoint: Path, root: Path, log_path: Path, *,
+                 dtype: str = "float64", extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
     command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-               "--checkpoint-dir", str(checkpoint), "--checkpoint-root", str(root), "--dtype", "float64",
+               "--checkpoint-dir", str(checkpoint), "--checkpoint-root", str(root), "--dtype", dtype,
                "--cpu-kv-cache-bytes", str(KV_CACHE_BYTES), "--max-seq-len", str(MAX_SEQ_LEN),
-               "--batch-dir", str(batch_dir), "--batch-max-in-flight", "2", "--log-level", "warning"]
+               "--batch-dir", str(batch_dir), "--batch-max-in-flight", "2", "--log-level", "warning", *extra_flags]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASERVE_") and k != "INFERENCE_MODEL"}
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

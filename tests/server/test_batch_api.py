@@ -41,9 +41,11 @@ async def start(aiohttp_client, factory: FakeEngineFactory, tmp_path: Path, **ov
     return client
 
 
-async def upload(client, data: bytes, purpose: str = "batch", filename: str = "in.jsonl"):
+async def upload(client, data: bytes, purpose: str = "batch", filename: str = "in.jsonl", **fields: str):
     form = aiohttp.FormData()
     form.add_field("purpose", purpose)
+    for name, value in fields.items():
+        form.add_field(name, value)
     form.add_field("file", data, filename=filename, content_type="application/jsonl")
     return await client.post("/v1/files", data=form)
 
@@ -326,3 +328,334 @@ def test_batch_fills_the_engine_by_default_within_half_the_waiting_queue():
     assert in_flight(EngineConfig(max_batch_size=8)) == 16  # every slot, and the next items queued
     assert in_flight(EngineConfig(max_batch_size=8, max_waiting_requests=10)) == 5  # online requests keep room
     assert in_flight(EngineConfig(max_batch_size=8), configured=3) == 3
+
+
+# --------------------------------------------------------------------------- a broken store (issue 29, finding 1)
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+BATCH_ROUTES = (("GET", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
+                ("DELETE", "/v1/files/file-x"), ("GET", "/v1/batches"), ("GET", "/v1/batches/batch_x"),
+                ("POST", "/v1/batches/batch_x/cancel"))
+
+
+def broken_batch_dir(tmp_path: Path, breakage: str) -> tuple[Path, str]:
+    """A batch dir the store cannot open, and a word its reason names."""
+    if breakage == "under_a_file":
+        (tmp_path / "a-file").write_bytes(b"not a folder")
+        return tmp_path / "a-file" / "batches", "NotADirectoryError"
+    batch_dir = tmp_path / "batches"
+    batch_dir.mkdir()
+    (batch_dir / "batches.sqlite3").write_bytes(b"this is not an SQLite database" * 100)
+    return batch_dir, "not a database"
+
+
+async def text_metric(client, line_start: str) -> str:
+    text = await (await client.get("/metrics")).text()
+    return next((line for line in text.splitlines() if line.startswith(line_start)), "")
+
+
+@pytest.mark.parametrize("breakage", ["under_a_file", "corrupt_database"])
+async def test_a_batch_store_that_cannot_open_leaves_inference_serving(aiohttp_client, factory, tmp_path, breakage):
+    batch_dir, word = broken_batch_dir(tmp_path, breakage)
+    client = await start(aiohttp_client, factory, tmp_path, batch_dir=batch_dir)  # starts: no exception escapes
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    for method, path in BATCH_ROUTES:
+        error = await error_of(await client.request(method, path), 503)
+        assert error["code"] == "batch_unavailable" and error["type"] == "service_unavailable", error
+        assert word in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert (await error_of(await upload(client, jsonl([chat_line("a")])), 503))["code"] == "batch_unavailable"
+    create = await client.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions",
+                                                    "completion_window": "24h"})
+    assert (await error_of(create, 503))["code"] == "batch_unavailable"
+    # Readiness is about inference: it stays 200 and says what is down, and why.
+    ready = await client.get("/ready")
+    body = await ready.json()
+    assert ready.status == 200 and body["status"] == "ready", body
+    assert body["subsystems"]["batch"]["status"] == "down" and word in body["subsystems"]["batch"]["reason"]
+    assert await text_metric(client, 'llamaserve:subsystem_up{subsystem="batch"}') == \
+        'llamaserve:subsystem_up{subsystem="batch"} 0.0'
+
+
+async def test_the_batch_store_comes_back_once_it_can_open(aiohttp_client, factory, tmp_path, monkeypatch):
+    from server import batch_api
+    from server.subsystems import Backoff
+
+    monkeypatch.setattr(batch_api, "RESTART_BACKOFF", Backoff(initial_s=0.01, max_s=0.05))
+    batch_dir, _ = broken_batch_dir(tmp_path, "under_a_file")
+    client = await start(aiohttp_client, factory, tmp_path, batch_dir=batch_dir)
+    assert (await client.get("/v1/files")).status == 503
+    (tmp_path / "a-file").unlink()  # the operator fixes the storage; the server retries on its own
+
+    async def up() -> bool:
+        return (await client.get("/v1/files")).status == 200
+
+    await poll(up, what="the batch API to come back")
+    ready = await (await client.get("/ready")).json()
+    assert ready["subsystems"]["batch"]["status"] == "up" and ready["subsystems"]["batch"]["restarts"] >= 1
+    assert await text_metric(client, 'llamaserve:subsystem_up{subsystem="batch"}') == \
+        'llamaserve:subsystem_up{subsystem="batch"} 1.0'
+    done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["status"] == "completed"
+
+
+async def test_a_folder_inside_the_files_dir_is_left_alone(aiohttp_client, factory, tmp_path):
+    (tmp_path / "batches" / "files" / "stray-folder").mkdir(parents=True)
+    client = await start(aiohttp_client, factory, tmp_path)
+    done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["status"] == "completed" and (tmp_path / "batches" / "files" / "stray-folder").is_dir()
+
+
+async def test_a_runner_that_cannot_record_a_failure_restarts_and_finishes_the_batch(aiohttp_client, factory, tmp_path,
+                                                                                    monkeypatch):
+    """Issue 29, finding 6: with the disk full even fail_batch raises; the runner used to end there,
+    silently, with the batch in_progress until a restart."""
+    from server import batch_api
+    from server.batch_api import BATCH_KEY
+    from server.subsystems import Backoff
+    from tests.server.test_batch_store import CommitFails
+
+    monkeypatch.setattr(batch_api, "RESTART_BACKOFF", Backoff(initial_s=0.01, max_s=0.05))
+    client = await start(aiohttp_client, factory, tmp_path, batch_max_in_flight=1)
+    store = await client.app[BATCH_KEY].store()
+    engine = factory.engines["fake"]
+    engine.hold = Hold(after=1)
+    batch = await create(client, [chat_line(f"d{i}") for i in range(3)])
+    await poll(lambda: _true(engine.hold.reached.is_set()), what="the first item in the engine")
+    disk = CommitFails(store._db)
+    monkeypatch.setattr(store, "_db", disk)  # the disk fills up under the running batch
+    engine.hold.release.set()
+
+    async def batch_down() -> dict | None:
+        ready = await (await client.get("/ready")).json()
+        return ready if ready["subsystems"]["batch"]["status"] == "down" else None
+
+    ready = await poll(batch_down, what="the batch subsystem to report the failure")
+    assert ready["status"] == "ready" and "disk is full" in ready["subsystems"]["batch"]["reason"]
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # inference unaffected
+    disk.full = False  # space again: the runner restarts on its own and the batch carries on
+
+    async def completed() -> dict | None:
+        response = await client.get(f"/v1/batches/{batch['id']}")
+        body = await response.json()
+        return body if response.status == 200 and body["status"] in TERMINAL else None
+
+    done = await poll(completed, what="the batch to finish once the disk has room")
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert [line["custom_id"] for line in await content_lines(client, done["output_file_id"])] == ["d0", "d1", "d2"]
+    batch_state = (await (await client.get("/ready")).json())["subsystems"]["batch"]
+    assert batch_state["status"] == "up" and batch_state["restarts"] >= 1
+
+
+# --------------------------------------------------------------------------- retention (issue 29, finding 3)
+DAY_S = 24 * 3600
+
+
+async def test_files_expire_as_their_client_asks_or_after_the_retention(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, batch_retention_s=7 * DAY_S)
+    default = await (await upload(client, jsonl([chat_line("a")]))).json()
+    assert default["expires_at"] == default["created_at"] + 7 * DAY_S
+    asked = await (await upload(client, jsonl([chat_line("a")]), **{"expires_after[anchor]": "created_at",
+                                                                    "expires_after[seconds]": "3600"})).json()
+    assert asked["expires_at"] == asked["created_at"] + 3600
+    for fields, param in (({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+                           "expires_after[anchor]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "59"},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "²"},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "9" * 5000},
+                           "expires_after[seconds]"),
+                          ({"expires_after[anchor]": "created_at"}, "expires_after[seconds]")):
+        error = await error_of(await upload(client, jsonl([chat_line("a")]), **fields), 400)
+        assert error["param"] == param and error["code"] == "invalid_value", error
+
+    body = {"input_file_id": asked["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+            "output_expires_after": {"anchor": "created_at", "seconds": 7200}}
+    too_soon = await client.post("/v1/batches", json={**body, "output_expires_after": {"anchor": "created_at",
+                                                                                       "seconds": 5}})
+    assert "output_expires_after" in (await error_of(too_soon, 400))["param"]
+    done = await batch_when(client, (await (await client.post("/v1/batches", json=body)).json())["id"])
+    output = await (await client.get(f"/v1/files/{done['output_file_id']}")).json()
+    assert output["expires_at"] == output["created_at"] + 7200
+
+
+async def test_expired_files_are_purged_when_the_store_opens(aiohttp_client, factory, tmp_path):
+    from server.batch_store import BatchStore
+    from tests.server.test_batch_store import Clock, add_input
+
+    a_month_ago = Clock(time.time() - 31 * DAY_S)
+    earlier = BatchStore(tmp_path / "batches", max_file_bytes=1 << 20, max_requests=10, clock=a_month_ago)
+    old = add_input(earlier)  # a previous run's upload, expired since
+    earlier.close()
+    client = await start(aiohttp_client, factory, tmp_path)
+    assert (await client.get(f"/v1/files/{old.id}")).status == 404
+    await poll(lambda: _true(not (tmp_path / "batches" / "files" / old.id).exists()), what="the purge")
+
+
+# --------------------------------------------------------------------------- ownership (issue 29, finding 3)
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class As:
+    """The test client, with one API key on every request."""
+
+    def __init__(self, client, key: str) -> None:
+        self.client, self.headers = client, bearer(key)
+
+    def get(self, path: str):
+        return self.client.get(path, headers=self.headers)
+
+    def delete(self, path: str):
+        return self.client.delete(path, headers=self.headers)
+
+    def post(self, path: str, **kwargs: Any):
+        return self.client.post(path, headers=self.headers, **kwargs)
+
+    async def upload(self, data: bytes):
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", data, filename="in.jsonl", content_type="application/jsonl")
+        return await self.post("/v1/files", data=form)
+
+
+async def sees_none_of(other: As, file_id: str, batch: dict) -> None:
+    """`other` finds nothing of these objects: 404 as if absent, and empty lists."""
+    assert (await (await other.get("/v1/files")).json())["data"] == []
+    assert (await (await other.get("/v1/batches")).json())["data"] == []
+    for file in (file_id, batch["output_file_id"]):
+        assert (await error_of(await other.get(f"/v1/files/{file}"), 404))["code"] == "file_not_found"
+        assert (await error_of(await other.get(f"/v1/files/{file}/content"), 404))["code"] == "file_not_found"
+    assert (await error_of(await other.delete(f"/v1/files/{file_id}"), 404))["code"] == "file_not_found"
+    for path in (f"/v1/batches/{batch['id']}", ):
+        assert (await error_of(await other.get(path), 404))["code"] == "batch_not_found"
+    assert (await error_of(await other.post(f"/v1/batches/{batch['id']}/cancel"), 404))["code"] == "batch_not_found"
+    reuse = await other.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h"})
+    assert (await error_of(reuse, 404))["code"] == "file_not_found"
+    for listing in (f"/v1/files?after={file_id}", f"/v1/batches?after={batch['id']}"):
+        assert (await error_of(await other.get(listing), 400))["param"] == "after"  # no object with that id
+
+
+async def test_each_api_key_sees_only_its_own_files_and_batches(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, api_key="sk-main", admin_api_key="sk-admin",
+                         named_api_keys=(("alice", "sk-alice"), ("bob", "sk-bob"), ("alice", "sk-alice-rotated")))
+    alice, bob = As(client, "sk-alice"), As(client, "sk-bob")
+    file = await (await alice.upload(jsonl([chat_line("a")]))).json()
+    created = await (await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                           "endpoint": "/v1/chat/completions"})).json()
+
+    async def done() -> dict | None:
+        batch = await (await alice.get(f"/v1/batches/{created['id']}")).json()
+        return batch if batch["status"] in TERMINAL else None
+
+    batch = await poll(done, what="alice's batch")
+    assert batch["status"] == "completed"
+    for other in (bob, As(client, "sk-main"), As(client, "sk-admin")):
+        await sees_none_of(other, file["id"], batch)
+    # A name owns its objects: alice's second (rotated) key sees them; the owner deletes them.
+    rotated = As(client, "sk-alice-rotated")
+    assert [f["id"] for f in (await (await rotated.get("/v1/files?order=asc")).json())["data"]] == [
+        file["id"], batch["output_file_id"]]
+    assert (await (await rotated.get(f"/v1/batches/{batch['id']}")).json())["id"] == batch["id"]
+    assert (await (await alice.delete(f"/v1/files/{file['id']}")).json())["deleted"]
+    assert (await error_of(await client.get("/v1/files"), 401))["code"] == "invalid_api_key"
+
+
+async def test_the_admin_key_does_not_see_the_inference_keys_objects(aiohttp_client, factory, tmp_path):
+    """Before owners, every key holder listed, read and deleted every file and batch."""
+    client = await start(aiohttp_client, factory, tmp_path, api_key="sk-main", admin_api_key="sk-admin")
+    main = As(client, "sk-main")
+    file = await (await main.upload(jsonl([chat_line("a")]))).json()
+    admin = As(client, "sk-admin")
+    assert (await (await admin.get("/v1/files")).json())["data"] == []
+    assert (await admin.get(f"/v1/files/{file['id']}/content")).status == 404
+    assert (await admin.delete(f"/v1/files/{file['id']}")).status == 404
+    assert (await (await main.get(f"/v1/files/{file['id']}/content")).read()) == jsonl([chat_line("a")])
+
+
+# --------------------------------------------------------------------------- quotas (issue 29, finding 3)
+async def test_a_full_quota_is_a_clear_429_for_that_key_only(aiohttp_client, factory, tmp_path):
+    client = await start(aiohttp_client, factory, tmp_path, batch_quota_files=2, batch_quota_bytes=1000,
+                         batch_quota_batches=1, named_api_keys=(("alice", "sk-alice"), ("bob", "sk-bob")))
+    alice, bob = As(client, "sk-alice"), As(client, "sk-bob")
+    big = await alice.upload(b"x" * 1001)  # more than the quota: refused while it streams
+    error = await error_of(big, 429)
+    assert (error["code"], error["type"], error["param"]) == ("storage_quota_exceeded", "insufficient_quota", "file")
+    assert "--batch-quota-bytes" in error["message"]
+    file = await (await alice.upload(jsonl([chat_line("a")]))).json()
+    batch = await (await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                         "endpoint": "/v1/chat/completions"})).json()
+    again = await alice.post("/v1/batches", json={"input_file_id": file["id"], "completion_window": "24h",
+                                                  "endpoint": "/v1/chat/completions"})
+    assert (await error_of(again, 429))["code"] == "batch_quota_exceeded"
+
+    async def done() -> dict | None:
+        found = await (await alice.get(f"/v1/batches/{batch['id']}")).json()
+        return found if found["status"] in TERMINAL else None
+
+    assert (await poll(done, what="alice's batch"))["status"] == "completed"  # its output is the second file
+    full = await error_of(await alice.upload(jsonl([chat_line("b")])), 429)
+    assert full["code"] == "file_quota_exceeded" and "DELETE /v1/files" in full["message"]
+    assert (await bob.upload(jsonl([chat_line("b")]))).status == 200  # bob's quota is his own
+    assert (await alice.delete(f"/v1/files/{file['id']}")).status == 200
+    assert (await alice.upload(jsonl([chat_line("b")]))).status == 200  # room again
+
+
+def test_quota_and_retention_settings(tmp_path):
+    from server.__main__ import make_parser
+    from server.config import ConfigError, build_config
+
+    config = build_config(make_parser().parse_args(["--batch-quota-bytes", "5GiB", "--batch-quota-files", "7"]),
+                          {"LLAMASERVE_BATCH_QUOTA_BATCHES": "3", "LLAMASERVE_BATCH_RETENTION_S": "0"})
+    assert (config.batch_quota_bytes, config.batch_quota_files, config.batch_quota_batches, config.batch_retention_s) \
+        == (5 << 30, 7, 3, 0)
+    defaults = ServerConfig()
+    assert (defaults.batch_quota_files, defaults.batch_quota_bytes, defaults.batch_quota_batches,
+            defaults.batch_retention_s) == (10_000, 10 * 10**9, 1_000, 30 * 24 * 3600)
+    for flag in ("--batch-quota-files", "--batch-quota-bytes", "--batch-quota-batches", "--batch-retention-s"):
+        with pytest.raises(ConfigError):
+            build_config(make_parser().parse_args([flag, "-1"]), {})
+
+
+async def test_an_unexpected_item_error_is_logged_with_its_traceback(aiohttp_client, factory, tmp_path):
+    """Issue 29, finding 11: the item got its internal_error line, and the server log had nothing."""
+    from structlog.contextvars import merge_contextvars
+    from structlog.testing import capture_logs
+
+    client = await start(aiohttp_client, factory, tmp_path)
+    factory.engines["fake"].raise_on_generate = RuntimeError("a bug in the engine")
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        done = await batch_when(client, (await create(client, [chat_line("x")]))["id"])
+    assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    (line,) = await content_lines(client, done["error_file_id"])
+    assert line["response"]["body"]["error"]["code"] == "internal_error"
+    (logged,) = [entry for entry in logs if entry["event"] == "batch item failed"]
+    assert logged["batch_id"] == done["id"] and logged["custom_id"] == "x" and logged["log_level"] == "error"
+    assert isinstance(logged["exc_info"], RuntimeError) and "a bug in the engine" in str(logged["exc_info"])
+
+
+async def test_a_closed_batch_service_opens_nothing_again(tmp_path):
+    """A request still running at shutdown must not start the store again after the app closed it."""
+    from server.batch_api import BatchService
+    from server.errors import ApiError
+
+    service = BatchService(ServerConfig(batch_dir=tmp_path / "batches"), registry=None)
+    await service.close()
+    with pytest.raises(ApiError) as raised:
+        await service.store()
+    assert raised.value.status == 503 and raised.value.code == "shutting_down"
+    assert not (tmp_path / "batches").exists()
+
+
+async def test_an_upload_that_passes_the_bytes_quota_is_never_stored(aiohttp_client, factory, tmp_path, monkeypatch):
+    """Cut off mid-stream, the upload is refused there: even if room frees meanwhile (another upload
+    deleted), nothing is stored, least of all the part that was received."""
+    from server.batch_api import BATCH_KEY
+
+    client = await start(aiohttp_client, factory, tmp_path, batch_quota_bytes=1000)
+    store = await client.app[BATCH_KEY].store()
+    monkeypatch.setattr(store, "check_file_quota", lambda owner, num_bytes: None)  # room again, by now
+    error = await error_of(await upload(client, b"x" * (1 << 17)), 429)
+    assert error["code"] == "storage_quota_exceeded"
+    assert (await (await client.get("/v1/files")).json())["data"] == []
+    assert [path.name for path in (tmp_path / "batches" / "files").iterdir()] == []
