@@ -33,7 +33,7 @@ def configure_logging(log_format: LogFormat = "json", level: str = "info", strea
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,
-            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared, structlog.processors.format_exc_info],
         )
     )
     root = logging.getLogger()

@@ -53,3 +53,17 @@ def test_access_log_and_engine_logs_from_other_threads_never_share_a_line(restor
     assert len(lines) == 4 * 300
     records = [json.loads(line) for line in lines]
     assert sum(record.get("logger") == "engine.test" for record in records) == 2 * 300
+
+
+def test_a_stdlib_log_with_an_exception_keeps_its_traceback_as_text(restore_logging):
+    """Engine logs come through stdlib logging: log.exception must reach the JSON line as the
+    traceback's text, not as a raw (type, value, traceback) tuple."""
+    stream = io.StringIO()
+    configure_logging("json", "info", stream)
+    try:
+        raise RuntimeError("step failed")
+    except RuntimeError:
+        logging.getLogger("engine.test").exception("engine step failed")
+    record = json.loads(stream.getvalue().strip().splitlines()[-1])
+    assert "Traceback (most recent call last)" in record["exception"]
+    assert "RuntimeError: step failed" in record["exception"]
