@@ -322,6 +322,8 @@ def _int_query(request: web.Request, name: str, *, default: int, low: int, high:
     text = request.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or not low <= int(text) <= high:
+    # ASCII digits only (str.isdigit also takes "²", which int() refuses) and no longer than `high`,
+    # so int() never meets a 5,000-digit number
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(high))) or not low <= int(text) <= high:
         raise ApiError(400, f"{name} must be an integer in [{low}, {high}]", param=name, code="invalid_value")
     return int(text)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from compat import limits
+from engine.types import InvalidRequest
 from tests.server.fake_engine import FakeEngineFactory
 from tests.server.test_api import CHAT, error_of, make_config, start
 
@@ -268,3 +269,57 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp
     assert response.status == 200, await response.text()
     loop_thread = threading.current_thread().name  # the test's event loop runs the server too
     assert threads and loop_thread not in threads
+
+
+# --------------------------------------------------------------------------- issue 29, finding 8: inputs that reached 500s
+@pytest.mark.parametrize("depth", [limits.MAX_JSON_DEPTH + 1, 5_000])
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+async def test_a_deeply_nested_json_schema_string_is_a_400(client, field, depth):
+    schema = nested(depth)
+    body = {**CHAT, "guided_json": schema} if field == "guided_json" else {**CHAT, "structured_outputs": {"json": schema}}
+    error = await error_of(await client.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == ("guided_json" if field == "guided_json" else "structured_outputs.json")
+    assert "nested too deeply" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
+@pytest.mark.parametrize("limit", ["\u00b2", "\u0661", "9" * 5_000, "1" + "0" * 20], ids=["superscript", "arabic", "5000-digits", "1e20"])
+async def test_list_limits_that_are_not_short_ascii_numbers_are_a_400(client, path, limit):
+    error = await error_of(await client.get(path, params={"limit": limit}), 400)
+    assert error["param"] == "limit"
+
+
+def test_nesting_behind_a_leading_scalar_is_checked():
+    for hidden in ([0, nested_list(limits.MAX_JSON_DEPTH)], ["s", {"a": nested_list(limits.MAX_JSON_DEPTH)}],
+                   {"a": 1, "b": nested_list(limits.MAX_JSON_DEPTH)}):
+        with pytest.raises(InvalidRequest, match="nested too deeply"):
+            limits.check_nesting(hidden)
+    limits.check_nesting([0, nested_list(limits.MAX_JSON_DEPTH - 2)])  # within the limit
+    limits.check_nesting(list(range(100_000)))  # token ids: scalars all the way
+
+
+async def test_nesting_behind_a_leading_scalar_in_a_body_is_a_400(client):
+    response = await client.post("/v1/chat/completions", data=chat_body_with_parameters("[0, " + nested(200) + "]"),
+                                 headers={"Content-Type": "application/json"})
+    error = await error_of(response, 400)
+    assert error["code"] == "invalid_json"
+
+
+def nested_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+async def test_a_deeply_nested_batch_line_is_one_error_line(aiohttp_client, factory, tmp_path):
+    from tests.server.test_batch_api import batch_when, chat_line, content_lines, create, start as start_batch
+
+    client = await start_batch(aiohttp_client, factory, tmp_path)
+    deep = b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"x": ' + \
+        nested(5_000).encode() + b"}}"
+    done = await batch_when(client, (await create(client, [chat_line("a"), deep, chat_line("b")]))["id"])
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    [error] = await content_lines(client, done["error_file_id"])
+    assert error["error"]["code"] == "invalid_json_line" and "nested too deeply" in error["error"]["message"]
