@@ -20,7 +20,7 @@ from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQ
 from server.batch_api import add_batch_routes
 from server.config import ServerConfig, should_load
 from server.drain import drain_middleware
-from server.errors import ApiError, from_exception
+from server.errors import ApiError, from_exception, from_exception_logged
 from server.llama_stack_routes import add_llama_stack_routes
 from server.metrics import ServerMetrics
 from server.model_routes import add_model_routes
@@ -152,12 +152,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - nothing escapes as a traceback
-        error = from_exception(exc)
-        if error.status >= 500:
-            structlog.get_logger("llamaserve.errors").error(
-                "request failed", request_id=request[REQUEST_ID], path=request.path, error=str(exc),
-                exc_info=error.code == "internal_error",
-            )
+        error = from_exception_logged(exc, "request failed", request_id=request[REQUEST_ID], path=request.path)
     if error.status >= 500:
         error.message += f" (request id {request[REQUEST_ID]})"
     request[LOG_FIELDS]["error_code"] = error.code
