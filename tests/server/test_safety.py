@@ -248,12 +248,16 @@ def test_a_lagging_slot_keeps_deltas_as_a_list_and_joins_them_once():
                                     "max_tokens": 1}),
     ("/tokenize", {"model": "fake", "prompt": "x" * 70_000, "return_token_strs": True}),
     ("/detokenize", {"model": "fake", "tokens": [120] * 30_000}),
+    ("/v1/inference/batch-completion", {"model_id": "fake", "content_batch": ["x" * 40_000, "y" * 40_000]}),
+    ("/v1/inference/batch-chat-completion", {"model_id": "fake", "messages_batch": [
+        [{"role": "user", "content": "x" * 70_000}]]}),
 ])
 async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp_path, monkeypatch, path, body):
     import threading
 
     factory = FakeEngineFactory(max_seq_len=1 << 17)
     client = await start(aiohttp_client, factory, make_config(tmp_path))
+    factory.engines["fake"].chat_format.family = "llama3_2"  # Llama Stack's chat reads its tool format by family
     tokenizer = factory.engines["fake"].tokenizer
     threads: set[str] = set()
     for name in ("encode", "decode", *(("token_bytes",) if path == "/tokenize" else ())):  # return_token_strs
@@ -323,3 +327,68 @@ async def test_a_deeply_nested_batch_line_is_one_error_line(aiohttp_client, fact
     assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
     [error] = await content_lines(client, done["error_file_id"])
     assert error["error"]["code"] == "invalid_json_line" and "nested too deeply" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+    ("/v1/completions", lambda text: {"model": "fake", "prompt": text, "max_tokens": 1}),
+    ("/v1/inference/completion", lambda text: {"model_id": "fake", "content": text}),
+    ("/tokenize", lambda text: {"model": "fake", "prompt": text}),
+])
+async def test_large_bodies_are_decoded_and_checked_off_the_event_loop(aiohttp_client, tmp_path, monkeypatch, path,
+                                                                        body):
+    """msgspec's decode and the nesting check of a 30 MB body take seconds; in a thread, every other
+    stream and /health keep their turns. Small bodies stay inline (a thread hop costs more)."""
+    import threading
+
+    from compat import protocol as p
+
+    client = await start(aiohttp_client, FakeEngineFactory(max_seq_len=1 << 17), make_config(tmp_path))
+    threads: dict[int, str] = {}
+    original = p.decode
+
+    def recording(decoder, data):
+        threads[len(data)] = threading.current_thread().name
+        return original(decoder, data)
+
+    monkeypatch.setattr(p, "decode", recording)
+    for sent in (body("x" * 70_000), body("x")):
+        response = await client.post(path, json=sent)
+        assert response.status == 200, await response.text()
+    loop_thread = threading.current_thread().name  # the test's event loop runs the server too
+    large_size, small_size = sorted(threads, reverse=True)
+    assert threads[large_size] != loop_thread and threads[small_size] == loop_thread
+
+
+async def test_uploaded_files_are_written_off_the_event_loop(aiohttp_client, factory, tmp_path, monkeypatch):
+    import threading
+
+    from server import batch_api
+    from tests.server.test_batch_api import start as start_batch
+    from tests.server.test_batch_api import upload
+
+    client = await start_batch(aiohttp_client, factory, tmp_path)
+    writers: set[str] = set()
+
+    class RecordingFile:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            writers.add(threading.current_thread().name)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+    monkeypatch.setattr(batch_api, "open", lambda *args, **kwargs: RecordingFile(open(*args, **kwargs)), raising=False)
+    response = await upload(client, b'{"custom_id": "a"}\n' * 10_000)
+    assert response.status == 200, await response.text()
+    assert writers and threading.current_thread().name not in writers
