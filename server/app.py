@@ -1,7 +1,8 @@
 """create_app(config, engine_factory): the aiohttp application, its middlewares and lifecycle.
 
 Tests build the same app with a fake EngineFactory. Middlewares, outermost first: request id,
-access log (one structlog line per request), errors (every exception -> OpenAI error body), auth.
+access log (one structlog line per request), errors (every exception -> OpenAI error body), drain,
+auth, browser guard (Host, Origin and content type: server/browser_guard.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from server import auth, routes
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.batch_api import add_batch_routes
+from server.browser_guard import browser_guard
 from server.config import ServerConfig, should_load
 from server.drain import drain_middleware
 from server.errors import ApiError, from_exception, from_exception_logged
@@ -36,7 +38,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[request_id_middleware, access_log_middleware, error_middleware, drain_middleware,
-                     auth_middleware],
+                     auth_middleware, browser_guard(config)],
     )
     registry = ModelRegistry(
         engine_factory,

@@ -49,6 +49,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     stream_write_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
     max_stream_duration_s: float = 3600.0  # a stream ends with an error event after this long
+    # Browsers (server/browser_guard.py)
+    allowed_hosts: tuple[str, ...] = ()  # Host names a keyless server answers besides localhost, loopback and --host
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
@@ -91,6 +93,12 @@ def _paths(text: str) -> list[Path]:
     return [Path(part).expanduser() for part in text.split(":") if part]
 
 
+def _names(text: str | list[str]) -> tuple[str, ...]:
+    """'a.example, b.example' (flag, env) or a YAML list -> ('a.example', 'b.example')."""
+    parts = text.split(",") if isinstance(text, str) else text
+    return tuple(part.strip() for part in parts if part.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # ServerConfig / EngineConfig field; flag --name-with-dashes; env LLAMASERVE_NAME
@@ -118,6 +126,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
     Option("stream_write_timeout_s", float, "server", "drop a streaming client that takes no data for this long"),
     Option("max_stream_duration_s", float, "server", "end any stream (with an error event) after this long"),
+    Option("allowed_hosts", _names, "server", "without an API key, the Host names answered besides localhost, loopback "
+           "addresses and --host, comma-separated (others get 400: DNS rebinding); '*' answers any"),
     Option("log_format", str, "server", "json or console"),
     Option("log_level", str, "server", "debug, info, warning, error"),
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
@@ -162,6 +172,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 _YAML_TYPES: dict[Callable[[str], Any], Any] = {
     int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
+    _names: str | list[str],
 }
 
 
@@ -282,6 +293,8 @@ def _parse(option: Option, text: str, source: str) -> Any:
 def _from_yaml(name: str, value: Any, source: str) -> Any:
     """Values the typed section Structs already checked; only paths and sizes still need parsing."""
     option = _BY_NAME[name]
+    if option.parse is _names:
+        return _names(value)
     if isinstance(value, list):
         return [Path(v).expanduser() for v in value]
     if option.parse in (Path, _paths, parse_bytes):

@@ -64,7 +64,7 @@ async def test_deeply_nested_tool_call_arguments_are_a_400(client, depth):
 
 async def test_deeply_nested_register_metadata_is_a_400(client):
     body = b'{"model_id": "x", "metadata": {"a": ' + nested(2_000).encode() + b"}}"
-    error = await error_of(await client.post("/v1/models", data=body), 400)
+    error = await error_of(await client.post("/v1/models", data=body, headers={"Content-Type": "application/json"}), 400)
     assert error["code"] == "invalid_json"
 
 
@@ -275,19 +275,20 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp
     assert threads and loop_thread not in threads
 
 
-# --------------------------------------------------------------------------- issue 29, finding 8: inputs that reached 500s
+# --------------------------------------------------------------------------- inputs that reached 500s (issue 29)
 @pytest.mark.parametrize("depth", [limits.MAX_JSON_DEPTH + 1, 5_000])
 @pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
 async def test_a_deeply_nested_json_schema_string_is_a_400(client, field, depth):
     schema = nested(depth)
-    body = {**CHAT, "guided_json": schema} if field == "guided_json" else {**CHAT, "structured_outputs": {"json": schema}}
-    error = await error_of(await client.post("/v1/chat/completions", json=body), 400)
+    fields = {"guided_json": schema} if field == "guided_json" else {"structured_outputs": {"json": schema}}
+    error = await error_of(await client.post("/v1/chat/completions", json={**CHAT, **fields}), 400)
     assert error["param"] == ("guided_json" if field == "guided_json" else "structured_outputs.json")
     assert "nested too deeply" in error["message"]
 
 
 @pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
-@pytest.mark.parametrize("limit", ["\u00b2", "\u0661", "9" * 5_000, "1" + "0" * 20], ids=["superscript", "arabic", "5000-digits", "1e20"])
+@pytest.mark.parametrize("limit", ["\u00b2", "\u0661", "9" * 5_000, "1" + "0" * 20],
+                         ids=["superscript", "arabic", "5000-digits", "1e20"])
 async def test_list_limits_that_are_not_short_ascii_numbers_are_a_400(client, path, limit):
     error = await error_of(await client.get(path, params={"limit": limit}), 400)
     assert error["param"] == "limit"
