@@ -2,7 +2,8 @@
 
 Tests build the same app with a fake EngineFactory. Middlewares, outermost first: request id,
 access log (one structlog line per request), errors (every exception -> OpenAI error body), drain,
-auth, browser guard (Host, Origin and content type: server/browser_guard.py).
+auth, browser guard (Host, Origin and content type: server/browser_guard.py), stalled bodies
+(server/connections.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQ
 from server.batch_api import add_batch_routes
 from server.browser_guard import browser_guard
 from server.config import ServerConfig, should_load
+from server.connections import body_stall_middleware
 from server.drain import drain_middleware
 from server.errors import ApiError, from_exception, from_exception_logged
 from server.llama_stack_routes import add_llama_stack_routes
@@ -38,7 +40,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[request_id_middleware, access_log_middleware, error_middleware, drain_middleware,
-                     auth_middleware, browser_guard(config)],
+                     auth_middleware, browser_guard(config), body_stall_middleware],
     )
     registry = ModelRegistry(
         engine_factory,
