@@ -17,7 +17,7 @@ runs from the moment a connection opens; server/drain.py passes it).
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol, cast
 
 import structlog
 from aiohttp import web
@@ -146,7 +146,7 @@ class _Gate(asyncio.Protocol):
         self.abort_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # a TCP transport (uvloop's is no asyncio.Transport subclass)
         if self.cap.admits():
             handler = self.cap.server()
             transport.set_protocol(handler)

@@ -5,8 +5,10 @@ connections past --max-connections get 503 and are closed, while the ones admitt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
+from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -108,22 +110,17 @@ async def test_a_body_silent_for_a_whole_period_expires_its_deadline():
 
 
 # --------------------------------------------------------------------------- connections
-@pytest.fixture
-async def served(tmp_path: Path):
-    """The app behind the site and runner `llamaserve` listens with (server/drain.py)."""
-    sites: list[tuple[web.AppRunner, CappedSite]] = []
-
-    async def serve(**overrides) -> tuple[web.AppRunner, CappedSite]:
-        config = make_config(tmp_path, **overrides)
-        runner = drain.make_runner(create_app(config, FakeEngineFactory()))
-        await runner.setup()
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, **overrides) -> AsyncIterator[tuple[web.AppRunner, CappedSite]]:
+    """The app behind the runner and site `llamaserve` listens with (server/drain.py)."""
+    config = make_config(tmp_path, **overrides)
+    runner = drain.make_runner(create_app(config, FakeEngineFactory()))
+    await runner.setup()
+    try:
         site = CappedSite(runner, "127.0.0.1", 0, max_connections=config.max_connections)
         await site.start()
-        sites.append((runner, site))
-        return runner, site
-
-    yield serve
-    for runner, _ in sites:
+        yield runner, site
+    finally:
         await runner.cleanup()
 
 
@@ -133,30 +130,44 @@ async def get_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     return (await read_response(reader))[0]
 
 
-async def test_connections_past_the_cap_get_503_and_are_closed(served):
-    runner, site = await served(max_connections=2)
-    held = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(2)]
-    assert [await get_health(*connection) for connection in held] == [200, 200]
-    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
-    status, body = await read_response(reader)
-    assert status == 503 and body["error"]["code"] == "too_many_connections"
-    assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # closed by the server
-    writer.close()
-    held.pop()[1].close()  # one leaves: the next is admitted
-    for _ in range(10_000):
-        if len(runner.server.connections) < 2:
-            break
-        await asyncio.sleep(0)  # one event-loop turn: the server notices the close
-    connection = await asyncio.open_connection("127.0.0.1", site.port)
-    assert await get_health(*connection) == 200
-    assert await get_health(*held[0]) == 200  # the admitted ones were served throughout
+async def connections_past_the_cap(tmp_path: Path) -> None:
+    async with serving(tmp_path, max_connections=2) as (runner, site):
+        held = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(2)]
+        assert [await get_health(*connection) for connection in held] == [200, 200]
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
+        status, body = await read_response(reader)
+        assert status == 503 and body["error"]["code"] == "too_many_connections"
+        assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # closed by the server
+        writer.close()
+        held.pop()[1].close()  # one leaves: the next is admitted
+        for _ in range(10_000):
+            if len(runner.server.connections) < 2:
+                break
+            await asyncio.sleep(0)  # one event-loop turn: the server notices the close
+        connection = await asyncio.open_connection("127.0.0.1", site.port)
+        assert await get_health(*connection) == 200
+        assert await get_health(*held[0]) == 200  # the admitted ones were served throughout
+        for _, held_writer in (connection, *held):
+            held_writer.close()
 
 
-async def test_a_connection_that_never_sends_a_request_is_closed(served):
-    _, site = await served(keepalive_timeout_s=0.2)
-    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
-    assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
-    writer.close()
+async def test_connections_past_the_cap_get_503_and_are_closed(tmp_path):
+    await connections_past_the_cap(tmp_path)
+
+
+def test_the_cap_holds_on_uvloop_too(tmp_path):
+    """The CLI serves on uvloop when it is installed, whose transports are no asyncio.Transport."""
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(connections_past_the_cap(tmp_path))
+
+
+async def test_a_connection_that_never_sends_a_request_is_closed(tmp_path):
+    async with serving(tmp_path, keepalive_timeout_s=0.2) as (_, site):
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+        assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
+        writer.close()
 
 
 def test_connection_settings_from_flags():
