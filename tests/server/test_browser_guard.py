@@ -8,17 +8,7 @@ import pytest
 
 from server.browser_guard import host_name
 from tests.server.fake_engine import FakeEngineFactory
-from tests.server.test_api import CHAT, error_of, make_config, start
-
-
-@pytest.fixture
-def factory() -> FakeEngineFactory:
-    return FakeEngineFactory()
-
-
-@pytest.fixture
-async def client(aiohttp_client, factory, tmp_path):
-    return await start(aiohttp_client, factory, make_config(tmp_path))
+from tests.server.test_api import CHAT, client, error_of, factory, make_config, start  # noqa: F401 - fixtures
 
 
 REBOUND = {"Host": "attacker.example:8000"}  # what a DNS-rebinding page's requests say

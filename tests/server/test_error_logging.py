@@ -11,18 +11,7 @@ import structlog
 from structlog.testing import LogCapture
 
 from engine.types import EngineError, RequestOutput
-from tests.server.fake_engine import FakeEngineFactory
-from tests.server.test_api import CHAT, error_of, make_config, sse_events, start
-
-
-@pytest.fixture
-def factory() -> FakeEngineFactory:
-    return FakeEngineFactory()
-
-
-@pytest.fixture
-async def client(aiohttp_client, factory, tmp_path):
-    return await start(aiohttp_client, factory, make_config(tmp_path))
+from tests.server.test_api import CHAT, client, error_of, factory, sse_events  # noqa: F401 - fixtures
 
 
 @pytest.fixture
