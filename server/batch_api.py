@@ -192,8 +192,7 @@ async def _small_field(part: BodyPartReader) -> bytes:
 
 
 async def _receive_file(part: BodyPartReader, store: BatchStore) -> tuple[Path, str, int]:
-    """Stream the file part to a temporary file, enforcing the size and request-count limits. Chunks
-    are written in a thread: a slow disk must not stall the event loop."""
+    """Stream the file part to a temporary file, enforcing the size and request-count limits."""
     path = store.upload_path()
     num_bytes = num_lines = 0
     try:
@@ -208,7 +207,7 @@ async def _receive_file(part: BodyPartReader, store: BatchStore) -> tuple[Path, 
                     raise ApiError(400, f"The file has more than {store.max_requests} lines; a batch holds at "
                                    "most that many requests (--batch-max-requests)", param="file",
                                    code="too_many_requests")
-                await asyncio.to_thread(out.write, chunk)
+                await asyncio.to_thread(out.write, chunk)  # a slow disk must not stall the event loop
     except BaseException:
         path.unlink(missing_ok=True)
         raise
