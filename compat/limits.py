@@ -26,21 +26,30 @@ def too_deep(message: str = "") -> InvalidRequest:
                           code="invalid_json")
 
 
+# Values that nest nothing: a list or dict holding only these needs no walk of its items, which
+# keeps 100,000-token prompts cheap (one C-level pass over their types).
+_SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
+
+
 def check_nesting(obj: Any, *, limit: int = MAX_JSON_DEPTH) -> None:
-    """Raise InvalidRequest when dicts and lists inside `obj` nest deeper than `limit`."""
+    """Raise InvalidRequest when dicts and lists inside `obj` nest deeper than `limit`. Every item
+    is looked at: a leading scalar (`[0, [[[...]]]]`) hides nothing."""
     pending: list[tuple[Any, int]] = [(obj, 0)]
     while pending:
         node, depth = pending.pop()
         if isinstance(node, msgspec.Struct):
             pending.extend((getattr(node, name), depth) for name in node.__struct_fields__)
-        elif isinstance(node, dict):
-            if depth >= limit:
-                raise too_deep()
-            pending.extend((value, depth + 1) for value in node.values())
-        elif isinstance(node, (list, tuple)) and node and not isinstance(node[0], (int, float, str)):
-            if depth >= limit:
-                raise too_deep()
-            pending.extend((value, depth + 1) for value in node)
+            continue
+        if isinstance(node, dict):
+            items = node.values()
+        elif isinstance(node, (list, tuple)):
+            items = node
+        else:
+            continue
+        if depth >= limit:
+            raise too_deep()
+        if not _SCALAR_TYPES.issuperset(map(type, items)):
+            pending.extend((item, depth + 1) for item in items)
 
 
 def decode_json_bounded(text: str | bytes) -> Any:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from compat import limits
 from compat import protocol as p
 from engine.types import GrammarSpec, InvalidRequest, ToolDefinition
 
@@ -84,13 +85,20 @@ def _structured_outputs(so: p.StructuredOutputs) -> GrammarSpec:
 def json_spec(schema: dict[str, Any] | str | bool, param: str) -> GrammarSpec:
     """A JSON schema (an object, or its JSON text) as a canonical spec, so equal schemas share a grammar."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", param=param) from None
+        schema = _decode_schema(schema, param)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest("a JSON schema must be an object", param=param)
     return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), param)
+
+
+def _decode_schema(text: str, param: str) -> Any:
+    """A schema sent as JSON text, decoded with the same depth bound as the request body's objects."""
+    try:
+        return limits.decode_json_bounded(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", param=param) from None
+    except InvalidRequest as exc:  # nested too deeply
+        raise InvalidRequest(str(exc), param=param, code=exc.code) from None
 
 
 def choice_spec(choices: list[str], param: str) -> GrammarSpec:

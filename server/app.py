@@ -1,7 +1,9 @@
 """create_app(config, engine_factory): the aiohttp application, its middlewares and lifecycle.
 
 Tests build the same app with a fake EngineFactory. Middlewares, outermost first: request id,
-access log (one structlog line per request), errors (every exception -> OpenAI error body), auth.
+access log (one structlog line per request), errors (every exception -> OpenAI error body), drain,
+auth, browser guard (Host, Origin and content type: server/browser_guard.py), stalled bodies
+(server/connections.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from aiohttp import web
 from server import auth, routes
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.batch_api import add_batch_routes
+from server.browser_guard import browser_guard
 from server.config import ServerConfig, should_load
+from server.connections import body_stall_middleware
 from server.drain import drain_middleware
-from server.errors import ApiError, from_exception
+from server.errors import ApiError, from_exception, from_exception_logged
 from server.llama_stack_routes import add_llama_stack_routes
 from server.metrics import ServerMetrics
 from server.model_routes import add_model_routes
@@ -37,7 +41,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[request_id_middleware, access_log_middleware, error_middleware, drain_middleware,
-                     auth_middleware],
+                     auth_middleware, browser_guard(config), body_stall_middleware],
     )
     registry = ModelRegistry(
         engine_factory,
@@ -156,12 +160,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - nothing escapes as a traceback
-        error = from_exception(exc)
-        if error.status >= 500:
-            structlog.get_logger("llamaserve.errors").error(
-                "request failed", request_id=request[REQUEST_ID], path=request.path, error=str(exc),
-                exc_info=error.code == "internal_error",
-            )
+        error = from_exception_logged(exc, "request failed", request_id=request[REQUEST_ID], path=request.path)
     if error.status >= 500:
         error.message += f" (request id {request[REQUEST_ID]})"
     request[LOG_FIELDS]["error_code"] = error.code

@@ -298,7 +298,7 @@ async def _receive_file(part: BodyPartReader, store: BatchStore, bytes_left: int
                     raise ApiError(400, f"The file has more than {store.max_requests} lines; a batch holds at "
                                    "most that many requests (--batch-max-requests)", param="file",
                                    code="too_many_requests")
-                out.write(chunk)
+                await asyncio.to_thread(out.write, chunk)  # a slow disk must not stall the event loop
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -416,6 +416,8 @@ def _int_query(request: web.Request, name: str, *, default: int, low: int, high:
     text = request.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or not low <= int(text) <= high:
+    # ASCII digits only (str.isdigit also takes "²", which int() refuses) and no longer than `high`,
+    # so int() never meets a 5,000-digit number
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(high))) or not low <= int(text) <= high:
         raise ApiError(400, f"{name} must be an integer in [{low}, {high}]", param=name, code="invalid_value")
     return int(text)

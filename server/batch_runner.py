@@ -24,6 +24,7 @@ import msgspec
 import structlog
 
 from compat import batch_protocol as bp
+from compat import limits
 from compat import protocol as p
 from engine.types import EngineClient
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
@@ -82,6 +83,15 @@ class LineChecker:
         self.seen: set[str] = set()
 
     def check(self, line_no: int, raw: bytes) -> CheckedLine:
+        """The line as a request, or its one error line. JSON nested past msgspec's recursion bound
+        (a RecursionError from any of its decodes) is such a line too, never the whole batch's failure."""
+        try:
+            return self._check(line_no, raw)
+        except RecursionError:
+            return CheckedLine(None, error_result=line_error(None, "invalid_json_line",
+                                                             f"Line {line_no}: {limits.too_deep().args[0]}"))
+
+    def _check(self, line_no: int, raw: bytes) -> CheckedLine:
         try:
             line = bp.INPUT_LINE_DECODER.decode(raw)
         except msgspec.ValidationError as exc:

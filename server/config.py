@@ -51,6 +51,11 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     stream_write_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
     max_stream_duration_s: float = 3600.0  # a stream ends with an error event after this long
+    # Browsers and connections (server/browser_guard.py, server/connections.py)
+    allowed_hosts: tuple[str, ...] = ()  # Host names a keyless server answers besides localhost, loopback and --host
+    body_read_timeout_s: float = 60.0  # a request body that sends nothing for this long is dropped (408)
+    keepalive_timeout_s: float = 75.0  # an idle connection, or one that never sends a request, is closed after this
+    max_connections: int = 1024  # open connections; one more is answered 503 and closed
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     chat_template: Path | None = None  # a Jinja chat template overriding the checkpoint's
@@ -97,6 +102,12 @@ def _paths(text: str) -> list[Path]:
     return [Path(part).expanduser() for part in text.split(":") if part]
 
 
+def _names(text: str | list[str]) -> tuple[str, ...]:
+    """'a.example, b.example' (flag, env) or a YAML list -> ('a.example', 'b.example')."""
+    parts = text.split(",") if isinstance(text, str) else text
+    return tuple(part.strip() for part in parts if part.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # ServerConfig / EngineConfig field; flag --name-with-dashes; env LLAMASERVE_NAME
@@ -126,6 +137,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
     Option("stream_write_timeout_s", float, "server", "drop a streaming client that takes no data for this long"),
     Option("max_stream_duration_s", float, "server", "end any stream (with an error event) after this long"),
+    Option("allowed_hosts", _names, "server", "without an API key, the Host names answered besides localhost, loopback "
+           "addresses and --host, comma-separated (others get 400: DNS rebinding); '*' answers any"),
+    Option("body_read_timeout_s", float, "server", "drop a client whose request body sends nothing for this long (408)"),
+    Option("keepalive_timeout_s", float, "server", "close a connection idle this long, or one that never sends a "
+           "request"),
+    Option("max_connections", int, "server", "most open connections; one more is answered 503 and closed"),
     Option("log_format", str, "server", "json or console"),
     Option("log_level", str, "server", "debug, info, warning, error"),
     Option("chat_template", Path, "server", "Jinja chat template file overriding the checkpoint's"),
@@ -176,6 +193,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 _YAML_TYPES: dict[Callable[[str], Any], Any] = {
     int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
+    _names: str | list[str],
 }
 
 
@@ -296,6 +314,8 @@ def _parse(option: Option, text: str, source: str) -> Any:
 def _from_yaml(name: str, value: Any, source: str) -> Any:
     """Values the typed section Structs already checked; only paths and sizes still need parsing."""
     option = _BY_NAME[name]
+    if option.parse is _names:
+        return _names(value)
     if isinstance(value, list):
         return [Path(v).expanduser() for v in value]
     if option.parse in (Path, _paths, parse_bytes):
@@ -416,6 +436,9 @@ def _validate(config: ServerConfig) -> None:
          "batch_quota_files, batch_quota_bytes and batch_quota_batches must be >= 0 (0: no limit)"),
         (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
         (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
+        (config.body_read_timeout_s > 0 and config.keepalive_timeout_s > 0,
+         "body_read_timeout_s and keepalive_timeout_s must be > 0"),
+        (config.max_connections >= 1, "max_connections must be >= 1"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
     ]

@@ -18,7 +18,8 @@ from typing import Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from server.app_keys import STATE_KEY
+from server.app_keys import CONFIG_KEY, STATE_KEY
+from server.connections import CappedSite
 from server.errors import ApiError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,20 +72,26 @@ def run(app: web.Application, *, host: str, port: int, drain_timeout_s: float,
         runner.run(_serve(app, host=host, port=port, drain_timeout_s=drain_timeout_s))
 
 
-async def _serve(app: web.Application, *, host: str, port: int, drain_timeout_s: float) -> None:
-    runner = web.AppRunner(
+def make_runner(app: web.Application) -> web.AppRunner:
+    return web.AppRunner(
         app,
         handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
         access_log=None,  # our middleware logs one structured line per request
         shutdown_timeout=FINAL_GRACE_S,  # the drain already waited for in-flight requests
+        # from the moment a connection opens: also bounds one that never sends a request (server/connections.py)
+        keepalive_timeout=app[CONFIG_KEY].keepalive_timeout_s,
     )
+
+
+async def _serve(app: web.Application, *, host: str, port: int, drain_timeout_s: float) -> None:
+    runner = make_runner(app)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await web.TCPSite(runner, host, port).start()
+        await CappedSite(runner, host, port, max_connections=app[CONFIG_KEY].max_connections).start()
         await stop.wait()
         await drain(app, drain_timeout_s)
     finally:

@@ -6,8 +6,11 @@ import math
 from typing import Mapping
 
 import msgspec
+import structlog
 
 from engine.types import CheckpointError, ContextLengthExceeded, EngineDead, EngineError, InvalidRequest, QueueFull
+
+_log = structlog.get_logger("llamaserve.errors")
 
 _STATUS_TYPES: Mapping[int, str] = {
     400: "invalid_request_error",
@@ -15,8 +18,10 @@ _STATUS_TYPES: Mapping[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -73,3 +78,13 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineError):
         return ApiError(500, "The engine failed while processing your request.", code="engine_error")
     return ApiError(500, "The server had an error while processing your request.", code="internal_error")
+
+
+def from_exception_logged(exc: BaseException, event: str, **fields: object) -> ApiError:
+    """from_exception(exc); an unexpected failure (a 5xx that no ApiError announced: a bug, an engine
+    or load failure) is logged with its traceback first, since the client sees only a generic message."""
+    error = from_exception(exc)
+    if error.status >= 500 and not isinstance(exc, ApiError):
+        _log.error(event, error=str(exc), exc_info=exc, **fields)
+    return error
+

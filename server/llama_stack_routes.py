@@ -166,7 +166,7 @@ async def _serve(kind: _Kind, request: web.Request) -> web.StreamResponse:
 
 async def _serve_batch(kind: _Kind, request: web.Request) -> web.Response:
     """POST /v1/inference/batch-chat-completion and /v1/inference/batch-completion."""
-    req, _ = await _decode(request, kind.batch_decoder)
+    req, size = await _decode(request, kind.batch_decoder)
     items, param = getattr(req, kind.batch_field), kind.batch_field
     check_batch_size(request, len(items), param)
     async with lease(request, req.model_id) as engine:
@@ -174,7 +174,7 @@ async def _serve_batch(kind: _Kind, request: web.Request) -> web.Response:
 
         async def one(k: int, item: Any) -> dict:
             response_id = kind.openai.batch_item_id(batch_id, k)
-            converted, plan = kind.plan(req, item, engine, response_id, f"{param}[{k}]")
+            converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, f"{param}[{k}]")
             assembler = kind.openai.assembler(converted, plan, engine, response_id)
             stops = _StopTokens(engine)
             response = await collect(stops.track(merged_outputs(engine, plan.requests)), assembler)

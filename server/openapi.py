@@ -68,7 +68,8 @@ _OTHER_BODIES: dict[tuple[str, str], dict[str, Any]] = {
         "type": "object"}}}},
 }
 _STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "403": "not allowed",
-             "404": "unknown model or route", "413": "body too large", "429": "queue full (Retry-After)",
+             "404": "unknown model or route", "408": "the request body stalled", "413": "body too large",
+             "415": "a JSON route's body is not application/json", "429": "queue full (Retry-After)",
              "500": "server fault (message carries the request id)",
              "503": "model loading, dead or server draining (Retry-After)"}
 

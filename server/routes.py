@@ -24,7 +24,7 @@ from engine.types import EngineClient
 from server import sse
 from server.app_keys import METRICS_KEY, STATE_KEY
 from server.endpoints import KINDS, Assembler, EndpointKind, new_response_id
-from server.errors import from_exception
+from server.errors import from_exception_logged
 from server.registry import REGISTRY_KEY, ModelRegistry
 from server.subsystems import SUBSYSTEMS_KEY
 from server.request_flow import (
@@ -132,7 +132,7 @@ async def _batch_item(
         plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, prompt, engine, response_id)
         return p.BatchItem(index=index, response=await collect(merged_outputs(engine, plan.requests), assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
-        error = from_exception(exc)
+        error = from_exception_logged(exc, "batch item failed", response_id=response_id)
         return p.BatchItem(index=index, error=p.ErrorDetail(message=error.message, type=error.error_type,
                                                             param=error.param, code=error.code))
 

@@ -17,8 +17,8 @@ import structlog
 from aiohttp import web
 
 from compat.protocol import ENCODER
-from server.app_keys import CONFIG_KEY
-from server.errors import ApiError, from_exception
+from server.app_keys import CONFIG_KEY, REQUEST_ID
+from server.errors import ApiError, from_exception_logged
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -89,9 +89,7 @@ async def stream(
             _drop(request)
             return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
-        error = from_exception(exc)
-        if error.status >= 500 and not isinstance(exc, ApiError):
-            log.error("stream failed", error=str(exc), exc_info=not error.code)
+        error = from_exception_logged(exc, "stream failed", request_id=request[REQUEST_ID], path=request.path)
         try:
             await write(b"data: " + error.to_json() + b"\n\n" + done)
         except (ConnectionError, _SlowReader):

@@ -481,3 +481,18 @@ def test_errors_are_openai_errors(client, http):
     assert info.value.body["param"]
     response = http.post("/v1/chat/completions", content=b"{not json")
     assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# --------------------------------------------------------------------------- web pages (issue 29)
+def test_web_pages_cannot_reach_the_keyless_server(client, http):
+    """The SDK and httpx send application/json and a loopback Host: served. A DNS-rebinding page's
+    Host and a cross-site text/plain POST (a CORS simple request) are refused before any work."""
+    import json
+
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    assert greedy_completion(client, "Hi", max_tokens=1) == http.post("/v1/completions", json=body).json()[
+        "choices"][0]["text"]
+    rebound = http.post("/v1/completions", json=body, headers={"Host": "attacker.example:8000"})
+    assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+    simple = http.post("/v1/completions", content=json.dumps(body), headers={"Content-Type": "text/plain"})
+    assert simple.status_code == 415 and simple.json()["error"]["code"] == "unsupported_media_type"

@@ -291,7 +291,8 @@ async def test_completion_stream(client):
 
 # --------------------------------------------------------------------------- errors
 async def test_invalid_json(client):
-    error = await error_of(await client.post("/v1/chat/completions", data=b"{nope"), 400)
+    response = await client.post("/v1/chat/completions", data=b"{nope", headers={"Content-Type": "application/json"})
+    error = await error_of(response, 400)
     assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
 
 
@@ -369,7 +370,8 @@ async def test_unknown_route_and_method(client):
 
 async def test_body_too_large(aiohttp_client, factory, tmp_path):
     client = await start(aiohttp_client, factory, make_config(tmp_path, max_body_bytes=2048))
-    error = await error_of(await client.post("/v1/chat/completions", data=b"x" * 4096), 413)
+    response = await client.post("/v1/chat/completions", data=b"x" * 4096, headers={"Content-Type": "application/json"})
+    error = await error_of(response, 413)
     assert "2048" in error["message"]
 
 
@@ -520,7 +522,8 @@ async def test_health_ready_and_request_id(client):
     assert response.headers["X-Request-Id"] == "trace-123"
     stream = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"X-Request-Id": "s-1"})
     assert stream.headers["X-Request-Id"] == "s-1"
-    error = await client.post("/v1/chat/completions", data=b"{", headers={"X-Request-Id": "bad id!"})
+    error = await client.post("/v1/chat/completions", data=b"{",
+                              headers={"X-Request-Id": "bad id!", "Content-Type": "application/json"})
     assert error.status == 400 and error.headers["X-Request-Id"] != "bad id!"
 
 

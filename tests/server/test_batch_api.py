@@ -175,7 +175,8 @@ async def test_request_errors(aiohttp_client, factory, tmp_path):
     assert (await error_of(await client.post("/v1/batches", json={**body, "input_file_id": "file-x"}), 404))[
         "code"] == "file_not_found"
     assert (await error_of(await client.get("/v1/batches?limit=0"), 400))["param"] == "limit"
-    assert (await error_of(await client.post("/v1/batches", data=b"{"), 400))["code"] == "invalid_json"
+    bad_json = await client.post("/v1/batches", data=b"{", headers={"Content-Type": "application/json"})
+    assert (await error_of(bad_json, 400))["code"] == "invalid_json"
 
 
 async def test_whole_batch_failure_when_the_input_is_gone(aiohttp_client, factory, tmp_path):

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from compat import limits
+from engine.types import InvalidRequest
 from tests.server.fake_engine import FakeEngineFactory
 from tests.server.test_api import CHAT, error_of, make_config, start
 
@@ -63,7 +64,7 @@ async def test_deeply_nested_tool_call_arguments_are_a_400(client, depth):
 
 async def test_deeply_nested_register_metadata_is_a_400(client):
     body = b'{"model_id": "x", "metadata": {"a": ' + nested(2_000).encode() + b"}}"
-    error = await error_of(await client.post("/v1/models", data=body), 400)
+    error = await error_of(await client.post("/v1/models", data=body, headers={"Content-Type": "application/json"}), 400)
     assert error["code"] == "invalid_json"
 
 
@@ -247,12 +248,16 @@ def test_a_lagging_slot_keeps_deltas_as_a_list_and_joins_them_once():
                                     "max_tokens": 1}),
     ("/tokenize", {"model": "fake", "prompt": "x" * 70_000, "return_token_strs": True}),
     ("/detokenize", {"model": "fake", "tokens": [120] * 30_000}),
+    ("/v1/inference/batch-completion", {"model_id": "fake", "content_batch": ["x" * 40_000, "y" * 40_000]}),
+    ("/v1/inference/batch-chat-completion", {"model_id": "fake", "messages_batch": [
+        [{"role": "user", "content": "x" * 70_000}]]}),
 ])
 async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp_path, monkeypatch, path, body):
     import threading
 
     factory = FakeEngineFactory(max_seq_len=1 << 17)
     client = await start(aiohttp_client, factory, make_config(tmp_path))
+    factory.engines["fake"].chat_format.family = "llama3_2"  # Llama Stack's chat reads its tool format by family
     tokenizer = factory.engines["fake"].tokenizer
     threads: set[str] = set()
     for name in ("encode", "decode", *(("token_bytes",) if path == "/tokenize" else ())):  # return_token_strs
@@ -268,3 +273,127 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(aiohttp_client, tmp
     assert response.status == 200, await response.text()
     loop_thread = threading.current_thread().name  # the test's event loop runs the server too
     assert threads and loop_thread not in threads
+
+
+# --------------------------------------------------------------------------- inputs that reached 500s (issue 29)
+@pytest.mark.parametrize("depth", [limits.MAX_JSON_DEPTH + 1, 5_000])
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+async def test_a_deeply_nested_json_schema_string_is_a_400(client, field, depth):
+    schema = nested(depth)
+    fields = {"guided_json": schema} if field == "guided_json" else {"structured_outputs": {"json": schema}}
+    error = await error_of(await client.post("/v1/chat/completions", json={**CHAT, **fields}), 400)
+    assert error["param"] == ("guided_json" if field == "guided_json" else "structured_outputs.json")
+    assert "nested too deeply" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
+@pytest.mark.parametrize("limit", ["\u00b2", "\u0661", "9" * 5_000, "1" + "0" * 20],
+                         ids=["superscript", "arabic", "5000-digits", "1e20"])
+async def test_list_limits_that_are_not_short_ascii_numbers_are_a_400(client, path, limit):
+    error = await error_of(await client.get(path, params={"limit": limit}), 400)
+    assert error["param"] == "limit"
+
+
+def test_nesting_behind_a_leading_scalar_is_checked():
+    for hidden in ([0, nested_list(limits.MAX_JSON_DEPTH)], ["s", {"a": nested_list(limits.MAX_JSON_DEPTH)}],
+                   {"a": 1, "b": nested_list(limits.MAX_JSON_DEPTH)}):
+        with pytest.raises(InvalidRequest, match="nested too deeply"):
+            limits.check_nesting(hidden)
+    limits.check_nesting([0, nested_list(limits.MAX_JSON_DEPTH - 2)])  # within the limit
+    limits.check_nesting(list(range(100_000)))  # token ids: scalars all the way
+
+
+async def test_nesting_behind_a_leading_scalar_in_a_body_is_a_400(client):
+    response = await client.post("/v1/chat/completions", data=chat_body_with_parameters("[0, " + nested(200) + "]"),
+                                 headers={"Content-Type": "application/json"})
+    error = await error_of(response, 400)
+    assert error["code"] == "invalid_json"
+
+
+def nested_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+async def test_a_deeply_nested_batch_line_is_one_error_line(aiohttp_client, factory, tmp_path):
+    from tests.server.test_batch_api import batch_when, chat_line, content_lines, create, start as start_batch
+
+    client = await start_batch(aiohttp_client, factory, tmp_path)
+    deep = b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"x": ' + \
+        nested(5_000).encode() + b"}}"
+    done = await batch_when(client, (await create(client, [chat_line("a"), deep, chat_line("b")]))["id"])
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    [error] = await content_lines(client, done["error_file_id"])
+    assert error["error"]["code"] == "invalid_json_line" and "nested too deeply" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+    ("/v1/completions", lambda text: {"model": "fake", "prompt": text, "max_tokens": 1}),
+    ("/v1/inference/completion", lambda text: {"model_id": "fake", "content": text}),
+    ("/tokenize", lambda text: {"model": "fake", "prompt": text}),
+])
+async def test_large_bodies_are_decoded_and_checked_off_the_event_loop(aiohttp_client, tmp_path, monkeypatch, path,
+                                                                        body):
+    """msgspec's decode and the nesting check of a 30 MB body take seconds; in a thread, every other
+    stream and /health keep their turns. Small bodies stay inline (a thread hop costs more)."""
+    import threading
+
+    from compat import protocol as p
+
+    client = await start(aiohttp_client, FakeEngineFactory(max_seq_len=1 << 17), make_config(tmp_path))
+    threads: dict[int, str] = {}
+    original = p.decode
+
+    def recording(decoder, data):
+        threads[len(data)] = threading.current_thread().name
+        return original(decoder, data)
+
+    monkeypatch.setattr(p, "decode", recording)
+    for sent in (body("x" * 70_000), body("x")):
+        response = await client.post(path, json=sent)
+        assert response.status == 200, await response.text()
+    loop_thread = threading.current_thread().name  # the test's event loop runs the server too
+    large_size, small_size = sorted(threads, reverse=True)
+    assert threads[large_size] != loop_thread and threads[small_size] == loop_thread
+
+
+async def test_uploaded_files_are_written_off_the_event_loop(aiohttp_client, factory, tmp_path, monkeypatch):
+    import threading
+
+    from server import batch_api
+    from tests.server.test_batch_api import start as start_batch
+    from tests.server.test_batch_api import upload
+
+    client = await start_batch(aiohttp_client, factory, tmp_path)
+    writers: set[str] = set()
+
+    class RecordingFile:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            writers.add(threading.current_thread().name)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+    # the function _receive_file opens its temporary file with (open_private once the store makes files 0600)
+    opener = "open_private" if hasattr(batch_api, "open_private") else "open"
+    original = getattr(batch_api, opener, open)
+    monkeypatch.setattr(batch_api, opener, lambda *args, **kwargs: RecordingFile(original(*args, **kwargs)),
+                        raising=False)
+    response = await upload(client, b'{"custom_id": "a"}\n' * 10_000)
+    assert response.status == 200, await response.text()
+    assert writers and threading.current_thread().name not in writers
