@@ -6,7 +6,8 @@ loopback, so "admin is loopback-only" does not hold against them. Two ways in:
 - DNS rebinding: a page at attacker.example points its name at 127.0.0.1; the browser then holds our
   responses same-origin and lets the page read them (models, every uploaded file). Its requests say
   `Host: attacker.example`, so a keyless server answers only the Host names it knows: localhost,
-  loopback addresses, the bind host (unless a wildcard) and `allowed_hosts`, with or without a port.
+  the bind host (unless a wildcard) and `allowed_hosts`, with or without a port, and any IP address
+  (rebinding needs a name: a page can send `Host: 10.0.0.9` only to the machine at that address).
   Others get 400 `invalid_host`, as Django and Starlette's TrustedHostMiddleware answer (RFC 9112
   gives 400 for a bad Host; 421 is for an HTTP/2 connection reused for another authority).
 - Cross-site requests: a page may send a POST anywhere without asking first (a CORS "simple request")
@@ -24,6 +25,7 @@ read no user data and change nothing.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -67,7 +69,8 @@ def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
 
 def browser_guard(config: ServerConfig) -> Middleware:
     """The middleware for this config: Host and Origin checks when keyless, the content type always."""
-    keyless = config.api_key is None  # an admin key alone leaves inference, files and batches open
+    # an admin key alone leaves inference, files and batches open; named keys (--api-keys-file) close them
+    keyless = config.api_key is None and not config.named_api_keys
     allowed = allowed_host_names(config)
 
     @web.middleware
@@ -83,11 +86,22 @@ def browser_guard(config: ServerConfig) -> Middleware:
     return browser_guard_middleware
 
 
+def is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def check_host(request: web.Request, allowed: frozenset[str]) -> None:
+    """Any IP-address Host passes: rebinding needs a name the attacker controls, and a page can only
+    send `Host: <address>` to the machine at that address (a LAN client, a pod probe, a gateway)."""
     host = request.headers.get(hdrs.HOST)
-    if host is not None and not is_allowed_host(host_name(host), allowed):  # browsers always send one
+    name = host_name(host) if host is not None else ""
+    if host is not None and not is_ip_literal(name) and not is_allowed_host(name, allowed):  # browsers always send one
         raise ApiError(400, f"Host {host!r} is not served here: without an API key this server answers only "
-                       "localhost, loopback addresses and the names in --allowed-hosts (this keeps DNS-rebinding "
+                       "IP addresses, localhost and the names in --allowed-hosts (this keeps DNS-rebinding "
                        "web pages out). Add the name to --allowed-hosts, or set --api-key.", code="invalid_host")
 
 

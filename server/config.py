@@ -52,7 +52,7 @@ class ServerConfig:
     stream_write_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
     max_stream_duration_s: float = 3600.0  # a stream ends with an error event after this long
     # Browsers and connections (server/browser_guard.py, server/connections.py)
-    allowed_hosts: tuple[str, ...] = ()  # Host names a keyless server answers besides localhost, loopback and --host
+    allowed_hosts: tuple[str, ...] = ()  # Host names a keyless server answers besides IP addresses, localhost and --host
     body_read_timeout_s: float = 60.0  # a request body that sends nothing for this long is dropped (408)
     keepalive_timeout_s: float = 75.0  # an idle connection, or one that never sends a request, is closed after this
     max_connections: int = 1024  # open connections; one more is answered 503 and closed
@@ -137,8 +137,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
     Option("stream_write_timeout_s", float, "server", "drop a streaming client that takes no data for this long"),
     Option("max_stream_duration_s", float, "server", "end any stream (with an error event) after this long"),
-    Option("allowed_hosts", _names, "server", "without an API key, the Host names answered besides localhost, loopback "
-           "addresses and --host, comma-separated (others get 400: DNS rebinding); '*' answers any"),
+    Option("allowed_hosts", _names, "server", "without an API key, the Host names answered besides IP addresses, "
+           "localhost and --host, comma-separated (others get 400: DNS rebinding); '*' answers any"),
     Option("body_read_timeout_s", float, "server", "drop a client whose request body sends nothing for this long (408)"),
     Option("keepalive_timeout_s", float, "server", "close a connection idle this long, or one that never sends a "
            "request"),

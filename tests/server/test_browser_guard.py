@@ -3,6 +3,8 @@ cross-site "simple requests" meet the content-type and Origin checks. Real clien
 
 from __future__ import annotations
 
+import dataclasses
+
 import aiohttp
 import pytest
 
@@ -46,9 +48,23 @@ async def test_allowed_hosts_and_the_bind_host_are_answered(aiohttp_client, fact
 
 async def test_a_wildcard_bind_host_is_no_host_name_and_star_answers_any(aiohttp_client, tmp_path):
     client = await start(aiohttp_client, FakeEngineFactory(), make_config(tmp_path, host="0.0.0.0"))
-    await error_of(await client.get("/v1/models", headers={"Host": "0.0.0.0:8000"}), 400)
+    await error_of(await client.get("/v1/models", headers=REBOUND), 400)
     client = await start(aiohttp_client, FakeEngineFactory(), make_config(tmp_path, allowed_hosts=("*",)))
     assert (await client.get("/v1/models", headers=REBOUND)).status == 200
+
+
+@pytest.mark.parametrize("host", ["10.0.0.9:8000", "192.168.1.20", "[fd00::7]:8000", "203.0.113.5"])
+async def test_ip_address_hosts_are_answered(client, host):
+    """Rebinding needs a name: a page can send `Host: <address>` only to the machine at that address
+    (a LAN client, an orchestrator's probe, a gateway forwarding by pod IP)."""
+    response = await client.post("/v1/chat/completions", json=CHAT, headers={"Host": host})
+    assert response.status == 200, await response.text()
+
+
+async def test_keys_from_a_keys_file_turn_the_host_check_off(aiohttp_client, factory, tmp_path):
+    config = dataclasses.replace(make_config(tmp_path), named_api_keys=(("alice", "ka"),))
+    client = await start(aiohttp_client, factory, config)
+    assert (await error_of(await client.get("/v1/models", headers=REBOUND), 401))["code"] == "invalid_api_key"
 
 
 async def test_probes_answer_any_host(client):
