@@ -113,7 +113,10 @@ class AsyncEngine:
         self.runner = runner
         self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
-        self.max_sequences_per_request = config.max_sequences_per_request  # n x prompts (compat checks it)
+        # n x prompts of one request (compat checks it); a request whose sequences could not all wait in
+        # either bound would be refused part way every time, so the cap is never more than the bounds.
+        self.max_sequences_per_request = min(config.max_sequences_per_request, config.max_waiting_requests,
+                                             config.max_waiting_batch_sequences)
         self._cond = threading.Condition()
         # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
         self._inbox: list[tuple[str, Any, _Mailbox | None]] = []  # guarded by _cond

@@ -136,6 +136,16 @@ async def test_a_request_is_checked_once(engine: AsyncEngine, monkeypatch):
     await assert_clean(engine)
 
 
+async def run_out_and_shut_down(eng: AsyncEngine, firsts: list[asyncio.Future], gens: list) -> None:
+    """Let a held engine run: every queued request yields, closes, and leaves nothing behind."""
+    eng.runner.open()
+    for first, gen in zip(firsts, gens):
+        await first
+        await gen.aclose()
+    await assert_clean(eng)
+    await eng.shutdown()
+
+
 async def test_queue_full():
     eng = make_engine(max_waiting_requests=2, max_batch_size=1)
     eng.runner.hold()
@@ -147,12 +157,7 @@ async def test_queue_full():
     await wait_until(lambda: eng.num_waiting_sequences(ONLINE_PRIORITY) == 2)
     with pytest.raises(QueueFull):
         eng.generate(request("over", "abc"))
-    eng.runner.open()
-    for first, gen in zip(firsts, gens):
-        await first
-        await gen.aclose()
-    await assert_clean(eng)
-    await eng.shutdown()
+    await run_out_and_shut_down(eng, firsts, gens)
 
 
 async def test_batch_sequences_never_take_the_online_queue_room():
@@ -174,12 +179,7 @@ async def test_batch_sequences_never_take_the_online_queue_room():
     await wait_until(lambda: eng.num_waiting_sequences(ONLINE_PRIORITY) == 2)
     with pytest.raises(QueueFull):
         eng.generate(request("online-over", "abc"))
-    eng.runner.open()
-    for first, gen in zip(firsts, gens):
-        await first
-        await gen.aclose()
-    await assert_clean(eng)
-    await eng.shutdown()
+    await run_out_and_shut_down(eng, firsts, gens)
 
 
 async def test_early_close_aborts_and_frees_blocks(engine: AsyncEngine):
@@ -314,3 +314,14 @@ def test_merge_outputs():
     m = merge_outputs(a, b)
     assert (m.new_token_ids, m.text_delta, m.finish_reason, m.stop_reason, m.num_output_tokens) == (
         [1, 2, 3], "abc", "stop", "x", 3)
+
+
+async def test_the_per_request_cap_never_exceeds_a_waiting_bound():
+    """A request whose sequences could not all wait would be refused part way every time: compat
+    refuses it whole (400) instead, by the engine's cap."""
+    engines = [make_engine(), make_engine(max_waiting_requests=8), make_engine(max_waiting_batch_sequences=4)]
+    try:
+        assert [eng.max_sequences_per_request for eng in engines] == [EngineConfig().max_sequences_per_request, 8, 4]
+    finally:
+        for eng in engines:
+            await eng.shutdown()
