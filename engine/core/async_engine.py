@@ -118,7 +118,7 @@ class AsyncEngine:
         self.max_sequences_per_request = min(config.max_sequences_per_request, config.max_waiting_requests,
                                              config.max_waiting_batch_sequences)
         self._cond = threading.Condition()
-        # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
+        # ("add", (request, its CompiledGrammar or None), slot) and ("abort", request_id, None), in posting order
         self._inbox: list[tuple[str, Any, _Mailbox | None]] = []  # guarded by _cond
         self._num_adds_posted: dict[QueueClass, int] = {"online": 0, "batch": 0}  # adds in the inbox, per bound
         self._dead: EngineDead | None = None  # guarded by _cond
@@ -193,8 +193,9 @@ class AsyncEngine:
     async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
         self._check_can_add(request)  # again: time may have passed since generate()
-        if request.params.grammar is not None:  # compile here, off the engine thread, under a time limit
-            await self.core.grammars.prepare(request.params.grammar)
+        grammar = None
+        if request.params.grammar is not None:  # compiled here, off the engine thread, under a time limit
+            grammar = await self.core.grammars.prepare(request.params.grammar)  # held until admission
             self._check_can_add(request)
         slot = _Mailbox(asyncio.get_running_loop())
         self._active[request_id] = slot
@@ -202,7 +203,7 @@ class AsyncEngine:
             if self._dead is not None or self._stopping:
                 del self._active[request_id]
                 raise EngineDead(f"model {self.model_id!r} is not available")
-            self._inbox.append(("add", request, slot))
+            self._inbox.append(("add", (request, grammar), slot))
             self._num_adds_posted[queue_class(request.priority)] += 1
             self._cond.notify()
         finished = False
@@ -266,12 +267,13 @@ class AsyncEngine:
         items: list[tuple[_Mailbox, Any]] = []
         for kind, payload, slot in inbox:
             if kind == "add":
+                request, grammar = payload
                 try:
-                    self.core.admit(payload)  # checked by generate(), on the caller's side
+                    self.core.admit(request, grammar)  # checked by generate(), on the caller's side
                 except EngineError as exc:
                     items.append((slot, exc))
                 else:
-                    self._slots[payload.request_id] = slot  # type: ignore[assignment]
+                    self._slots[request.request_id] = slot  # type: ignore[assignment]
             elif (output := self.core.abort_request(payload)) is not None:
                 items += self._route([output])
         return items
