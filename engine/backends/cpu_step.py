@@ -32,7 +32,7 @@ from torch import nn
 from engine.kernels.amx import AmxLinear
 from engine.backends.base import AttentionMetadata, KVCache, PagedDecodes
 from engine.kernels.build import DECODE_STEP, library_path
-from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import CpuKernels, check_kernel
 from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ class DecodeStep:
             return None
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
-        if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
-            raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
+        if failed := self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()):
+            check_kernel(failed, "decode step")  # MemoryError: a kernel's scratch; RuntimeError: the tiles refused a linear
         return out
 
     def _tokens(self, rows: int, meta: AttentionMetadata) -> _Tokens | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.build import AMX_LINEAR, library_path
+from engine.kernels.cpu import check_kernel
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class AmxLinear:
             if x.dtype != torch.bfloat16 or x.shape[1] != k or not x.is_contiguous():
                 raise ValueError(f"AMX linear input must be contiguous bfloat16 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
             out = torch.empty(rows, n, dtype=torch.bfloat16)
-            if fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads) != 0:
-                raise RuntimeError("amx_linear_bf16 refused its arguments")
+            if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
+                check_kernel(failed, "amx_linear_bf16")  # MemoryError, or RuntimeError: arguments refused
             return out
 
         many_rows.weight = pairs  # the pointer's owner lives as long as the call
