@@ -36,6 +36,13 @@ class AmxLinear:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.amx_linear_bf16
         self._fn.argtypes, self._fn.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), _i32
+        self._fail_allocs_after = lib.llamaserve_fail_allocs_after
+        self._fail_allocs_after.argtypes, self._fail_allocs_after.restype = (_i64,), None
+
+    def fail_allocs_after(self, num_allocs: int) -> None:
+        """Test hook: the library's next num_allocs allocations succeed and every later one fails
+        (its linears then raise MemoryError); a negative count restores the default, none fails."""
+        self._fail_allocs_after(num_allocs)
 
     def address(self) -> int:
         """amx_linear_bf16 as a C function address (engine/kernels/csrc/decode_step.c calls it through this)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels.amx import load_amx_linear
 from engine.kernels.quant import load_quant_kernels
 from engine.quant.formats import quantize_int8
 from tests.engine.test_cpu_kernels import THREADS, gen, kernels, three_sequences  # noqa: F401 - kernels: a fixture
@@ -70,6 +71,44 @@ def test_paged_attention_reports_a_failed_allocation(kernels, failing):
         attend()
     failing(-1)
     assert torch.equal(attend(), expected)
+
+
+@pytest.mark.parametrize("allocs_before_failure", [0, 1])  # the item table, then each item's scratch
+def test_paged_attention_on_amx_tiles_reports_a_failed_allocation(kernels, failing, allocs_before_failure):
+    if not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 16):
+        pytest.skip("no AMX tiles on this CPU: the tile path cannot run here")
+    qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, _ = three_sequences(torch.bfloat16)
+    new_tokens, row_start = torch.tensor([1, 1, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def attend() -> torch.Tensor:
+        out = torch.zeros(3, heads * 64, dtype=torch.bfloat16)
+        kernels.paged_attention(qkv, out, row_start, new_tokens, seq_lens, tables, k_cache, v_cache, heads, kv_heads,
+                                0.125, THREADS)
+        return out
+
+    expected = attend()
+    failing(allocs_before_failure)
+    with pytest.raises(MemoryError, match="paged attention"):
+        attend()
+    failing(-1)
+    assert torch.equal(attend(), expected)
+
+
+def test_amx_linear_reports_a_failed_allocation(kernels):
+    amx = load_amx_linear()
+    if amx is None:
+        pytest.skip("no AMX tiles on this CPU: the AMX linear cannot run here")
+    g = gen(4)
+    linear = amx.bind(kernels.interleave(torch.randn(32, 64, generator=g).bfloat16()))
+    x = torch.randn(3, 64, generator=g).bfloat16()  # 3 rows: the zero-padded copy to a whole tile
+    expected = linear(x, THREADS)
+    amx.fail_allocs_after(0)
+    try:
+        with pytest.raises(MemoryError, match="amx_linear_bf16"):
+            linear(x, THREADS)
+    finally:
+        amx.fail_allocs_after(-1)
+    assert torch.equal(linear(x, THREADS), expected)
 
 
 def test_the_hook_is_inert_by_default_and_counts_allocations(kernels, failing):
