@@ -7,6 +7,8 @@ Allocations are made to fail deterministically through each library's test hook
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -23,16 +25,41 @@ def failing(kernels):
     kernels.fail_allocs_after(-1)
 
 
+def assert_fails_then_recovers(call: Callable[[], torch.Tensor], fail_allocs_after: Callable[[int], None],
+                               allocs_before_failure: int, what: str) -> None:
+    """call() raises MemoryError naming `what` once allocations fail after the given count, and gives
+    the same bits as before once they succeed again."""
+    expected = call()
+    fail_allocs_after(allocs_before_failure)
+    try:
+        with pytest.raises(MemoryError, match=what):
+            call()
+    finally:
+        fail_allocs_after(-1)
+    assert torch.equal(call(), expected)
+
+
+def paged_attention_call(kernels, dtype: torch.dtype, new_tokens: list[int]) -> Callable[[], torch.Tensor]:
+    """paged_attention over three_sequences, each with `new_tokens` rows in one qkv."""
+    qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, _ = three_sequences(dtype)
+    counts = torch.tensor(new_tokens, dtype=torch.int32)
+    row_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    qkv = qkv.repeat(-(-sum(new_tokens) // 3), 1)[: sum(new_tokens)].contiguous()
+
+    def attend() -> torch.Tensor:
+        out = torch.zeros(sum(new_tokens), heads * 64, dtype=dtype)
+        kernels.paged_attention(qkv, out, row_start, counts, seq_lens, tables, k_cache, v_cache, heads, kv_heads,
+                                0.125, THREADS)
+        return out
+
+    return attend
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interleaved_linear_reports_a_failed_allocation(kernels, failing, dtype):
     g = gen(1)
     x, weight = torch.randn(3, 64, generator=g).to(dtype), kernels.interleave(torch.randn(32, 64, generator=g).to(dtype))
-    expected = kernels.interleaved_linear(x, weight, THREADS)
-    failing(0)
-    with pytest.raises(MemoryError, match="interleaved linear"):
-        kernels.interleaved_linear(x, weight, THREADS)
-    failing(-1)
-    assert torch.equal(kernels.interleaved_linear(x, weight, THREADS), expected)  # the same bits as before
+    assert_fails_then_recovers(lambda: kernels.interleaved_linear(x, weight, THREADS), failing, 0, "interleaved linear")
 
 
 @pytest.mark.parametrize("allocs_before_failure", [0, 1, 2, 3])  # task table, partial results, then each task's scores
@@ -45,53 +72,19 @@ def test_paged_decode_attention_reports_each_failed_allocation(kernels, failing,
         kernels.paged_decode_attention(qkv, out, rows, k_cache, v_cache, tables, seq_lens, heads, kv_heads, 0.125, THREADS)
         return out
 
-    expected = attend()
-    failing(allocs_before_failure)
-    with pytest.raises(MemoryError, match="paged decode attention"):
-        attend()
-    failing(-1)
-    assert torch.equal(attend(), expected)
+    assert_fails_then_recovers(attend, failing, allocs_before_failure, "paged decode attention")
 
 
 def test_paged_attention_reports_a_failed_allocation(kernels, failing):
-    qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, _ = three_sequences(torch.float32)
-    new_tokens = torch.tensor([2, 1, 3], dtype=torch.int32)
-    row_start = torch.tensor([0, 2, 3], dtype=torch.int32)
-    qkv = torch.cat([qkv, qkv])  # six rows: each sequence's new tokens
-
-    def attend() -> torch.Tensor:
-        out = torch.zeros(6, heads * 64)
-        kernels.paged_attention(qkv, out, row_start, new_tokens, seq_lens, tables, k_cache, v_cache, heads, kv_heads,
-                                0.125, THREADS)
-        return out
-
-    expected = attend()
-    failing(0)
-    with pytest.raises(MemoryError, match="paged attention"):
-        attend()
-    failing(-1)
-    assert torch.equal(attend(), expected)
+    assert_fails_then_recovers(paged_attention_call(kernels, torch.float32, [2, 1, 3]), failing, 0, "paged attention")
 
 
 @pytest.mark.parametrize("allocs_before_failure", [0, 1])  # the item table, then each item's scratch
 def test_paged_attention_on_amx_tiles_reports_a_failed_allocation(kernels, failing, allocs_before_failure):
     if not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 16):
         pytest.skip("no AMX tiles on this CPU: the tile path cannot run here")
-    qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, _ = three_sequences(torch.bfloat16)
-    new_tokens, row_start = torch.tensor([1, 1, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
-
-    def attend() -> torch.Tensor:
-        out = torch.zeros(3, heads * 64, dtype=torch.bfloat16)
-        kernels.paged_attention(qkv, out, row_start, new_tokens, seq_lens, tables, k_cache, v_cache, heads, kv_heads,
-                                0.125, THREADS)
-        return out
-
-    expected = attend()
-    failing(allocs_before_failure)
-    with pytest.raises(MemoryError, match="paged attention"):
-        attend()
-    failing(-1)
-    assert torch.equal(attend(), expected)
+    attend = paged_attention_call(kernels, torch.bfloat16, [1, 1, 1])
+    assert_fails_then_recovers(attend, failing, allocs_before_failure, "paged attention")
 
 
 def test_amx_linear_reports_a_failed_allocation(kernels):
@@ -101,14 +94,7 @@ def test_amx_linear_reports_a_failed_allocation(kernels):
     g = gen(4)
     linear = amx.bind(kernels.interleave(torch.randn(32, 64, generator=g).bfloat16()))
     x = torch.randn(3, 64, generator=g).bfloat16()  # 3 rows: the zero-padded copy to a whole tile
-    expected = linear(x, THREADS)
-    amx.fail_allocs_after(0)
-    try:
-        with pytest.raises(MemoryError, match="amx_linear_bf16"):
-            linear(x, THREADS)
-    finally:
-        amx.fail_allocs_after(-1)
-    assert torch.equal(linear(x, THREADS), expected)
+    assert_fails_then_recovers(lambda: linear(x, THREADS), amx.fail_allocs_after, 0, "amx_linear_bf16")
 
 
 def test_the_hook_is_inert_by_default_and_counts_allocations(kernels, failing):
@@ -130,14 +116,7 @@ def test_quantized_linear_reports_a_failed_allocation():
     g = gen(3)
     linear = quant.bind(quantize_int8(torch.randn(32, 64, generator=g), group_size=32))
     x = torch.randn(2, 64, generator=g)  # two rows: the padded input copy (one row may take the no-copy path)
-    expected = linear(x, THREADS)
-    quant.fail_allocs_after(0)
-    try:
-        with pytest.raises(MemoryError, match="quantized linear"):
-            linear(x, THREADS)
-    finally:
-        quant.fail_allocs_after(-1)
-    assert torch.equal(linear(x, THREADS), expected)
+    assert_fails_then_recovers(lambda: linear(x, THREADS), quant.fail_allocs_after, 0, "quantized linear")
 
 
 def test_the_engine_fails_the_step_and_keeps_serving(kernels, failing, tiny_checkpoint):
