@@ -54,6 +54,7 @@ class CompletionPlan:
 def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str, *,
               priority: int = ONLINE_PRIORITY) -> ChatPlan:
     policy.check_request(fields, "chat")
+    check_num_sequences(1, fields.n, engine)
     plan = tool_plan(fields, supports_tools=engine.chat_format.supports_tools)
     tools = plan.tools
     grammar = grammar_spec(fields)
@@ -148,7 +149,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     prompts_ids: list[list[int]] = []
     texts: list[str] = []
     prompt_items = completion_prompts(prompt)
-    check_num_sequences(len(prompt_items) * req.n, "prompt")
+    check_num_sequences(len(prompt_items), req.n, engine)
     for prompt_item in prompt_items:
         if isinstance(prompt_item, str):
             check_text_fits(len(prompt_item), engine, "prompt")
@@ -227,11 +228,16 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
     )
 
 
-def check_num_sequences(count: int, param: str) -> None:
-    """Prompts x n of one request, bounded before any of them is built."""
-    if count > limits.MAX_REQUEST_SEQUENCES:
-        raise InvalidRequest(f"this request asks for {count} sequences (prompts x n); the limit is "
-                             f"{limits.MAX_REQUEST_SEQUENCES}", param=param, code="too_many_sequences")
+def check_num_sequences(num_prompts: int, n: int, engine: EngineClient) -> None:
+    """Prompts x n of one request, bounded (engine.max_sequences_per_request, well below the engine's
+    waiting queue, so one request cannot fill it) before any of them is built. The 400 names the
+    factor that makes it too big: n, unless the prompts outnumber it."""
+    limit = engine.max_sequences_per_request
+    count = num_prompts * n
+    if count > limit:
+        asked = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
+        raise InvalidRequest(f"this request asks for {count} sequences ({asked}); the limit is {limit} sequences "
+                             "per request", param="n" if n >= num_prompts else "prompt", code="too_many_sequences")
 
 
 def check_text_fits(num_chars: int, engine: EngineClient, param: str) -> None:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.types import ONLINE_PRIORITY
+
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
@@ -22,13 +24,31 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: derived from the memory budget below
     kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free memory after weights
     cpu_kv_cache_bytes: int = 2 << 30  # CPU: KV cache size when kv_cache_bytes is None
-    max_waiting_requests: int = 1024  # beyond this generate() raises QueueFull
+    # Admission counts sequences (an OpenAI request is n x prompts of them), in two bounds: online
+    # work and background (batch-priority) work each wait within their own, so a batch never takes
+    # the online queue's room (queue_class). Beyond its bound generate() raises QueueFull.
+    max_waiting_requests: int = 1024  # online sequences waiting
+    max_waiting_batch_sequences: int = 1024  # batch-priority sequences waiting (preempted ones included)
+    max_sequences_per_request: int = 256  # n x prompts of one request; compat answers 400 beyond it
     enable_prefix_caching: bool = True
     quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
     mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective
+
+    def max_waiting_sequences(self, queue: QueueClass) -> int:
+        return self.max_waiting_requests if queue == "online" else self.max_waiting_batch_sequences
+
+
+QueueClass = Literal["online", "batch"]
+
+
+def queue_class(priority: int) -> QueueClass:
+    """Which waiting bound a sequence counts against: ONLINE_PRIORITY and more urgent ones are online;
+    any less urgent priority is background work (the Batch API), which the scheduler preempts for
+    online work anyway and which must never be what makes an online request wait or fail."""
+    return "online" if priority <= ONLINE_PRIORITY else "batch"
 
 
 def launched_by_torchrun() -> bool:

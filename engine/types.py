@@ -289,6 +289,7 @@ class EngineClient(Protocol):
     tokenizer: "Tokenizer"
     chat_format: "ChatFormat"
     sampling_defaults: SamplingDefaults
+    max_sequences_per_request: int  # n x prompts one request may ask for (compat refuses more with 400)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue the request and yield its deltas; the last one has finish_reason set.

@@ -70,15 +70,16 @@ class BatchService:
 
     @property
     def max_in_flight(self) -> int:
-        """Batch items in the engine at once. The scheduler preempts batch items for online requests
-        (engine/core/scheduler.py), so by default a batch fills every sequence slot of an idle engine,
-        plus as many items again waiting in its queue so a finished item's slot is refilled at the
-        next step; never more than half the engine's waiting queue, which online requests share."""
+        """Batch sequences (n x prompts of each item) in the engine at once. The scheduler preempts batch
+        sequences for online requests (engine/core/scheduler.py), so by default a batch fills every
+        sequence slot of an idle engine, plus as many again waiting so a finished item's slot is
+        refilled at the next step; never more than batch sequences may wait (max_waiting_batch_sequences),
+        a bound apart from the online requests' queue."""
         configured = self.config.batch_max_in_flight
         if configured > 0:
             return configured
         engine = self.config.engine
-        return max(1, min(2 * engine.max_batch_size, engine.max_waiting_requests // 2))
+        return max(1, min(2 * engine.max_batch_size, engine.max_waiting_batch_sequences))
 
     def start(self) -> None:
         """Open the store and run the runner in the background, supervised; idempotent."""

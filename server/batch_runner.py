@@ -26,7 +26,8 @@ import structlog
 from compat import batch_protocol as bp
 from compat import limits
 from compat import protocol as p
-from engine.types import EngineClient
+from compat import to_engine
+from engine.types import EngineClient, InvalidRequest
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
 from server.endpoints import KIND_BY_PATH, EndpointKind
 from server.errors import ApiError, from_exception
@@ -167,6 +168,26 @@ async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) ->
     return ItemResult(True, line, usage.prompt_tokens, cached, usage.completion_tokens)
 
 
+class _Fanout(msgspec.Struct):
+    """The fields of an item's body that say how many engine sequences it becomes."""
+
+    n: int | None = 1
+    prompt: Any = None  # completions: one prompt or several; chat items have none
+
+
+_FANOUT_DECODER = msgspec.json.Decoder(_Fanout)
+
+
+def item_sequences(body: bytes) -> int:
+    """The engine sequences an item asks for (n x prompts), which the runner counts against max_in_flight."""
+    try:
+        fanout = _FANOUT_DECODER.decode(body)
+        num_prompts = 1 if fanout.prompt is None else len(to_engine.completion_prompts(fanout.prompt))
+    except (msgspec.DecodeError, InvalidRequest):
+        return 1  # refused when it is planned: it never reaches the engine
+    return max(fanout.n or 1, 1) * num_prompts
+
+
 async def _generate(kind: EndpointKind, req: Any, engine: EngineClient, body_bytes: int) -> Any:
     plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, kind.prompt(req), engine,
                                               kind.response_id(), priority=BATCH_PRIORITY)
@@ -237,7 +258,7 @@ class BatchRunner:
                                                                    "message": f"cannot read the input file: {exc}"}])
 
     async def _run_items(self, batch: BatchRow) -> None:
-        tasks: set[asyncio.Task] = set()
+        tasks: dict[asyncio.Task, int] = {}  # each item in flight and its sequences
         failures: list[BaseException] = []
         page_size = max(64, 4 * self.max_in_flight)
         after_line = 0
@@ -248,13 +269,15 @@ class BatchRunner:
                 if not page:
                     break
                 for item in page:
-                    while len(tasks) >= self.max_in_flight and not self._stopping(batch) and not failures:
+                    num_sequences = item_sequences(item.body)  # an item bigger than max_in_flight runs alone
+                    while (tasks and sum(tasks.values()) + num_sequences > self.max_in_flight
+                           and not self._stopping(batch) and not failures):
                         self._wake.clear()
                         await self._wake.wait()
                     if self._stopping(batch) or failures:
                         break
                     task = asyncio.create_task(self._item(batch, item))
-                    tasks.add(task)
+                    tasks[task] = num_sequences
                     task.add_done_callback(self._item_done(tasks, failures))
                 after_line = page[-1].line
             while tasks and not self._stopping(batch) and not failures:
@@ -268,9 +291,9 @@ class BatchRunner:
             raise failures[0]  # the runner fails this batch as a whole
         await self._after_items(batch)
 
-    def _item_done(self, tasks: set[asyncio.Task], failures: list[BaseException]) -> Any:
+    def _item_done(self, tasks: dict[asyncio.Task, int], failures: list[BaseException]) -> Any:
         def done(task: asyncio.Task) -> None:
-            tasks.discard(task)
+            tasks.pop(task, None)
             if not task.cancelled() and task.exception() is not None:
                 failures.append(task.exception())  # e.g. the store could not write: stop, do not spin
             self._wake.set()

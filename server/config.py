@@ -65,7 +65,7 @@ class ServerConfig:
     batch_dir: Path | None = None  # Batch API storage; None: a temporary dir (the CLI sets a durable one)
     batch_max_file_bytes: int = 200 * 10**6  # OpenAI's limit for a batch input file
     batch_max_requests: int = 50_000  # lines of one batch input file, as OpenAI
-    batch_max_in_flight: int = 0  # batch items in the engine at once; 0: twice max_batch_size (BatchService)
+    batch_max_in_flight: int = 0  # batch sequences (n x prompts) in the engine at once; 0: twice max_batch_size (BatchService)
     batch_retention_s: int = 30 * 24 * 3600  # files (unless asked for less) and finished batches; 0: until deleted
     batch_quota_files: int = 10_000  # files one API key may keep (uploads and outputs); 0: no limit
     batch_quota_bytes: int = 10 * 10**9  # bytes of files one API key may keep; 0: no limit
@@ -154,8 +154,8 @@ OPTIONS: tuple[Option, ...] = (
            "restart (default: <cache dir>/batches)"),
     Option("batch_max_file_bytes", parse_bytes, "server", "largest batch input file, e.g. 200MB"),
     Option("batch_max_requests", int, "server", "most requests (lines) in one batch input file"),
-    Option("batch_max_in_flight", int, "server", "most batch items in the engine at once; online requests "
-           "preempt them either way (0: enough to fill the engine)"),
+    Option("batch_max_in_flight", int, "server", "most batch sequences (n x prompts of each item) in the engine at "
+           "once; online requests preempt them either way (0: enough to fill the engine)"),
     Option("batch_retention_s", int, "server", "seconds Batch API files (unless their upload asks for less) and "
            "finished batches are kept, then purged (default 30 days; 0: until deleted)"),
     Option("batch_quota_files", int, "server", "files one API key may keep, uploads and batch outputs (0: no limit)"),
@@ -172,7 +172,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_bytes", parse_bytes, "engine", "KV cache size (default: derived)"),
     Option("kv_cache_memory_fraction", float, "engine", "CUDA: fraction of free memory for the KV cache"),
     Option("cpu_kv_cache_bytes", parse_bytes, "engine", "CPU: KV cache size"),
-    Option("max_waiting_requests", int, "engine", "queued requests beyond which the server answers 429"),
+    # Admission by sequences (n x prompts of each request) and by priority (engine/config.py).
+    Option("max_waiting_requests", int, "engine", "online sequences (n x prompts of each request) waiting beyond "
+           "which the server answers 429"),
+    Option("max_waiting_batch_sequences", int, "engine", "Batch API sequences waiting beyond which batch items wait "
+           "and retry; a bound of their own, so a batch never takes online requests' room"),
+    Option("max_sequences_per_request", int, "engine", "most sequences (n x prompts) one request may ask for, "
+           "and never more than either waiting bound; more is a 400 naming n or prompt"),
     Option("enable_prefix_caching", _bool, "engine", "reuse KV blocks of shared prompt prefixes"),
     Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed", meta_env="QUANTIZATION_TYPE"),
     Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
@@ -441,6 +447,9 @@ def _validate(config: ServerConfig) -> None:
         (config.max_connections >= 1, "max_connections must be >= 1"),
         (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
+        (min(config.engine.max_waiting_requests, config.engine.max_waiting_batch_sequences,
+             config.engine.max_sequences_per_request) >= 1,
+         "max_waiting_requests, max_waiting_batch_sequences and max_sequences_per_request must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

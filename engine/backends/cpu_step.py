@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.backends.base import AttentionMetadata, AttentionPath, KVCache
 from engine.kernels.amx import AmxLinear
-from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import CpuKernels, check_kernel
 from engine.kernels.decode_step import (
     ATTENTION_DECODE, ATTENTION_PAGED, BLOCK_LINEARS, DTYPE_CODES, KERNEL_NAMES, LINEAR_KINDS, TILE_ROWS, StepKernels, StepLayer,
     StepLinear, StepProgram, StepScratch, StepTokens, load_decode_step_library,
@@ -66,8 +66,8 @@ class DecodeStep:
         tokens = self._tokens(h.shape[0], meta)
         self._bind_caches(kv_caches)
         out = torch.empty_like(h)
-        if self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()) != 0:
-            raise MemoryError("decode step: a quantized linear could not allocate its input copy, or the AMX kernel refused a linear")
+        if failed := self._fn(self._program_ref, h.data_ptr(), out.data_ptr(), ctypes.byref(tokens), torch.get_num_threads()):
+            check_kernel(failed, "decode step")  # MemoryError: a kernel's scratch; RuntimeError: the tiles refused a linear
         return out
 
     def _tokens(self, rows: int, meta: AttentionMetadata) -> StepTokens:

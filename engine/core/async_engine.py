@@ -16,12 +16,13 @@ import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, QueueClass, queue_class
 from engine.core.engine_core import EngineCore
+from engine.core.scheduler import queue_full
 from engine.kernels.memory import IDLE_TRIM_AFTER_S, idle_heap_trim
 from engine.core.output import DetokenizerFactory
 from engine.quant.policy import WeightsReport
-from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, QueueFull, RequestOutput
+from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, RequestOutput
 from engine.types import SamplingDefaults, request_id_in_use
 
 if TYPE_CHECKING:
@@ -112,10 +113,14 @@ class AsyncEngine:
         self.runner = runner
         self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
+        # n x prompts of one request (compat checks it); a request whose sequences could not all wait in
+        # either bound would be refused part way every time, so the cap is never more than the bounds.
+        self.max_sequences_per_request = min(config.max_sequences_per_request, config.max_waiting_requests,
+                                             config.max_waiting_batch_sequences)
         self._cond = threading.Condition()
-        # ("add", request, slot) and ("abort", request_id, None) in the order they were posted
+        # ("add", (request, its CompiledGrammar or None), slot) and ("abort", request_id, None), in posting order
         self._inbox: list[tuple[str, Any, _Mailbox | None]] = []  # guarded by _cond
-        self._num_adds_posted = 0  # adds in the inbox, for the queue bound
+        self._num_adds_posted: dict[QueueClass, int] = {"online": 0, "batch": 0}  # adds in the inbox, per bound
         self._dead: EngineDead | None = None  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._active: dict[str, _Mailbox] = {}  # event-loop side: requests whose generator is open
@@ -172,18 +177,25 @@ class AsyncEngine:
         self._check_open()
         self._check_can_queue(request)
 
+    def num_waiting_sequences(self, priority: int) -> int:
+        """Sequences waiting in the bound a request at `priority` counts against, those posted included."""
+        queue = queue_class(priority)
+        return self.core.scheduler.num_waiting_in(queue) + self._num_adds_posted[queue]
+
     def _check_can_queue(self, request: EngineRequest) -> None:
         if request.request_id in self._active:
             raise request_id_in_use(request.request_id)
-        num_waiting = self.core.scheduler.num_waiting + self._num_adds_posted
-        if num_waiting >= self.config.max_waiting_requests:
-            raise QueueFull(f"{num_waiting} requests are already waiting for model {self.model_id!r}; retry later")
+        queue = queue_class(request.priority)
+        num_waiting, bound = self.num_waiting_sequences(request.priority), self.config.max_waiting_sequences(queue)
+        if num_waiting >= bound:
+            raise queue_full(queue, num_waiting, bound, model_id=self.model_id)
 
     async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
         self._check_can_add(request)  # again: time may have passed since generate()
-        if request.params.grammar is not None:  # compile here, off the engine thread, under a time limit
-            await self.core.grammars.prepare(request.params.grammar)
+        grammar = None
+        if request.params.grammar is not None:  # compiled here, off the engine thread, under a time limit
+            grammar = await self.core.grammars.prepare(request.params.grammar)  # held until admission
             self._check_can_add(request)
         slot = _Mailbox(asyncio.get_running_loop())
         self._active[request_id] = slot
@@ -191,8 +203,8 @@ class AsyncEngine:
             if self._dead is not None or self._stopping:
                 del self._active[request_id]
                 raise EngineDead(f"model {self.model_id!r} is not available")
-            self._inbox.append(("add", request, slot))
-            self._num_adds_posted += 1
+            self._inbox.append(("add", (request, grammar), slot))
+            self._num_adds_posted[queue_class(request.priority)] += 1
             self._cond.notify()
         finished = False
         try:
@@ -217,7 +229,7 @@ class AsyncEngine:
             with self._cond:
                 trim_owed = self._wait_for_work(trim_owed)
                 inbox, self._inbox = self._inbox, []
-                self._num_adds_posted = 0
+                self._num_adds_posted = {"online": 0, "batch": 0}
                 stopping = self._stopping
             if stopping:
                 self._fail_everything(EngineDead(f"model {self.model_id!r} was shut down"), inbox)
@@ -255,12 +267,13 @@ class AsyncEngine:
         items: list[tuple[_Mailbox, Any]] = []
         for kind, payload, slot in inbox:
             if kind == "add":
+                request, grammar = payload
                 try:
-                    self.core.admit(payload)  # checked by generate(), on the caller's side
+                    self.core.admit(request, grammar)  # checked by generate(), on the caller's side
                 except EngineError as exc:
                     items.append((slot, exc))
                 else:
-                    self._slots[payload.request_id] = slot  # type: ignore[assignment]
+                    self._slots[request.request_id] = slot  # type: ignore[assignment]
             elif (output := self.core.abort_request(payload)) is not None:
                 items += self._route([output])
         return items

@@ -17,7 +17,7 @@ from engine.core.kv_blocks import BlockPool
 from engine.core.output import DetokenizerFactory, OutputProcessor, decode_for_log
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
-from engine.core.structured import GrammarCompiler
+from engine.core.structured import CompiledGrammar, GrammarCompiler
 from engine.types import (
     EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput, check_context_length,
     check_token_ids, request_id_in_use,
@@ -88,14 +88,21 @@ class EngineCore:
         check_request(request, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Check and queue a request; raises InvalidRequest, ContextLengthExceeded or QueueFull."""
+        """Check, compile its grammar (blocking, bounded) and queue a request; raises InvalidRequest,
+        ContextLengthExceeded or QueueFull. The async engine compiles on the event loop's side instead."""
         self.check(request)
-        self.admit(request)
+        spec = request.params.grammar
+        self.admit(request, None if spec is None else self.grammars.compile(spec))
 
-    def admit(self, request: EngineRequest) -> None:
-        """Queue a request that `check` passed; raises InvalidRequest (its id is in use) or QueueFull."""
+    def admit(self, request: EngineRequest, grammar: CompiledGrammar | None = None) -> None:
+        """Queue a request that `check` passed, with the grammar prepared for it if it is constrained
+        (held since then, so a cache eviction cannot make this compile); raises InvalidRequest (its id
+        is in use) or QueueFull."""
         if self.scheduler.get(request.request_id) is not None:
             raise request_id_in_use(request.request_id)
+        if (request.params.grammar is None) != (grammar is None):
+            raise ValueError(f"request {request.request_id!r}: a constrained request is admitted with its "
+                             "prepared grammar, an unconstrained one without")
         seq = Sequence(
             seq_id=self._next_seq_id,
             request_id=request.request_id,
@@ -105,8 +112,8 @@ class EngineCore:
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
         )
-        if request.params.grammar is not None:  # compiled already by AsyncEngine.prepare: a cache hit
-            seq.grammar = self.grammars.new_state(request.params.grammar)
+        if grammar is not None:
+            seq.grammar = self.grammars.new_state(grammar)  # a copy; the engine thread never compiles
         self.output.add(seq)
         try:
             self.scheduler.add(seq)  # QueueFull

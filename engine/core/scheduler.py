@@ -9,6 +9,8 @@ a long prompt never stalls them, then running prefill chunks, then admissions. S
 (online) prefill takes the token budget before less urgent (batch) work does, and an urgent
 request that finds no sequence slot or KV room preempts less urgent running sequences, latest
 first, to be admitted at once; a request never preempts one of its own or a more urgent level.
+Waiting sequences are bounded per queue class (engine.config.queue_class): online and batch work
+each within their own bound, so a batch filling the queue never refuses an online request.
 Plain Python over ints: no torch, no numpy.
 """
 
@@ -17,10 +19,17 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, QueueClass, queue_class
 from engine.core.kv_blocks import BlockPool
 from engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus, StepOutput, ending_token_ids
 from engine.types import FinishReason, QueueFull, TokenLogprob
+
+
+def queue_full(queue: QueueClass, num_waiting: int, bound: int, *, model_id: str | None = None) -> QueueFull:
+    """The 429 for a full queue class, naming the class so a batch's refusals read as its own."""
+    what = "online sequences" if queue == "online" else "batch sequences"
+    where = "" if model_id is None else f" for model {model_id!r}"
+    return QueueFull(f"{num_waiting} {what} are already waiting{where} (the limit is {bound}); retry later")
 
 
 @dataclass(slots=True)
@@ -47,12 +56,14 @@ class Scheduler:
         self.pool = pool
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_batch_size = config.max_batch_size
-        self.max_waiting_requests = config.max_waiting_requests
+        self.config = config  # its per-class waiting bounds (max_waiting_sequences)
         self.max_seq_len = max_seq_len
         self.stop_token_ids = stop_token_ids  # the family's EOS/EOT/EOM ids
         self.waiting: list[Sequence] = []  # sorted by _order
         self.running: list[Sequence] = []  # sorted by _order; the last one is preempted first
         self._by_request: dict[str, Sequence] = {}
+        # Sequences in `waiting` per queue class, kept as ints: the event loop reads them to refuse early.
+        self._num_waiting_by_class: dict[QueueClass, int] = {"online": 0, "batch": 0}
         self.num_preempted_total = 0
         self.num_preempted_by_priority: dict[int, int] = {}  # priority -> preemptions, for /metrics
 
@@ -60,6 +71,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def num_waiting_in(self, queue: QueueClass) -> int:
+        """Waiting sequences (new and preempted) of one queue class; safe to read from another thread."""
+        return self._num_waiting_by_class[queue]
 
     @property
     def num_running(self) -> int:
@@ -73,14 +88,25 @@ class Scheduler:
         return self._by_request.get(request_id)
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting_requests:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+        queue = queue_class(seq.priority)
+        num_waiting, bound = self._num_waiting_by_class[queue], self.config.max_waiting_sequences(queue)
+        if num_waiting >= bound:
+            raise queue_full(queue, num_waiting, bound)
         if seq.request_id in self._by_request:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         seq.status = SequenceStatus.WAITING
         seq.stop_token_ids = ending_token_ids(seq.params, self.stop_token_ids)
-        bisect.insort(self.waiting, seq, key=_order)
+        self._enqueue(seq)
         self._by_request[seq.request_id] = seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_order)
+        self._num_waiting_by_class[queue_class(seq.priority)] += 1
+
+    def _dequeue(self, index: int) -> Sequence:
+        seq = self.waiting.pop(index)
+        self._num_waiting_by_class[queue_class(seq.priority)] -= 1
+        return seq
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request in any phase and free its blocks; None if it is not here (finished)."""
@@ -93,7 +119,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
-            self.waiting.remove(seq)
+            self._dequeue(self.waiting.index(seq))
         else:
             return
         self.pool.free(seq)
@@ -164,7 +190,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preempted_total += 1
         self.num_preempted_by_priority[seq.priority] = self.num_preempted_by_priority.get(seq.priority, 0) + 1
-        bisect.insort(self.waiting, seq, key=_order)
+        self._enqueue(seq)
 
     def _admit(self, batch: ScheduledBatch, budget: int, level: int) -> tuple[int, bool]:
         """Admit waiting sequences of one priority level in order; the budget left, and False when
@@ -180,7 +206,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.pool.allocate(seq, num_cached + num_new, cached):
                 return budget, False
-            self.waiting.pop(0)
+            self._dequeue(0)
             if not seq.wants_prompt_logprobs:
                 self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
             if seq.status is SequenceStatus.WAITING:  # first admission: report cache use of the prompt

@@ -10,8 +10,12 @@ a few percent of a decode step on this CPU.
 The pieces:
 - `GrammarCompiler` (one per engine): the vocabulary as llguidance sees it, built on first use
   from any of our tokenizers (tiktoken, sentencepiece, tokenizer.json: they all give token bytes),
-  and a bounded LRU of compiled grammars. `prepare()` compiles off the engine thread under a time
-  limit, so a slow schema is a 400, never a stalled engine.
+  and a bounded LRU of compiled grammars. Compiles run on its own worker threads, single-flight
+  (concurrent requests for one spec wait for one compile) and bounded (every waiter gives up
+  compile_timeout_s after that compile started: a slow schema is a 400, never a stalled engine).
+  `prepare()` (the event loop) and `compile()` (blocking callers) return a `CompiledGrammar` the
+  request holds until admission, so a cache eviction meanwhile drops nothing in use, and the
+  engine thread never compiles: `new_state()` only copies.
 - `GrammarState` (one per sequence, `Sequence.grammar`): a copy of the compiled matcher. It
   advances only on sampled tokens, so preemption (recompute), prefix-cache hits and n > 1 (one
   state per choice) need nothing special.
@@ -22,15 +26,19 @@ The pieces:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engine.types import GrammarSpec, InvalidRequest
 
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept per engine (a compiled matcher is tens of KB)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+COMPILE_WORKERS = 4  # distinct specs compiling at once per engine; llguidance's fuel limits bound each
 # How JSON is laid out: `{"a": 1, "b": [2, 3]}`, as json.dumps writes it and models have seen most.
 # Without flexible whitespace a model cannot pad the output with blanks until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -103,6 +111,23 @@ class GrammarState:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledGrammar:
+    """A spec compiled against one vocabulary: the matcher every sequence's state is copied from. A
+    request holds it from preparation to admission, so evicting it from the cache drops nothing in use."""
+
+    spec: GrammarSpec
+    matcher: Any  # llguidance.LLMatcher, never advanced itself
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiling:
+    """One compile in flight, shared by every request for its spec."""
+
+    future: concurrent.futures.Future  # of CompiledGrammar
+    deadline_s: float  # time.monotonic() when every waiter gives up, however late it came
+
+
 class GrammarCompiler:
     """Compiles GrammarSpecs against one model's vocabulary; thread-safe."""
 
@@ -120,15 +145,18 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()  # guards _cache and _compiling; held only for dict work
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._compiling: dict[GrammarSpec, _Compiling] = {}
+        self._workers = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar-compile")
+        self._vocabulary_lock = threading.Lock()  # building the vocabulary takes ~1 s: not under _lock
         self._lltokenizer: Any = None
         self._executor: Any = None
 
     # ------------------------------------------------------------------ vocabulary
     def _vocabulary(self) -> tuple[Any, Any]:
         """(LLTokenizer, LLExecutor), built on the first constrained request (~1 s at 128k tokens)."""
-        with self._lock:
+        with self._vocabulary_lock:
             if self._lltokenizer is None:
                 import llguidance
 
@@ -140,40 +168,87 @@ class GrammarCompiler:
             return self._lltokenizer, self._executor
 
     # ------------------------------------------------------------------ compiling
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled matcher of a spec (cached); InvalidRequest when it cannot be enforced."""
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar of a spec, blocking (tests, benchmarks, EngineCore.add_request);
+        InvalidRequest when it cannot be enforced or took longer than compile_timeout_s."""
+        found = self._cached_or_compiling(spec)
+        if isinstance(found, CompiledGrammar):
+            return found
+        try:
+            return found.future.result(timeout=max(0.0, found.deadline_s - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise self._too_slow(spec) from None
+
+    async def prepare(self, spec: GrammarSpec) -> CompiledGrammar:
+        """compile() for the event loop: it awaits the shared compile, never blocking the loop."""
+        found = self._cached_or_compiling(spec)
+        if isinstance(found, CompiledGrammar):
+            return found
+        if not await _finished_within(found.future, found.deadline_s - time.monotonic()):
+            raise self._too_slow(spec)
+        return found.future.result()
+
+    def new_state(self, grammar: CompiledGrammar) -> GrammarState:
+        """A fresh matcher for one sequence: a copy of the compiled one, never a compile (the engine thread calls it)."""
+        _, executor = self._vocabulary()
+        return GrammarState(grammar.matcher.deep_copy(), executor)
+
+    def _cached_or_compiling(self, spec: GrammarSpec) -> CompiledGrammar | _Compiling:
+        """The cached grammar, else the compile in flight for spec, started here if there is none."""
         with self._lock:
-            if spec in self._cache:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
                 self._cache.move_to_end(spec)
-                return self._cache[spec]
-        lltokenizer, _ = self._vocabulary()
-        matcher = _compile(spec, lltokenizer)
+                return compiled
+            compiling = self._compiling.get(spec)
+            if compiling is None:
+                future = self._workers.submit(self._compile_into_cache, spec)
+                compiling = _Compiling(future, time.monotonic() + self.compile_timeout_s)
+                self._compiling[spec] = compiling
+            return compiling
+
+    def _compile_into_cache(self, spec: GrammarSpec) -> CompiledGrammar:
+        """A worker's compile: cached (a compile that outlived its waiters still serves the next
+        request); a failure is not, so a spec refused once is compiled again when asked again."""
+        try:
+            lltokenizer, _ = self._vocabulary()
+            compiled = CompiledGrammar(spec, _compile(spec, lltokenizer))
+        except BaseException:
+            with self._lock:
+                del self._compiling[spec]
+            raise
         with self._lock:
-            self._cache[spec] = matcher
-            self._cache.move_to_end(spec)
+            self._cache[spec] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return matcher
+            del self._compiling[spec]  # after caching, under one lock: a newcomer finds one or the other
+        return compiled
 
-    async def prepare(self, spec: GrammarSpec) -> None:
-        """Compile on a worker thread, waiting at most compile_timeout_s (the library's fuel limits
-        end the work itself soon after); a timeout is a 400."""
-        with self._lock:
-            if spec in self._cache:
-                return
+    def _too_slow(self, spec: GrammarSpec) -> InvalidRequest:
+        return InvalidRequest(f"the {_what(spec)} took longer than {self.compile_timeout_s:g} s to compile; simplify it",
+                              param=spec.param, code="grammar_too_complex")
+
+
+async def _finished_within(future: concurrent.futures.Future, timeout_s: float) -> bool:
+    """Whether a worker's future finished within timeout_s. Waiting never cancels it: other requests
+    may share it, and a compile cannot be stopped part way anyway."""
+    if future.done():
+        return True
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+
+    def wake(_: concurrent.futures.Future) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.compile, spec), self.compile_timeout_s)
-        except asyncio.TimeoutError:
-            raise InvalidRequest(
-                f"the {_what(spec)} took longer than {self.compile_timeout_s:g} s to compile; simplify it",
-                param=spec.param, code="grammar_too_complex",
-            ) from None
+            loop.call_soon_threadsafe(finished.set)
+        except RuntimeError:  # that loop is closed: nobody waits any more
+            pass
 
-    def new_state(self, spec: GrammarSpec) -> GrammarState:
-        """A fresh matcher for one sequence (a copy of the cached compiled one)."""
-        template = self.compile(spec)
-        _, executor = self._vocabulary()
-        return GrammarState(template.deep_copy(), executor)
+    future.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(finished.wait(), max(0.0, timeout_s))
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def _what(spec: GrammarSpec) -> str:

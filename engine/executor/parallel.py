@@ -21,8 +21,10 @@ collective, so a hung (not dead) follower also ends in EngineDead, not a 30-minu
 fairscale's model-parallel group is process-global: one group per process at a time.
 
 Exposure: spawned groups meet through a FileStore in a fresh 0700 temporary dir (its random name
-is the token), so no rendezvous port is ever opened; spawned followers poll their parent and exit
-when it is gone. Under torchrun the launcher's rendezvous (--rdzv-endpoint) is the operator's.
+is the token), so no rendezvous port is ever opened; their gloo/NCCL data sockets listen on the
+loopback interface (`loopback_socket_env`), not on the address the hostname resolves to; spawned
+followers poll their parent and exit when it is gone. Under torchrun the launcher's rendezvous
+(--rdzv-endpoint) and socket settings are the operator's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -66,6 +69,37 @@ def backend_for(device: torch.device) -> str:
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- a spawned group's sockets
+def loopback_socket_env() -> dict[str, str]:
+    """What binds a single-host group's data sockets to the loopback interface. Left alone, gloo
+    listens on the address the hostname resolves to (often one other machines reach) and NCCL on
+    its first non-loopback interface. gloo reads GLOO_SOCKET_IFNAME as each process group is
+    created and NCCL reads NCCL_SOCKET_IFNAME when it first initializes, so both are set for the
+    group's whole life, in rank 0 and (inherited) in the spawned followers."""
+    name = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"}  # "=": NCCL's exact name, not a prefix
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name.startswith("lo")), "lo")  # Linux: lo; macOS: lo0
+
+
+def _override_env(values: dict[str, str]) -> dict[str, str | None]:
+    """Set environment variables; what they were before, for `_restore_env`."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    return saved
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # --------------------------------------------------------------------------- the step protocol
@@ -127,6 +161,7 @@ class ParallelGroup:
     dead_reason: str | None = None
     step_timeout_s: float | None = None  # set once loaded: the bound on each later collective
     store_dir: str | None = None  # the spawned group's private rendezvous dir, removed at shutdown
+    saved_env: dict[str, str | None] | None = None  # what loopback_socket_env replaced, restored at shutdown
 
     @classmethod
     def spawn(cls, config: EngineConfig, spec: Any, *, max_seq_len: int) -> "ParallelGroup":
@@ -138,18 +173,20 @@ class ParallelGroup:
         store_dir = tempfile.mkdtemp(prefix="llamaserve-mp-")  # 0700, random name: only we can meet there
         init_method = f"file://{os.path.join(store_dir, 'rendezvous')}"
         ctx = mp.get_context("spawn")
-        processes = []
-        for rank in range(1, world_size):
-            proc = ctx.Process(
-                target=_spawned_main,
-                args=(rank, world_size, init_method, spec, config, max_seq_len, logging.getLogger().level, os.getpid()),
-                name=f"llamaserve-mp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            processes.append(proc)
-        group = cls(world_size, device, processes, step_timeout_s=config.mp_step_timeout_s, store_dir=store_dir)
+        saved_env = _override_env(loopback_socket_env())  # before the followers start: they inherit it
+        group = cls(world_size, device, [], step_timeout_s=config.mp_step_timeout_s, store_dir=store_dir,
+                    saved_env=saved_env)
         try:
+            for rank in range(1, world_size):
+                proc = ctx.Process(
+                    target=_spawned_main,
+                    args=(rank, world_size, init_method, spec, config, max_seq_len, logging.getLogger().level,
+                          os.getpid()),
+                    name=f"llamaserve-mp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                group.processes.append(proc)
             group._init_rank0(init_method)
         except BaseException:
             group.shutdown()
@@ -249,6 +286,9 @@ class ParallelGroup:
         destroy_group()
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+        if self.saved_env is not None:
+            _restore_env(self.saved_env)
+            self.saved_env = None
 
 
 def group_in_use() -> bool:

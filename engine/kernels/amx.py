@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.build import AMX_LINEAR, library_path
+from engine.kernels.cpu import check_kernel
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ class AmxLinear:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.amx_linear_bf16
         self._fn.argtypes, self._fn.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), _i32
+        self._fail_allocs_after = lib.llamaserve_fail_allocs_after
+        self._fail_allocs_after.argtypes, self._fail_allocs_after.restype = (_i64,), None
+
+    def fail_allocs_after(self, num_allocs: int) -> None:
+        """Test hook: the library's next num_allocs allocations succeed and every later one fails
+        (its linears then raise MemoryError); a negative count restores the default, none fails."""
+        self._fail_allocs_after(num_allocs)
 
     def address(self) -> int:
         """amx_linear_bf16 as a C function address (engine/kernels/csrc/decode_step.c calls it through this)."""
@@ -60,8 +68,8 @@ class AmxLinear:
             if x.dtype != torch.bfloat16 or x.shape[1] != k or not x.is_contiguous():
                 raise ValueError(f"AMX linear input must be contiguous bfloat16 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
             out = torch.empty(rows, n, dtype=torch.bfloat16)
-            if fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads) != 0:
-                raise RuntimeError("amx_linear_bf16 refused its arguments")
+            if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
+                check_kernel(failed, "amx_linear_bf16")  # MemoryError, or RuntimeError: arguments refused
             return out
 
         many_rows.weight = pairs  # the pointer's owner lives as long as the call

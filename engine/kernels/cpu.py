@@ -25,6 +25,7 @@ from engine.kernels.build import CPU_KERNELS, library_path
 log = logging.getLogger(__name__)
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's `bf16` argument
+KERNEL_NO_MEMORY = -12  # csrc/vec.h: a kernel could not allocate its scratch (its output is undefined)
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # Each entry point: (argument types, result type).
@@ -37,18 +38,20 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "rope_and_cache_write": ((_i32, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32), None),
     # dtype, q, q_stride, out, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
     # heads, kv_heads, head_dim, block_size, scale, threads
-    "paged_decode_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32), None),
+    "paged_decode_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
     # dtype, x, weight (interleaved), out, rows, n, k, threads
-    "interleaved_linear": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), None),
+    "interleaved_linear": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # x, weight (bfloat16 pairs), out, rows, n, k, threads: only in builds for AVX512_BF16 (BF16_PAIRS)
     "interleaved_linear_bf16_pairs": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
     # k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, threads
-    "paged_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32), None),
+    "paged_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
     # dtype, head_dim, block_size -> 1 where paged_attention runs them on AMX tiles
     "paged_attention_on_tiles": ((_i32, _i64, _i64), ctypes.c_int),
     # dtype, x, rows, cols, row_stride, ids (int64), values (float32), threads
     "argmax_rows": ((_i32, _p, _i64, _i64, _i64, _p, _p, _i32), None),
+    # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
+    "llamaserve_fail_allocs_after": ((_i64,), None),
 }
 # built only for a CPU with AVX512_BF16 (-march=native there, the x86-64-v4-bf16 level)
 BF16_PAIRS = "interleaved_linear_bf16_pairs"
@@ -56,6 +59,16 @@ BF16_PAIRS = "interleaved_linear_bf16_pairs"
 
 def supports(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_CODES
+
+
+def check_kernel(code: int, what: str) -> None:
+    """A kernel's return code as the exception the step fails with: MemoryError when it could not
+    allocate its scratch (the engine fails that step's requests and keeps serving), RuntimeError for
+    any other refusal."""
+    if code == KERNEL_NO_MEMORY:
+        raise MemoryError(f"{what}: the C kernel could not allocate its scratch memory")
+    if code != 0:
+        raise RuntimeError(f"{what}: the C kernel refused its arguments (code {code})")
 
 
 class CpuKernels:
@@ -83,6 +96,11 @@ class CpuKernels:
         kernels through these); None if this build has no such function."""
         fn = getattr(self._lib, name, None)
         return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+    def fail_allocs_after(self, num_allocs: int) -> None:
+        """Test hook: the library's next num_allocs allocations succeed and every later one fails
+        (its kernels then raise MemoryError); a negative count restores the default, none fails."""
+        self._lib.llamaserve_fail_allocs_after(num_allocs)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float, threads: int) -> None:
         """residual += delta (in place, if given); out = rms_norm(residual) * weight."""
@@ -125,11 +143,12 @@ class CpuKernels:
         """out[rows[b]] = attention of qkv[rows[b]]'s query heads over sequence b's cached K/V
         (block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32)."""
         _, block_size, _, head_dim = k_cache.shape
-        self._lib.paged_decode_attention(
+        code = self._lib.paged_decode_attention(
             DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[1], out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.shape[0],
             heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
+        check_kernel(code, "paged decode attention")
 
     def paged_attention(
         self, qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, new_tokens: torch.Tensor, seq_lens: torch.Tensor,
@@ -142,11 +161,12 @@ class CpuKernels:
         row_start, new_tokens, seq_lens [num_seqs] and block_tables [num_seqs, max_blocks] int32;
         head_dim a multiple of 16."""
         _, block_size, _, head_dim = k_cache.shape
-        self._lib.paged_attention(
+        code = self._lib.paged_attention(
             DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[1], out.data_ptr(), row_start.data_ptr(), new_tokens.data_ptr(),
             seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.shape[0], k_cache.data_ptr(),
             v_cache.data_ptr(), heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
+        check_kernel(code, "paged attention")
 
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether paged_attention runs on AMX tiles for caches of this dtype, head_dim and block size
@@ -176,10 +196,10 @@ class CpuKernels:
         def one_row(x: torch.Tensor, threads: int) -> torch.Tensor:
             rows, k = x.shape
             out = torch.empty(rows, n, dtype=x.dtype)
-            if pairs:
+            if pairs:  # allocates nothing: no error to report
                 self._bf16_pairs(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
-            else:
-                lib_fn(code, x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+            elif failed := lib_fn(code, x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
+                check_kernel(failed, "interleaved linear")
             return out
 
         one_row.weight = weight  # the pointer's owner lives as long as the call

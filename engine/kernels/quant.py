@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.build import QUANT_KERNELS, library_path
+from engine.kernels.cpu import check_kernel
 
 if TYPE_CHECKING:
     from engine.quant.formats import QuantizedWeight
@@ -46,6 +47,8 @@ SIGNATURES = {
     "int4_dequantize": ((_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # w, scales, n, k, row0, row1, bf16, out, threads
     "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
+    "llamaserve_fail_allocs_after": ((_i64,), None),
 }
 
 
@@ -61,6 +64,11 @@ class QuantKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
+
+    def fail_allocs_after(self, num_allocs: int) -> None:
+        """Test hook: the library's next num_allocs allocations succeed and every later one fails
+        (quantized linears then raise MemoryError); a negative count restores the default, none fails."""
+        self._lib.llamaserve_fail_allocs_after(num_allocs)
 
     def linear(self, x: torch.Tensor, weight: QuantizedWeight, threads: int) -> torch.Tensor:
         """x [rows, in] @ dequantize(weight)^T -> [rows, out] in x's dtype."""
@@ -124,8 +132,8 @@ class BoundQuantLinear:
         if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.dtype not in _DTYPE_CODES:
             raise ValueError(f"quantized linear takes contiguous float32/bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        if self._fn(self._desc_ref, _DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], out.data_ptr(), threads) != 0:
-            raise MemoryError(f"quantized linear: cannot allocate the {x.shape[0]}x{k} float32 input copy")
+        if failed := self._fn(self._desc_ref, _DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], out.data_ptr(), threads):
+            check_kernel(failed, f"quantized linear of {x.shape[0]}x{k}")
         return out
 
 

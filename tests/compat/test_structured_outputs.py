@@ -97,7 +97,7 @@ def test_strict_tools_under_auto_constrain_calls_only():
         ('{"name": "sing", "arguments": {}}', False),
         (" {", False),  # JSON after blanks would escape the schema
     ]:
-        matcher = compiler.new_state(plan.grammar).matcher
+        matcher = compiler.new_state(compiler.compile(plan.grammar)).matcher
         ok = all(matcher.consume_token(t) for t in view._greedy(text.encode())) and matcher.is_accepting()
         assert ok == allowed, text
 

@@ -10,6 +10,7 @@ from engine.core.async_engine import AsyncEngine, merge_outputs
 from engine.config import EngineConfig
 from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.types import (
+    ONLINE_PRIORITY,
     ContextLengthExceeded,
     EngineDead,
     EngineRequest,
@@ -53,9 +54,12 @@ def make_engine(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **c
     return AsyncEngine("fake", runner or GatedRunner(64, 4), TOK, None, cfg, max_seq_len=max_seq_len)
 
 
-def request(rid: str, text: str, **params) -> EngineRequest:
+BATCH = ONLINE_PRIORITY + 1  # what the Batch API runs at (server/batch_runner.py BATCH_PRIORITY)
+
+
+def request(rid: str, text: str, *, priority: int = ONLINE_PRIORITY, **params) -> EngineRequest:
     params.setdefault("max_tokens", 6)
-    return EngineRequest(rid, TOK.encode(text), SamplingParams(**params))
+    return EngineRequest(rid, TOK.encode(text), SamplingParams(**params), priority=priority)
 
 
 def reference(text: str, n: int) -> list[int]:
@@ -132,6 +136,16 @@ async def test_a_request_is_checked_once(engine: AsyncEngine, monkeypatch):
     await assert_clean(engine)
 
 
+async def run_out_and_shut_down(eng: AsyncEngine, firsts: list[asyncio.Future], gens: list) -> None:
+    """Let a held engine run: every queued request yields, closes, and leaves nothing behind."""
+    eng.runner.open()
+    for first, gen in zip(firsts, gens):
+        await first
+        await gen.aclose()
+    await assert_clean(eng)
+    await eng.shutdown()
+
+
 async def test_queue_full():
     eng = make_engine(max_waiting_requests=2, max_batch_size=1)
     eng.runner.hold()
@@ -140,15 +154,32 @@ async def test_queue_full():
     sched = eng.core.scheduler
     await wait_until(lambda: sched.num_running == 1)  # q0 runs (held in the runner); q1, q2 will wait
     firsts += [asyncio.ensure_future(g.__anext__()) for g in gens[1:]]
-    await wait_until(lambda: sched.num_waiting + eng._num_adds_posted == 2)
+    await wait_until(lambda: eng.num_waiting_sequences(ONLINE_PRIORITY) == 2)
     with pytest.raises(QueueFull):
         eng.generate(request("over", "abc"))
-    eng.runner.open()
-    for first, gen in zip(firsts, gens):
-        await first
-        await gen.aclose()
-    await assert_clean(eng)
-    await eng.shutdown()
+    await run_out_and_shut_down(eng, firsts, gens)
+
+
+async def test_batch_sequences_never_take_the_online_queue_room():
+    """A batch that fills its own bound gets QueueFull (its runner retries); online requests still queue."""
+    eng = make_engine(max_waiting_requests=2, max_waiting_batch_sequences=3, max_batch_size=1)
+    eng.runner.hold()
+    gens = [eng.generate(request("online-0", "abc"))]
+    firsts = [asyncio.ensure_future(gens[0].__anext__())]
+    await wait_until(lambda: eng.core.scheduler.num_running == 1)  # held in the runner; the rest will wait
+    for i in range(3):
+        gens.append(eng.generate(request(f"batch-{i}", "abc", priority=BATCH)))
+        firsts.append(asyncio.ensure_future(gens[-1].__anext__()))
+    await wait_until(lambda: eng.num_waiting_sequences(BATCH) == 3)
+    with pytest.raises(QueueFull, match="batch"):
+        eng.generate(request("batch-over", "abc", priority=BATCH))
+    for i in (1, 2):  # the online queue's whole room is still there
+        gens.append(eng.generate(request(f"online-{i}", "abc")))
+        firsts.append(asyncio.ensure_future(gens[-1].__anext__()))
+    await wait_until(lambda: eng.num_waiting_sequences(ONLINE_PRIORITY) == 2)
+    with pytest.raises(QueueFull):
+        eng.generate(request("online-over", "abc"))
+    await run_out_and_shut_down(eng, firsts, gens)
 
 
 async def test_early_close_aborts_and_frees_blocks(engine: AsyncEngine):
@@ -283,3 +314,14 @@ def test_merge_outputs():
     m = merge_outputs(a, b)
     assert (m.new_token_ids, m.text_delta, m.finish_reason, m.stop_reason, m.num_output_tokens) == (
         [1, 2, 3], "abc", "stop", "x", 3)
+
+
+async def test_the_per_request_cap_never_exceeds_a_waiting_bound():
+    """A request whose sequences could not all wait would be refused part way every time: compat
+    refuses it whole (400) instead, by the engine's cap."""
+    engines = [make_engine(), make_engine(max_waiting_requests=8), make_engine(max_waiting_batch_sequences=4)]
+    try:
+        assert [eng.max_sequences_per_request for eng in engines] == [EngineConfig().max_sequences_per_request, 8, 4]
+    finally:
+        for eng in engines:
+            await eng.shutdown()

@@ -107,6 +107,21 @@ def test_duplicate_request_id_and_queue_full():
     assert_clean(core)
 
 
+def test_waiting_batch_work_leaves_the_online_queue_free():
+    """Issue 29 (4): batch items that filled the one waiting queue locked online requests out."""
+    core = make_core(max_waiting_requests=1, max_batch_size=1)
+    batch = [EngineRequest(f"batch-{i}", TOK.encode("abc"), SamplingParams(max_tokens=2), priority=1) for i in range(2)]
+    for req in batch:
+        core.add_request(req)
+    core.add_request(request("online", "abc", max_tokens=2))  # was QueueFull: the batch held the only room
+    with pytest.raises(QueueFull):
+        core.add_request(request("online-2", "abc"))
+    outputs = run(core)
+    assert {rid: outs[-1].finish_reason for rid, outs in outputs.items()} == {
+        "batch-0": "length", "batch-1": "length", "online": "length"}
+    assert_clean(core)
+
+
 def test_stop_string_truncates_text_and_finishes():
     probe = make_core()
     probe.add_request(request("p", "abc", max_tokens=8))

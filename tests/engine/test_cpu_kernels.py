@@ -336,16 +336,23 @@ def test_paged_decode_attention(kernels, dtype, heads, kv_heads, head_dim):
     assert (out[untouched] == 123.0).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_single_sequence_and_threads(kernels, dtype):
-    """One sequence (the serial branch) and the same batch at 1 and 2 threads agree exactly."""
-    g = gen(3)
+def three_sequences(dtype: torch.dtype, seed: int = 3):
+    """qkv [3 rows], K/V caches [10 blocks of 16] and block tables of three sequences (60, 3 and 64
+    keys over shuffled blocks); heads 4, kv_heads 2, head_dim 64."""
+    g = gen(seed)
     heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
     k_cache = torch.randn(10, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(10, block_size, kv_heads, head_dim, generator=g).to(dtype)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     tables = torch.tensor([[9, 3, 5, 1], [2, 0, 0, 0], [4, 6, 7, 8]], dtype=torch.int32)
     seq_lens = torch.tensor([60, 3, 64], dtype=torch.int32)
+    return qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, head_dim
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_single_sequence_and_threads(kernels, dtype):
+    """One sequence (the serial branch) and the same batch at 1 and 2 threads agree exactly."""
+    qkv, k_cache, v_cache, tables, seq_lens, heads, kv_heads, head_dim = three_sequences(dtype)
     rows = torch.arange(3, dtype=torch.int64)
     outs = []
     for threads in (1, 2):

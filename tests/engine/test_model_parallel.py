@@ -5,8 +5,11 @@ Each case spawns one process; sizes are tiny and each executor runs one short sc
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -82,6 +85,55 @@ def test_spawned_group_meets_in_a_private_dir_and_removes_it(tiny_checkpoint):
     finally:
         executor.shutdown()
     assert not os.path.exists(store_dir)
+
+
+def test_spawned_group_sockets_listen_on_loopback_only(tiny_checkpoint):
+    """Issue 29 (11): gloo's data sockets listened on the address the hostname resolves to."""
+    names = {name for _, name in socket.if_nameindex()}
+    before = os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
+    executor = make_executor(tiny_checkpoint, mp_size=2)
+    follower = executor._group.processes[0]
+    try:
+        for env in (_environ_of(follower.pid), os.environ):  # the follower inherits rank 0's, set for the group's life
+            assert env["GLOO_SOCKET_IFNAME"] in names and env["GLOO_SOCKET_IFNAME"].startswith("lo")
+            assert env["NCCL_SOCKET_IFNAME"] == "=" + env["GLOO_SOCKET_IFNAME"]
+        addresses = _tcp_addresses(follower.pid)
+        assert addresses, "the follower holds no TCP socket: gloo connects its ranks over TCP"
+        assert all(address.is_loopback for address in addresses), addresses
+    finally:
+        executor.shutdown()
+    assert (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")) == before
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def _tcp_addresses(pid: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of a process's TCP sockets (listening and connected), from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    addresses = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if fields[9] in inodes:
+                    addresses.append(_proc_address(fields[1].split(":")[0]))
+    return addresses
+
+
+def _proc_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp* writes an address as 32-bit words in host (little-endian) order."""
+    raw = b"".join(bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, len(hex_address), 8))
+    address = ipaddress.ip_address(raw)
+    return address.ipv4_mapped or address if isinstance(address, ipaddress.IPv6Address) else address
 
 
 def test_a_hung_worker_ends_in_an_error_not_a_hang(tiny_checkpoint):

@@ -410,3 +410,34 @@ def test_no_preemption_when_freeing_every_batch_sequence_would_not_make_room():
     assert small.num_preemptions == 0 and small.status is SequenceStatus.RUNNING
     assert big.status is SequenceStatus.WAITING
     run_to_reference(h, {"online0": (prompt(20), 4), "batch": (prompt(3, 4), 6), "online1": (prompt(16, 8), 4)})
+
+
+def test_batch_priority_sequences_wait_in_a_bound_of_their_own():
+    """Background (batch-priority) sequences never take the online queue's room, nor online theirs."""
+    h = Harness(max_waiting_requests=2, max_waiting_batch_sequences=3)
+    for _ in range(3):
+        h.add(prompt(3), priority=1)
+    with pytest.raises(QueueFull, match="batch"):
+        h.add(prompt(3), priority=1)
+    h.add(prompt(3), priority=0)  # the online queue is untouched by the full batch queue
+    h.add(prompt(3), priority=-1)  # more urgent than online counts as online
+    with pytest.raises(QueueFull):
+        h.add(prompt(3), priority=0)
+    assert (h.sched.num_waiting_in("online"), h.sched.num_waiting_in("batch")) == (2, 3)
+    h.run()
+    assert (h.sched.num_waiting_in("online"), h.sched.num_waiting_in("batch")) == (0, 0)
+    h.assert_clean()
+
+
+def test_preempted_sequences_count_in_their_own_class():
+    h = Harness(num_blocks=4, max_seq_len=16, max_batch_size=1)
+    batch = h.add(prompt(7), priority=1, max_tokens=8)
+    h.step()
+    assert (h.sched.num_waiting_in("online"), h.sched.num_waiting_in("batch")) == (0, 0)
+    h.add(prompt(7, 9), priority=0, max_tokens=8)
+    assert h.sched.num_waiting_in("online") == 1
+    h.step()  # the online request preempts the batch sequence: it waits again, in the batch class
+    assert batch.num_preemptions == 1
+    assert (h.sched.num_waiting_in("online"), h.sched.num_waiting_in("batch")) == (0, 1)
+    h.run()
+    h.assert_clean()

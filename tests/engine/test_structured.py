@@ -3,6 +3,7 @@ preemption and prefix-cache hits, one matcher per choice, the compile cache and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -16,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampler import Sampler
 from engine.core.sequence import ScheduledBatch, Sequence, StepOutput
+from engine.core import structured
 from engine.core.structured import GrammarCompiler
 from engine.types import EngineRequest, GrammarSpec, InvalidRequest, SamplingParams
 from tests.engine.fakes import FakeRunner, FakeTokenizer
@@ -53,7 +55,7 @@ def generate(tokenizer, compiler: GrammarCompiler, spec: GrammarSpec, seed: int,
     sampler = Sampler()
     seq = Sequence(0, "r", [1], 1, SamplingParams(temperature=1.0, seed=seed, grammar=spec))
     seq.stop_token_ids = frozenset(stops)  # as Scheduler.add sets them
-    seq.grammar = compiler.new_state(spec)
+    seq.grammar = compiler.new_state(compiler.compile(spec))
     generator = torch.Generator().manual_seed(seed)
     for _ in range(max_steps):
         result = sampler.sample(torch.randn(1, compiler.vocab_size, generator=generator) * 4, [seq])
@@ -89,7 +91,7 @@ def test_unconstrained_rows_are_untouched():
     logits = torch.randn(3, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
     free = [Sequence(i, f"f{i}", [1], 1, SamplingParams(temperature=1.0, seed=i, logprobs=2)) for i in range(2)]
     constrained = Sequence(9, "c", [1], 1, SamplingParams(temperature=1.0, seed=5, grammar=JSON_SPEC))
-    constrained.grammar = compiler.new_state(JSON_SPEC)
+    constrained.grammar = compiler.new_state(compiler.compile(JSON_SPEC))
     alone = sampler.sample(logits[:2].clone(), free)
     mixed = sampler.sample(torch.cat([logits[:1], logits[2:], logits[1:2]]).clone(), [free[0], constrained, free[1]])
     assert [mixed.token_ids[0], mixed.token_ids[2]] == alone.token_ids
@@ -201,13 +203,84 @@ def test_unenforceable_grammars_are_invalid_requests(spec, words):
     assert caught.value.param == spec.param and words in str(caught.value)
 
 
+class GatedCompiles:
+    """structured._compile, counted per spec and per thread, each held until `release` is set."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.calls: list[tuple[GrammarSpec, str]] = []
+        real = structured._compile
+
+        def gated(spec: GrammarSpec, lltokenizer):
+            self.calls.append((spec, threading.current_thread().name))
+            self.started.release()
+            assert self.release.wait(30), "a test forgot to release the compile"
+            return real(spec, lltokenizer)
+
+        monkeypatch.setattr(structured, "_compile", gated)
+
+
 async def test_a_slow_compile_is_refused_not_waited_for(monkeypatch):
     compiler = GrammarCompiler(TOK, TOK.vocab_size, sorted(TOK.stop_token_ids), compile_timeout_s=0.05)
-    release = threading.Event()
-    monkeypatch.setattr(compiler, "compile", lambda spec: release.wait(30))
+    gate = GatedCompiles(monkeypatch)
     try:
         with pytest.raises(InvalidRequest) as caught:
             await compiler.prepare(WORDS)
         assert caught.value.code == "grammar_too_complex"
+        with pytest.raises(InvalidRequest) as blocking:  # the blocking path has the same bound
+            compiler.compile(WORDS)
+        assert blocking.value.code == "grammar_too_complex"
     finally:
-        release.set()
+        gate.release.set()
+
+
+async def test_concurrent_requests_for_one_spec_share_one_compile(monkeypatch):
+    """Issue 29 (9): each request compiled the same spec on its own thread."""
+    compiler = GrammarCompiler(TOK, TOK.vocab_size, sorted(TOK.stop_token_ids))
+    gate = GatedCompiles(monkeypatch)
+    waiters = [asyncio.ensure_future(compiler.prepare(GrammarSpec("regex", WORDS.source, f"p{i}"))) for i in range(3)]
+    other = asyncio.ensure_future(compiler.prepare(GrammarSpec("regex", "a+")))
+    for _ in range(2):  # both distinct specs reach the compiler; the three equal ones wait for one
+        assert await asyncio.to_thread(gate.started.acquire, True, 30)
+    assert not any(w.done() for w in waiters)
+    gate.release.set()
+    compiled = await asyncio.gather(*waiters)
+    assert all(c is compiled[0] for c in compiled) and (await other).spec.source == "a+"
+    assert sorted(spec.source for spec, _ in gate.calls) == sorted([WORDS.source, "a+"])
+
+
+def test_a_held_grammar_survives_eviction_and_admission_never_compiles(monkeypatch):
+    """Issue 29 (9): a spec evicted between preparation and admission was compiled again on the engine
+    thread, with no time limit. Now the request holds what it prepared; admission only copies it."""
+    core = engine(64)
+    core.grammars.cache_size = 1
+    held = core.grammars.compile(WORDS)
+    core.grammars.compile(GrammarSpec("regex", "a+"))  # evicts WORDS
+    gate = GatedCompiles(monkeypatch)
+    gate.release.set()
+    core.admit(constrained("held", seed=3), held)
+    assert gate.calls == []
+    outputs = run(core)
+    text = "".join(out.text_delta for out in outputs["held"])
+    assert outputs["held"][-1].finish_reason == "stop" and re.fullmatch(WORDS.source, text), text
+    with pytest.raises(ValueError, match="prepared grammar"):
+        core.admit(constrained("unprepared", seed=3))
+
+
+async def test_the_async_engine_compiles_off_its_thread_even_with_no_cache(monkeypatch):
+    """Issue 29 (9): with the spec evicted before admission, the engine thread compiled it itself."""
+    from engine.core.async_engine import AsyncEngine
+
+    config = EngineConfig(max_num_batched_tokens=32, max_batch_size=8)
+    eng = AsyncEngine("fake", RandomLogitsRunner(64), TOK, None, config, max_seq_len=64)
+    eng.core.grammars.cache_size = 0  # every compiled grammar is evicted at once
+    gate = GatedCompiles(monkeypatch)
+    gate.release.set()
+    try:
+        outputs = [out async for out in eng.generate(constrained("evicted", seed=4))]
+    finally:
+        await eng.shutdown()
+    text = "".join(out.text_delta for out in outputs)
+    assert outputs[-1].finish_reason == "stop" and re.fullmatch(WORDS.source, text), text
+    assert [name.startswith("grammar-compile") for _, name in gate.calls] == [True]

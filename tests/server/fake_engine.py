@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
+from engine.config import EngineConfig
 from engine.types import (
     ChatMessage,
     EngineDead,
@@ -176,6 +177,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.chat_format = FakeChatFormat(self.tokenizer)
         self.sampling_defaults = SamplingDefaults()
+        self.max_sequences_per_request = EngineConfig().max_sequences_per_request
         self.script = script
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []

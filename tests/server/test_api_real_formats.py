@@ -46,6 +46,7 @@ class ScriptedTokenEngine:
         self.tokenizer = tokenizer
         self.chat_format = Llama3ChatFormat(tokenizer, version="3.1")
         self.sampling_defaults = SamplingDefaults()
+        self.max_sequences_per_request = 256
         self.script = script
         self.requests: list[EngineRequest] = []
 

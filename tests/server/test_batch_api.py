@@ -319,7 +319,7 @@ def test_settings_from_flags_env_and_yaml(tmp_path, monkeypatch):
     assert ServerConfig().batch_dir is None
 
 
-def test_batch_fills_the_engine_by_default_within_half_the_waiting_queue():
+def test_batch_fills_the_engine_by_default_within_its_own_waiting_bound():
     from engine.config import EngineConfig
     from server.batch_api import BatchService
 
@@ -327,7 +327,7 @@ def test_batch_fills_the_engine_by_default_within_half_the_waiting_queue():
         return BatchService(ServerConfig(engine=engine, batch_max_in_flight=configured), registry=None).max_in_flight
 
     assert in_flight(EngineConfig(max_batch_size=8)) == 16  # every slot, and the next items queued
-    assert in_flight(EngineConfig(max_batch_size=8, max_waiting_requests=10)) == 5  # online requests keep room
+    assert in_flight(EngineConfig(max_batch_size=8, max_waiting_batch_sequences=10)) == 10  # the online queue is apart
     assert in_flight(EngineConfig(max_batch_size=8), configured=3) == 3
 
 

@@ -264,7 +264,7 @@ static int amx_linear_many_rows(const uint16_t *x, const char *w, uint16_t *out,
     uint16_t *tail = NULL;
     const int64_t tail_rows = rows % ROW_BLOCK;
     if (tail_rows) {
-        if (!(tail = calloc((size_t)ROW_BLOCK * k, 2))) return -1;
+        if (!(tail = kernel_calloc((size_t)ROW_BLOCK * k, 2))) return KERNEL_NO_MEMORY;
         memcpy(tail, x + m.full_row_blocks * ROW_BLOCK * k, (size_t)tail_rows * k * 2);
         m.tail = tail;
     }
@@ -283,7 +283,8 @@ static int many_rows(int64_t rows, int64_t k) {
 }
 
 /* y [rows, n] = x [rows, k] @ W^T, W in the pairs layout; 0 done, -1 refused (shape or no AMX:
- * the caller runs another path). amx_init() must have returned 1 in this process. */
+ * the caller runs another path), KERNEL_NO_MEMORY when its padded input copy cannot be allocated.
+ * amx_init() must have returned 1 in this process. */
 int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (rows < 1 || n % COL_BLOCK || k % K_STEP || k < K_STEP || num_threads < 1) return -1;
     const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
@@ -294,8 +295,8 @@ int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, 
     }
     /* the last tile's missing rows read as zeros (their outputs are not stored) */
     const size_t x_bytes = (size_t)rows * k * 2, padded_bytes = (size_t)padded_rows * k * 2;
-    uint16_t *padded = malloc(padded_bytes);
-    if (!padded) return -1;
+    uint16_t *padded = kernel_malloc(padded_bytes);
+    if (!padded) return KERNEL_NO_MEMORY;
     memcpy(padded, x, x_bytes);
     memset((char *)padded + x_bytes, 0, padded_bytes - x_bytes);
     amx_kernel(padded, (const char *)weight, (uint16_t *)out, rows, padded_rows, n, k, num_threads);

@@ -102,15 +102,17 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
 }
 
-void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
-                            const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                            int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
-                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when its scratch cannot be allocated (out is then undefined). */
+int paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                           const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                           int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     const size_t es = elem_size(bf16);
     const int64_t D = head_dim;
     /* tasks: sequence b owns tasks [task_begin[b], task_begin[b + 1]), each a range of its blocks */
     const int64_t want_splits = num_seqs < 2 * num_threads ? (2 * num_threads + num_seqs - 1) / num_seqs : 1;
-    int64_t *task_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    int64_t *task_begin = kernel_malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (!task_begin) return KERNEL_NO_MEMORY;
     int64_t total_keys = 0;
     task_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -120,7 +122,12 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
         total_keys += seq_lens[b];
     }
     const int64_t tasks = task_begin[num_seqs], part = heads * (D + 2); /* per task: max, sum, acc */
-    float *parts = malloc((size_t)(tasks * part) * sizeof(float));
+    float *parts = kernel_malloc((size_t)(tasks * part) * sizeof(float));
+    if (!parts) {
+        free(task_begin);
+        return KERNEL_NO_MEMORY;
+    }
+    int out_of_memory = 0; /* set by any task whose scores cannot be allocated; the others still run */
     const AttendArgs args = {(const char *)k_cache, (const char *)v_cache, NULL, heads, heads / kv_heads, block_size,
                              kv_heads * D, (size_t)kv_heads * D * es, bf16};
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
@@ -137,7 +144,11 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
         load_row(qf, q_row, heads * D, bf16);
 #pragma omp simd
         for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
-        float *scores = malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+        float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+        if (!scores) {
+            __atomic_store_n(&out_of_memory, 1, __ATOMIC_RELAXED);
+            continue;
+        }
         float *mine = parts + task * part;
         if (D == 64)
             attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads);
@@ -146,6 +157,11 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
         else
             attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads);
         free(scores);
+    }
+    if (out_of_memory) {
+        free(parts);
+        free(task_begin);
+        return KERNEL_NO_MEMORY;
     }
     for (int64_t b = 0; b < num_seqs; b++) { /* merge each sequence's ranges; normalise */
         char *out_row = (char *)out + (size_t)rows[b] * heads * D * es;
@@ -172,6 +188,7 @@ void paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out
     }
     free(parts);
     free(task_begin);
+    return KERNEL_OK;
 }
 
 /* ------------------------------------------------------------------------------------------ paged attention
@@ -372,19 +389,23 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
                                int num_threads);
 #endif
 
-void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
-                     const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
-                     const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     int64_t block_size, float scale, int num_threads) {
+/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when its scratch cannot be allocated (out is then undefined). */
+int paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
+                    const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs,
+                    const void *k_cache, const void *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t block_size, float scale, int num_threads) {
 #ifdef PA_AMX
-    if (bf16 && paged_attention_amx(qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks,
-                                    num_seqs, k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, num_threads))
-        return;
+    const int on_tiles = bf16 ? paged_attention_amx(qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables,
+                                                    max_blocks, num_seqs, k_cache, v_cache, heads, kv_heads, head_dim,
+                                                    block_size, scale, num_threads)
+                              : 0;
+    if (on_tiles) return on_tiles == 1 ? KERNEL_OK : on_tiles;
 #endif
     const size_t es = elem_size(bf16);
     const int64_t n_rep = heads / kv_heads, tile_tokens = n_rep < PA_TILE_ROWS ? PA_TILE_ROWS / n_rep : 1;
     /* items: sequence b's are [item_begin[b], item_begin[b + 1]), KV head major */
-    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    int64_t *item_begin = kernel_malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    if (!item_begin) return KERNEL_NO_MEMORY;
     item_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t n_new = new_tokens[b];
@@ -413,6 +434,7 @@ void paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, con
             pa_tile(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
     }
     free(item_begin);
+    return KERNEL_OK;
 }
 
 #ifdef PA_AMX
@@ -489,6 +511,7 @@ typedef struct {
     const int64_t *item_begin; /* sequence b's items: [item_begin[b], item_begin[b + 1]) */
     const int32_t *block_tables;
     int64_t max_blocks;
+    int out_of_memory; /* set (atomic) by a thread whose item could not allocate its scratch; it then stops */
 } PaItems;
 
 /* The sequence owning `item` (sequence b's items: [item_begin[b], item_begin[b + 1])). */
@@ -524,7 +547,11 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
     /* one allocation: Q^T [g][chunk][dim pair][N], 64 zero bytes, scores [g][N][padded] (then the weights) */
     const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
-    char *scratch = aligned_alloc(64, qt_bytes + 64 + scores_bytes);
+    char *scratch = kernel_aligned_alloc(64, qt_bytes + 64 + scores_bytes);
+    if (!scratch) { /* *claimed stays as the caller set it (no item): this thread stops */
+        __atomic_store_n(&items->out_of_memory, 1, __ATOMIC_RELAXED);
+        return;
+    }
     uint32_t *qt = (uint32_t *)scratch;
     memset(scratch + qt_bytes, 0, 64);
     float *scores = (float *)(scratch + qt_bytes + 64);
@@ -664,7 +691,8 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     free(scratch);
 }
 
-/* paged_attention through pa_amx_item where it applies (returns 1), else 0 and nothing done. */
+/* paged_attention through pa_amx_item where it applies (returns 1, or KERNEL_NO_MEMORY when its
+ * scratch cannot be allocated), else 0 and nothing done. */
 static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, const int32_t *row_start,
                                const int32_t *new_tokens, const int32_t *seq_lens, const int32_t *block_tables,
                                int64_t max_blocks, int64_t num_seqs, const void *k_cache, const void *v_cache,
@@ -676,7 +704,8 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     int64_t split = (heads / kv_heads + 15) / 16;
     while ((heads / kv_heads) % split) split++;
     const int64_t n_rep = heads / kv_heads / split, tile_tokens = 16 / n_rep;
-    int64_t *item_begin = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    int64_t *item_begin = kernel_malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), work = 0;
+    if (!item_begin) return KERNEL_NO_MEMORY;
     item_begin[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
         item_begin[b + 1] = item_begin[b] + (new_tokens[b] + tile_tokens - 1) / tile_tokens;
@@ -685,7 +714,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
     const int64_t items = item_begin[num_seqs];
     const PagedArgs args = {(const char *)k_cache, (const char *)v_cache, n_rep, block_size, kv_heads * head_dim,
                             q_stride, heads * head_dim, 1, scale};
-    PaItems sched = {0, items, item_begin, block_tables, max_blocks};
+    PaItems sched = {0, items, item_begin, block_tables, max_blocks, 0};
 #pragma omp parallel num_threads(num_threads) if (items > 1 && work * heads * head_dim >= PARALLEL_MIN_ELEMS)
     {
         int64_t item = __atomic_fetch_add(&sched.next, 1, __ATOMIC_RELAXED);
@@ -708,7 +737,7 @@ static int paged_attention_amx(const void *qkv, int64_t q_stride, void *out, con
         _tile_release(); /* the thread's tile state back to init: no 8 KB of it saved at each switch */
     }
     free(item_begin);
-    return 1;
+    return sched.out_of_memory ? KERNEL_NO_MEMORY : 1;
 }
 AMX_TARGET_END
 #endif

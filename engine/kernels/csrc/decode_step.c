@@ -19,13 +19,14 @@ typedef void (*add_rms_norm_fn)(int, void *, const void *, const void *, void *,
 typedef void (*silu_mul_fn)(int, const void *, void *, int64_t, int64_t, int);
 typedef void (*rope_fn)(int, void *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const int64_t *,
                         void *, void *, int);
-typedef void (*decode_attention_fn)(int, const void *, int64_t, void *, const int64_t *, const void *, const void *,
-                                    const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                    float, int);
-typedef void (*paged_attention_fn)(int, const void *, int64_t, void *, const int32_t *, const int32_t *, const int32_t *,
-                                   const int32_t *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
-                                   int64_t, int64_t, float, int);
-typedef void (*interleaved_fn)(int, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
+/* The kernels that allocate scratch return 0 or vec.h's KERNEL_NO_MEMORY, which the step passes on. */
+typedef int (*decode_attention_fn)(int, const void *, int64_t, void *, const int64_t *, const void *, const void *,
+                                   const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   float, int);
+typedef int (*paged_attention_fn)(int, const void *, int64_t, void *, const int32_t *, const int32_t *, const int32_t *,
+                                  const int32_t *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
+                                  int64_t, int64_t, float, int);
+typedef int (*interleaved_fn)(int, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef void (*pairs_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef int (*quant_fn)(const void *, int, const void *, int64_t, void *, int);
 typedef int (*amx_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
@@ -91,7 +92,7 @@ typedef struct {
     const float *rope; /* [max_pos, head_dim / 2, 2] float32 cos, sin */
 } step_tokens;
 
-/* Returns 0, or -1 when a quantized linear could not allocate its input copy or the tiles refused. */
+/* Returns 0, or the linear kernel's error: KERNEL_NO_MEMORY (its input copy), -1 (the tiles refused). */
 static int run_linear(const step_program *p, const step_linear *l, const void *x, void *out, int64_t rows, int threads) {
     const step_kernels *kn = p->kernels;
     const int bf16 = (int)p->bf16;
@@ -99,32 +100,33 @@ static int run_linear(const step_program *p, const step_linear *l, const void *x
         /* whole tiles: the rows past `rows` are scratch (their outputs unused), which the kernel
          * would otherwise copy x into a zero-padded buffer for; each row's sums are the same */
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
-        return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads) == 0 ? 0 : -1;
+        return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads);
     }
     switch (l->kind) {
     case LINEAR_BF16_PAIRS: kn->interleaved_linear_bf16_pairs(x, l->weight, out, 1, l->n, l->k, threads); return 0;
     case LINEAR_QUANT: return kn->quant_linear(l->weight, bf16, x, 1, out, threads);
-    default: kn->interleaved_linear(bf16, x, l->weight, out, 1, l->n, l->k, threads); return 0;
+    default: return kn->interleaved_linear(bf16, x, l->weight, out, 1, l->n, l->k, threads);
     }
 }
 
-static void run_attention(const step_program *p, const step_layer *l, const step_tokens *t, int threads) {
+/* Returns 0, or KERNEL_NO_MEMORY (the attention kernel's scratch). */
+static int run_attention(const step_program *p, const step_layer *l, const step_tokens *t, int threads) {
     const step_kernels *kn = p->kernels;
     const step_scratch *s = p->scratch;
     const int bf16 = (int)p->bf16;
     if (t->attention == ATTENTION_PAGED)
-        kn->paged_attention(bf16, s->qkv, l->wqkv.n, s->attn, t->row_start, t->new_tokens, t->seq_len, t->block_table,
-                            t->max_blocks, t->rows, l->k_cache, l->v_cache, p->heads, p->kv_heads, p->head_dim,
-                            p->block_size, p->scale, threads);
-    else
-        kn->paged_decode_attention(bf16, s->qkv, l->wqkv.n, s->attn, t->decode_rows, l->k_cache, l->v_cache,
-                                   t->block_table, t->max_blocks, t->seq_len, t->rows, p->heads, p->kv_heads,
-                                   p->head_dim, p->block_size, p->scale, threads);
+        return kn->paged_attention(bf16, s->qkv, l->wqkv.n, s->attn, t->row_start, t->new_tokens, t->seq_len,
+                                   t->block_table, t->max_blocks, t->rows, l->k_cache, l->v_cache, p->heads,
+                                   p->kv_heads, p->head_dim, p->block_size, p->scale, threads);
+    return kn->paged_decode_attention(bf16, s->qkv, l->wqkv.n, s->attn, t->decode_rows, l->k_cache, l->v_cache,
+                                      t->block_table, t->max_blocks, t->seq_len, t->rows, p->heads, p->kv_heads,
+                                      p->head_dim, p->block_size, p->scale, threads);
 }
 
 /* residual [rows, dim] (the tokens' embeddings; the residual stream, updated in place) -> out
  * [rows, dim] = the final norm of the last layer's stream, as Transformer.forward's per-op loop
- * leaves it. Returns 0, -1 (a linear failed, see run_linear) or -2 (rows outside 1..max_rows). */
+ * leaves it. Returns 0, -2 (rows outside 1..max_rows), or the first kernel error: -1 (the tiles refused
+ * a linear) or KERNEL_NO_MEMORY (a kernel could not allocate its scratch). */
 int decode_step(const step_program *p, void *residual, void *out, const step_tokens *t, int threads) {
     const step_kernels *kn = p->kernels;
     const step_scratch *s = p->scratch;
@@ -132,18 +134,19 @@ int decode_step(const step_program *p, void *residual, void *out, const step_tok
     const int64_t rows = t->rows;
     if (rows < 1 || rows > p->max_rows) return -2;
     const void *delta = NULL; /* the previous layer's feed-forward output, added by the next norm */
+    int rc;
     for (int64_t i = 0; i < p->n_layers; i++) {
         const step_layer *l = p->layers + i;
         kn->add_rms_norm(bf16, residual, delta, l->attention_norm, s->normed, rows, p->dim, p->eps, threads);
-        if (run_linear(p, &l->wqkv, s->normed, s->qkv, rows, threads)) return -1;
+        if ((rc = run_linear(p, &l->wqkv, s->normed, s->qkv, rows, threads))) return rc;
         kn->rope_and_cache_write(bf16, s->qkv, rows, p->heads, p->kv_heads, p->head_dim, t->position, t->rope, t->slot,
                                  l->k_cache, l->v_cache, threads);
-        run_attention(p, l, t, threads);
-        if (run_linear(p, &l->wo, s->attn, s->attn_out, rows, threads)) return -1;
+        if ((rc = run_attention(p, l, t, threads))) return rc;
+        if ((rc = run_linear(p, &l->wo, s->attn, s->attn_out, rows, threads))) return rc;
         kn->add_rms_norm(bf16, residual, s->attn_out, l->ffn_norm, s->normed, rows, p->dim, p->eps, threads);
-        if (run_linear(p, &l->w13, s->normed, s->gate_up, rows, threads)) return -1;
+        if ((rc = run_linear(p, &l->w13, s->normed, s->gate_up, rows, threads))) return rc;
         kn->silu_mul(bf16, s->gate_up, s->act, rows, p->hidden, threads);
-        if (run_linear(p, &l->w2, s->act, s->ffn_out, rows, threads)) return -1;
+        if ((rc = run_linear(p, &l->w2, s->act, s->ffn_out, rows, threads))) return rc;
         delta = s->ffn_out;
     }
     kn->add_rms_norm(bf16, residual, delta, p->final_norm, out, rows, p->dim, p->eps, threads);

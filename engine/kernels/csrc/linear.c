@@ -22,10 +22,12 @@ static inline v16f load16(const char *p, int bf16) {
     return f;
 }
 
-void interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
-                        int num_threads) {
+/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's float32 copy cannot be allocated. */
+int interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                       int num_threads) {
     const size_t es = elem_size(bf16), step = 16 * es;
-    float *xf = malloc((size_t)(rows * k) * sizeof(float));
+    float *xf = kernel_malloc((size_t)(rows * k) * sizeof(float));
+    if (!xf) return KERNEL_NO_MEMORY;
     for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t b = 0; b < n / 16; b++) {
@@ -48,6 +50,7 @@ void interleaved_linear(int bf16, const void *x, const void *weight, void *out, 
         }
     }
     free(xf);
+    return KERNEL_OK;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

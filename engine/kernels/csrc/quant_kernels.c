@@ -220,7 +220,7 @@ static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float 
 
 /* x [rows, k] (float32 or bfloat16) -> float32 [rows, kp], zero-padded; NULL if out of memory. */
 static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int64_t kp) {
-    float *xf = calloc((size_t)(rows * kp), sizeof(float));
+    float *xf = kernel_calloc((size_t)(rows * kp), sizeof(float));
     if (!xf) return NULL;
     for (int64_t m = 0; m < rows; m++) {
         float *dst = xf + m * kp;
@@ -355,8 +355,9 @@ static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
 /* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
 static AI int qgemv_kind(const int kind, const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
     const int64_t n = q->n, k = q->k, groups = q->groups;
-    float *xf = malloc((size_t)(k + groups) * sizeof(float)), *group_sums = xf + k;
-    if (!xf) return -1;
+    float *xf = kernel_malloc((size_t)(k + groups) * sizeof(float));
+    if (!xf) return KERNEL_NO_MEMORY;
+    float *group_sums = xf + k;
     for (int64_t i = 0; i < k; i++) xf[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i]) : ((const float *)x)[i];
     for (int64_t g = 0; g < groups; g++) {
         float sum = 0.0f;
@@ -393,7 +394,7 @@ static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, cons
 #endif
     const int64_t n = q->n, kp = (q->k + BLOCK - 1) / BLOCK * BLOCK;
     float *xf = padded_input(x, bf16, rows, q->k, kp);
-    if (!xf) return -1;
+    if (!xf) return KERNEL_NO_MEMORY;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * q->k >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < n; r++) {
         for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
@@ -451,7 +452,7 @@ static qmat make_qmat(const void *w, const void *scales, int scales_f16, const u
 /* Entry point of the linears: one weight described once (engine.kernels.quant.QuantKernels.bind
  * fills the struct at load), so a call passes six arguments, not eleven: a decode step makes about
  * four calls per layer, and converting each ctypes argument costs about as much as a small kernel.
- * Returns 0, or -1 when the input copy cannot be allocated. */
+ * Returns KERNEL_OK, or KERNEL_NO_MEMORY when the input copy cannot be allocated. */
 typedef struct {
     const void *w, *scales, *mins; /* mins: int4 only, or NULL */
     int64_t n, k, group;

@@ -162,6 +162,38 @@ static inline float exp_approx(float x) {
  * costs more than the work saves. */
 #define PARALLEL_MIN_ELEMS 65536
 
+/* ------------------------------------------------------------------------------------------ allocation
+ * A kernel that allocates scratch returns KERNEL_OK, or KERNEL_NO_MEMORY when an allocation failed
+ * (its output is then undefined): the bindings raise MemoryError and the engine fails that step's
+ * requests, where a NULL used unchecked would take the server down. Every allocation goes through
+ * kernel_malloc / kernel_calloc / kernel_aligned_alloc, so a test can make them fail from a chosen
+ * one on (llamaserve_fail_allocs_after, exported by every library that includes this; inert until
+ * called). The counter is one per library: weak definitions merge across its sources, and hidden
+ * visibility keeps each library's own. */
+#define KERNEL_OK 0
+#define KERNEL_NO_MEMORY (-12) /* -ENOMEM; apart from amx_linear_bf16's -1 (arguments refused) */
+#define KERNEL_ALLOCS_UNLIMITED INT64_MAX
+
+__attribute__((weak, visibility("hidden"))) int64_t kernel_allocs_left = KERNEL_ALLOCS_UNLIMITED;
+
+/* Test hook: the next n allocations succeed and every one after fails; n < 0: none fails (the default). */
+__attribute__((weak)) void llamaserve_fail_allocs_after(int64_t n) {
+    __atomic_store_n(&kernel_allocs_left, n < 0 ? KERNEL_ALLOCS_UNLIMITED : n, __ATOMIC_RELAXED);
+}
+
+static inline int kernel_alloc_allowed(void) {
+    if (__builtin_expect(__atomic_load_n(&kernel_allocs_left, __ATOMIC_RELAXED) == KERNEL_ALLOCS_UNLIMITED, 1)) return 1;
+    return __atomic_fetch_sub(&kernel_allocs_left, 1, __ATOMIC_RELAXED) > 0;
+}
+
+static inline void *kernel_malloc(size_t bytes) { return kernel_alloc_allowed() ? malloc(bytes) : NULL; }
+
+static inline void *kernel_calloc(size_t count, size_t size) { return kernel_alloc_allowed() ? calloc(count, size) : NULL; }
+
+static inline void *kernel_aligned_alloc(size_t alignment, size_t bytes) {
+    return kernel_alloc_allowed() ? aligned_alloc(alignment, bytes) : NULL;
+}
+
 /* ------------------------------------------------------------------------------------------ AMX tiles
  * Whether this process may run AMX bfloat16 tiles, for the kernels that use them (amx_linear.c, and
  * attention.c's paged attention): the CPU has AMX-BF16, AMX-TILE, AVX-512F and AVX512_BF16, and
