@@ -16,7 +16,6 @@ from engine.types import InvalidRequest
 MAX_JSON_DEPTH = 64  # JSON schemas and tool arguments are rarely deeper than 10
 MAX_STOP_CHARS = 1024  # one stop string
 MAX_STOP_TOKEN_IDS = 1024
-MAX_REQUEST_SEQUENCES = 1024  # prompts x n of one completions request
 MAX_TOKEN_ID_DIGITS = 10  # logit_bias keys: vocabularies are far below 10**10
 CHARS_PER_TOKEN_LIMIT = 64  # text longer than this many chars per context token cannot fit
 

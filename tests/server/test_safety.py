@@ -104,7 +104,7 @@ async def test_stop_token_ids_are_bounded_and_kept_as_a_set(client, factory):
 
 
 async def test_prompts_times_n_is_bounded_before_requests_are_built(client, factory):
-    prompts = [[1]] * (limits.MAX_REQUEST_SEQUENCES // 2 + 1)
+    prompts = [[1]] * (factory.engines["fake"].max_sequences_per_request // 2 + 1)
     response = await client.post("/v1/completions", json={"model": "fake", "prompt": prompts, "n": 2})
     error = await error_of(response, 400)
     assert error["code"] == "too_many_sequences" and error["param"] == "prompt"
