@@ -32,7 +32,7 @@ from engine.executor.step_inputs import StepInputs
 # (bench/NOTES.md).
 PACK_BATCH_HINT = 16
 
-# Linears of at most this many weight bytes also keep a copy in engine.kernels.cpu' interleaved
+# Linears of at most this many weight bytes also keep a copy in engine.kernels.cpu's interleaved
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
 # weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
@@ -116,7 +116,7 @@ class PackedCpuLinear(nn.Module):
         return self._onednn(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows padded to engine.kernels.memory.onednn_rows' buckets: oneDNN keeps a primitive per row count."""
+        """Rows padded to the buckets of engine.kernels.memory.onednn_rows: oneDNN keeps a primitive per row count."""
         rows = x.shape[0]
         padded_rows = onednn_rows(rows) if x.dim() == 2 else rows
         if padded_rows != rows:
