@@ -104,6 +104,7 @@ PARAMETERS: tuple[Param, ...] = (
     Param("stop_token_ids", BOTH, H, "vLLM"),
     Param("min_tokens", BOTH, H, "vLLM"),
     Param("skip_special_tokens", BOTH, H, "vLLM"),
+    Param("priority", BOTH, H, "vLLM", "lower is sooner, among online requests (Batch API items: among them)"),
     Param("prompt_logprobs", COMPLETIONS, H, "vLLM"),
     Param("structured_outputs", BOTH, H, "vLLM", "json, regex, choice, grammar"),
     Param("guided_json", BOTH, H, "vLLM", "older spelling of structured_outputs.json"),

@@ -35,6 +35,7 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 StopString = Annotated[str, Meta(max_length=limits.MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Meta(max_length=16)]
+ClientPriority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=4096)]
 
 
@@ -192,6 +193,8 @@ class SamplingFields(GuidedFields, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
     min_tokens: NonNegativeInt | None = 0
     skip_special_tokens: bool | None = True
+    # lower is sooner, among requests of the same kind (online, or Batch API items); vLLM's int field
+    priority: ClientPriority | None = 0
 
 
 class ChatFields(SamplingFields, kw_only=True):

@@ -75,7 +75,7 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
                              engine.sampling_defaults)
     params = dataclasses.replace(params, grammar=grammar or plan.grammar)
-    requests = fan_out(request_id, prompt, params, fields.n, priority=priority)
+    requests = fan_out(request_id, prompt, params, fields.n, priority=priority, client_priority=fields.priority)
     return ChatPlan(requests, prompt, tools, plan.forced, plan.max_calls)
 
 
@@ -172,7 +172,8 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
         params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs, grammar=grammar))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
-        requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n, priority=priority))
+        requests.extend(fan_out(request_id, ids, params, req.n, first_index=k * req.n, priority=priority,
+                                client_priority=req.priority))
     return CompletionPlan(requests, prompts_ids, texts, req.n)
 
 
@@ -296,15 +297,17 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 def fan_out(
     request_id: str, prompt: list[int], params: SamplingParams, n: int, *, first_index: int = 0,
-    priority: int = ONLINE_PRIORITY,
+    priority: int = ONLINE_PRIORITY, client_priority: int = 0,
 ) -> list[EngineRequest]:
-    """OpenAI's n -> n engine requests; seeds seed+i keep choices distinct but reproducible."""
+    """OpenAI's n -> n engine requests; seeds seed+i keep choices distinct but reproducible. `priority`
+    is the level (online, batch), `client_priority` the request's own `priority` field within it."""
     requests = []
     for i in range(n):
         seeded = params
         if params.seed is not None and i:
             seeded = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
-        requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded, priority=priority))
+        requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded, priority=priority,
+                                      client_priority=client_priority))
     return requests
 
 

@@ -125,7 +125,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time_s: float = field(default_factory=time.monotonic)
-    priority: int = ONLINE_PRIORITY  # lower runs first; FCFS among equals
+    priority: int = ONLINE_PRIORITY  # the level (online, batch): lower runs first, and preempts higher ones
+    # vLLM's request `priority` within the level: lower is admitted sooner (and preempted later); FCFS among equals
+    client_priority: int = 0
 
 
 @dataclass(slots=True)

@@ -111,6 +111,7 @@ class EngineCore:
             params=request.params,
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
+            client_priority=request.client_priority,
         )
         if grammar is not None:
             seq.grammar = self.grammars.new_state(grammar)  # a copy; the engine thread never compiles

@@ -2,8 +2,9 @@
 
 One rule covers prefill, chunked prefill, prefix-cache hits and resume after preemption: every
 scheduled sequence gets min(num_tokens - num_computed_tokens, budget left) tokens. Queues are
-ordered by (priority, arrival, seq_id): FCFS among equals, lower priority values first; the
-sequence at the back of the running queue is the one preempted when blocks run out.
+ordered by (priority, client priority, arrival, seq_id): FCFS among equals, lower values first; the
+sequence at the back of the running queue is the one preempted when blocks run out. `priority` is
+the level (online, batch); a client's own `priority` (vLLM's field) orders requests within it.
 Priority levels are served in turn, most urgent first; within a level running decodes go first so
 a long prompt never stalls them, then running prefill chunks, then admissions. So an urgent
 (online) prefill takes the token budget before less urgent (batch) work does, and an urgent
@@ -45,8 +46,8 @@ class SeqEvent:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (or max_tokens=0 finish)
 
 
-def _order(seq: Sequence) -> tuple[int, float, int]:
-    return (seq.priority, seq.arrival_time_s, seq.seq_id)
+def _order(seq: Sequence) -> tuple[int, int, float, int]:
+    return (seq.priority, seq.client_priority, seq.arrival_time_s, seq.seq_id)
 
 
 class Scheduler:

@@ -26,6 +26,7 @@ class Sequence:
     params: SamplingParams
     arrival_time_s: float = 0.0
     priority: int = 0
+    client_priority: int = 0  # within the level (EngineRequest.client_priority)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache; one rule schedules them all
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on admission
     block_table: list[int] = field(default_factory=list)

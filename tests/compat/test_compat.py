@@ -86,6 +86,17 @@ def test_priority_is_set_when_the_request_is_planned():
     assert [r.priority for r in batch.requests + completions.requests] == [1] * 6
 
 
+def test_client_priority_field_reaches_every_engine_request():
+    engine = FakeEngine()
+    plan = to_engine.chat_plan(chat(n=2, priority=-3), chat().messages, engine, "c")
+    req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "priority": 7}))
+    completions = to_engine.completion_plan(req, req.prompt, engine, "cmpl", priority=1)
+    assert [(r.priority, r.client_priority) for r in plan.requests] == [(0, -3)] * 2
+    assert [(r.priority, r.client_priority) for r in completions.requests] == [(1, 7)] * 2
+    assert decode_error(p.CHAT_DECODER, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "priority": 2**40}).param == "priority"
+
+
 def test_completion_plan_indexes_prompt_major():
     engine = FakeEngine()
     req = p.decode(p.COMPLETION_DECODER, msgspec.json.encode({"model": "m", "prompt": ["a", "b"], "n": 2}))

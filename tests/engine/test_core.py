@@ -273,3 +273,22 @@ def test_random_mix_of_adds_aborts_and_steps(seed: int):
             assert outputs[-1].finish_reason == "length"
     assert set(outs) | aborted == set(prompts)
     assert_clean(core)
+
+
+def test_client_priority_overtakes_queued_requests():
+    """vLLM's `priority`: with every sequence slot taken, a request with a lower number is admitted
+    before higher-numbered ones that queued earlier; equal numbers stay first come, first served."""
+    core = make_core(max_batch_size=1)
+    admitted: list[str] = []
+    core.add_request(request("running", "go", max_tokens=3))
+    core.step()  # "running" holds the only slot
+    for rid, client_priority in (("late-5", 5), ("late-3", 3), ("first-0", 0), ("second-0", 0), ("urgent", -2)):
+        req = request(rid, "hi", max_tokens=1)
+        req.client_priority = client_priority
+        core.add_request(req)
+    while core.has_unfinished:
+        for out in core.step():
+            if out.num_output_tokens == 1:
+                admitted.append(out.request_id)
+    assert admitted == ["urgent", "first-0", "second-0", "late-3", "late-5"]
+    assert_clean(core)
