@@ -2,7 +2,7 @@
 
 Model objects are OpenAI's (`id`, `object: "model"`, `created`, `owned_by`) plus ours (`status`,
 `llama_model`, `max_seq_len`, `checkpoint_dir`, `metadata`, `load_time_s`, `memory_bytes`, and
-`error` when failed) plus the names Llama Stack's client reads (`identifier`, `provider_id`,
+`error` when failed) plus vLLM's (`max_model_len`, `root`, `parent`) plus the names Llama Stack's client reads (`identifier`, `provider_id`,
 `provider_resource_id`, `type`, `model_type`), so both SDKs parse them.
 
 POST accepts our body and the one `llama-stack-client models register` sends:
@@ -152,6 +152,10 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "provider_resource_id": info.llama_model or info.id,
         "type": "model",
         "model_type": "llm",
+        # vLLM's names: what was loaded (`root`), the base of an adapter (`parent`), the context length
+        "root": info.checkpoint_dir,
+        "parent": info.parent,
+        "max_model_len": info.max_seq_len,
     }
     if info.error is not None:
         body["error"] = info.error

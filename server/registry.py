@@ -82,6 +82,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
     sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
     weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
+    parent: str | None = None  # vLLM's `parent`: the base model an adapter applies to; None for a base model
 
 
 @dataclass(frozen=True, slots=True)

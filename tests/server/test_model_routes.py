@@ -108,6 +108,8 @@ async def test_register_loads_in_the_call(client, factory) -> None:
     assert response.status == 200 and model["status"] == "ready"
     assert model["max_seq_len"] == 64 and model["memory_bytes"] == 100 and model["load_time_s"] >= 0
     assert factory.loads() == ["m"]
+    # vLLM's names, which its clients and routers read: the context length, what was loaded, no parent
+    assert (model["max_model_len"], model["root"], model["parent"]) == (64, "m", None)
 
 
 async def test_llama_stack_client_register_body(client, registry, root) -> None:
