@@ -2,7 +2,8 @@
 
 - `response_format` json_object / json_schema, vLLM's `structured_outputs` {json, regex, choice,
   grammar, json_object} and its older `guided_*` fields become one GrammarSpec; the engine compiles
-  it (engine/core/structured.py), so an invalid or unenforceable schema is a 400 from there.
+  it (engine/core/structured.py), so an invalid or unenforceable schema is a 400 from there. Objects
+  that list their properties allow no others unless they say so (`closed_objects`).
 - `tools` / `tool_choice` / `parallel_tool_calls` (and the deprecated `functions` / `function_call`)
   become a ToolPlan. `required` and a named function constrain the output to a JSON call, the
   shape engine/chat/tool_parser.py parses in every chat format: `{"name": ..., "arguments": {...}}`,
@@ -83,12 +84,47 @@ def _structured_outputs(so: p.StructuredOutputs) -> GrammarSpec:
 
 
 def json_spec(schema: dict[str, Any] | str | bool, param: str) -> GrammarSpec:
-    """A JSON schema (an object, or its JSON text) as a canonical spec, so equal schemas share a grammar."""
+    """A JSON schema (an object, or its JSON text) as a canonical spec, so equal schemas share a grammar;
+    objects that list their properties get no others (`closed_objects`)."""
     if isinstance(schema, str):
         schema = _decode_schema(schema, param)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest("a JSON schema must be an object", param=param)
-    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), param)
+    return GrammarSpec("json", json.dumps(closed_objects(schema), ensure_ascii=False), param)
+
+
+# Keywords whose value is one subschema, a list of them, or a map of name -> subschema.
+_ONE_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                  "unevaluatedItems", "additionalProperties", "unevaluatedProperties")
+_LIST_OF_SUBSCHEMAS = ("anyOf", "oneOf", "prefixItems", "items")
+_MAP_OF_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
+    """The schema with `"additionalProperties": false` on every object schema that lists `properties`
+    and says nothing of others, as xgrammar and outlines (vLLM's defaults) read schemas: a model
+    then writes the keys the schema names, instead of inventing more until max_tokens. An object
+    that says `additionalProperties` (true or a schema) or `unevaluatedProperties` keeps its word, and
+    the parts of an `allOf` stay open, since each lists only some of the properties the whole allows."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST_OF_SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in _MAP_OF_SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(item, in_all_of=True) for item in out["allOf"]]
+    lists_properties = isinstance(out.get("properties"), dict)
+    if (lists_properties and not in_all_of and "allOf" not in out
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _decode_schema(text: str, param: str) -> Any:
@@ -229,7 +265,7 @@ def _calls_schema(call: dict[str, Any], single: bool, *, either: bool = False) -
 def _auto_strict_grammar(tools: tuple[ToolDefinition, ...], strict: list[ToolDefinition], single: bool) -> GrammarSpec:
     """Text that does not open a JSON value, or calls whose arguments follow their schemas (the
     schemas of strict tools; any object for the others)."""
-    calls = _calls_schema(_call_schema(tools, strict), single, either=True)
+    calls = closed_objects(_calls_schema(_call_schema(tools, strict), single, either=True))
     # %json takes its layout options from the schema (the engine's JSON_OPTIONS apply to "json" specs only)
     schema = json.dumps({**calls, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
     lark = f"start: calls | text\ncalls: %json {schema}\ntext: /([^\\[{{\\s][\\s\\S]*)?/\n"

@@ -126,3 +126,36 @@ def test_forced_calls_stream_their_arguments_in_pieces():
     cut.push(text[:40])
     [partial] = cut.finish(stop_token_id=None).tool_calls  # finish_reason length: the partial call stays
     assert partial.name == "weather" and text[:40].endswith(partial.arguments)
+
+
+def _accepts(compiler: GrammarCompiler, view: _TokenizerView, spec, text: str) -> bool:
+    matcher = compiler.new_state(compiler.compile(spec)).matcher
+    return all(matcher.consume_token(t) for t in view._greedy(text.encode())) and matcher.is_accepting()
+
+
+def test_undeclared_properties_are_not_generated_unless_the_schema_allows_them():
+    """As xgrammar and outlines: a schema without additionalProperties gets only the keys it lists
+    (nested objects, $defs and array items too); additionalProperties true or a schema keeps others."""
+    person = {"type": "object", "properties": {"first_name": {"type": "string"}, "address": {"$ref": "#/$defs/a"}},
+              "required": ["first_name"], "$defs": {"a": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    people = {"type": "array", "items": {k: v for k, v in person.items() if k != "$defs"}, "$defs": person["$defs"]}
+    open_ = {**person, "additionalProperties": True}
+    typed = {**person, "additionalProperties": {"type": "integer"}}
+    tokenizer = tiny_llama2()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, sorted(tokenizer.stop_token_ids))
+    view = _TokenizerView(tokenizer, tokenizer.vocab_size, sorted(tokenizer.stop_token_ids))
+    spec = grammar_spec(chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}}))
+    for text, allowed in [
+        ('{"first_name": "Michael"}', True),
+        ('{"first_name": "Michael", "address": {"city": "Chicago"}}', True),
+        ('{"first_name": "Michael", "family_name": "Jordan"}', False),
+        ('{"first_name": "Michael", "address": {"city": "Chicago", "zip": "60601"}}', False),
+    ]:
+        assert _accepts(compiler, view, spec, text) == allowed, text
+    assert not _accepts(compiler, view, grammar_spec(chat(guided_json=people)), '[{"first_name": "a", "x": 1}]')
+    assert _accepts(compiler, view, grammar_spec(chat(guided_json=open_)), '{"first_name": "a", "x": "y"}')
+    assert _accepts(compiler, view, grammar_spec(chat(guided_json=typed)), '{"first_name": "a", "x": 1}')
+    assert not _accepts(compiler, view, grammar_spec(chat(guided_json=typed)), '{"first_name": "a", "x": "y"}')
+    # json_object and schemas that list no properties stay any object
+    assert _accepts(compiler, view, grammar_spec(chat(response_format={"type": "json_object"})), '{"k": 1}')
+    assert _accepts(compiler, view, grammar_spec(chat(guided_json={"type": "object"})), '{"k": 1}')
