@@ -278,6 +278,10 @@ class EngineStats:
     observations_ttft_s: list[float] = field(default_factory=list)
     observations_tpot_s: list[float] = field(default_factory=list)
     observations_e2e_s: list[float] = field(default_factory=list)
+    observations_queue_s: list[float] = field(default_factory=list)  # arrival -> first scheduled
+    observations_prefill_s: list[float] = field(default_factory=list)  # first scheduled -> first token
+    observations_decode_s: list[float] = field(default_factory=list)  # first token -> last token
+    observations_itl_s: list[float] = field(default_factory=list)  # between consecutive tokens of a request
     observations_step_s: list[float] = field(default_factory=list)
     observations_batch_size: list[int] = field(default_factory=list)
 

@@ -3,6 +3,11 @@
 Engine numbers are pulled at scrape time from each loaded engine's `stats()`: gauges and counters
 are read as they are; histogram observations (which `stats()` hands over once) are fed into
 histograms this module keeps per model, so nothing is lost between scrapes.
+
+The engine numbers are also published under vLLM's own names (`vllm:` prefix, `model_name` label,
+vLLM's types and buckets), which the Gateway API Inference Extension's endpoint picker (llm-d)
+scrapes to route between replicas (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc`) and vLLM's Grafana dashboards read.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ from prometheus_client.registry import Collector
 from engine.types import EngineClient, EngineStats
 
 PREFIX = "llamaserve:"
+VLLM_PREFIX = "vllm:"
 log = structlog.get_logger("llamaserve.metrics")
 _TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# vLLM's bucket shapes (vllm/v1/metrics/loggers.py), so dashboards built for it read ours unchanged
+_VLLM_TTFT_BUCKETS_S = _TTFT_BUCKETS_S + (160.0, 640.0, 2560.0)
+_VLLM_ITL_BUCKETS_S = _TPOT_BUCKETS_S
+_VLLM_REQUEST_BUCKETS_S = _E2E_BUCKETS_S + (1920.0, 7680.0)
 
 EnginesFn = Callable[[], Sequence[tuple[str, EngineClient]]]
 
@@ -44,6 +54,29 @@ class _EngineCollector(Collector):
             "observations_batch_size": Histogram(f"{PREFIX}batch_size", "Sequences per engine step.",
                                                  labels, buckets=_BATCH_BUCKETS, registry=None),
         }
+        # (stats attribute, histogram): one attribute may feed several (a vLLM name and its older alias)
+        self._vllm_histograms: list[tuple[str, Histogram]] = [
+            (attribute, Histogram(f"{VLLM_PREFIX}{name}", doc, labels, buckets=buckets, registry=None))
+            for attribute, name, doc, buckets in (
+                ("observations_ttft_s", "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                 _VLLM_TTFT_BUCKETS_S),
+                ("observations_itl_s", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                 _VLLM_ITL_BUCKETS_S),
+                ("observations_itl_s", "time_per_output_token_seconds",
+                 "Histogram of time per output token in seconds (the older name of inter_token_latency).",
+                 _VLLM_ITL_BUCKETS_S),
+                ("observations_tpot_s", "request_time_per_output_token_seconds",
+                 "Histogram of time_per_output_token_seconds per request.", _VLLM_ITL_BUCKETS_S),
+                ("observations_e2e_s", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                 _VLLM_REQUEST_BUCKETS_S),
+                ("observations_queue_s", "request_queue_time_seconds",
+                 "Histogram of time spent in WAITING phase for request.", _VLLM_REQUEST_BUCKETS_S),
+                ("observations_prefill_s", "request_prefill_time_seconds",
+                 "Histogram of time spent in PREFILL phase for request.", _VLLM_REQUEST_BUCKETS_S),
+                ("observations_decode_s", "request_decode_time_seconds",
+                 "Histogram of time spent in DECODE phase for request.", _VLLM_REQUEST_BUCKETS_S),
+            )
+        ]
 
     def describe(self) -> Iterable[Metric]:
         return []  # metrics depend on which engines are loaded at scrape time
@@ -65,6 +98,7 @@ class _EngineCollector(Collector):
             )
         }
         success = CounterMetricFamily(f"{PREFIX}request_success", "Finished requests.", labels=["model_name", "finished_reason"])
+        vllm = _VllmFamilies()
         for model_id, engine in self._engines():
             try:
                 stats: EngineStats = engine.stats()
@@ -84,13 +118,61 @@ class _EngineCollector(Collector):
             counters["generation_tokens"].add_metric(labels, stats.generation_tokens_total)
             for reason, count in sorted(stats.requests_finished_total.items()):
                 success.add_metric([model_id, reason], count)
-            for attribute, histogram in self._histograms.items():
+            vllm.add(model_id, stats)
+            for attribute, histogram in [*self._histograms.items(), *self._vllm_histograms]:
                 child = histogram.labels(model_id)
                 for value in getattr(stats, attribute):
                     child.observe(value)
         yield from (running, waiting, kv_usage, kv_total, preemptions, *counters.values(), success)
-        for histogram in self._histograms.values():
+        yield from vllm.families()
+        for histogram in [*self._histograms.values(), *(h for _, h in self._vllm_histograms)]:
             yield from histogram.collect()
+
+
+class _VllmFamilies:
+    """One scrape's gauges and counters under vLLM's names (the histograms are kept by _EngineCollector)."""
+
+    def __init__(self) -> None:
+        labels = ["model_name"]
+        self.running = GaugeMetricFamily(f"{VLLM_PREFIX}num_requests_running",
+                                         "Number of requests in model execution batches.", labels=labels)
+        self.waiting = GaugeMetricFamily(f"{VLLM_PREFIX}num_requests_waiting", "Number of requests waiting to be processed.",
+                                         labels=labels)
+        self.kv_usage = GaugeMetricFamily(f"{VLLM_PREFIX}kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                          labels=labels)
+        self.gpu_kv_usage = GaugeMetricFamily(f"{VLLM_PREFIX}gpu_cache_usage_perc",
+                                              "KV-cache usage (the older name of kv_cache_usage_perc).", labels=labels)
+        self.preemptions = CounterMetricFamily(f"{VLLM_PREFIX}num_preemptions", "Cumulative number of preemptions.",
+                                               labels=labels)
+        self.prompt_tokens = CounterMetricFamily(f"{VLLM_PREFIX}prompt_tokens", "Number of prefill tokens processed.",
+                                                 labels=labels)
+        self.generation_tokens = CounterMetricFamily(f"{VLLM_PREFIX}generation_tokens",
+                                                     "Number of generation tokens processed.", labels=labels)
+        self.prefix_queries = CounterMetricFamily(f"{VLLM_PREFIX}prefix_cache_queries",
+                                                  "Prefix cache queries, in terms of number of queried tokens.", labels=labels)
+        self.prefix_hits = CounterMetricFamily(f"{VLLM_PREFIX}prefix_cache_hits",
+                                               "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
+        self.success = CounterMetricFamily(f"{VLLM_PREFIX}request_success", "Count of successfully processed requests.",
+                                           labels=["model_name", "finished_reason"])
+
+    def add(self, model_id: str, stats: EngineStats) -> None:
+        labels = [model_id]
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        self.running.add_metric(labels, stats.num_running)
+        self.waiting.add_metric(labels, stats.num_waiting)
+        self.kv_usage.add_metric(labels, usage)
+        self.gpu_kv_usage.add_metric(labels, usage)
+        self.preemptions.add_metric(labels, stats.num_preempted_total)
+        self.prompt_tokens.add_metric(labels, stats.prompt_tokens_total)
+        self.generation_tokens.add_metric(labels, stats.generation_tokens_total)
+        self.prefix_queries.add_metric(labels, stats.prefix_cache_queries_total)
+        self.prefix_hits.add_metric(labels, stats.prefix_cache_hits_total)
+        for reason, count in sorted(stats.requests_finished_total.items()):
+            self.success.add_metric([model_id, reason], count)
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.running, self.waiting, self.kv_usage, self.gpu_kv_usage, self.preemptions, self.prompt_tokens,
+                self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success)
 
 
 class _LifecycleCollector(Collector):

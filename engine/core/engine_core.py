@@ -152,6 +152,7 @@ class EngineCore:
         if not batch.seqs:
             return []
         scheduled_s = time.perf_counter()
+        self.output.mark_scheduled(batch.seqs)
         try:
             out = self.runner.execute(batch)
         except EngineDead:

@@ -53,6 +53,7 @@ class RequestState:
     seq: Sequence
     detokenizer: Detokenizer
     arrival_time_s: float
+    scheduled_time_s: float | None = None  # first scheduled (the end of its queue time)
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
 
@@ -66,7 +67,11 @@ class StatsCollector:
     requests_finished_total: dict[str, int] = field(default_factory=dict)
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))
     tpot_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))
+    itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))  # between two tokens of a request
     e2e_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))
+    queue_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))  # arrival -> first scheduled
+    prefill_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))  # first scheduled -> first token
+    decode_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))  # first token -> last token
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))
     batch_size: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_OBSERVATIONS))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -84,7 +89,10 @@ class StatsCollector:
             stats.observations_ttft_s, stats.observations_tpot_s = list(self.ttft_s), list(self.tpot_s)
             stats.observations_e2e_s, stats.observations_step_s = list(self.e2e_s), list(self.step_s)
             stats.observations_batch_size = list(self.batch_size)
-            for observations in (self.ttft_s, self.tpot_s, self.e2e_s, self.step_s, self.batch_size):
+            stats.observations_queue_s, stats.observations_prefill_s = list(self.queue_s), list(self.prefill_s)
+            stats.observations_decode_s, stats.observations_itl_s = list(self.decode_s), list(self.itl_s)
+            for observations in (self.ttft_s, self.tpot_s, self.e2e_s, self.step_s, self.batch_size, self.queue_s,
+                                 self.prefill_s, self.decode_s, self.itl_s):
                 observations.clear()
         return stats
 
@@ -107,6 +115,16 @@ class OutputProcessor:
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens
         )
         self._requests[seq.request_id] = RequestState(seq, detokenizer, seq.arrival_time_s)
+
+    def mark_scheduled(self, seqs: list[Sequence], now_s: float | None = None) -> None:
+        """Note when each request is first scheduled: its queue time ends, its prefill starts."""
+        now_s = time.monotonic() if now_s is None else now_s
+        for seq in seqs:
+            state = self._requests.get(seq.request_id)
+            if state is not None and state.scheduled_time_s is None:
+                state.scheduled_time_s = now_s
+                with self.stats.lock:
+                    self.stats.queue_s.append(now_s - state.arrival_time_s)
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never reached the scheduler."""
@@ -193,6 +211,10 @@ class OutputProcessor:
                 state.first_token_time_s = now_s
                 self.stats.prompt_tokens_total += state.seq.num_prompt_tokens
                 self.stats.ttft_s.append(now_s - state.arrival_time_s)
+                if state.scheduled_time_s is not None:
+                    self.stats.prefill_s.append(now_s - state.scheduled_time_s)
+            elif state.last_token_time_s is not None:
+                self.stats.itl_s.append(now_s - state.last_token_time_s)
         state.last_token_time_s = now_s
 
     def _observe_prompt(self, state: RequestState, now_s: float) -> None:
@@ -219,5 +241,7 @@ class OutputProcessor:
             finished[output.finish_reason] = finished.get(output.finish_reason, 0) + 1  # type: ignore[index]
             self.stats.e2e_s.append(now_s - state.arrival_time_s)
             num_output = state.seq.num_output_tokens
-            if state.first_token_time_s is not None and state.last_token_time_s is not None and num_output > 1:
-                self.stats.tpot_s.append((state.last_token_time_s - state.first_token_time_s) / (num_output - 1))
+            if state.first_token_time_s is not None and state.last_token_time_s is not None:
+                self.stats.decode_s.append(state.last_token_time_s - state.first_token_time_s)
+                if num_output > 1:
+                    self.stats.tpot_s.append((state.last_token_time_s - state.first_token_time_s) / (num_output - 1))

@@ -449,6 +449,13 @@ def test_metrics_carry_the_engine_stats(client, http):
     assert metric(samples, "llamaserve:prefix_cache_hits_total", model_name=MODEL) > 0
     assert metric(samples, "llamaserve:kv_cache_blocks_total", model_name=MODEL) == 512
     assert metric(samples, "llamaserve:models_loaded") == 1
+    # vLLM's names, as the Gateway API Inference Extension's endpoint picker and vLLM's dashboards read them
+    assert metric(samples, "vllm:num_requests_waiting", model_name=MODEL) == 0
+    assert 0.0 <= metric(samples, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1.0
+    for name in ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "e2e_request_latency_seconds"):
+        assert metric(samples, f"vllm:{name}_count", model_name=MODEL) >= 2, name
+    assert metric(samples, "vllm:inter_token_latency_seconds_count", model_name=MODEL) >= 2
     response = http.get("/health", headers={"X-Request-Id": "trace-e2e-1"})
     assert response.headers["X-Request-Id"] == "trace-e2e-1"
 

@@ -292,3 +292,18 @@ def test_client_priority_overtakes_queued_requests():
                 admitted.append(out.request_id)
     assert admitted == ["urgent", "first-0", "second-0", "late-3", "late-5"]
     assert_clean(core)
+
+
+def test_stats_time_each_phase_of_a_request():
+    """Queue, prefill and decode time once per request, and one inter-token gap per token after the first
+    (vLLM's request_*_time_seconds and inter_token_latency_seconds)."""
+    core = make_core()
+    core.add_request(request("a", "hello", max_tokens=4))
+    core.add_request(request("b", "hi", max_tokens=1))
+    run(core)
+    stats = core.stats()
+    assert len(stats.observations_queue_s) == len(stats.observations_prefill_s) == 2
+    assert len(stats.observations_decode_s) == 2 and len(stats.observations_itl_s) == 3
+    assert all(v >= 0 for v in [*stats.observations_queue_s, *stats.observations_prefill_s,
+                                *stats.observations_decode_s, *stats.observations_itl_s])
+    assert core.stats().observations_itl_s == []  # handed over once

@@ -568,3 +568,43 @@ async def test_metrics_count_preemptions_by_priority(client, factory):
     text = await (await client.get("/metrics")).text()
     assert 'llamaserve:num_preemptions_total{model_name="fake",priority="0"} 0.0' in text
     assert 'llamaserve:num_preemptions_total{model_name="fake",priority="1"} 3.0' in text
+
+
+VLLM_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                   "request_prefill_time_seconds", "request_decode_time_seconds")
+
+
+async def test_metrics_under_vllm_names_read_as_the_endpoint_picker_reads_them(client, factory):
+    """The Gateway API Inference Extension's endpoint picker parses /metrics with a Prometheus text parser
+    and reads vllm:num_requests_waiting, vllm:num_requests_running and vllm:kv_cache_usage_perc by model_name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await client.post("/v1/chat/completions", json=CHAT)
+    stats = factory.engines["fake"]._stats
+    stats.num_running, stats.num_waiting, stats.kv_blocks_used, stats.kv_blocks_total = 2, 3, 5, 8
+    for attribute in ("observations_itl_s", "observations_tpot_s", "observations_queue_s", "observations_prefill_s",
+                      "observations_decode_s"):
+        setattr(stats, attribute, [0.02])
+    families = {family.name: family for family in text_string_to_metric_families(
+        await (await client.get("/metrics")).text())}
+
+    def value(name: str, **labels: str) -> float:
+        samples = [s for s in families[name].samples if s.name in (name, f"{name}_total") and s.labels == labels]
+        assert len(samples) == 1, (name, labels, families[name].samples)
+        return samples[0].value
+
+    assert value("vllm:num_requests_waiting", model_name="fake") == 3
+    assert value("vllm:num_requests_running", model_name="fake") == 2
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        assert families[name].type == "gauge" and 0.0 <= value(name, model_name="fake") == 5 / 8 <= 1.0
+    assert families["vllm:prompt_tokens"].type == "counter" and value("vllm:prompt_tokens", model_name="fake") > 0
+    assert value("vllm:generation_tokens", model_name="fake") == 12
+    assert value("vllm:request_success", model_name="fake", finished_reason="stop") == 1
+    for name in VLLM_HISTOGRAMS:
+        family = families[f"vllm:{name}"]
+        assert family.type == "histogram", name
+        counts = [s for s in family.samples if s.name.endswith("_count")]
+        assert [s.labels for s in counts] == [{"model_name": "fake"}] and counts[0].value == 1, name
+        assert any(s.labels.get("le") == "+Inf" for s in family.samples), name
+    assert value("llamaserve:num_requests_waiting", model_name="fake") == 3  # our own names stay
