@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from msgspec import UNSET
 
 from compat import protocol as p
+from engine.chat.generic_tools import GenericToolParser
 from engine.chat.tool_parser import JsonCallStreamParser
 from engine.types import EngineError, RequestOutput, TokenLogprob, ToolCall, ToolDefinition
 
@@ -164,10 +165,14 @@ class ChatAssembler:
         include_usage: bool = False,
         forced_tools: bool = False,
         max_tool_calls: int | None = None,
+        generic_tools: bool = False,
+        echo_text: str = "",
     ) -> None:
         """forced_tools: the output was constrained to JSON calls (tool_choice required or named),
         streamed argument piece by argument piece whatever the chat format; max_tool_calls: calls
-        past it are dropped (parallel_tool_calls=false)."""
+        past it are dropped (parallel_tool_calls=false); generic_tools: the output is the generic
+        tool format's JSON answer (engine/chat/generic_tools.py); echo_text: what each reply starts
+        with (vLLM's chat `echo`)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -176,10 +181,13 @@ class ChatAssembler:
         self.include_usage = include_usage
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tool_calls = max_tool_calls
+        self.echo_text = echo_text
 
         def parser() -> Any:
             if not tools:
                 return None
+            if generic_tools:
+                return GenericToolParser()
             return JsonCallStreamParser() if forced_tools else chat_format.output_parser(tools)
 
         self.choices = [_ChatChoice(parser=parser()) for _ in range(n)]
@@ -197,7 +205,7 @@ class ChatAssembler:
 
     def head_chunks(self) -> list[p.ChatCompletionChunk]:
         """What a stream sends before any output: each choice's role."""
-        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))])
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=self.echo_text))])
                 for i in range(len(self.choices))]
 
     def chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
@@ -290,7 +298,7 @@ class ChatAssembler:
     def response(self) -> p.ChatCompletionResponse:
         choices = []
         for i, choice in enumerate(self.choices):
-            content: str | None = "".join(choice.content)
+            content: str | None = self.echo_text + "".join(choice.content)
             calls = [p.ToolCallOut(id=c.call_id, function=p.FunctionCallOut(name=c.name, arguments=c.arguments))
                      for c in choice.tool_calls]
             if calls and not content:

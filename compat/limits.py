@@ -16,6 +16,7 @@ from engine.types import InvalidRequest
 MAX_JSON_DEPTH = 64  # JSON schemas and tool arguments are rarely deeper than 10
 MAX_STOP_CHARS = 1024  # one stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # vLLM bad_words per request (each at most MAX_STOP_CHARS)
 MAX_TOKEN_ID_DIGITS = 10  # logit_bias keys: vocabularies are far below 10**10
 CHARS_PER_TOKEN_LIMIT = 64  # text longer than this many chars per context token cannot fit
 

@@ -105,6 +105,14 @@ PARAMETERS: tuple[Param, ...] = (
     Param("min_tokens", BOTH, H, "vLLM"),
     Param("skip_special_tokens", BOTH, H, "vLLM"),
     Param("priority", BOTH, H, "vLLM", "lower is sooner, among online requests (Batch API items: among them)"),
+    Param("bad_words", BOTH, H, "vLLM", "never generated, each as tokenized with and without a leading space"),
+    Param("allowed_token_ids", BOTH, H, "vLLM", "only these tokens are sampled"),
+    Param("add_generation_prompt", CHAT, H, "vLLM", "false: the prompt ends after the last message"),
+    Param("continue_final_message", CHAT, H, "vLLM", "the last (assistant) message is continued, left open; "
+          "needs add_generation_prompt false"),
+    Param("chat_template_kwargs", CHAT, H, "vLLM", "extra variables for a Jinja chat template; no effect on the "
+          "built-in Llama formats"),
+    Param("echo", CHAT, H, "vLLM", "the reply starts with the last message's content when it is the assistant's"),
     Param("prompt_logprobs", COMPLETIONS, H, "vLLM"),
     Param("structured_outputs", BOTH, H, "vLLM", "json, regex, choice, grammar"),
     Param("guided_json", BOTH, H, "vLLM", "older spelling of structured_outputs.json"),

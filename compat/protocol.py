@@ -36,6 +36,7 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 StopString = Annotated[str, Meta(max_length=limits.MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Meta(max_length=16)]
 ClientPriority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+BadWord = Annotated[str, Meta(min_length=1, max_length=limits.MAX_STOP_CHARS)]
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=4096)]
 
 
@@ -195,6 +196,9 @@ class SamplingFields(GuidedFields, kw_only=True):
     skip_special_tokens: bool | None = True
     # lower is sooner, among requests of the same kind (online, or Batch API items); vLLM's int field
     priority: ClientPriority | None = 0
+    # vLLM: words never generated (each as tokenized with and without a leading space), and the only tokens allowed
+    bad_words: Annotated[list[BadWord], Meta(max_length=limits.MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
 
 
 class ChatFields(SamplingFields, kw_only=True):
@@ -224,6 +228,11 @@ class ChatFields(SamplingFields, kw_only=True):
     response_format: ResponseFormat | None = None
     functions: list[FunctionDefinition] | None = None  # deprecated OpenAI names of tools / tool_choice
     function_call: str | dict[str, Any] | None = None
+    # vLLM's chat extras: how the conversation is rendered, and the last assistant message echoed back
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    echo: bool | None = False
 
 
 class ChatCompletionRequest(ChatFields, kw_only=True):
@@ -281,6 +290,8 @@ class TokenizeRequest(_Request, kw_only=True):
     messages: list[Message] | UnsetType = UNSET
     tools: list[Tool] | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
     add_special_tokens: bool | None = True
     return_token_strs: bool | None = False
 

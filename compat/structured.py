@@ -9,6 +9,10 @@
   shape engine/chat/tool_parser.py parses in every chat format: `{"name": ..., "arguments": {...}}`,
   a list of them for parallel calls. Under `auto`, functions marked `strict` are constrained the
   same way when the model chooses to call (text that does not start with `{` or `[` stays free).
+- A model whose chat format or template cannot show tools gets the generic tool format
+  (engine/chat/generic_tools.py): its whole answer is constrained to `{"tool_calls": [...]}` or
+  `{"response": "..."}` (`tool_calls` only under required or a named function; one call without
+  parallel_tool_calls), the calls' arguments following their functions' parameters.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ToolPlan:
     grammar: GrammarSpec | None = None  # the constraint that tool_choice / strict put on the output
     forced: bool = False  # the output is a JSON call: parse it with the JSON parser, whatever the format
     max_calls: int | None = None  # parallel_tool_calls=false: at most one call
+    generic: bool = False  # the generic tool format: the prompt shows the tools, the answer is its JSON
 
 
 # --------------------------------------------------------------------------- response formats
@@ -151,15 +156,12 @@ def tool_plan(fields: p.ChatFields, *, supports_tools: bool) -> ToolPlan:
         if choice not in ("none", "auto"):
             raise InvalidRequest(f"{choice_param} needs tools to choose from", param=choice_param)
         return ToolPlan(())
-    if not supports_tools:
-        raise InvalidRequest(
-            "this model's chat format or template cannot show tools to the model; send tool_choice 'none' or leave out tools",
-            param=tools_param,
-        )
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tool names must be unique", param=tools_param)
     single = fields.parallel_tool_calls is False
+    if not supports_tools:
+        return _generic_plan(tools, choice, choice_param, single)
     if isinstance(choice, dict):
         name = choice["name"]
         if name not in names:
@@ -172,6 +174,32 @@ def tool_plan(fields: p.ChatFields, *, supports_tools: bool) -> ToolPlan:
     strict = [tool for tool, given in zip(tools, _given_tools(fields)) if given.strict]
     grammar = _auto_strict_grammar(tools, strict, single) if strict else None
     return ToolPlan(tools, grammar, max_calls=1 if single else None)
+
+
+def _generic_plan(tools: tuple[ToolDefinition, ...], choice: str | dict[str, str], choice_param: str,
+                  single: bool) -> ToolPlan:
+    """The generic format's grammar: a reply or calls under auto, calls only under required, one
+    call of the named function; every call's arguments follow its function's parameters."""
+    if isinstance(choice, dict):
+        if choice["name"] not in [tool.name for tool in tools]:
+            raise InvalidRequest(f"tool_choice names function {choice['name']!r}, which is not among the tools",
+                                 param=choice_param)
+        called, single = [tool for tool in tools if tool.name == choice["name"]], True
+    else:
+        called = list(tools)
+    call = _call_schema(called)
+    defs = call.pop("$defs", None)
+    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
+    options = [{"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                "additionalProperties": False}]
+    if choice == "auto":
+        options.append({"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                        "additionalProperties": False})
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return ToolPlan(tools, json_spec(schema, "tools"), forced=choice != "auto", max_calls=1 if single else None,
+                    generic=True)
 
 
 def _given_tools(fields: p.ChatFields) -> list[p.FunctionDefinition]:

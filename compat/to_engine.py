@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
 
@@ -17,6 +17,7 @@ from compat import params as policy
 from compat import limits
 from compat import protocol as p
 from compat.structured import grammar_spec, tool_plan
+from engine.chat.generic_tools import generic_dialog
 from engine.types import (
     ONLINE_PRIORITY,
     ChatMessage,
@@ -32,6 +33,9 @@ from engine.types import (
     check_token_ids,
 )
 
+if TYPE_CHECKING:
+    from engine.tokenizers.tokenizer import Tokenizer
+
 
 @dataclass(slots=True)
 class ChatPlan:
@@ -40,6 +44,8 @@ class ChatPlan:
     tools: tuple[ToolDefinition, ...]  # what the output parser looks for; empty: plain text
     forced_tools: bool = False  # tool_choice required / named: the output is a JSON call
     max_tool_calls: int | None = None  # parallel_tool_calls=false: 1
+    generic_tools: bool = False  # the generic tool format (engine/chat/generic_tools.py): parse its JSON answer
+    echo_text: str = ""  # chat `echo`: the last assistant message's content, which the reply starts with
 
 
 @dataclass(slots=True)
@@ -63,7 +69,8 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
                              param=grammar.param)
     dialog = chat_messages(messages)
     check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
-    prompt = engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=True)
+    prompt = render_chat(engine, dialog, tools, generic_tools=plan.generic, add_generation_prompt=fields.add_generation_prompt,
+                         continue_final_message=fields.continue_final_message, template_kwargs=fields.chat_template_kwargs)
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     param = "max_completion_tokens" if fields.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_context_length(len(prompt), max_tokens, engine.max_seq_len, param=param, prompt_param="messages")
@@ -72,11 +79,49 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     # Tool calls arrive as special-token tags (<|python_tag|>, <|eom_id|>): the parser must see them.
     skip_special = fields.skip_special_tokens and not tools
-    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer.vocab_size,
-                             engine.sampling_defaults)
+    params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer, engine.sampling_defaults)
     params = dataclasses.replace(params, grammar=grammar or plan.grammar)
     requests = fan_out(request_id, prompt, params, fields.n, priority=priority, client_priority=fields.priority)
-    return ChatPlan(requests, prompt, tools, plan.forced, plan.max_calls)
+    # vLLM's echo: the reply repeats the last message first when it is the assistant's (a continued answer)
+    echo_text = dialog[-1].content if fields.echo and dialog[-1].role == "assistant" else ""
+    return ChatPlan(requests, prompt, tools, plan.forced, plan.max_calls, plan.generic, echo_text)
+
+
+# Names the server itself gives a Jinja template; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                                     "unk_token", "pad_token", "range", "raise_exception", "strftime_now"})
+
+
+def render_chat(
+    engine: EngineClient, dialog: list[ChatMessage], tools: Sequence[ToolDefinition], *, generic_tools: bool,
+    add_generation_prompt: bool = True, continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt's token ids, as chat and /tokenize both render it (so the two agree): tools in the
+    chat format's own way, or the generic tool format's; vLLM's add_generation_prompt,
+    continue_final_message (the last assistant message left open: the conversation before it with
+    the generation prompt, then its text) and chat_template_kwargs (variables for a Jinja template)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true; send "
+                             "add_generation_prompt: false to continue the last message", param="continue_final_message")
+    if continue_final_message and dialog[-1].role != "assistant":
+        raise InvalidRequest("continue_final_message needs the last message to be the assistant's",
+                             param="continue_final_message")
+    if continue_final_message and dialog[-1].tool_calls:
+        raise InvalidRequest("continue_final_message cannot continue a message of tool calls", param="continue_final_message")
+    extra: dict[str, Any] = {}
+    for name in template_kwargs or {}:
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequest(f"chat_template_kwargs may not set {name!r}; the server sets it",
+                                 param=f"chat_template_kwargs.{name}")
+    if template_kwargs and getattr(engine.chat_format, "accepts_template_kwargs", False):
+        extra["template_kwargs"] = template_kwargs  # the built-in Llama formats have no template to give them to
+    if generic_tools:
+        dialog, tools = generic_dialog(dialog, tools), ()
+    if not continue_final_message:
+        return engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
+    head = engine.chat_format.encode_dialog(dialog[:-1], tools=tools, add_generation_prompt=True, **extra)
+    return head + engine.tokenizer.encode(dialog[-1].content)
 
 
 def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
@@ -167,8 +212,7 @@ def completion_plan(req: p.CompletionFields, prompt: object, engine: EngineClien
     prompt_logprobs = completion_prompt_logprobs(req)
     for ids in prompts_ids:
         max_tokens = check_context_length(len(ids), req.max_tokens, engine.max_seq_len, param="max_tokens", prompt_param="prompt")
-        params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer.vocab_size,
-                                 engine.sampling_defaults)
+        params = sampling_params(req, max_tokens, req.logprobs, req.skip_special_tokens, tokenizer, engine.sampling_defaults)
         params_by_prompt.append(dataclasses.replace(params, prompt_logprobs=prompt_logprobs, grammar=grammar))
     requests: list[EngineRequest] = []
     for k, (ids, params) in enumerate(zip(prompts_ids, params_by_prompt)):
@@ -255,7 +299,7 @@ def check_text_fits(num_chars: int, engine: EngineClient, param: str) -> None:
 
 # --------------------------------------------------------------------------- shared
 def sampling_params(
-    fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, vocab_size: int,
+    fields: p.SamplingFields, max_tokens: int, logprobs: int | None, skip_special_tokens: bool, tokenizer: Tokenizer,
     defaults: SamplingDefaults,
 ) -> SamplingParams:
     """`defaults` fill what the request leaves out (the checkpoint's generation_config.json)."""
@@ -279,9 +323,23 @@ def sampling_params(
         ignore_eos=fields.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=skip_special_tokens,
+        allowed_token_ids=None if fields.allowed_token_ids is None else frozenset(fields.allowed_token_ids),
+        bad_words_token_ids=bad_words_token_ids(fields.bad_words or (), tokenizer),
     )
-    params.validate(vocab_size)  # InvalidRequest naming the parameter
+    params.validate(tokenizer.vocab_size)  # InvalidRequest naming the parameter
     return params
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it is (at the start of the text) and after a
+    space (inside it), since a BPE vocabulary spells the two differently."""
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text))
+            if ids:
+                found.setdefault(ids, None)
+    return tuple(found)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -320,12 +378,15 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
     if has_prompt:  # as the completions endpoint reads a text prompt, so the ids agree
         check_text_fits(len(req.prompt), engine, "prompt")
         return encode_text_prompt(engine, req.prompt, bos=req.add_special_tokens)
-    tools = ()
+    tools: tuple[ToolDefinition, ...] = ()
     if req.tools:
         tools = tuple(ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in req.tools)
     dialog = chat_messages(req.messages)
     check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
-    return engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=req.add_generation_prompt)
+    # as chat renders it: tools the format cannot show go into the generic tool format's prompt
+    return render_chat(engine, dialog, tools, generic_tools=bool(tools) and not engine.chat_format.supports_tools,
+                       add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                       template_kwargs=req.chat_template_kwargs)
 
 
 def detokenize_ids(req: p.DetokenizeRequest, engine: EngineClient) -> str:

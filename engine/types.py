@@ -80,6 +80,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # leave special tokens out of the text
     grammar: GrammarSpec | None = None  # constrained decoding: only tokens the grammar allows
+    allowed_token_ids: frozenset[int] | None = None  # None: every token; else only these are sampled
+    # Token sequences never generated: a sequence's last token is masked whenever the output ends
+    # with the rest of it (a one-token sequence: always). vLLM's bad_words, tokenized by compat.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +115,15 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequest(f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})",
                                      param="stop_token_ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
+            bad = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(f"allowed token id {min(bad)} is outside the vocabulary [0, {vocab_size})",
+                                     param="allowed_token_ids")
+        if any(not word or not all(0 <= t < vocab_size for t in word) for word in self.bad_words_token_ids):
+            raise InvalidRequest("bad_words must tokenize to ids in the vocabulary", param="bad_words")
 
 
 # --------------------------------------------------------------------------- requests and outputs

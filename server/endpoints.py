@@ -62,6 +62,7 @@ def chat_assembler(req: Any, plan: to_engine.ChatPlan, engine: EngineClient, res
         response_id=response_id, model=req.model, tokenizer=engine.tokenizer, chat_format=engine.chat_format,
         tools=plan.tools, n=req.n, num_prompt_tokens=len(plan.prompt_token_ids), want_logprobs=req.logprobs,
         include_usage=include_usage, forced_tools=plan.forced_tools, max_tool_calls=plan.max_tool_calls,
+        generic_tools=plan.generic_tools, echo_text=plan.echo_text,
     )
 
 

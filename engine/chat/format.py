@@ -13,6 +13,10 @@ For the server (compat):
   SamplingParams.skip_special_tokens=False, so that the output parser sees the tags tool calls
   come with (`<|python_tag|>`, `<|python_start|>`); the parser keeps them out of the content.
 - `output_parser(tools)` returns a fresh engine.chat.tool_parser.OutputParser per choice.
+- A format with `accepts_template_kwargs = True` (Jinja templates) takes `template_kwargs` in
+  `encode_dialog`: extra template variables (vLLM's chat_template_kwargs).
+- A format that cannot show tools (`supports_tools = False`) gets them through the generic tool
+  format (engine/chat/generic_tools.py), which compat applies around `encode_dialog`.
 - OpenAI `name` fields have no place in Llama prompts and are not rendered (as in Meta's and
   HF's formats); the `developer` role arrives here as `system`.
 """

@@ -5,7 +5,8 @@ A template is untrusted input: it is rendered in jinja2's ImmutableSandboxedEnvi
 load when it names private attributes (`__class__`, `__globals__`, ...), and any such access that
 is built at run time raises instead of rendering as empty text. The context is HF's: `messages`
 (dicts), `tools` (OpenAI function schemas or None), `add_generation_prompt`, `bos_token`,
-`eos_token`, `raise_exception`, `strftime_now`, and a `tojson` that does not HTML-escape.
+`eos_token`, `raise_exception`, `strftime_now`, and a `tojson` that does not HTML-escape; a
+request's `chat_template_kwargs` add variables of their own (compat refuses the names above).
 
 Rendered text becomes tokens the way HF tokenizes it (split at special tokens, the text between
 them encoded on its own), with one difference: a special-token spelling that came from the user
@@ -22,7 +23,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from engine.types import ChatMessage, CheckpointError, InvalidRequest, ToolCall, ToolDefinition
 
@@ -247,6 +248,8 @@ def _arguments(arguments: str) -> Any:
 class JinjaChatFormat:
     """The ChatFormat protocol over a Jinja chat template."""
 
+    accepts_template_kwargs = True  # encode_dialog takes `template_kwargs`: extra variables for the template
+
     def __init__(
         self,
         template: str,
@@ -298,11 +301,14 @@ class JinjaChatFormat:
         function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters or {"type": "object", "properties": {}}}
         return self._escape_value({"type": "function", "function": function})
 
-    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True) -> str:
-        """The template's text, with user-supplied special spellings still escaped."""
+    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The template's text, with user-supplied special spellings still escaped. `template_kwargs`
+        (vLLM's chat_template_kwargs, e.g. enable_thinking) are user text too; the names below win."""
         from jinja2 import TemplateError
 
         context = {
+            **{name: self._escape_value(value) for name, value in (template_kwargs or {}).items()},
             **self._token_context,
             "messages": [self._message(m) for m in messages],
             "tools": [self._tool(t) for t in tools] or None,
@@ -336,9 +342,11 @@ class JinjaChatFormat:
         return "".join(parts)
 
     def encode_dialog(
-        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self._specials.encode(self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt))
+        return self._specials.encode(self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                 template_kwargs=template_kwargs))
 
     def output_parser(self, tools: Sequence[ToolDefinition]) -> "OutputParser":
         """Content only without tools. With tools: `<tool_call>{json}</tool_call>` blocks when the

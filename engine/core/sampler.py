@@ -4,6 +4,7 @@ Order of work on each row (vLLM's and HF's order, so behaviour matches what user
   1. penalties on the model's logits: repetition (CTRL/HF, prompt + output tokens), then
      frequency and presence (OpenAI, output tokens only);
   2. logit_bias is added; stop tokens are masked to -inf while fewer than min_tokens were generated;
+     tokens outside allowed_token_ids and bad words' next tokens are masked;
      constrained rows (params.grammar) mask every token their grammar does not allow next;
   3. greedy rows (temperature 0) take the argmax;
   4. sampled rows divide by temperature, drop tokens under min_p * max_prob, keep the top_k best,
@@ -114,6 +115,7 @@ class Sampler:
     def _modifies_logits(self, seq: Sequence) -> bool:
         return (
             _has_penalties(seq.params) or bool(seq.params.logit_bias) or self._stops_masked(seq) or seq.grammar is not None
+            or _masks_tokens(seq.params)
         )
 
     def _stops_masked(self, seq: Sequence) -> bool:
@@ -132,6 +134,7 @@ class Sampler:
             _apply_penalties(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
             _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
             self._mask_stop_tokens(x, [(row, seqs[row]) for row in live if self._stops_masked(seqs[row])])
+            _apply_token_masks(x, [(row, seqs[row]) for row in live if _masks_tokens(seqs[row].params)])
             constrained = [row for row in live if seqs[row].grammar is not None]
             _apply_grammar_masks(x, constrained, [seqs[row].grammar for row in constrained])
 
@@ -143,7 +146,8 @@ class Sampler:
                 if math.isfinite(value):
                     tokens[row] = token
                 else:  # bias, min_tokens or the grammar masked every token, or a bias was infinite
-                    errors[seqs[row].seq_id] = "no token left to sample: logit_bias, min_tokens or the grammar masked them all"
+                    errors[seqs[row].seq_id] = ("no token left to sample: logit_bias, min_tokens, allowed_token_ids, bad_words "
+                                                          "or the grammar masked them all")
         want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
         return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
 
@@ -290,6 +294,28 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -
     index_tokens = torch.tensor([t for _, p in rows for t, _ in p.logit_bias], device=device)
     bias = torch.tensor([b for _, p in rows for _, b in p.logit_bias], dtype=x.dtype, device=device)
     x.index_put_((index_rows, index_tokens), bias, accumulate=True)
+
+
+def _masks_tokens(params: SamplingParams) -> bool:
+    return params.allowed_token_ids is not None or bool(params.bad_words_token_ids)
+
+
+def _apply_token_masks(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+    """allowed_token_ids and bad words: -inf, in x, for every token a row may not take next."""
+    vocab = x.shape[1]
+    for row, seq in rows:
+        params = seq.params
+        if params.allowed_token_ids is not None:
+            blocked = torch.ones(vocab, dtype=torch.bool, device=x.device)
+            blocked[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=x.device)] = False
+            x[row].masked_fill_(blocked, -torch.inf)
+        if params.bad_words_token_ids:
+            output = seq.output_token_ids
+            banned = [word[-1] for word in params.bad_words_token_ids
+                      if len(word) == 1 or (len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1])]
+            banned = [t for t in banned if 0 <= t < vocab]
+            if banned:
+                x[row, torch.tensor(banned, dtype=torch.long, device=x.device)] = -torch.inf
 
 
 def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:

@@ -67,9 +67,8 @@ def test_bad_tool_choices_name_their_field(fields, param):
 
 def test_tool_plans():
     assert tool_plan(chat(tools=TOOLS, tool_choice="none"), supports_tools=False).tools == ()
-    with pytest.raises(InvalidRequest) as caught:
-        tool_plan(chat(tools=TOOLS), supports_tools=False)
-    assert caught.value.param == "tools"
+    generic = tool_plan(chat(tools=TOOLS), supports_tools=False)  # a format that cannot show tools: the generic one
+    assert generic.generic and len(generic.tools) == 2 and generic.grammar is not None and not generic.forced
     auto = tool_plan(chat(tools=TOOLS), supports_tools=True)
     assert len(auto.tools) == 2 and auto.grammar is None and not auto.forced and auto.max_calls is None
     required = tool_plan(chat(tools=TOOLS, tool_choice="required"), supports_tools=True)
@@ -159,3 +158,29 @@ def test_undeclared_properties_are_not_generated_unless_the_schema_allows_them()
     # json_object and schemas that list no properties stay any object
     assert _accepts(compiler, view, grammar_spec(chat(response_format={"type": "json_object"})), '{"k": 1}')
     assert _accepts(compiler, view, grammar_spec(chat(guided_json={"type": "object"})), '{"k": 1}')
+
+
+@pytest.mark.parametrize("fields,texts", [
+    ({}, [('{"response": "It is \\"sunny\\"."}', True),
+          ('{"tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]}', True),
+          ('{"tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "time", "arguments": {}}]}', True),
+          ('{"tool_calls": [{"name": "weather", "arguments": {"town": "Oslo"}}]}', False),  # arguments follow parameters
+          ('{"tool_calls": []}', False), ('{"tool_calls": [{"name": "sing", "arguments": {}}]}', False),
+          ("It is sunny.", False), ('{"response": "a", "x": 1}', False)]),
+    ({"tool_choice": "required"}, [('{"response": "no"}', False),
+                                   ('{"tool_calls": [{"name": "time", "arguments": {}}]}', True)]),
+    ({"parallel_tool_calls": False}, [
+        ('{"tool_calls": [{"name": "time", "arguments": {}}, {"name": "time", "arguments": {}}]}', False),
+        ('{"tool_calls": [{"name": "time", "arguments": {}}]}', True), ('{"response": "ok"}', True)]),
+    ({"tool_choice": {"type": "function", "function": {"name": "weather"}}}, [
+        ('{"tool_calls": [{"name": "time", "arguments": {}}]}', False), ('{"response": "no"}', False),
+        ('{"tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]}', True)]),
+])
+def test_generic_tool_format_grammar_allows_a_reply_or_calls_as_tool_choice_says(fields, texts):
+    plan = tool_plan(chat(tools=TOOLS, **fields), supports_tools=False)
+    assert plan.generic and plan.forced == ("tool_choice" in fields)
+    tokenizer = tiny_llama2()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, sorted(tokenizer.stop_token_ids))
+    view = _TokenizerView(tokenizer, tokenizer.vocab_size, sorted(tokenizer.stop_token_ids))
+    for text, allowed in texts:
+        assert _accepts(compiler, view, plan.grammar, text) == allowed, text

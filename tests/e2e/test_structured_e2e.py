@@ -83,7 +83,8 @@ def llama2(checkpoints):
     if not out.exists():
         args = ModelArgs(**{**E2E_PARAMS, "vocab_size": 400, "use_scaled_rope": False, "rope_theta": 10000.0})
         write_random_checkpoint(out, args, seed=3, tokenizer_path=tiny_llama2_path(), dtype=torch.float32)
-    with ready_server(LLAMA2_DESCRIPTOR, out, checkpoints.root) as live:
+    # the generic tool format's prompt is ~1,000 of this byte-level tokenizer's tokens
+    with ready_server(LLAMA2_DESCRIPTOR, out, checkpoints.root, max_seq_len=2048) as live:
         yield live
 
 
@@ -232,14 +233,73 @@ def test_stream_helper_reassembles_the_non_streamed_answer(llama3):
     assert streamed_person == plain_person
 
 
-def test_formats_without_tools_refuse_them_by_name(llama2, demo):
-    for live in (llama2, demo):
-        with llama2.http() if live is llama2 else demo.http() as http:
-            body = {"model": model_of(live), "messages": ASK, "tools": TOOLS, "max_tokens": 2}
-            refused = http.post("/v1/chat/completions", json=body)
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
-            allowed = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
-            assert allowed.status_code == 200, allowed.text
+@pytest.mark.parametrize("server", ["llama2", "demo"])
+def test_formats_without_tools_get_the_generic_tool_format(server, request):
+    """Llama 2 and the demo's Jinja template cannot show tools: the generic format does, and its
+    grammar makes every answer a reply or valid calls, streamed or not; /tokenize renders that prompt."""
+    live = request.getfixturevalue(server)
+    client, model = live.openai(), model_of(live)
+    ask = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+    for seed in range(3):
+        kwargs = dict(model=model, messages=ask, tools=TOOLS, seed=seed, max_completion_tokens=200)
+        required = client.chat.completions.create(**kwargs, tool_choice="required", temperature=1.0)
+        assert required.choices[0].finish_reason == "tool_calls", required
+        for call in required.choices[0].message.tool_calls:
+            check_call(call)
+        named = client.chat.completions.create(**kwargs, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        [call] = named.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and check_call(call)["zone"] in ("UTC", "CET")
+        auto = client.chat.completions.create(**kwargs, temperature=0)
+        message = auto.choices[0].message
+        assert (message.content is not None) != bool(message.tool_calls), message  # a reply or calls, never both
+        for call in message.tool_calls or ():
+            check_call(call)
+        with client.chat.completions.stream(**kwargs, tool_choice="required", temperature=1.0) as stream:
+            streamed = stream.get_final_completion().choices[0].message
+        assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls] == \
+               [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls]
+        chunks = list(client.chat.completions.create(**kwargs, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (message.content or "")
+    with live.http() as http:
+        tokens = http.post("/tokenize", json={"model": model, "messages": ask, "tools": TOOLS}).json()
+        assert tokens["count"] == auto.usage.prompt_tokens  # the prompt chat sent, tools included
+        plain = http.post("/tokenize", json={"model": model, "messages": ask}).json()
+        assert plain["count"] < tokens["count"]
+        none = http.post("/v1/chat/completions", json={"model": model, "messages": ask, "tools": TOOLS, "max_tokens": 2,
+                                                       "tool_choice": "none"})
+        assert none.status_code == 200 and none.json()["usage"]["prompt_tokens"] == plain["count"], none.text
+
+
+LITELLM_TOOLS = """
+import json, sys
+import litellm
+url, model, tools = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+response = litellm.completion(model=f"openai/{model}", api_base=url + "/v1", api_key="none", tools=tools, seed=0,
+                              messages=[{"role": "user", "content": "What time is it in Berlin?"}], max_tokens=100,
+                              tool_choice="required")
+calls = response.choices[0].message.tool_calls
+print(json.dumps([{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in calls]))
+"""
+
+
+@pytest.mark.parametrize("server", ["llama2", "demo"])
+def test_langchain_bind_tools_and_litellm_on_the_generic_tool_format(server, request):
+    from langchain_openai import ChatOpenAI
+
+    from tests.e2e.test_eval_clients_e2e import run_client
+
+    live = request.getfixturevalue(server)
+    llm = ChatOpenAI(model=model_of(live), base_url=live.url + "/v1", api_key="none", max_retries=0, seed=3,
+                     max_completion_tokens=200, timeout=120)
+    for choice, name in (("any", None), ("get_time", "get_time")):
+        message = llm.bind_tools(TOOLS, tool_choice=choice).invoke("What time is it?")
+        assert message.tool_calls, message
+        for call in message.tool_calls:
+            assert name in (None, call["name"])
+            jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    pytest.importorskip("litellm")
+    calls = run_client(LITELLM_TOOLS, live.url, model_of(live), json.dumps(TOOLS))
+    assert calls and all(jsonschema.validate(c["arguments"], SCHEMAS[c["name"]]) is None for c in calls)
 
 
 # --------------------------------------------------------------------------- langchain
