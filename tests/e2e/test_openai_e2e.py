@@ -503,3 +503,32 @@ def test_web_pages_cannot_reach_the_keyless_server(client, http):
     assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
     simple = http.post("/v1/completions", content=json.dumps(body), headers={"Content-Type": "text/plain"})
     assert simple.status_code == 415 and simple.json()["error"]["code"] == "unsupported_media_type"
+
+
+# --------------------------------------------------------------------------- vLLM's extras on the real engine
+def test_allowed_token_ids_and_bad_words_change_the_sampled_tokens(client, http):
+    allowed = tokenize(http, prompt=" red green blue", add_special_tokens=False)
+    names = {http.post("/detokenize", json={"model": MODEL, "tokens": [t]}).json()["prompt"] for t in allowed}
+    constrained = greedy_completion(client, PROMPTS[0], max_tokens=6, extra_body={"allowed_token_ids": allowed},
+                                    logprobs=0)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=6, logprobs=0)
+    tokens = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=6, logprobs=0,
+                                       extra_body={"allowed_token_ids": allowed}).choices[0].logprobs.tokens
+    assert set(tokens) <= names and constrained == "".join(tokens)
+    first = plain.choices[0].logprobs.tokens[0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=6, logprobs=0,
+                                       extra_body={"bad_words": [first]}).choices[0].logprobs.tokens
+    assert banned[0] != first and first not in banned
+
+
+def test_continue_final_message_continues_the_assistant_text(client, http):
+    messages = [*MESSAGES, {"role": "assistant", "content": "My favourite colour is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = tokenize(http, messages=messages, **extra)
+    reply = greedy_chat(client, messages, max_tokens=4, extra_body={**extra, "echo": True})
+    assert reply.usage.prompt_tokens == len(ids)
+    assert ids[-len(tokenize(http, prompt="My favourite colour is", add_special_tokens=False)):] == \
+        tokenize(http, prompt="My favourite colour is", add_special_tokens=False)  # left open: no end of turn
+    assert reply.choices[0].message.content.startswith("My favourite colour is")
+    fresh = greedy_chat(client, messages[:-1], max_tokens=4)
+    assert reply.usage.prompt_tokens != fresh.usage.prompt_tokens

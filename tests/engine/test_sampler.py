@@ -389,3 +389,28 @@ def test_top_p_support_matches_sorted_reference_on_a_flat_row(chunk, top_p):
     picks = draws(row, SamplingParams(temperature=1.0, top_p=top_p), num=3000)
     assert set(picks) <= allowed
     assert len(set(picks)) >= 0.8 * len(allowed)
+
+
+def test_allowed_token_ids_keep_only_those_tokens():
+    logits = logits_for(2)
+    allowed = frozenset({5, 9, 40})
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    seqs = [seq(SamplingParams(temperature=0, allowed_token_ids=allowed)),
+            seq(SamplingParams(temperature=1.0, seed=3, allowed_token_ids=allowed))]
+    assert logits[0].argmax().item() not in allowed  # so the mask is what changes the choice
+    result = sample(logits, seqs)
+    assert result.token_ids[0] == best_allowed and result.token_ids[1] in allowed
+    assert all(t in allowed for t in draws(logits[1], SamplingParams(temperature=1.0, allowed_token_ids=allowed), 200))
+
+
+def test_bad_words_mask_single_tokens_always_and_sequences_after_their_prefix():
+    logits = logits_for(3)
+    best = logits.argmax(dim=1).tolist()
+    second = logits.topk(2, dim=1).indices[:, 1].tolist()
+    words = ((best[0],), (7, 8, best[1]), (7, 8, best[2]))
+    seqs = [
+        seq(SamplingParams(temperature=0, bad_words_token_ids=words)),  # a one-token word: never
+        seq(SamplingParams(temperature=0, bad_words_token_ids=words), output=[3, 7, 8]),  # its prefix was generated
+        seq(SamplingParams(temperature=0, bad_words_token_ids=words), output=[7, 9]),  # not its prefix: allowed
+    ]
+    assert sample(logits, seqs).token_ids == [second[0], second[1], best[2]]

@@ -608,3 +608,16 @@ async def test_metrics_under_vllm_names_read_as_the_endpoint_picker_reads_them(c
         assert [s.labels for s in counts] == [{"model_name": "fake"}] and counts[0].value == 1, name
         assert any(s.labels.get("le") == "+Inf" for s in family.samples), name
     assert value("llamaserve:num_requests_waiting", model_name="fake") == 3  # our own names stay
+
+
+async def test_chat_echo_starts_the_reply_with_the_continued_message(client):
+    """vLLM's echo with continue_final_message: the answer repeats the open assistant message first."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}],
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    reply = await (await client.post("/v1/chat/completions", json=body)).json()
+    assert reply["choices"][0]["message"]["content"] == "Well,Hello world!"
+    events = sse_events(await (await client.post("/v1/chat/completions", json={**body, "stream": True})).text())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Well,"}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == "Well,Hello world!"
+    refused = await client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert refused.status == 400 and (await refused.json())["error"]["param"] == "continue_final_message"
