@@ -49,6 +49,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
         memory_budget_bytes=config.memory_budget_bytes,
         evict_idle_lru=config.evict_idle_lru,
         load_wait_timeout_s=config.load_wait_timeout_s,
+        keep_alive_s=config.keep_alive,
     )
     app[CONFIG_KEY] = config
     app[STATE_KEY] = ServerState()
@@ -78,13 +79,29 @@ async def _registry_context(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY_KEY]
     state = app[STATE_KEY]
     state.startup_task = asyncio.create_task(_register_configured(app))
+    sweeps = asyncio.create_task(_sweep_idle_models(registry))
     try:
         yield
     finally:
         state.draining = True
         state.startup_task.cancel()
-        await asyncio.gather(state.startup_task, return_exceptions=True)
+        sweeps.cancel()
+        await asyncio.gather(state.startup_task, sweeps, return_exceptions=True)
         await registry.close()
+
+
+IDLE_SWEEP_INTERVAL_S = 1.0  # how often idle models are checked against their keep_alive
+
+
+async def _sweep_idle_models(registry: ModelRegistry) -> None:
+    """Unload models idle past their keep_alive (server/registry.py `sweep_idle`), for the server's life."""
+    log = structlog.get_logger("llamaserve.registry")
+    while True:
+        await asyncio.sleep(IDLE_SWEEP_INTERVAL_S)
+        try:
+            registry.sweep_idle()
+        except Exception:  # noqa: BLE001 - a failed sweep must not end the sweeps
+            log.exception("idle model sweep failed")
 
 
 async def _register_configured(app: web.Application) -> None:

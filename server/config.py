@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import yaml
 
 from engine.config import EngineConfig
 from server.errors import ApiError
-from server.model_spec import ModelSpec
+from server.model_spec import ModelSpec, parse_keep_alive
 from server.paths import find_checkpoint_dir
 
 ENV_PREFIX = "LLAMASERVE_"
@@ -46,6 +47,9 @@ class ServerConfig:
     memory_budget_bytes: int | None = None  # None: no limit beyond what the engines report
     evict_idle_lru: bool = False
     load_wait_timeout_s: float = 30.0  # a request for a loading model waits this long, then 503
+    # seconds an idle model (no request in flight) stays loaded before it is unloaded to `registered`
+    # (math.inf: never, today's default); a model's own metadata.keep_alive wins
+    keep_alive: float = math.inf
     max_batch_request_items: int = 256  # prompts in one /v1/batch/* call
     max_body_bytes: int = 32 << 20
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
@@ -132,6 +136,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("memory_budget_bytes", parse_bytes, "server", "bytes all loaded models may use, e.g. 64GiB"),
     Option("evict_idle_lru", _bool, "server", "unload the least recently used idle model to make room"),
     Option("load_wait_timeout_s", float, "server", "how long a request waits for a loading model before 503"),
+    Option("keep_alive", parse_keep_alive, "server", "how long an idle model stays loaded: seconds, a duration "
+           "(5m, 1h) or never (the default); the next request reloads it. A model's metadata.keep_alive wins"),
     Option("max_batch_request_items", int, "server", "most prompts in one /v1/batch/* request"),
     Option("max_body_bytes", parse_bytes, "server", "largest request body (413 beyond)"),
     Option("drain_timeout_s", float, "server", "on SIGTERM, how long in-flight requests may finish"),
@@ -199,7 +205,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 _YAML_TYPES: dict[Callable[[str], Any], Any] = {
     int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
-    _names: str | list[str],
+    _names: str | list[str], parse_keep_alive: str | int | float,
 }
 
 
@@ -224,6 +230,7 @@ class ModelMetadata(msgspec.Struct):
     model_parallel_size: int | None = None
     max_seq_len: int | None = None
     quantization: str | None = None
+    keep_alive: str | int | float | None = None
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
@@ -233,6 +240,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     model_parallel_size: int | None = None
     max_seq_len: int | None = None
     quantization: str | None = None
+    keep_alive: str | int | float | None = None  # as metadata.keep_alive
     metadata: dict[str, Any] = {}
 
 
@@ -324,7 +332,7 @@ def _from_yaml(name: str, value: Any, source: str) -> Any:
         return _names(value)
     if isinstance(value, list):
         return [Path(v).expanduser() for v in value]
-    if option.parse in (Path, _paths, parse_bytes):
+    if option.parse in (Path, _paths, parse_bytes, parse_keep_alive):
         return _parse(option, value, source)
     return value
 
@@ -364,6 +372,11 @@ def _spec_from_entry(entry: ModelEntry, roots: Sequence[Path], source: str) -> M
                                                  model_id=entry.model_id)
         except ApiError as exc:
             raise ConfigError(f"{source}: {exc.message}") from None
+    keep_alive = entry.keep_alive if entry.keep_alive is not None else known.keep_alive
+    try:
+        keep_alive_s = None if keep_alive is None else parse_keep_alive(keep_alive)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: keep_alive: {exc}") from None
     return ModelSpec(
         model_id=entry.model_id,
         checkpoint_dir=checkpoint_dir,
@@ -373,6 +386,7 @@ def _spec_from_entry(entry: ModelEntry, roots: Sequence[Path], source: str) -> M
         max_seq_len=entry.max_seq_len or known.max_seq_len,
         quantization=entry.quantization or known.quantization,
         trusted=True,  # named by the operator, not by an API caller
+        keep_alive_s=keep_alive_s,
     )
 
 

@@ -192,6 +192,7 @@ class _LifecycleCollector(Collector):
             ("model_load_seconds", "Seconds spent loading models.", stats.load_seconds_total),
             ("model_unloads", "Models unloaded.", stats.unloads_total),
             ("model_evictions", "Idle models evicted to make room.", stats.evictions_total),
+            ("model_idle_unloads", "Models unloaded after their keep_alive passed idle.", stats.idle_unloads_total),
         ):
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
         for name, doc, value in (

@@ -7,7 +7,7 @@ Model objects are OpenAI's (`id`, `object: "model"`, `created`, `owned_by`) plus
 
 POST accepts our body and the one `llama-stack-client models register` sends:
   {"model_id" | "model", "checkpoint_dir"?, "llama_model"?, "provider_model_id"?, "provider_id"?,
-   "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?,
+   "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?, "keep_alive"?,
    "skip_initialize"? | "skip_load"?, "metadata"?: {the same settings, plus anything else}}
 (`metadata` may also be that object as a JSON string, as the `models register --metadata` CLI sends it.)
 A setting may sit at the top level or in `metadata`; both with different values is a 400.
@@ -27,7 +27,7 @@ from engine.config import launched_by_torchrun
 from engine.types import InvalidRequest
 from server.app_keys import CONFIG_KEY
 from server.errors import ApiError
-from server.model_spec import ModelSpec
+from server.model_spec import ModelSpec, parse_keep_alive
 from server.registry import REGISTRY_KEY, ModelInfo, ModelRegistry
 from server.safety import check_registration_bounds
 
@@ -58,6 +58,7 @@ class _Settings(msgspec.Struct, kw_only=True):
     model_parallel_size: ParallelSize | None = None
     max_seq_len: SeqLen | None = None
     quantization: Quantization | None = None
+    keep_alive: str | int | float | None = None  # seconds, "5m", "never": how long it stays loaded while idle
 
 
 class RegisterModelRequest(_Settings, kw_only=True, forbid_unknown_fields=True):
@@ -147,6 +148,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "memory_bytes": info.memory_bytes,
         "sampling_defaults": info.sampling_defaults,
         "weights": info.weights,
+        "keep_alive_s": info.keep_alive_s,
         "identifier": info.id,
         "provider_id": info.owned_by,
         "provider_resource_id": info.llama_model or info.id,
@@ -192,8 +194,19 @@ def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> t
         max_seq_len=_one("max_seq_len", body.max_seq_len, "metadata.max_seq_len", meta.max_seq_len),
         quantization=quantization,
         trusted=False,
+        keep_alive_s=_keep_alive(_one("keep_alive", body.keep_alive, "metadata.keep_alive", meta.keep_alive),
+                                 "metadata.keep_alive" if meta.keep_alive is not None else "keep_alive"),
     )
     return spec, not skip
+
+
+def _keep_alive(value: str | int | float | None, param: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def _metadata_object(text: str) -> dict[str, Any]:

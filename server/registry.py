@@ -25,6 +25,10 @@ retired engines to drain, then may replace the old engine of the same id in plac
 the model is `failed` with that reason. A lease retries such a load; other failures wait for a
 new registration (POST /v1/models again).
 
+Idle unload (Ollama's keep_alive): a loaded model with no lease for its keep_alive (the spec's,
+else the server's) is unloaded back to `registered` by `sweep_idle`, which the app calls every
+second (tests call it with their own clock); its next lease loads it again.
+
 Status codes a caller sees: 404 `model_not_found` (unknown id); 503 `model_loading` with
 Retry-After (a lease waited `load_wait_timeout_s` for a load); 503 `model_load_failed` (a lease
 on a failed model); a registration that loads answers its load's own error: 400
@@ -82,6 +86,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int | None = None  # reserved for it (estimate), once loading or loaded
     sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
     weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
+    keep_alive_s: float | None = None  # seconds it stays loaded while idle; None: always
     parent: str | None = None  # vLLM's `parent`: the base model an adapter applies to; None for a base model
 
 
@@ -94,6 +99,7 @@ class LifecycleStats:
     load_seconds_total: float
     unloads_total: int
     evictions_total: int
+    idle_unloads_total: int
     loaded_models: int
     loading_models: int
     memory_reserved_bytes: int
@@ -109,6 +115,7 @@ class _LoadedEngine:
     spec: ModelSpec
     reservation: Reservation
     load_time_s: float
+    idle_since_s: float  # the registry's clock when its last lease ended (or it loaded)
     leases: int = 0
     retired: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # set once shut down
@@ -165,12 +172,17 @@ class ModelRegistry:
         evict_idle_lru: bool = False,
         load_wait_timeout_s: float = 60.0,
         descriptor_resolver: DescriptorResolver | None = None,  # None: engine.loading.descriptors.resolve_descriptor
+        keep_alive_s: float = math.inf,  # models whose spec says nothing: unloaded after this long idle
+        clock: Callable[[], float] = time.monotonic,  # idle time is measured on it (tests pass their own)
     ) -> None:
         self._factory = factory
         self.checkpoint_roots = list(checkpoint_roots)
         self._budget = MemoryBudget(memory_budget_bytes, evict_idle_lru=evict_idle_lru)
         self._load_wait_timeout_s = load_wait_timeout_s
         self._descriptor_resolver = descriptor_resolver
+        self.keep_alive_s = keep_alive_s
+        self._clock = clock
+        self._idle_unloads_total = 0
         self._entries: dict[str, _Entry] = {}
         self._shutdowns: set[asyncio.Task] = set()
         self._closed = False
@@ -230,6 +242,7 @@ class ModelRegistry:
             self._switch_spec(entry, spec, load=load)
         else:
             entry.metadata = dict(spec.metadata)
+            entry.spec = dataclasses.replace(entry.spec, keep_alive_s=spec.keep_alive_s)  # never a reason to reload
             if load and entry.failure is not None:
                 entry.failure = None  # registering again is how a failed model is retried
         entry.required = entry.required or (spec.trusted and load and _needs_load(entry))
@@ -321,7 +334,7 @@ class ModelRegistry:
             reservation.release()
             return
         load_time_s = time.monotonic() - started_s
-        slot = _LoadedEngine(entry, engine, spec, reservation, load_time_s)
+        slot = _LoadedEngine(entry, engine, spec, reservation, load_time_s, self._clock())
         entry.load = None
         self._loads_total += 1
         self._load_seconds_total += load_time_s
@@ -458,6 +471,8 @@ class ModelRegistry:
 
     def _release(self, slot: _LoadedEngine) -> None:
         slot.leases -= 1
+        if slot.leases == 0:
+            slot.idle_since_s = self._clock()
         if slot.owner.active is slot:
             slot.owner.last_used = self._next_tick()
             # The request that saw the engine fail: reload now, not on the next lease (this retires
@@ -510,6 +525,25 @@ class ModelRegistry:
     def _next_tick(self) -> int:
         return next(self._use_ticks)
 
+    # ------------------------------------------------------------------ idle unload
+    def sweep_idle(self, now_s: float | None = None) -> list[str]:
+        """Unload, back to `registered`, every loaded model idle (no lease, no load) for its keep_alive
+        by `now_s` (default: the clock); the ids unloaded. Their engines shut down in the background."""
+        now_s = self._clock() if now_s is None else now_s
+        unloaded: list[str] = []
+        for entry in list(self._entries.values()):
+            slot = entry.active
+            if self._closed or slot is None or slot.leases or entry.load is not None:
+                continue
+            keep_alive_s = _keep_alive(entry.spec, self.keep_alive_s)
+            if now_s - slot.idle_since_s >= keep_alive_s:
+                log.info("model %s idle for %.0f s (keep_alive %g s): unloading it", entry.model_id,
+                         now_s - slot.idle_since_s, keep_alive_s)
+                self._idle_unloads_total += 1
+                self._retire(entry, slot)
+                unloaded.append(entry.model_id)
+        return unloaded
+
     # ------------------------------------------------------------------ unregister, queries, close
     async def unregister(self, model_id: str) -> None:
         """Forget `model_id`: new leases get 404; returns once its engines are shut down."""
@@ -528,7 +562,7 @@ class ModelRegistry:
         entry = self._entries.get(model_id)
         if entry is None:
             raise _not_found(model_id)
-        return _info(entry, self.checkpoint_roots)
+        return _info(entry, self.checkpoint_roots, self.keep_alive_s)
 
     def load_progress(self, model_id: str) -> dict[str, Any] | None:
         """The factory's report on a load of `model_id` in progress (stage, bytes, rate), if it keeps one."""
@@ -536,7 +570,7 @@ class ModelRegistry:
         return report(model_id) if report is not None else None
 
     def list(self) -> list[ModelInfo]:
-        return [_info(entry, self.checkpoint_roots) for entry in self._entries.values()]
+        return [_info(entry, self.checkpoint_roots, self.keep_alive_s) for entry in self._entries.values()]
 
     def engines(self) -> list[tuple[str, EngineClient]]:
         return [(e.model_id, e.active.engine) for e in self._entries.values() if e.active is not None]
@@ -563,6 +597,7 @@ class ModelRegistry:
             load_seconds_total=self._load_seconds_total,
             unloads_total=self._unloads_total,
             evictions_total=self._evictions_total,
+            idle_unloads_total=self._idle_unloads_total,
             loaded_models=sum(1 for e in self._entries.values() if e.active is not None),
             loading_models=sum(1 for e in self._entries.values() if e.load is not None),
             memory_reserved_bytes=self._budget.reserved_bytes(),
@@ -605,7 +640,7 @@ def _consume_exception(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _info(entry: _Entry, roots: list[Path]) -> ModelInfo:
+def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> ModelInfo:
     slot = entry.active
     spec = slot.spec if slot is not None else entry.spec
     reserved = None
@@ -624,7 +659,13 @@ def _info(entry: _Entry, roots: list[Path]) -> ModelInfo:
         memory_bytes=reserved,
         sampling_defaults=dataclasses.asdict(slot.engine.sampling_defaults) if slot is not None else None,
         weights=_weights_report(slot.engine) if slot is not None else None,
+        keep_alive_s=None if math.isinf(keep_alive_s := _keep_alive(entry.spec, default_keep_alive_s)) else keep_alive_s,
     )
+
+
+def _keep_alive(spec: ModelSpec, default_s: float) -> float:
+    """Seconds a model stays loaded while idle: its own keep_alive, else the server's."""
+    return default_s if spec.keep_alive_s is None else spec.keep_alive_s
 
 
 def _weights_report(engine: Any) -> dict[str, Any] | None:

@@ -621,3 +621,18 @@ async def test_chat_echo_starts_the_reply_with_the_continued_message(client):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == "Well,Hello world!"
     refused = await client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
     assert refused.status == 400 and (await refused.json())["error"]["param"] == "continue_final_message"
+
+
+async def test_idle_model_unloads_to_registered_and_the_next_request_reloads_it(aiohttp_client, factory, tmp_path):
+    """--keep-alive 0: idle means unloaded at the next sweep (the app sweeps every second; here the test
+    sweeps itself), and a request after that loads the model again, as a first request does."""
+    client = await start(aiohttp_client, factory, make_config(tmp_path, keep_alive=0.0))
+    registry = client.app[REGISTRY_KEY]
+    first = engine_of(factory)
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    assert registry.sweep_idle() == ["fake"]
+    model = await (await client.get("/v1/models/fake")).json()
+    assert model["status"] == "registered" and model["keep_alive_s"] == 0.0
+    reply = await client.post("/v1/chat/completions", json=CHAT)
+    assert reply.status == 200 and engine_of(factory) is not first and first.is_shut_down
+    assert "llamaserve:model_idle_unloads_total 1.0" in await (await client.get("/metrics")).text()

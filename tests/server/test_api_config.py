@@ -273,3 +273,31 @@ def test_torchrun_followers_run_the_follower_loop(monkeypatch, tmp_path):
     assert calls == [("m", 2)]
     monkeypatch.setenv("RANK", "0")
     assert main(["--model", "m", "--checkpoint-dir", str(tmp_path)]) == 0 and calls[-1] == "served"
+
+
+def test_keep_alive_from_flag_env_and_run_yaml(tmp_path):
+    import math
+
+    (tmp_path / "a").mkdir()
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+server:
+  keep_alive: 10m
+models:
+  - model_id: a
+    checkpoint_dir: {tmp_path / 'a'}
+    keep_alive: never
+  - model_id: b
+    checkpoint_dir: {tmp_path / 'a'}
+    metadata: {{keep_alive: 90}}
+  - model_id: c
+    checkpoint_dir: {tmp_path / 'a'}
+""")
+    config = config_from(["--config", str(path)])
+    assert config.keep_alive == 600.0
+    assert [m.keep_alive_s for m in config.models] == [math.inf, 90.0, None]  # None: the server's
+    assert config_from([]).keep_alive == math.inf  # today's behaviour: never unloaded
+    assert config_from(["--keep-alive", "1h30m"]).keep_alive == 5400.0
+    assert config_from([], env={"LLAMASERVE_KEEP_ALIVE": "-1"}).keep_alive == math.inf
+    with pytest.raises(ConfigError, match="--keep-alive"):
+        config_from(["--keep-alive", "soon"])

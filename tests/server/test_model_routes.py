@@ -316,3 +316,13 @@ async def test_under_torchrun_register_hot_switch_and_unload_are_a_clear_400(cli
     await expect_error(await client.delete("/v1/models/m"), 400, code="unsupported_under_torchrun")
     listed = await (await client.get("/v1/models")).json()
     assert [(m["id"], m["status"]) for m in listed["data"]] == [("m", "ready")]  # nothing changed
+
+
+async def test_keep_alive_at_registration(client, registry) -> None:
+    body = {"model_id": "m", "metadata": {"keep_alive": "5m", "skip_initialize": True}}
+    model = await (await client.post("/v1/models", json=body)).json()
+    assert model["keep_alive_s"] == 300.0 and registry._entries["m"].spec.keep_alive_s == 300.0
+    never = await (await client.post("/v1/models", json={"model_id": "m", "keep_alive": -1, "skip_initialize": True})).json()
+    assert never["keep_alive_s"] is None  # kept loaded while idle: the server's default, "never"
+    bad = await client.post("/v1/models", json={"model_id": "m", "metadata": {"keep_alive": "5 minutes"}})
+    await expect_error(bad, 400, code="invalid_value", param="metadata.keep_alive")

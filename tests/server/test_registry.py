@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import math
 import os
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -700,3 +701,50 @@ async def test_load_errors_and_listings_never_show_absolute_paths(registry, root
     assert caught.value.status == 400 and "m/params.json: not valid JSON" in caught.value.message
     for text in (caught.value.message, registry.get("m").error, registry.get("m").checkpoint_dir):
         assert str(root) not in text and str(root.resolve()) not in text
+
+
+# ---------------------------------------------------------------------- idle unload (keep_alive)
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+async def test_an_idle_model_unloads_after_its_keep_alive_and_the_next_request_reloads_it(root, factory) -> None:
+    clock = FakeClock()
+    registry = make_registry([root], factory, keep_alive_s=30.0, clock=clock)
+    await registry.register(spec_for(root, "m"), load=True)
+    await registry.register(spec_for(root, "pinned", keep_alive_s=math.inf), load=True)  # its own: never
+    assert registry.get("m").keep_alive_s == 30.0 and registry.get("pinned").keep_alive_s is None
+    clock.now_s += 29
+    assert registry.sweep_idle() == []
+    async with registry.lease("m"):  # a request in flight is never unloaded, however long it runs
+        clock.now_s += 100
+        assert registry.sweep_idle() == []
+    clock.now_s += 29.5  # idle time counts from the end of the last request
+    assert registry.sweep_idle() == []
+    clock.now_s += 0.5
+    assert registry.sweep_idle() == ["m"]
+    assert registry.get("m").status == "registered" and registry.get("pinned").status == "ready"
+    await settle()
+    assert "shutdown m" in factory.events and registry.lifecycle_stats().idle_unloads_total == 1
+    async with registry.lease("m") as engine:  # loads again
+        assert engine.model_id == "m"
+    assert factory.loads() == ["m", "pinned", "m"] and registry.get("m").status == "ready"
+    clock.now_s += 10**6
+    assert registry.sweep_idle() == ["m"]
+    await registry.close()
+
+
+async def test_keep_alive_zero_unloads_when_idle_and_re_registering_changes_it_without_a_reload(root, factory) -> None:
+    clock = FakeClock()
+    registry = make_registry([root], factory, clock=clock)  # the server's default: never
+    await registry.register(spec_for(root, "m"), load=True)
+    clock.now_s += 10**6
+    assert registry.sweep_idle() == []
+    await registry.register(spec_for(root, "m", keep_alive_s=0.0), load=True)
+    assert factory.loads() == ["m"] and registry.get("m").keep_alive_s == 0.0
+    assert registry.sweep_idle() == ["m"]
+    await registry.close()
