@@ -65,6 +65,10 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     tools = plan.tools
     grammar = grammar_spec(fields)
     if grammar is not None and plan.grammar is not None:
+        if plan.generic:
+            raise InvalidRequest(f"{grammar.param} cannot be combined with tools on this model: its chat format cannot "
+                                 "show tools, so the generic tool format already constrains the whole answer",
+                                 param=grammar.param)
         raise InvalidRequest(f"{grammar.param} cannot be combined with tool_choice {fields.tool_choice!r} or strict tools",
                              param=grammar.param)
     dialog = chat_messages(messages)

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
+from engine.config import launched_by_torchrun
 from server import auth, routes
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.batch_api import add_batch_routes
@@ -79,7 +80,8 @@ async def _registry_context(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY_KEY]
     state = app[STATE_KEY]
     state.startup_task = asyncio.create_task(_register_configured(app))
-    sweeps = asyncio.create_task(_sweep_idle_models(registry))
+    # Under torchrun every rank follows the model it was launched with: it is never unloaded.
+    sweeps = asyncio.create_task(_sweep_idle_models(registry) if not launched_by_torchrun() else asyncio.sleep(0))
     try:
         yield
     finally:

@@ -99,3 +99,20 @@ def test_tokenize_renders_as_chat_does():
     body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True}
     req = p.decode(p.TOKENIZE_DECODER, msgspec.json.encode(body))
     assert to_engine.tokenize(req, engine) == plan(engine, **body).prompt_token_ids
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_format_without_tools_gets_them_in_the_generic_prompt_for_chat_and_tokenize():
+    engine = FakeEngine(max_seq_len=2048)  # the tool prompt takes ~430 of its byte tokens
+    engine.chat_format.supports_tools = False
+    chat_plan = plan(engine, tools=TOOLS)
+    assert chat_plan.generic_tools and chat_plan.tools[0].name == "get_time"
+    messages, tools = engine.chat_format.dialogs[-1]
+    assert tools == () and messages[0].role == "system" and '"name": "get_time"' in messages[0].content
+    req = p.decode(p.TOKENIZE_DECODER, msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}))
+    assert to_engine.tokenize(req, engine) == chat_plan.prompt_token_ids
+    error = refusal(engine, tools=TOOLS, response_format={"type": "json_object"})
+    assert error.param == "response_format" and "generic tool format" in str(error)
+    assert not plan(engine, tools=TOOLS, tool_choice="none").generic_tools  # none: no tools shown, free text
