@@ -297,6 +297,8 @@ def test_langchain_bind_tools_and_litellm_on_the_generic_tool_format(server, req
         for call in message.tool_calls:
             assert name in (None, call["name"])
             jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    weather = llm.with_structured_output(GetWeather, method="function_calling").invoke("Weather in Oslo?")
+    assert isinstance(weather, GetWeather)
     pytest.importorskip("litellm")
     calls = run_client(LITELLM_TOOLS, live.url, model_of(live), json.dumps(TOOLS))
     assert calls and all(jsonschema.validate(c["arguments"], SCHEMAS[c["name"]]) is None for c in calls)
