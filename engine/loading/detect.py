@@ -8,11 +8,14 @@ name travels in a CheckpointSpec.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from engine.loading.formats import CheckpointReader, Found, MetaReader, TorchtuneReader, is_adapter_file, list_files
+from engine.loading.formats import CheckpointReader, Found, MetaReader, TorchtuneReader, epoch_folders, is_adapter_file, list_files
 from engine.loading.hf_checkpoint import HFReader
 from engine.types import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def readers() -> tuple[CheckpointReader, ...]:
@@ -28,17 +31,32 @@ def reader_for(name: str) -> CheckpointReader:
     raise CheckpointError(f"unknown checkpoint format {name!r}")
 
 
-def detect_format(folder: Path) -> Found:
-    """The first reader that recognises `folder`; CheckpointError saying what was looked for otherwise."""
+def _find(folder: Path) -> Found | None:
     for reader in readers():
         found = reader.find(folder)
         if found is not None:
             return found
+    return None
+
+
+def detect_format(folder: Path) -> Found:
+    """The first reader that recognises `folder`, or for a torchtune output dir its latest epoch_N
+    that one recognises (logged); CheckpointError saying what was looked for otherwise."""
+    found = _find(folder)
+    if found is not None:
+        return found
+    epochs = [(epoch, found) for epoch in epoch_folders(folder) if (found := _find(epoch)) is not None]
+    if epochs:
+        epoch, found = epochs[-1]
+        log.info("%s: torchtune output with %s; serving the latest, %s", folder, ", ".join(e.name for e, _ in epochs), epoch.name)
+        return found
     present = [p.name for p in list_files(folder)]
-    adapters = [name for name in present if is_adapter_file(name)]
+    latest = epoch_folders(folder)[-1:]  # a torchtune run that saved only its adapter
+    adapters = [folder / name for name in present if is_adapter_file(name)]
+    adapters += [p for epoch in latest for p in list_files(epoch) if is_adapter_file(p.name)]
     if adapters:
         raise CheckpointError(
-            f"{folder / adapters[0]}: this folder holds a LoRA adapter, not a model's weights; serve it on its base "
+            f"{adapters[0]}: this folder holds a LoRA adapter, not a model's weights; serve it on its base "
             "model: register the base model, then register this folder with metadata {\"base_model\": \"<base model "
             "id>\"} (or merge the adapter into the base weights first)"
         )

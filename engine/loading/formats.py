@@ -9,7 +9,8 @@ reshards to any model-parallel size by ParamLayout. The readers, in the order th
              or one loose *.pth / *.pt
   torchtune  torchtune's Meta-format checkpointer: epoch_N/model-0000K-of-0000M.bin (Meta keys,
              torch.save, split by key over M files) beside its copies of params.json and
-             tokenizer.model; the output dir itself resolves to its latest epoch
+             tokenizer.model. A torchtune output dir itself resolves to its latest epoch_N holding
+             weights in any format (its HF checkpointer writes HF folders there; engine/loading/detect.py)
   hf         Hugging Face: config.json + model.safetensors, model-0000K-of-0000N.safetensors with
              model.safetensors.index.json, or pytorch_model*.bin (engine/loading/hf_checkpoint.py)
 
@@ -191,19 +192,19 @@ def numbered_set(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
     return [by_index[i] for i in range(1, total + 1)]
 
 
+def epoch_folders(folder: Path) -> list[Path]:
+    """torchtune's epoch_N subfolders of an output dir, oldest first (engine/loading/detect.py picks
+    the latest that holds weights, in whichever format the checkpointer wrote)."""
+    epochs = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _EPOCH_DIR.match(p.name)))
+    return [p for _, p in epochs]
+
+
 class TorchtuneReader:
-    """epoch_N/model-0000K-of-0000M.bin with Meta keys; the output dir resolves to its latest epoch."""
+    """epoch_N/model-0000K-of-0000M.bin with Meta keys (torchtune's FullModelMetaCheckpointer)."""
 
     name = "torchtune"
 
     def find(self, folder: Path) -> Found | None:
-        epochs = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _EPOCH_DIR.match(p.name)))
-        with_weights = [(n, p) for n, p in epochs if numbered_set(p, _TORCHTUNE_FILE)]
-        if with_weights and not numbered_set(folder, _TORCHTUNE_FILE):
-            epoch = with_weights[-1][1]
-            log.info("%s: torchtune output with epochs %s; serving the latest, %s", folder,
-                     ", ".join(p.name for _, p in with_weights), epoch.name)
-            folder = epoch
         files = numbered_set(folder, _TORCHTUNE_FILE)
         if not files:
             return None
@@ -231,6 +232,7 @@ __all__ = [
     "MetaReader",
     "TorchtuneReader",
     "architecture_file",
+    "epoch_folders",
     "is_adapter_file",
     "list_files",
     "numbered_set",

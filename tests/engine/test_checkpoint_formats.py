@@ -3,7 +3,8 @@
 One tiny random Llama 3 is written as Meta ships it (consolidated.NN.pth), as torchtune's Meta
 checkpointer writes it (epoch_N/model-0000K-of-0000M.bin beside a LoRA run's adapter_model.pt), and as
 Hugging Face folders (single and sharded safetensors with an index, pytorch_model.bin, tied
-embeddings), with q/k permuted the way transformers' convert_llama_weights_to_hf.py permutes them.
+embeddings), with q/k permuted the way transformers' convert_llama_weights_to_hf.py permutes them,
+and as an F32 GGUF file converted by the GGUF importer.
 Each loads through engine.loader.load_engine (what the registry calls) and must give the greedy
 tokens and logprobs of llama-models' reference Transformer on the Meta original; in float64 every
 layout gives exactly the Meta layout's logprobs (un-permuting moves rows, it computes nothing).
@@ -122,6 +123,42 @@ def write_torchtune(out: Path) -> Path:
     return out
 
 
+def write_gguf_imported(folder: Path) -> Path:
+    """The Meta original as an F32 GGUF file the way llama.cpp's converter writes one (q/k rows in
+    ggml's adjacent-pair order, which is Meta's; Llama 3.1's rope_freqs), converted by `llamaserve
+    import-gguf` (engine/loading/gguf_import.py)."""
+    gguf = pytest.importorskip("gguf")
+    from engine.loading.gguf_import import import_gguf, meta_rope_factors
+    from tests.engine.test_gguf_import import write_byte_level_vocab
+
+    folder.mkdir(parents=True)
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), arch="llama")
+    for add, value in ((writer.add_block_count, ARGS.n_layers), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, ARGS.dim), (writer.add_feed_forward_length, ARGS.ffn_hidden_dim),
+                       (writer.add_head_count, ARGS.n_heads), (writer.add_head_count_kv, ARGS.kv_heads),
+                       (writer.add_rope_freq_base, ARGS.rope_theta), (writer.add_layer_norm_rms_eps, ARGS.norm_eps),
+                       (writer.add_rope_dimension_count, ARGS.head_dim), (writer.add_vocab_size, ARGS.vocab_size)):
+        add(value)
+    write_byte_level_vocab(writer)
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
+    layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
+             "feed_forward.w1": "ffn_gate", "feed_forward.w2": "ffn_down", "feed_forward.w3": "ffn_up",
+             "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+    for key, value in random_state_dict(ARGS, seed=0).items():
+        if key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            name = f"blk.{i}.{layer[rest.removesuffix('.weight')]}.weight"
+        else:
+            name = names[key]
+        writer.add_tensor(name, value.numpy())
+    writer.add_tensor("rope_freqs.weight", meta_rope_factors(ARGS.head_dim, ARGS.rope_theta, 8.0).astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return import_gguf(folder / "model.gguf", folder / "imported", progress=False)
+
+
 def write_meta(folder: Path, args: ModelArgs, num_shards: int = 1) -> Path:
     return add_tokenizer(write_random_checkpoint(folder, args, num_shards=num_shards, seed=0))
 
@@ -133,6 +170,7 @@ LAYOUTS = {
     "hf_safetensors": lambda d: write_hf(d, ARGS, "safetensors"),
     "hf_sharded_index": lambda d: write_hf(d, ARGS, "sharded"),
     "hf_pytorch_bin": lambda d: write_hf(d, ARGS, "bin"),
+    "gguf_f32_imported": write_gguf_imported,
 }
 
 
@@ -213,7 +251,7 @@ def test_every_layout_serves_the_reference_tokens_and_logprobs(folders, expected
     assert_logprobs_close(logprobs, expected[1])
 
 
-@pytest.mark.parametrize("layout", ["torchtune_epochs", "hf_safetensors", "hf_sharded_index", "hf_pytorch_bin"])
+@pytest.mark.parametrize("layout", ["torchtune_epochs", "hf_safetensors", "hf_sharded_index", "hf_pytorch_bin", "gguf_f32_imported"])
 def test_every_layout_equals_the_meta_layout_exactly(folders, layout):
     """float64, the same weights: any slip in naming or un-permuting would change the bits."""
     assert serve(folders[layout])[:2] == serve(folders["meta"])[:2]
@@ -287,6 +325,27 @@ def test_torchtune_output_dir_takes_the_latest_epoch_never_the_adapter(folders, 
     assert spec.format == "torchtune" and spec.checkpoint_dir.name == "epoch_1"
     assert spec.shard_paths == (spec.checkpoint_dir / "model-00001-of-00002.bin",)
     assert "serving the latest, epoch_1" in caplog.text
+
+
+def test_torchtune_hf_checkpointer_output_dir_takes_the_latest_epoch(tmp_path, expected):
+    """torchtune's HF checkpointer writes HF folders into epoch_N: the output dir resolves the same way."""
+    out = tmp_path / "tt_hf"
+    write_hf(out / "epoch_0", TIED, "safetensors")  # another model: must not be the one served
+    write_hf(out / "epoch_1", ARGS, "sharded")
+    spec = resolve_checkpoint(out, model_id="tiny")
+    assert (spec.format, spec.checkpoint_dir.name) == ("hf", "epoch_1")
+    tokens, logprobs, _ = serve(out)
+    assert tokens == expected[0]
+    assert_logprobs_close(logprobs, expected[1])
+
+
+def test_torchtune_run_that_saved_only_its_adapter_is_refused_as_an_adapter(tmp_path):
+    epoch = tmp_path / "out" / "epoch_0"
+    epoch.mkdir(parents=True)
+    torch.save({"layers.0.attention.wq.lora_a.weight": torch.zeros(8, ARGS.dim)}, epoch / "adapter_model.pt")
+    (epoch / "adapter_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"epoch_0/adapter_model.pt: this folder holds a LoRA adapter"):
+        resolve_checkpoint(tmp_path / "out", model_id="tiny")
 
 
 def test_torchtune_missing_part_names_the_file(tmp_path):
