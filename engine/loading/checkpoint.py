@@ -87,12 +87,12 @@ def _read_params(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read params.json: {exc}") from None
 
 
-def _log_mismatch(spec_dir: Path, descriptor: Descriptor, args: ModelArgs) -> None:
+def _log_mismatch(params_path: Path, descriptor: Descriptor, args: ModelArgs) -> None:
     published = descriptor.architecture
     ours = args.to_params()
     diffs = [f"{k}={ours.get(k)!r} (published {v!r})" for k, v in published.items() if ours.get(k) != v]
     if diffs:
-        log.warning("%s: params.json differs from %s: %s", spec_dir, descriptor.name, ", ".join(diffs))
+        log.warning("%s: %s differs from %s: %s", params_path.parent, params_path.name, descriptor.name, ", ".join(diffs))
 
 
 def resolve_checkpoint(
@@ -129,7 +129,7 @@ def resolve_checkpoint(
         params = found.params if found.params is not None else _read_params(params_path)
         args = ModelArgs.from_params(params, source=str(params_path), defaults=defaults)
         if descriptor is not None:
-            _log_mismatch(checkpoint_dir, descriptor, args)
+            _log_mismatch(params_path, descriptor, args)
     elif descriptor is not None:
         args = ModelArgs.from_params(published, source=f"{descriptor.name} (published architecture)", defaults=defaults)
     else:  # unreachable: "hf" requires an architecture file
@@ -187,7 +187,8 @@ def check_tokenizer_vocab(spec: CheckpointSpec, tokenizer_vocab_size: int) -> No
     """A tokenizer that emits ids past the embedding table would index out of range mid-request."""
     if tokenizer_vocab_size > spec.model_args.vocab_size:
         raise CheckpointError(
-            f"{spec.tokenizer_path}: tokenizer has {tokenizer_vocab_size} tokens but {spec.checkpoint_dir / PARAMS_FILE} "
+            f"{spec.tokenizer_path}: tokenizer has {tokenizer_vocab_size} tokens but "
+            f"{spec.checkpoint_dir / architecture_file(spec.format)} "
             f"vocab_size is {spec.model_args.vocab_size}"
         )
 

@@ -292,6 +292,8 @@ def test_quantization_type_bf16_means_unquantized_bfloat16(folders, expected):
     config = _effective_config(EngineConfig(quantization="bf16"), spec)
     assert (config.quantization, config.dtype) == (None, "bfloat16")
     assert _effective_config(EngineConfig(quantization="bf16", dtype="float32"), spec).dtype == "float32"
+    registered = SimpleNamespace(model_parallel_size=None, max_seq_len=None, quantization="bf16")  # metadata.quantization
+    assert _effective_config(EngineConfig(quantization="int8"), registered).quantization is None
     tokens, logprobs, _ = serve(folders["hf_safetensors"], quantization="bf16", dtype=None)
     assert len(tokens) == NEW_TOKENS
     assert tokens[0] == expected[0][0]  # bf16 rounding may part ways later; the first token is far from a tie

@@ -96,3 +96,35 @@ async def test_unsupported_skus_are_refused_at_registration_with_the_reason(aioh
         error = (await response.json())["error"]
         assert reason in error["message"] and error["code"] == "unsupported_model"
         assert error["param"] in ("metadata.llama_model", "model_id") and error["type"] == "invalid_request_error"
+
+
+async def test_hf_folder_chat_uses_its_tokenizer_json_and_chat_template(aiohttp_client, layouts, tmp_path):
+    """tokenizer.json + tokenizer_config.json's chat_template (engine/tokenizers/hf.py, engine/chat/jinja.py)."""
+    import json
+    import shutil
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from engine.loader import LocalEngineFactory
+    from tests.engine.test_gguf_import import CHATML
+
+    folder = tmp_path / "hf_chat"
+    shutil.copytree(layouts["hf_safetensors"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    from server.config import ServerConfig
+    from server.model_spec import ModelSpec
+
+    engine_config = EngineConfig(dtype="float32", max_seq_len=64, block_size_tokens=4, max_batch_size=4,
+                                 cpu_kv_cache_bytes=4 << 20)
+    spec = ModelSpec(model_id="chat", checkpoint_dir=folder, trusted=True)
+    app = create_app(ServerConfig(models=[spec], checkpoint_roots=[tmp_path], engine=engine_config),
+                     LocalEngineFactory(engine_config))
+    client = await aiohttp_client(app)
+    await app[STATE_KEY].startup_task
+    response = await client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 3, "temperature": 0,
+                                                               "messages": [{"role": "user", "content": "hello"}]})
+    assert response.status == 200, await response.text()
+    rendered = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    expected = tokenizers.Tokenizer.from_str((folder / "tokenizer.json").read_text()).encode(rendered).ids
+    assert expected[0] == 1 and expected.count(2) == 1  # <|im_start|> and <|im_end|> as the special ids
+    assert (await response.json())["usage"]["prompt_tokens"] == len(expected)
