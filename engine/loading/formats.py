@@ -54,10 +54,7 @@ from engine.loading.file_guard import guarded
 from engine.types import CheckpointError
 
 if TYPE_CHECKING:
-    import torch
-
     from engine.models.args import ModelArgs
-    from engine.quant.formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

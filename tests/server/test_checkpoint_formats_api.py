@@ -5,12 +5,17 @@ registration with their reason."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
+from engine.types import EngineRequest, SamplingParams
 from server.app import STATE_KEY, create_app
+from server.config import ServerConfig
+from server.model_spec import ModelSpec
 from server.registry import ModelRegistry
 from tests.engine.test_checkpoint_formats import ARGS, NEW_TOKENS, PROMPT, LAYOUTS, assert_logprobs_close, reference_greedy
 from tests.server.test_api_config import config_from
@@ -45,8 +50,6 @@ async def test_each_layout_registered_over_http_serves_the_reference(aiohttp_cli
     response = await client.post("/v1/models", json={"model_id": layout, "checkpoint_dir": str(layouts[layout])})
     assert response.status == 200, await response.text()
     async with registry.lease(layout) as engine:
-        from engine.types import EngineRequest, SamplingParams
-
         request = EngineRequest("r", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0))
         tokens, logprobs = [], []
         async for out in engine.generate(request):
@@ -100,9 +103,6 @@ async def test_unsupported_skus_are_refused_at_registration_with_the_reason(aioh
 
 async def test_hf_folder_chat_uses_its_tokenizer_json_and_chat_template(aiohttp_client, layouts, tmp_path):
     """tokenizer.json + tokenizer_config.json's chat_template (engine/tokenizers/hf.py, engine/chat/jinja.py)."""
-    import json
-    import shutil
-
     tokenizers = pytest.importorskip("tokenizers")
     from engine.loader import LocalEngineFactory
     from tests.engine.test_gguf_import import CHATML
@@ -111,8 +111,6 @@ async def test_hf_folder_chat_uses_its_tokenizer_json_and_chat_template(aiohttp_
     shutil.copytree(layouts["hf_safetensors"], folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    from server.config import ServerConfig
-    from server.model_spec import ModelSpec
 
     engine_config = EngineConfig(dtype="float32", max_seq_len=64, block_size_tokens=4, max_batch_size=4,
                                  cpu_kv_cache_bytes=4 << 20)
