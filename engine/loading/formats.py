@@ -39,6 +39,13 @@ engine/loading/detect.py's READERS):
     Found.params        params.json fields read from another file (HF config.json); None: the
                         folder's params.json, or the descriptor's published architecture
     Found.params_source the file `params` came from, for error messages
+
+Plugging in another format (Meta's FP8 / int4 releases, GGUF): a reader class whose find() spots its
+files (fp8_scales_N.pt beside consolidated.NN.pth; a .gguf) and whose read_shard() returns Meta names
+with engine.quant QuantizedWeight values where the weights stay quantized, listed in
+engine/loading/detect.py's readers() ahead of MetaReader when it must win over it. The loader's
+validation, resharding (QuantizedWeight.rows/cols) and the workers need nothing else. A checkpoint
+named by a single file rather than a folder also needs resolve_checkpoint's is_dir check relaxed.
 """
 
 from __future__ import annotations
