@@ -103,6 +103,13 @@ def write_hf(folder: Path, args: ModelArgs, layout: str) -> Path:
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     elif layout == "bin":
         torch.save(state, folder / "pytorch_model.bin")
+    elif layout == "bin_sharded":
+        names = sorted(state)
+        parts = {"pytorch_model-00001-of-00002.bin": names[:5], "pytorch_model-00002-of-00002.bin": names[5:]}
+        for file, keys in parts.items():
+            torch.save({k: state[k] for k in keys}, folder / file)
+        weight_map = {k: file for file, keys in parts.items() for k in keys}
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return add_tokenizer(folder)
 
 
@@ -170,6 +177,7 @@ LAYOUTS = {
     "hf_safetensors": lambda d: write_hf(d, ARGS, "safetensors"),
     "hf_sharded_index": lambda d: write_hf(d, ARGS, "sharded"),
     "hf_pytorch_bin": lambda d: write_hf(d, ARGS, "bin"),
+    "hf_pytorch_bin_sharded": lambda d: write_hf(d, ARGS, "bin_sharded"),
     "gguf_f32_imported": write_gguf_imported,
 }
 
@@ -251,7 +259,8 @@ def test_every_layout_serves_the_reference_tokens_and_logprobs(folders, expected
     assert_logprobs_close(logprobs, expected[1])
 
 
-@pytest.mark.parametrize("layout", ["torchtune_epochs", "hf_safetensors", "hf_sharded_index", "hf_pytorch_bin", "gguf_f32_imported"])
+@pytest.mark.parametrize("layout", ["torchtune_epochs", "hf_safetensors", "hf_sharded_index", "hf_pytorch_bin",
+                                    "hf_pytorch_bin_sharded", "gguf_f32_imported"])
 def test_every_layout_equals_the_meta_layout_exactly(folders, layout):
     """float64, the same weights: any slip in naming or un-permuting would change the bits."""
     assert serve(folders[layout])[:2] == serve(folders["meta"])[:2]
