@@ -21,6 +21,11 @@ from engine.types import CheckpointError, EngineClient
 
 log = logging.getLogger(__name__)
 
+# QUANTIZATION_TYPE spellings Llama Stack's run.yaml templates use for "no quantization", with the
+# weights in this dtype (unless DTYPE says otherwise).
+UNQUANTIZED_SPELLINGS = {"bf16": "bfloat16"}
+
+
 def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
     """Per-model overrides (model-parallel size, max_seq_len, quantization) on the server's defaults."""
     overrides: dict[str, Any] = {}
@@ -28,7 +33,20 @@ def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
         value = getattr(spec, name, None)
         if value is not None:
             overrides[name] = value
-    return dataclasses.replace(base, **overrides) if overrides else base
+    config = dataclasses.replace(base, **overrides) if overrides else base
+    if config.quantization in UNQUANTIZED_SPELLINGS:
+        config = dataclasses.replace(config, quantization=None, dtype=config.dtype or UNQUANTIZED_SPELLINGS[config.quantization])
+    return config
+
+
+def _with_parallel_size(config: EngineConfig, checkpoint: Any) -> EngineConfig:
+    """MODEL_PARALLEL_SIZE=0 (Llama Stack's spelling): as many ranks as the checkpoint has shards
+    (1 for the formats that are not sharded by rank: Hugging Face, torchtune)."""
+    if config.model_parallel_size != 0:
+        return config
+    size = len(checkpoint.shard_paths)
+    log.info("%s: model_parallel_size 0: %d rank(s), one per checkpoint shard", checkpoint.checkpoint_dir, size)
+    return dataclasses.replace(config, model_parallel_size=size)
 
 
 def _resolve(spec: Any):
@@ -74,6 +92,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
+    config = _with_parallel_size(_effective_config(config, spec), checkpoint)
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
@@ -122,8 +141,8 @@ def follow_torchrun(spec: Any, config: EngineConfig) -> None:
     """Ranks > 0 under torchrun: resolve the checkpoint exactly as rank 0 does, then follow its steps."""
     from engine.executor.parallel import follow
 
-    config = _effective_config(config, spec)
     checkpoint = _resolve(spec)
+    config = _with_parallel_size(_effective_config(config, spec), checkpoint)
     follow(checkpoint, config, max_seq_len=max_seq_len_for(checkpoint.max_seq_len, config))
 
 
@@ -144,8 +163,8 @@ class LocalEngineFactory:
         from engine.backends import resolve_dtype
         from engine.loading.checkpoint import estimate_weight_bytes
 
-        config = _effective_config(self._config, spec)
         checkpoint = _resolve(spec)
+        config = _with_parallel_size(_effective_config(self._config, spec), checkpoint)
         weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config))
         kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
         return weights + kv

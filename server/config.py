@@ -170,7 +170,8 @@ OPTIONS: tuple[Option, ...] = (
            "purged (0: no limit)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
-    Option("model_parallel_size", int, "engine", "model-parallel ranks per model", meta_env="MODEL_PARALLEL_SIZE"),
+    Option("model_parallel_size", int, "engine", "model-parallel ranks per model (0: one per checkpoint shard, "
+           "as Llama Stack means it)", meta_env="MODEL_PARALLEL_SIZE"),
     Option("max_batch_size", int, "engine", "sequences per engine step", meta_env="MAX_BATCH_SIZE"),
     Option("max_seq_len", int, "engine", "cap on the context length", meta_env="MAX_SEQ_LEN"),
     Option("max_num_batched_tokens", int, "engine", "token budget of one engine step"),
@@ -186,7 +187,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_sequences_per_request", int, "engine", "most sequences (n x prompts) one request may ask for, "
            "and never more than either waiting bound; more is a 400 naming n or prompt"),
     Option("enable_prefix_caching", _bool, "engine", "reuse KV blocks of shared prompt prefixes"),
-    Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed", meta_env="QUANTIZATION_TYPE"),
+    Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed (bf16: none, bfloat16 weights, as "
+           "Llama Stack means it)", meta_env="QUANTIZATION_TYPE"),
     Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
@@ -459,7 +461,7 @@ def _validate(config: ServerConfig) -> None:
         (config.body_read_timeout_s > 0 and config.keepalive_timeout_s > 0,
          "body_read_timeout_s and keepalive_timeout_s must be > 0"),
         (config.max_connections >= 1, "max_connections must be >= 1"),
-        (config.engine.model_parallel_size >= 1, "model_parallel_size must be >= 1"),
+        (config.engine.model_parallel_size >= 0, "model_parallel_size must be >= 0 (0: one rank per checkpoint shard)"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
         (min(config.engine.max_waiting_requests, config.engine.max_waiting_batch_sequences,
              config.engine.max_sequences_per_request) >= 1,

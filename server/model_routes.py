@@ -35,7 +35,7 @@ _T = TypeVar("_T")
 
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
-ParallelSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+ParallelSize = Annotated[int, msgspec.Meta(ge=0, le=1024)]  # 0: one rank per checkpoint shard
 SeqLen = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
 
 

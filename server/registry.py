@@ -253,8 +253,7 @@ class ModelRegistry:
         if not spec.model_id or len(spec.model_id) > 256 or "\x00" in spec.model_id:
             raise ApiError(400, "model_id must be a non-empty name of at most 256 characters", param="model_id",
                            code="invalid_value")
-        if spec.llama_model is not None:
-            self._resolve_descriptor(spec.llama_model)
+        self._refuse_unsupported(spec)
         checkpoint_dir = check_checkpoint_dir(spec.checkpoint_dir, self.checkpoint_roots, trusted=spec.trusted)
         allowed_roots = () if spec.trusted else tuple(self.checkpoint_roots)  # re-checked as files are opened
         return dataclasses.replace(spec, checkpoint_dir=checkpoint_dir, allowed_roots=allowed_roots)
@@ -269,6 +268,21 @@ class ModelRegistry:
             return resolver(name)
         except InvalidRequest as exc:  # its message lists the close matches
             raise ApiError(400, str(exc), param="metadata.llama_model", code="unknown_llama_model") from exc
+
+    def _refuse_unsupported(self, spec: ModelSpec) -> None:
+        """A descriptor this engine cannot run (vision, classifiers) is a 400 with its reason, at
+        registration rather than after a load. An unknown llama_model is a 400 with close matches."""
+        if spec.llama_model is not None:
+            descriptor, param = self._resolve_descriptor(spec.llama_model), "metadata.llama_model"
+        else:
+            try:
+                descriptor, param = self._resolve_descriptor(spec.model_id), "model_id"
+            except ApiError:  # a model id that names no descriptor: the checkpoint's params decide
+                return
+        reason = getattr(descriptor, "supported_reason", None)
+        if isinstance(reason, str):
+            raise ApiError(400, f"{getattr(descriptor, 'name', spec.model_id)}: {reason}", param=param,
+                           code="unsupported_model")
 
     def _descriptor_name(self, name: str) -> str | None:
         """The descriptor's folder name for `name`, or None when it is not a descriptor."""

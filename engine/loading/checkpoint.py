@@ -1,4 +1,8 @@
-"""Meta-format checkpoints: params.json + consolidated.NN.pth shards, loaded zero-copy and resharded.
+"""Checkpoints in, per-rank weights out: resolution (architecture, family, tokenizer) and resharding.
+
+Each shipped format (Meta shards, torchtune epochs, Hugging Face folders) is a reader in
+engine/loading/formats.py, detected by engine/loading/detect.py; every reader yields shards under
+Meta's names and layout, which this module validates and cuts for each rank.
 
 A checkpoint saved with K model-parallel shards runs at any size N where K | N or N | K: each
 weight is cut along its parallel dimension (column-parallel: output rows; row-parallel: input
@@ -13,8 +17,6 @@ import dataclasses
 import json
 import logging
 import math
-import pickle
-import re
 import struct
 import time
 from dataclasses import dataclass
@@ -25,7 +27,9 @@ import torch
 
 from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
+from engine.loading.detect import detect_format, reader_for
 from engine.loading.file_guard import guard_tree, guarded
+from engine.loading.formats import architecture_file
 from engine.loading.layout import ParamLayout, local_shape, param_layouts, rank_range
 from engine.loading.llama4 import normalize_shard, parallel_size_problems, to_meta_layout
 from engine.loading.progress import Progress, ProgressCallback
@@ -51,36 +55,12 @@ class CheckpointSpec:
     tokenizer_path: Path | None  # tokenizer.model (llama families) or tokenizer.json ("hf")
     max_seq_len: int  # the family's default context length in tokens
     allowed_roots: tuple[Path, ...] = ()  # non-empty: every file must resolve inside these when opened
-
-
-_CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")
-# our no-pickle layout, quantized weights kept in their formats (engine/quant/shard_file.py)
-_CONSOLIDATED_QUANTIZED = re.compile(r"^consolidated\.(\d+)\.safetensors$")
-_TORCHTUNE = re.compile(r"^meta_model_(\d+)\.pth?$")  # torchtune's Meta-format output, one file per epoch
+    format: str = "meta"  # the reader of shard_paths (engine/loading/detect.py): meta, torchtune, hf
 
 
 def find_shards(checkpoint_dir: Path) -> tuple[Path, ...]:
-    """consolidated.NN.pth in rank order; else consolidated.NN.safetensors (quantized weights,
-    docs/quantization.md); else torchtune's meta_model_N.pt (the latest epoch);
-    else a single *.pth / *.pt file."""
-    files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
-    numbered = sorted((int(m.group(1)), p) for p in files if (m := _CONSOLIDATED.match(p.name)))
-    numbered = numbered or sorted((int(m.group(1)), p) for p in files if (m := _CONSOLIDATED_QUANTIZED.match(p.name)))
-    if numbered:
-        ranks = [rank for rank, _ in numbered]
-        if ranks != list(range(len(ranks))):
-            raise CheckpointError(f"{checkpoint_dir}: consolidated shards are not numbered 00..{len(ranks) - 1:02d}: {ranks}")
-        return tuple(p for _, p in numbered)
-    tune = sorted((int(m.group(1)), p) for p in files if (m := _TORCHTUNE.match(p.name)))
-    if tune:
-        if len(tune) > 1:
-            log.info("%s: %d torchtune epoch checkpoints, using the latest, %s", checkpoint_dir, len(tune), tune[-1][1].name)
-        return (tune[-1][1],)
-    loose = [p for p in files if p.suffix in (".pth", ".pt")]
-    if len(loose) == 1:
-        return (loose[0],)
-    found = ", ".join(p.name for p in files) or "nothing"
-    raise CheckpointError(f"{checkpoint_dir}: no consolidated.NN.pth weight shards (found {found})")
+    """The model-parallel shards of a checkpoint folder, whatever its format (engine/loading/formats.py)."""
+    return detect_format(Path(checkpoint_dir)).shard_paths
 
 
 def _default_vocab(family: Family) -> int | None:
@@ -107,12 +87,12 @@ def _read_params(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read params.json: {exc}") from None
 
 
-def _log_mismatch(spec_dir: Path, descriptor: Descriptor, args: ModelArgs) -> None:
+def _log_mismatch(params_path: Path, descriptor: Descriptor, args: ModelArgs) -> None:
     published = descriptor.architecture
     ours = args.to_params()
     diffs = [f"{k}={ours.get(k)!r} (published {v!r})" for k, v in published.items() if ours.get(k) != v]
     if diffs:
-        log.warning("%s: params.json differs from %s: %s", spec_dir, descriptor.name, ", ".join(diffs))
+        log.warning("%s: %s differs from %s: %s", params_path.parent, params_path.name, descriptor.name, ", ".join(diffs))
 
 
 def resolve_checkpoint(
@@ -133,50 +113,62 @@ def resolve_checkpoint(
             f"{checkpoint_dir}: pre-quantized FP8 checkpoints (fp8_scales_*.pt) are not supported; load the "
             "bf16 release with quantization fp8_mixed instead"
         )
+    found = detect_format(checkpoint_dir)  # raises naming what is missing
+    checkpoint_dir = found.folder  # a torchtune output dir resolves to its latest epoch
     descriptor = _descriptor_for(model_id, llama_model)
     if descriptor is not None:
         published = descriptor.architecture  # raises for architectures this engine cannot run
-    params_path = checkpoint_dir / PARAMS_FILE
-    has_tokenizer_json = (checkpoint_dir / "tokenizer.json").exists()
-    family: Family
-    if descriptor is not None:
-        family = descriptor.family
-    elif params_path.exists() and has_tokenizer_json:
-        family = "hf"
-    else:
-        raise CheckpointError(
-            f"{checkpoint_dir}: {model_id!r} names no known Llama model; set llama_model to its base descriptor "
-            "(e.g. Llama3.2-3B-Instruct)"
-        )
-    defaults: dict[str, Any] = {"rope_theta": 10000.0} if family == "llama2" else {}
-    if descriptor is not None and family != "llama2":
+    params_path = found.params_source or checkpoint_dir / PARAMS_FILE
+    has_params = found.params is not None or params_path.exists()
+    family = _tokenizer_family(checkpoint_dir, descriptor, has_params, model_id)
+    arch_family = descriptor.family if descriptor is not None else family
+    defaults: dict[str, Any] = {"rope_theta": 10000.0} if arch_family == "llama2" else {}
+    if descriptor is not None and arch_family != "llama2":
         defaults["rope_scaling_factor"] = descriptor.rope_scaling_factor  # params.json never states it
-    if params_path.exists():
-        args = ModelArgs.from_params(_read_params(params_path), source=str(params_path), defaults=defaults)
+    if has_params:
+        params = found.params if found.params is not None else _read_params(params_path)
+        args = ModelArgs.from_params(params, source=str(params_path), defaults=defaults)
         if descriptor is not None:
-            _log_mismatch(checkpoint_dir, descriptor, args)
+            _log_mismatch(params_path, descriptor, args)
     elif descriptor is not None:
         args = ModelArgs.from_params(published, source=f"{descriptor.name} (published architecture)", defaults=defaults)
-    else:  # unreachable: "hf" requires params.json
+    else:  # unreachable: "hf" requires an architecture file
         raise CheckpointError(f"{params_path}: missing")
     if args.vocab_size <= 0:
-        vocab = (dict(descriptor.arch).get("vocab_size") if descriptor else None) or _default_vocab(family)
+        vocab = (dict(descriptor.arch).get("vocab_size") if descriptor else None) or _default_vocab(arch_family)
         if vocab is None:
             raise CheckpointError(f"{params_path}: vocab_size is {args.vocab_size} and no descriptor supplies it")
         args = dataclasses.replace(args, vocab_size=vocab)
     tokenizer_name = "tokenizer.json" if family == "hf" else "tokenizer.model"
     tokenizer_path = checkpoint_dir / tokenizer_name
     max_seq_len = descriptor.max_seq_len if descriptor else _checkpoint_max_seq_len(dict(args.extra), params_path)
+    log.info("%s: %s checkpoint, %d shard(s), %s tokenizer", checkpoint_dir, found.format, len(found.shard_paths), family)
     return CheckpointSpec(
         model_id=model_id,
         descriptor=descriptor,
         family=family,
         checkpoint_dir=checkpoint_dir,
         model_args=args,
-        shard_paths=find_shards(checkpoint_dir),
+        shard_paths=found.shard_paths,
         tokenizer_path=tokenizer_path if tokenizer_path.exists() else None,
         max_seq_len=max_seq_len,
         allowed_roots=tuple(allowed_roots),
+        format=found.format,
+    )
+
+
+def _tokenizer_family(checkpoint_dir: Path, descriptor: Descriptor | None, has_params: bool, model_id: str) -> Family:
+    """The family whose tokenizer and chat format serve the checkpoint: the descriptor's, with its
+    tokenizer.model; a folder with only tokenizer.json (Hugging Face, GGUF imports) is "hf": its
+    tokenizer.json and its tokenizer_config.json's chat template."""
+    has_tokenizer_json = (checkpoint_dir / "tokenizer.json").exists()
+    if descriptor is not None and ((checkpoint_dir / "tokenizer.model").exists() or not has_tokenizer_json):
+        return descriptor.family
+    if has_params and has_tokenizer_json:
+        return "hf"
+    raise CheckpointError(
+        f"{checkpoint_dir}: {model_id!r} names no known Llama model; set llama_model to its base descriptor "
+        "(e.g. Llama3.2-3B-Instruct)"
     )
 
 
@@ -195,7 +187,8 @@ def check_tokenizer_vocab(spec: CheckpointSpec, tokenizer_vocab_size: int) -> No
     """A tokenizer that emits ids past the embedding table would index out of range mid-request."""
     if tokenizer_vocab_size > spec.model_args.vocab_size:
         raise CheckpointError(
-            f"{spec.tokenizer_path}: tokenizer has {tokenizer_vocab_size} tokens but {spec.checkpoint_dir / PARAMS_FILE} "
+            f"{spec.tokenizer_path}: tokenizer has {tokenizer_vocab_size} tokens but "
+            f"{spec.checkpoint_dir / architecture_file(spec.format)} "
             f"vocab_size is {spec.model_args.vocab_size}"
         )
 
@@ -235,7 +228,7 @@ class _Shards:
     def get(self, old_rank: int) -> dict[str, torch.Tensor]:
         if old_rank not in self._open:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
-            state = _torch_load(path)
+            state = reader_for(self._spec.format).read_shard(path, self._spec.model_args, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
@@ -277,8 +270,9 @@ class _Shards:
                 )
 
     def _arch_source(self) -> str:
-        if (self._spec.checkpoint_dir / PARAMS_FILE).exists() or self._spec.descriptor is None:
-            return "params.json"
+        source = architecture_file(self._spec.format)
+        if (self._spec.checkpoint_dir / source).exists() or self._spec.descriptor is None:
+            return source
         return f"{self._spec.descriptor.name}'s published architecture (no params.json)"
 
     def _describe(self, key: str) -> str:
@@ -288,43 +282,6 @@ class _Shards:
         return f"dim={a.dim}, n_heads={a.n_heads}, n_kv_heads={a.kv_heads}, ffn hidden={a.ffn_hidden_dim}"
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: weight shard is missing")
-    if path.suffix == ".safetensors":
-        return _load_quantized_shard(path)
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            # Pre-zipfile torch.save format: no mmap, still weights_only.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{path}: refused to load: the file holds objects other than tensors ({first})") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint: {exc}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
-    if "model" in state and isinstance(state["model"], dict):  # torchtune wraps some outputs in {"model": ...}
-        state = state["model"]
-    return state
-
-
-def _load_quantized_shard(path: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Our no-pickle shard (engine/quant/shard_file.py): plain tensors by name, quantized weights
-    under `KEY.weight` as engine.quant weights (mapped copy-on-write, never requantized)."""
-    from engine.quant.shard_file import load_shard
-
-    try:
-        quantized, plain = load_shard(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError, struct.error) as exc:
-        raise CheckpointError(f"{path}: not a readable quantized shard: {exc}") from None
-    return {**plain, **{f"{key}.weight": weight for key, weight in quantized.items()}}
-
-
 def quantized_formats(spec: CheckpointSpec) -> set[str]:
     """The quantized weight formats the checkpoint's shards declare (our safetensors layout; read
     from the headers only), so a load on a device without their kernels fails before any mapping."""
@@ -332,7 +289,7 @@ def quantized_formats(spec: CheckpointSpec) -> set[str]:
 
     formats: set[str] = set()
     for path in spec.shard_paths:
-        if path.suffix == ".safetensors":
+        if spec.format == "meta" and path.suffix == ".safetensors":
             try:
                 formats |= read_formats(path)
             except (ValueError, KeyError, TypeError, AttributeError, OSError, json.JSONDecodeError, struct.error) as exc:

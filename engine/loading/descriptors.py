@@ -33,6 +33,9 @@ class Descriptor:
     # Llama 3 RoPE scaling factor (use_scaled_rope). Meta's params.json does not carry it: 8 for
     # Llama 3.1 / 3.3, but 32 for Llama 3.2 1B/3B (their HF config.json; meta-llama/llama-models#241).
     rope_scaling_factor: float = 8.0
+    # How the release ships its weights (llama-models' CheckpointQuantizationFormat): bf16, fp8_mixed
+    # (fp8_scales_N.pt beside the shards), int4 (QLoRA / SpinQuant params.json quantization_args), int8.
+    quantization_format: str = "bf16"
 
     @property
     def architecture(self) -> dict[str, Any]:
@@ -85,10 +88,11 @@ _L32_3B = dict(dim=3072, n_layers=28, n_heads=24, ffn=1.0, multiple_of=256)
 def _build_table() -> dict[str, Descriptor]:
     entries: list[Descriptor] = []
 
-    def add(name: str, family: Family, hf: str, max_seq_len: int, shards: int, arch: dict, reason=None) -> None:
+    def add(name: str, family: Family, hf: str, max_seq_len: int, shards: int, arch: dict, reason=None,
+            quantization: str = "bf16") -> None:
         # params.json rarely states it: 32 for Llama 3.2 1B/3B, 16 for Llama 4 (llama4 args.py), else 8
         rope_factor = {"llama3_2": 32.0, "llama4": 16.0}.get(family, 8.0)
-        entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason, rope_factor))
+        entries.append(Descriptor(name, family, hf, max_seq_len, shards, tuple(arch.items()), reason, rope_factor, quantization))
 
     for suffix, hf_suffix in (("", ""), ("-chat", "-chat")):
         add(f"Llama-2-7b{suffix}", "llama2", f"meta-llama/Llama-2-7b{hf_suffix}", 4096, 1, _llama2(4096, 32, 32))
@@ -102,7 +106,9 @@ def _build_table() -> dict[str, Descriptor]:
         add(f"Llama-3-70B{suffix}", "llama3", f"meta-llama/Llama-3-70B{suffix}", 8192, 8, _llama3(**_L3_70B, scaled=False))
         add(f"Llama3.1-8B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-8B{suffix}", 131072, 1, _llama3(**_L3_8B, scaled=True))
         add(f"Llama3.1-70B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-70B{suffix}", 131072, 8, _llama3(**_L3_70B, scaled=True))
-        add(f"Llama3.1-405B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-405B{suffix}", 131072, 8, _llama3(**_L3_405B, scaled=True))
+        # the plain 405B names are Meta's default download, the FP8 release (bf16: the :bf16-mp8/16 names)
+        add(f"Llama3.1-405B{suffix}", "llama3_1", f"meta-llama/Llama-3.1-405B{suffix}-FP8", 131072, 8,
+            _llama3(**_L3_405B, scaled=True), quantization="fp8_mixed")
         add(f"Llama3.2-1B{suffix}", "llama3_2", f"meta-llama/Llama-3.2-1B{suffix}", 131072, 1, _llama3(**_L32_1B, scaled=True))
         add(f"Llama3.2-3B{suffix}", "llama3_2", f"meta-llama/Llama-3.2-3B{suffix}", 131072, 1, _llama3(**_L32_3B, scaled=True))
     add("Llama3.3-70B-Instruct", "llama3_3", "meta-llama/Llama-3.3-70B-Instruct", 131072, 8, _llama3(**_L3_70B, scaled=True))
@@ -113,13 +119,77 @@ def _build_table() -> dict[str, Descriptor]:
         ("Llama-4-Maverick-17B-128E-Instruct", 1048576),
     ):
         add(name, "llama4", f"meta-llama/{name}", max_seq_len, 8, {})  # params.json states the architecture
+    _add_release_variants(add)
+    _add_safety_models(add)
     return {d.name: d for d in entries}
 
 
+def _add_release_variants(add: Any) -> None:
+    """The same models in other releases (llama-models' SKU list): Meta's FP8 405B (what the plain
+    405B names download), its bf16 downloads at 8 and 16 shards, the Llama 3.2 int4 QLoRA / SpinQuant
+    releases and Maverick FP8. Each names its weight format; the checkpoint's own files decide how
+    it loads (engine/loading/formats.py)."""
+    for suffix in ("", "-Instruct"):
+        for shards in (8, 16):
+            # at 16 shards, past 8 KV heads, the release states n_kv_heads 16 (each head saved twice)
+            arch = {**_llama3(**_L3_405B, scaled=True), "n_kv_heads": max(8, shards)}
+            add(f"Llama3.1-405B{suffix}:bf16-mp{shards}", "llama3_1", f"meta-llama/Llama-3.1-405B{suffix}", 131072, shards, arch)
+    for size, base in (("1B", _L32_1B), ("3B", _L32_3B)):
+        for method, hf_method in (("qlora", "QLORA"), ("spinquant", "SpinQuant")):
+            arch = _llama3(**base, scaled=True)
+            arch["quantization_args"] = {"group_size": 256}  # int4 weights, groups of 256 (llama-models' sku_list)
+            if method == "qlora":
+                arch["lora_args"] = {"rank": 16, "scale": 2.0}  # the QLoRA adapters shipped beside them
+            add(f"Llama3.2-{size}-Instruct:int4-{method}-eo8", "llama3_2",
+                f"meta-llama/Llama-3.2-{size}-Instruct-{hf_method}_INT4_EO8", 8192, 1, arch, quantization="int4")
+    add("Llama-4-Maverick-17B-128E-Instruct:fp8", "llama4", "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8",
+        1048576, 8, {}, quantization="fp8_mixed")
+    vision = "Llama 3.2 Vision models are not supported yet (text only until vision lands); serve a text model such as Llama3.2-3B-Instruct"
+    for size, shards in (("11B", 1), ("90B", 8)):
+        for suffix in ("", "-Instruct"):
+            add(f"Llama3.2-{size}-Vision{suffix}", "llama3_2", f"meta-llama/Llama-3.2-{size}-Vision{suffix}", 131072, shards,
+                {}, vision)
+
+
+def _add_safety_models(add: Any) -> None:
+    """Llama Guard (Llama text models that answer "safe" / "unsafe" with categories: served like
+    any other) and Prompt Guard (classifiers: refused with the reason)."""
+    add("Llama-Guard-3-1B", "llama3_2", "meta-llama/Llama-Guard-3-1B", 131072, 1, _llama3(**_L32_1B, scaled=True))
+    # llama-models publishes Llama Guard 3 8B without scaled RoPE (a Llama 3.1 8B finetune otherwise)
+    add("Llama-Guard-3-8B", "llama3_1", "meta-llama/Llama-Guard-3-8B", 131072, 1, _llama3(**_L3_8B, scaled=False))
+    add("Llama-Guard-3-8B:int8", "llama3_1", "meta-llama/Llama-Guard-3-8B-INT8", 131072, 1,
+        _llama3(**_L3_8B, scaled=False), quantization="int8")
+    # A Llama 3 8B finetune (llama-models lists vocab_size 32000, but its tokenizer is Llama 3's 128256)
+    add("Llama-Guard-2-8B", "llama3", "meta-llama/Llama-Guard-2-8B", 4096, 1, _llama3(**_L3_8B, scaled=False))
+    add("Llama-Guard-3-1B:int4", "llama3_2", "meta-llama/Llama-Guard-3-1B-INT4", 131072, 1, {},
+        "Llama-Guard-3-1B:int4 is a pruned int4 ExecuTorch program (.pte) for on-device use, not a checkpoint this "
+        "server loads; serve Llama-Guard-3-1B")
+    add("Llama-Guard-3-11B-Vision", "llama3_2", "meta-llama/Llama-Guard-3-11B-Vision", 131072, 1, {},
+        "Llama Guard 3 Vision is a Llama 3.2 Vision model, not supported yet (text only); serve Llama-Guard-3-8B "
+        "or Llama-Guard-3-1B for text")
+    add("Llama-Guard-4-12B", "llama4", "meta-llama/Llama-Guard-4-12B", 8192, 1, {},
+        "Llama Guard 4 12B is a multimodal (dense) Llama 4 shipped only as a Hugging Face folder, which this server "
+        "does not load yet; serve Llama-Guard-3-8B or Llama-Guard-3-1B for text")
+    classifier = ("{name} is a classifier (mDeBERTa: scores a prompt as benign / injection / jailbreak), not a Llama "
+                  "text-generation model; run it with Llama Stack's prompt-guard safety provider")
+    for name in ("Prompt-Guard-86M", "Llama-Prompt-Guard-2-86M", "Llama-Prompt-Guard-2-22M"):
+        add(name, "llama3", f"meta-llama/{name}", 512, 1, {}, classifier.format(name=name))
+
+
 DESCRIPTORS: Mapping[str, Descriptor] = MappingProxyType(_build_table())
-_BY_KEY: Mapping[str, Descriptor] = MappingProxyType(
-    {key.lower(): d for d in DESCRIPTORS.values() for key in (d.name, d.hf_repo, d.hf_repo.split("/", 1)[1])}
-)
+
+
+def _keys() -> dict[str, Descriptor]:
+    """Descriptor names first, then HF repo ids (with and without their org) that name no descriptor:
+    a repo several releases share (405B bf16 at 8 and 16 shards) names the first of them."""
+    keys = {d.name.lower(): d for d in DESCRIPTORS.values()}
+    for d in DESCRIPTORS.values():
+        for key in (d.hf_repo, d.hf_repo.split("/", 1)[1]):
+            keys.setdefault(key.lower(), d)
+    return keys
+
+
+_BY_KEY: Mapping[str, Descriptor] = MappingProxyType(_keys())
 
 
 def find_descriptor(name: str) -> Descriptor | None:
@@ -128,7 +198,9 @@ def find_descriptor(name: str) -> Descriptor | None:
 
 
 def resolve_descriptor(name: str) -> Descriptor:
-    """Like find_descriptor, but an unknown name raises InvalidRequest listing the close matches."""
+    """Like find_descriptor, but an unknown name raises InvalidRequest listing the close matches.
+    A known name this engine cannot run resolves too: its `supported_reason` says why (registration
+    refuses it with that reason, server/registry.py)."""
     descriptor = find_descriptor(name)
     if descriptor is not None:
         return descriptor

@@ -185,7 +185,7 @@ def test_missing_directory(tmp_path):
 
 def test_no_shards(ckpt):
     (ckpt / "consolidated.00.pth").unlink()
-    with pytest.raises(CheckpointError, match=r"no consolidated.NN.pth weight shards \(found params.json\)"):
+    with pytest.raises(CheckpointError, match=r"no model weights found \(found params.json\); expected Meta.s consolidated.NN.pth"):
         resolve(ckpt)
 
 

@@ -73,6 +73,8 @@ def test_published_architectures(name, family, max_seq_len, ffn_hidden, billions
 
 def test_use_scaled_rope_follows_the_family():
     for d in DESCRIPTORS.values():
+        if d.supported_reason is not None or d.name.startswith("Llama-Guard"):  # Llama Guard 3 8B: published unscaled
+            continue
         if d.family in ("llama3_1", "llama3_2", "llama3_3"):
             assert d.architecture["use_scaled_rope"] is True
         elif d.family in ("llama2", "llama3"):
@@ -84,3 +86,61 @@ def test_rope_scaling_factor_of_llama_3_2_is_32():
     assert resolve_descriptor("Llama3.2-3B-Instruct").rope_scaling_factor == 32.0
     assert resolve_descriptor("Llama3.1-8B").rope_scaling_factor == 8.0
     assert resolve_descriptor("Llama3.3-70B-Instruct").rope_scaling_factor == 8.0
+
+
+# --------------------------------------------------------------------------- llama-models' SKU list
+def _llama_models_skus() -> list:
+    sku_list = pytest.importorskip("llama_models.sku_list")
+    from llama_models.cli.safety_models import prompt_guard_model_skus
+
+    return [*sku_list.all_registered_models(), *prompt_guard_model_skus()]
+
+
+_SKUS = {getattr(m, "descriptor", lambda m=m: m.model_id)(): m for m in _llama_models_skus()}
+
+
+@pytest.mark.parametrize("name", sorted(_SKUS))
+def test_every_llama_models_sku_resolves_or_says_why_not(name):
+    """Each SKU is served (same release: HF repo, shard count, context, weight format) or refused with a reason."""
+    sku = _SKUS[name]
+    descriptor = resolve_descriptor(name)
+    assert descriptor.name == name
+    if descriptor.supported_reason is not None:
+        with pytest.raises(CheckpointError) as refused:
+            descriptor.architecture
+        assert descriptor.supported_reason in str(refused.value)
+        return
+    assert descriptor.hf_repo == sku.huggingface_repo and descriptor.max_seq_len == sku.max_seq_length
+    assert descriptor.quantization_format == sku.quantization_format.value.replace("-", "_")
+    assert descriptor.family in ("llama2", "llama3", "llama3_1", "llama3_2", "llama3_3", "llama4")
+    # llama-models' Llama 2 rows carry Llama 3's n_kv_heads / rope_theta and one shard for 13B; ours are
+    # what Meta ships (test_published_architectures). Llama Guard 2: see _add_safety_models.
+    if descriptor.family not in ("llama2", "llama4") and not name.startswith("Llama-Guard-2"):
+        assert descriptor.architecture == dict(sku.arch_args) and descriptor.pth_file_count == sku.pth_file_count
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("Prompt-Guard-86M", "is a classifier"),
+    ("Llama-Prompt-Guard-2-22M", "is a classifier"),
+    ("Llama3.2-90B-Vision-Instruct", "Vision models are not supported yet"),
+    ("Llama-Guard-3-11B-Vision", "Vision model, not supported yet"),
+    ("Llama-Guard-4-12B", "does not load yet"),
+    ("Llama-Guard-3-1B:int4", "ExecuTorch"),
+])
+def test_refused_skus_name_the_reason(name, reason):
+    assert reason in resolve_descriptor(name).supported_reason
+
+
+def test_llama_guard_3_is_a_llama_text_model():
+    for name in ("Llama-Guard-3-1B", "Llama-Guard-3-8B", "meta-llama/Llama-Guard-3-8B"):
+        descriptor = resolve_descriptor(name)
+        args = ModelArgs.from_params(descriptor.architecture, source=name)
+        assert descriptor.supported_reason is None and args.vocab_size == 128256
+
+
+def test_405b_names_follow_llama_models():
+    """The plain 405B names are Meta's FP8 release; the bf16 download has its own names (and the HF repo)."""
+    assert resolve_descriptor("Llama3.1-405B-Instruct").quantization_format == "fp8_mixed"
+    assert resolve_descriptor("meta-llama/Llama-3.1-405B-Instruct-FP8").name == "Llama3.1-405B-Instruct"
+    assert resolve_descriptor("meta-llama/Llama-3.1-405B-Instruct").name == "Llama3.1-405B-Instruct:bf16-mp8"
+    assert resolve_descriptor("Llama3.1-405B:bf16-mp16").pth_file_count == 16
