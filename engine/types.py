@@ -126,6 +126,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time_s: float = field(default_factory=time.monotonic)
     priority: int = ONLINE_PRIORITY  # lower runs first; FCFS among equals
+    lora_name: str | None = None  # the LoRA adapter to run with (loaded on this engine); None: the base alone
 
 
 @dataclass(slots=True)
