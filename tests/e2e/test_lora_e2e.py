@@ -171,7 +171,7 @@ def test_lora_metrics(http, adapters):
     text_of(http, "counted")
     text_of(http, "counted")
     samples = scrape(http)
-    assert metric(samples, "llamaserve:lora_requests_total", model=BASE, lora_name="counted") == 2
+    assert metric(samples, "llamaserve:lora_requests_total", model_name=BASE, lora_name="counted") == 2
     info = [labels for (name, labels), _ in samples.items() if name == "vllm:lora_requests_info"]
     assert info and dict(info[0])["max_lora"] == "2"
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "counted"}).status_code == 200

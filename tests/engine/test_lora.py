@@ -193,18 +193,20 @@ async def test_more_adapters_than_max_loras_queue_and_never_fail(tiny_checkpoint
     try:
         await engine.load_adapter("tt", adapters["tt"].folder)
         await engine.load_adapter("peft", adapters["peft"].folder)
-        steps = []
+        steps, activity = [], []
         original = engine.core.scheduler.schedule
 
         def spy():
             batch = original()
             steps.append({seq.lora_id for seq in batch.seqs if seq.lora_id})
+            activity.append(engine.adapter_activity())
             return batch
 
         engine.core.scheduler.schedule = spy
         requests = [request(f"{lora}-{i}", p, lora) for lora in ("tt", "peft", None) for i, p in enumerate(PROMPTS)]
         check_against_reference(await run_all(engine, requests), expected)
         assert max(len(s) for s in steps) == 1  # never two adapters in one step
+        assert (["tt"], ["peft"]) in activity  # what vllm:lora_requests_info shows: one running, one waiting
     finally:
         await engine.shutdown()
 
