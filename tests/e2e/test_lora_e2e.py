@@ -175,3 +175,32 @@ def test_lora_metrics(http, adapters):
     info = [labels for (name, labels), _ in samples.items() if name == "vllm:lora_requests_info"]
     assert info and dict(info[0])["max_lora"] == "2"
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "counted"}).status_code == 200
+
+
+def test_adapters_named_at_start_and_evicted_lru_under_the_memory_budget(checkpoints, base_checkpoint, adapters, expected):
+    """--lora-modules / run.yaml adapters are registered at start and loaded by their first request;
+    with a memory budget that holds the base and one adapter, loading the other evicts the idle one."""
+    from engine.loader import LocalEngineFactory
+    from server.config import LoraModule, ServerConfig
+    from server.model_spec import ModelSpec
+
+    cfg = engine_config(max_loras=2)
+    base_spec = ModelSpec(model_id=BASE, checkpoint_dir=base_checkpoint, llama_model=BASE_DESCRIPTOR, trusted=True)
+    base_bytes = LocalEngineFactory(cfg).estimate_memory_bytes(base_spec)
+    adapter_bytes = max((folder / name).stat().st_size for folder, _ in adapters.values()
+                        for name in ("adapter_model.pt", "adapter_model.safetensors") if (folder / name).is_file())
+    config = ServerConfig(models=[base_spec], checkpoint_roots=[checkpoints.root], engine=cfg, load_wait_timeout_s=60,
+                          memory_budget_bytes=base_bytes + adapter_bytes + adapter_bytes // 2,
+                          lora_modules=(LoraModule("tt", adapters["tt"][0]), LoraModule("peft", adapters["peft"][0], BASE)))
+    live = LiveServer(config).start()
+    try:
+        with live.http() as http:
+            listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+            assert listed["tt"]["status"] == "registered" and listed["peft"]["parent"] == BASE
+            assert text_of(http, "tt") == expected["tt"]
+            assert text_of(http, "peft") == expected["peft"]  # evicts tt (idle), which no longer fits beside it
+            statuses = {m["id"]: m["status"] for m in http.get("/v1/models").json()["data"]}
+            assert statuses["peft"] == "ready" and statuses["tt"] == "registered"
+            assert text_of(http, "tt") == expected["tt"]  # loaded again on its next request
+    finally:
+        live.stop()

@@ -273,3 +273,32 @@ def test_torchrun_followers_run_the_follower_loop(monkeypatch, tmp_path):
     assert calls == [("m", 2)]
     monkeypatch.setenv("RANK", "0")
     assert main(["--model", "m", "--checkpoint-dir", str(tmp_path)]) == 0 and calls[-1] == "served"
+
+
+def test_lora_flags_and_run_yaml_adapters(tmp_path):
+    from server.config import LoraModule
+
+    (tmp_path / "ckpt").mkdir()
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+engine:
+  max_loras: 3
+server:
+  lora_modules: [a=/adapters/a]
+models:
+  - model_id: base
+    checkpoint_dir: {tmp_path / 'ckpt'}
+  - model_id: sql
+    checkpoint_dir: /adapters/sql
+    metadata: {{base_model: base}}
+""")
+    config = config_from(["--config", str(path), "--max-lora-rank", "32"])
+    assert [m.model_id for m in config.models] == ["base"]  # the adapter is not a model of its own
+    assert config.engine.max_loras == 3 and config.engine.max_lora_rank == 32
+    assert config.lora_modules == (LoraModule("a", Path("/adapters/a")), LoraModule("sql", Path("/adapters/sql"), "base"))
+    flags = config_from(["--lora-modules", "x=/p/x,y=rel/y"])
+    assert flags.lora_modules == (LoraModule("x", Path("/p/x")), LoraModule("y", Path("rel/y")))
+    with pytest.raises(ConfigError, match="--lora-modules: LoRA module 'nopath' is not name=path"):
+        config_from(["--lora-modules", "nopath"])
+    with pytest.raises(ConfigError, match="max_loras must be >= 0"):
+        config_from(["--max-loras", "-1"])
