@@ -63,6 +63,7 @@ class _Loaded:
     engine: EngineClient
     version: int
     reservation: Reservation
+    source: tuple[Path, str, bool]  # (folder, base id, trusted) it was loaded from: what a failed swap goes back to
     leases: int = 0
     last_used: int = 0
 
@@ -140,6 +141,13 @@ class AdapterSet:
             entry.error = None
             log.info("adapter %s: version %d from %s (swapped on its next request)", adapter_id, entry.version, folder)
 
+    def forget_failed(self, adapter_id: str) -> None:
+        """Drop an adapter whose first load failed and that holds nothing (vLLM's load route keeps
+        no adapter it could not load)."""
+        entry = self._adapters.get(adapter_id)
+        if entry is not None and entry.loaded is None and entry.loading is None:
+            del self._adapters[adapter_id]
+
     async def unregister(self, adapter_id: str) -> None:
         """Forget the adapter now (404 from here on); its weights leave the engine once the requests
         running with it finish."""
@@ -200,14 +208,25 @@ class AdapterSet:
             except BaseException:
                 reservation.release()
                 raise
-            old, entry.loaded = entry.loaded, _Loaded(engine, version, reservation, last_used=next(self._ticks))
+            source = (folder, entry.base_id, entry.trusted)
+            old, entry.loaded = entry.loaded, _Loaded(engine, version, reservation, source, last_used=next(self._ticks))
             entry.error = None
             if old is not None:  # the previous version (swapped in place) or a copy on a base engine now retired
                 self._spawn(self._unload(entry.adapter_id, old, swapped=old.engine is engine))
             log.info("adapter %s (version %d) loaded on %s", entry.adapter_id, version, entry.base_id)
         except Exception as exc:
-            entry.error = self._error_of(exc, entry)
-            raise entry.error from exc
+            error = self._error_of(exc, entry)
+            loaded = entry.loaded
+            if loaded is not None and loaded.version != version and entry.version == version:
+                # a swap to a folder that does not load: the version loaded keeps serving, as a failed
+                # hot switch of a model leaves the old engine (the caller that asked for it gets the error)
+                entry.folder, entry.base_id, entry.trusted = loaded.source
+                entry.version = loaded.version
+                log.warning("adapter %s: swap to %s failed, version %d keeps serving: %s", entry.adapter_id, folder,
+                            loaded.version, error.message)
+            else:
+                entry.error = error
+            raise error from exc
         finally:
             entry.loading = None
 

@@ -185,8 +185,14 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if registry.adapters.has(body.lora_name) and not body.load_inplace:
         raise ApiError(400, f"The lora adapter {body.lora_name!r} has already been loaded.", param="lora_name",
                        code="invalid_value")
-    await registry.register_adapter(body.lora_name, body.lora_path, body.base_model_name, metadata={}, load=True,
-                                    param="lora_path")
+    new = not registry.adapters.has(body.lora_name)
+    try:
+        await registry.register_adapter(body.lora_name, body.lora_path, body.base_model_name, metadata={}, load=True,
+                                        param="lora_path")
+    except ApiError:
+        if new:
+            registry.adapters.forget_failed(body.lora_name)  # as vLLM: an adapter that did not load is not kept
+        raise
     return web.Response(text=f"Success: LoRA adapter {body.lora_name!r} added successfully.")
 
 

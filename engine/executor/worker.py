@@ -130,12 +130,11 @@ class Worker:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
-        inputs = inputs.to(self.device)
         if self.lora is None or inputs.lora_ids is None:
-            return self.model(inputs, self.kv_caches)
-        self.lora.begin_step(inputs)
+            return self.model(inputs.to(self.device), self.kv_caches)
+        self.lora.begin_step(inputs)  # before the move: the runs are read from rank 0's CPU tensors
         try:
-            return self.model(inputs, self.kv_caches)
+            return self.model(inputs.to(self.device), self.kv_caches)
         finally:
             self.lora.end_step()
 

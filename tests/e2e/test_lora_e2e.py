@@ -45,6 +45,17 @@ def adapters(checkpoints, base_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def wide_adapter(checkpoints) -> Path:
+    """An adapter for a base of dim 128: it does not fit the e2e base (dim 64)."""
+    import dataclasses
+
+    from engine.models.args import ModelArgs
+    from tests.engine.lora_fixtures import write_torchtune
+
+    return write_torchtune(checkpoints.root / "ada-wide", dataclasses.replace(ModelArgs(**E2E_PARAMS), dim=128)).folder
+
+
+@pytest.fixture(scope="module")
 def expected(adapters, base_checkpoint):
     texts = {name: expected_greedy_texts(merged, [PROMPT_IDS], MAX_TOKENS)[0] for name, (_, merged) in adapters.items()}
     texts[BASE] = expected_greedy_texts(base_checkpoint, [PROMPT_IDS], MAX_TOKENS)[0]
@@ -116,14 +127,8 @@ def test_vllm_load_and_unload_routes(http, adapters, expected):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
-def test_bad_adapters_are_400_with_the_reason(checkpoints, http, tmp_path):
-    import dataclasses
-
-    from engine.models.args import ModelArgs
-    from tests.engine.lora_fixtures import write_torchtune
-
-    other = write_torchtune(checkpoints.root / "ada-wide", dataclasses.replace(ModelArgs(**E2E_PARAMS), dim=128))
-    response = http.post("/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": other.folder.name})
+def test_bad_adapters_are_400_with_the_reason(http, wide_adapter, tmp_path):
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": wide_adapter.name})
     body = response.json()["error"]
     assert response.status_code == 400 and "this base needs" in body["message"] and "[4, 64]" in body["message"]
     outside = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
@@ -132,12 +137,16 @@ def test_bad_adapters_are_400_with_the_reason(checkpoints, http, tmp_path):
     unknown_base = http.post("/v1/models", json={"model_id": "y", "checkpoint_dir": "ada-tt",
                                                  "metadata": {"base_model": "nope"}})
     assert unknown_base.status_code == 404 and unknown_base.json()["error"]["param"] == "metadata.base_model"
-    assert http.get("/v1/models/wide").status_code == 200  # registered, its load failed with the reason
-    assert http.get("/v1/models/wide").json()["status"] == "failed"
+    assert http.get("/v1/models/wide").status_code == 404  # vLLM's route keeps no adapter it could not load
+    registered = http.post("/v1/models", json={"model_id": "wide", "checkpoint_dir": wide_adapter.name,
+                                               "metadata": {"base_model": BASE}})
+    assert registered.status_code == 400 and "this base needs" in registered.json()["error"]["message"]
+    assert http.get("/v1/models/wide").json()["status"] == "failed"  # a model registration keeps it, with why
+    assert "this base needs" in http.get("/v1/models/wide").json()["error"]
     assert http.delete("/v1/models/wide").status_code == 200
 
 
-def test_hot_swap_under_load_drops_nothing_and_unload_404s(http, adapters, expected):
+def test_hot_swap_under_load_drops_nothing_and_unload_404s(http, adapters, expected, wide_adapter):
     tt_folder, peft_folder = adapters["tt"][0], adapters["peft"][0]
     response = http.post("/v1/models", json={"model_id": "swap", "checkpoint_dir": tt_folder.name,
                                              "metadata": {"base_model": BASE}})
@@ -160,6 +169,9 @@ def test_hot_swap_under_load_drops_nothing_and_unload_404s(http, adapters, expec
         assert status == 200, text  # nothing dropped: each ran on the old weights or the new
         assert text in ((expected["tt"], expected["peft"]) if i % 2 else (expected[BASE],))
     assert text_of(http, "swap") == expected["peft"]
+    bad = http.post("/v1/models", json={"model_id": "swap", "checkpoint_dir": wide_adapter.name, "metadata": {"base_model": BASE}})
+    assert bad.status_code == 400  # a swap to an adapter that does not fit: the loaded version keeps serving
+    assert text_of(http, "swap") == expected["peft"] and http.get("/v1/models/swap").json()["root"] == peft_folder.name
     assert http.delete("/v1/models/swap").status_code == 200
     assert complete(http, "swap").status_code == 404
     assert text_of(http, BASE) == expected[BASE]
