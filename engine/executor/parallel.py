@@ -38,6 +38,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +159,7 @@ def pack_lora_unload(lora_id: int, device: torch.device) -> torch.Tensor:
     return header.to(device)
 
 
-def recv_step(device: torch.device, on_lora: Any = None) -> StepInputs | None:
+def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], None] | None = None) -> StepInputs | None:
     """Followers: the next step's inputs, or None when rank 0 says stop. Adapter loads and unloads
     between steps go to on_lora(op, lora_id, path or None), in the order rank 0 sent them."""
     while True:
@@ -170,10 +171,10 @@ def recv_step(device: torch.device, on_lora: Any = None) -> StepInputs | None:
         if header[0] == OP_LORA_LOAD:
             path_t = torch.empty(header[2], dtype=torch.int64, device=device)
             dist.broadcast(path_t, src=0)
-            on_lora(OP_LORA_LOAD, header[1], bytes(path_t.tolist()).decode())
+            on_lora(OP_LORA_LOAD, header[1], bytes(path_t.tolist()).decode())  # type: ignore[misc]
             continue
         if header[0] == OP_LORA_UNLOAD:
-            on_lora(OP_LORA_UNLOAD, header[1], None)
+            on_lora(OP_LORA_UNLOAD, header[1], None)  # type: ignore[misc]
             continue
         if header[0] != OP_STEP:
             raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -154,8 +155,6 @@ class Worker:
 
     def load_adapter_from(self, lora_id: int, path: str, config: EngineConfig) -> int:
         """A follower's load: read the folder rank 0 checked already, then install this rank's cut."""
-        from pathlib import Path
-
         return self.load_adapter(lora_id, read_adapter(Path(path), self.model.params, max_rank=config.max_lora_rank))
 
     def unload_adapter(self, lora_id: int) -> None:

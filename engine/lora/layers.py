@@ -4,8 +4,8 @@ each adapter in the step.
 A `LoraLinear` wraps one of a block's linears (the fused q|k|v and w1|w3 ones too: each part
 has its own A and B and adds to its own output columns). The rows of one step that belong to
 one adapter are runs of consecutive sequences (StepInputs.lora_ids, [num_seqs]); each run is a
-row slice of x and y, so the delta is two small matmuls over a view and an add into the
-output's slice: no gather, no scatter, no padding to a common rank. The executor orders the
+row slice of x and y, so the delta is two small matmuls over a view, the second one adding into
+the output's slice: no gather, no scatter, no padding to a common rank. The executor orders the
 step's sequences by adapter (engine.executor.executor.build_step_inputs), so a step has one run
 per adapter (and per prefill/decode split). torch ops, on whatever device the model is on (the
 CUDA path is the same calls).
@@ -40,14 +40,18 @@ LORA_LINEARS = {
 
 @dataclass(slots=True)
 class PreparedLora:
-    """One adapter's weights for one model linear on this rank."""
+    """One adapter's weights for one model linear on this rank, as two matrices: the delta of a run
+    of rows x is (x @ a_t) @ b_t, two calls whatever the number of parts. For a fused linear, b_t is
+    block diagonal (part k's rows of t feed only part k's output columns): a few more multiply-adds
+    by zeros (r per output, r being 16-64 against thousands of inputs) for one call instead of one
+    per part."""
 
-    a_t: torch.Tensor  # [in_local, sum of the parts' r]: the parts' A stacked, transposed (one matmul for all)
-    parts: list[tuple[torch.Tensor, int, int, int, int]]  # (scale * B^T [r, out_part], r0, r1, o0, o1)
+    a_t: torch.Tensor  # [in_local, sum of the parts' r]: the parts' A stacked, transposed
+    b_t: torch.Tensor  # [sum of the parts' r, out_local]: scale * B^T of each part in its own block
 
     @property
     def num_bytes(self) -> int:
-        return self.a_t.numel() * self.a_t.element_size() + sum(b.numel() * b.element_size() for b, *_ in self.parts)
+        return self.a_t.numel() * self.a_t.element_size() + self.b_t.numel() * self.b_t.element_size()
 
 
 @dataclass(slots=True)
@@ -94,16 +98,15 @@ class LoraSlots:
         for linear, members in by_linear.items():
             sizes = layer_rows[linear.split(".", 2)[2]]
             offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-            a_parts, parts, r0 = [], [], 0
-            for index, name in sorted(members):
-                a, b = local[name]
-                r = a.shape[0]
-                a_parts.append(a)
-                b_t = (b.double() * scale).t().to(device=device, dtype=dtype).contiguous()
-                parts.append((b_t, r0, r0 + r, offsets[index], offsets[index + 1]))
-                r0 += r
-            a_t = torch.cat(a_parts).t().to(device=device, dtype=dtype).contiguous()
-            prepared[linear] = PreparedLora(a_t, parts)
+            members.sort()
+            a_t = torch.cat([local[name][0] for _, name in members]).t().to(device=device, dtype=dtype).contiguous()
+            b_t = torch.zeros(a_t.shape[1], offsets[-1], dtype=dtype, device=device)
+            r0 = 0
+            for index, name in members:
+                b = local[name][1]
+                b_t[r0 : r0 + b.shape[1], offsets[index] : offsets[index + 1]] = (b.double() * scale).t().to(dtype)
+                r0 += b.shape[1]
+            prepared[linear] = PreparedLora(a_t, b_t)
         self.adapters[lora_id] = prepared
         return sum(p.num_bytes for p in prepared.values())
 
@@ -130,9 +133,7 @@ class LoraLinear(nn.Module):
             lora = self.slots.adapters[lora_id].get(self.name)
             if lora is None:  # this adapter leaves this linear alone
                 continue
-            t = x[start:end] @ lora.a_t  # [rows, sum r]
-            for b_t, r0, r1, o0, o1 in lora.parts:
-                y[start:end, o0:o1].addmm_(t[:, r0:r1], b_t)
+            y[start:end].addmm_(x[start:end] @ lora.a_t, lora.b_t)  # a row slice: a view, no gather
         return y
 
     def resident_bytes(self) -> int:
