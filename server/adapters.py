@@ -266,6 +266,7 @@ class AdapterSet:
     def _make_room(self, entry: _Adapter, need_bytes: int, budget: int) -> None:
         """Evict idle adapters, least recently used first, until need_bytes fits once they are
         gone; BudgetExceeded when even that is not enough (then nothing is evicted)."""
+        self.drop_dead()
         reservations = [a.loaded.reservation for a in self._adapters.values() if a.loaded is not None]
         draining = sum(r.num_bytes for r in reservations if r.draining)
         free = budget - self.budget.reserved_bytes() + draining
@@ -287,6 +288,14 @@ class AdapterSet:
             log.info("evicting idle adapter %s to make room for %s", victim.adapter_id, entry.adapter_id)
             self._spawn(self._unload(victim.adapter_id, loaded))  # type: ignore[arg-type]
 
+    def drop_dead(self) -> None:
+        """Give back the bytes of adapters whose base engine is gone (unloaded, hot-switched, dead):
+        they load again on the base's next engine with their next request."""
+        for entry in self._adapters.values():
+            if entry.loaded is not None and entry.loaded.engine.is_dead and entry.loaded.leases == 0:
+                entry.loaded.reservation.release()
+                entry.loaded = None
+
     # ------------------------------------------------------------------ queries
     def info(self, adapter_id: str) -> AdapterInfo:
         entry = self._adapters[adapter_id]
@@ -305,6 +314,7 @@ class AdapterSet:
         )
 
     def infos(self) -> list[AdapterInfo]:
+        self.drop_dead()
         return [self.info(adapter_id) for adapter_id in self._adapters]
 
     async def close(self) -> None:

@@ -214,5 +214,14 @@ def test_adapters_named_at_start_and_evicted_lru_under_the_memory_budget(checkpo
             statuses = {m["id"]: m["status"] for m in http.get("/v1/models").json()["data"]}
             assert statuses["peft"] == "ready" and statuses["tt"] == "registered"
             assert text_of(http, "tt") == expected["tt"]  # loaded again on its next request
+            assert http.delete(f"/v1/models/{BASE}").status_code == 200  # the adapters stay, holding nothing
+            statuses = {m["id"]: (m["status"], m["memory_bytes"]) for m in http.get("/v1/models").json()["data"]}
+            assert statuses == {"tt": ("registered", None), "peft": ("registered", None)}
+            assert live.call(_reserved(live)) == 0
+            assert complete(http, "tt").status_code == 404  # its base is gone
     finally:
         live.stop()
+
+
+async def _reserved(live) -> int:
+    return live.registry.lifecycle_stats().memory_reserved_bytes

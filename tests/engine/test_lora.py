@@ -247,3 +247,14 @@ async def test_model_parallel_2_equals_the_merged_reference(tiny_checkpoint, ada
         assert got["peft-1"][0] == expected[("peft", 1)][0]
     finally:
         await engine.shutdown()
+
+
+async def test_max_loras_0_serves_no_adapter(tiny_checkpoint, adapters):
+    engine = make_engine(tiny_checkpoint, engine_config(max_loras=0))
+    try:
+        with pytest.raises(InvalidRequest, match="serves no LoRA adapters") as info:
+            await engine.load_adapter("tt", adapters["tt"].folder)
+        assert info.value.code == "lora_disabled" and engine.adapter_names() == []
+        assert engine.runner._workers._shard.lora is None  # no linear was wrapped
+    finally:
+        await engine.shutdown()
