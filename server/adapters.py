@@ -200,7 +200,11 @@ class AdapterSet:
             if load is None:
                 raise ApiError(400, f"model {entry.base_id!r} serves no LoRA adapters", param="metadata.base_model",
                                code="lora_disabled")
-            need_bytes = sum((folder / n).stat().st_size for n in ADAPTER_WEIGHT_FILES if (folder / n).is_file())
+            try:
+                need_bytes = sum((folder / n).stat().st_size for n in ADAPTER_WEIGHT_FILES if (folder / n).is_file())
+            except OSError as exc:
+                raise ApiError(400, f"adapter {entry.adapter_id!r}: its folder cannot be read ({exc.strerror})",
+                               param="checkpoint_dir", code="invalid_adapter") from None
             reservation = await self.budget.admit(entry.adapter_id, need_bytes, functools.partial(self._make_room, entry))
             try:
                 roots = () if entry.trusted else tuple(self.checkpoint_roots)

@@ -168,8 +168,13 @@ def check_against_reference(got, expected):
         assert got_logprobs == pytest.approx(logprobs, abs=2e-3), (lora, i)
 
 
-async def test_base_and_two_adapters_in_one_batch_equal_the_merged_reference(tiny_checkpoint, adapters, expected):
-    engine = make_engine(tiny_checkpoint, engine_config())
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+async def test_base_and_two_adapters_in_one_batch_equal_the_merged_reference(tiny_checkpoint, adapters, expected, device):
+    """On CUDA the adapters run as the same torch ops on the device (float32, as the reference)."""
+    engine = make_engine(tiny_checkpoint, engine_config(device=device))
     try:
         assert await engine.load_adapter("tt", adapters["tt"].folder) > 0
         assert await engine.load_adapter("peft", adapters["peft"].folder) > 0
