@@ -10,7 +10,8 @@ a long prompt never stalls them, then running prefill chunks, then admissions. S
 request that finds no sequence slot or KV room preempts less urgent running sequences, latest
 first, to be admitted at once; a request never preempts one of its own or a more urgent level.
 At most config.max_loras distinct LoRA adapters run at once: a waiting sequence of another
-adapter stays queued (never refused) and lets the sequences behind it pass until one frees.
+adapter stays queued (never refused); base sequences behind it pass, adapter sequences wait too
+(so the running adapters drain and it gets its turn).
 Waiting sequences are bounded per queue class (engine.config.queue_class): online and batch work
 each within their own bound, so a batch filling the queue never refuses an online request.
 Plain Python over ints: no torch, no numpy.
@@ -199,12 +200,17 @@ class Scheduler:
         the level's head had to stay (so nothing less urgent may pass it)."""
         index = 0
         adapters = {s.lora_id for s in self.running if s.lora_id}
+        adapter_waits = False  # an adapter sequence ahead waits for a free adapter slot
         while index < len(self.waiting) and self.waiting[index].priority == level:
             if budget == 0 or len(batch.seqs) >= self.max_batch_size:
                 return budget, False
             seq = self.waiting[index]
-            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.config.max_loras:
-                index += 1  # its adapter waits for one of the max_loras running ones to finish; others may pass
+            if seq.lora_id and (adapter_waits or (seq.lora_id not in adapters and len(adapters) >= self.config.max_loras)):
+                # Its adapter waits for one of the max_loras running ones to finish; base sequences behind
+                # it pass, adapter ones do not (not even of a running adapter), so the running adapters drain
+                # and the waiting one gets its turn instead of starving behind a steady stream.
+                adapter_waits = True
+                index += 1
                 continue
             cached = self._room_for(seq)
             if cached is None:
