@@ -270,11 +270,19 @@ class AdapterSet:
     def _make_room(self, entry: _Adapter, need_bytes: int, budget: int) -> None:
         """Evict idle adapters, least recently used first, until need_bytes fits once they are
         gone; BudgetExceeded when even that is not enough (then nothing is evicted)."""
+        if not self.evict_idle(need_bytes, budget, for_id=entry.adapter_id, exclude=entry):
+            free = budget - self.budget.reserved_bytes()
+            raise BudgetExceeded(f"adapter {entry.adapter_id!r} needs {gib(need_bytes)} but only {gib(max(0, free))} "
+                                 f"of the {gib(budget)} memory budget is free, idle adapters included")
+
+    def evict_idle(self, need_bytes: int, budget: int, *, for_id: str, exclude: _Adapter | None = None) -> bool:
+        """Evict idle adapters (no request holds them), least recently used first, until need_bytes
+        fits once they and whatever already drains are gone; False (and nothing evicted) when even
+        all of them would not do. The registry calls it too, for a model load that does not fit."""
         self.drop_dead()
-        reservations = [a.loaded.reservation for a in self._adapters.values() if a.loaded is not None]
-        draining = sum(r.num_bytes for r in reservations if r.draining)
+        draining = sum(r.num_bytes for r in self.budget.draining_reservations())
         free = budget - self.budget.reserved_bytes() + draining
-        idle = sorted((a for a in self._adapters.values() if a is not entry and a.loaded is not None
+        idle = sorted((a for a in self._adapters.values() if a is not exclude and a.loaded is not None
                        and a.loaded.leases == 0 and not a.loaded.reservation.draining), key=lambda a: a.loaded.last_used)
         victims = []
         for victim in idle:
@@ -283,14 +291,14 @@ class AdapterSet:
             victims.append(victim)
             free += victim.loaded.reservation.num_bytes  # type: ignore[union-attr]
         if need_bytes > free:
-            raise BudgetExceeded(f"adapter {entry.adapter_id!r} needs {gib(need_bytes)} but only "
-                                 f"{gib(max(0, free))} of the {gib(budget)} memory budget can be freed")
+            return False
         for victim in victims:
             loaded, victim.loaded = victim.loaded, None
             loaded.reservation.draining = True  # type: ignore[union-attr]
             self.evictions_total += 1
-            log.info("evicting idle adapter %s to make room for %s", victim.adapter_id, entry.adapter_id)
+            log.info("evicting idle adapter %s to make room for %s", victim.adapter_id, for_id)
             self._spawn(self._unload(victim.adapter_id, loaded))  # type: ignore[arg-type]
+        return True
 
     def drop_dead(self) -> None:
         """Give back the bytes of adapters whose base engine is gone (unloaded, hot-switched, dead):

@@ -385,9 +385,14 @@ class ModelRegistry:
         in_place = own if own is not None and not _same_model(own.spec, entry.spec) else None
         idle_lru = [e.active for e in sorted(self._idle_entries(exclude=entry), key=lambda e: e.last_used)]
         holders = [(e.model_id, e.active.reservation.num_bytes) for e in self._entries.values() if e.active]
-        victims = self._budget.choose_victims(
-            entry.model_id, need_bytes, budget, in_place=in_place, idle_lru=idle_lru, holders=holders
-        )
+        try:
+            victims = self._budget.choose_victims(
+                entry.model_id, need_bytes, budget, in_place=in_place, idle_lru=idle_lru, holders=holders
+            )
+        except BudgetExceeded:
+            if self.adapters.evict_idle(need_bytes, budget, for_id=entry.model_id):
+                return  # idle LoRA adapters make room once unloaded (they reload on their next request)
+            raise
         for slot in victims:
             owner = slot.owner
             if owner is not entry:
