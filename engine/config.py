@@ -31,6 +31,10 @@ class EngineConfig:
     max_waiting_batch_sequences: int = 1024  # batch-priority sequences waiting (preempted ones included)
     max_sequences_per_request: int = 256  # n x prompts of one request; compat answers 400 beyond it
     enable_prefix_caching: bool = True
+    # LoRA adapters (engine/lora/): distinct adapters running at once (others wait their turn; 0 serves
+    # none and wraps no linear) and the largest rank an adapter may have
+    max_loras: int = 4
+    max_lora_rank: int = 64
     quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs

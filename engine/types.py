@@ -141,6 +141,7 @@ class EngineRequest:
     priority: int = ONLINE_PRIORITY  # the level (online, batch): lower runs first, and preempts higher ones
     # vLLM's request `priority` within the level: lower is admitted sooner (and preempted later); FCFS among equals
     client_priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter to run with (loaded on this engine); None: the base alone
 
 
 @dataclass(slots=True)

@@ -119,6 +119,13 @@ async def _register_configured(app: web.Application) -> None:
         except Exception as exc:  # noqa: BLE001 - one bad model must not stop the others
             state.startup_errors.append(f"{spec.model_id}: {from_exception(exc).message}")
             log.error("model registration failed", model=spec.model_id, error=str(exc))
+    for lora in app[CONFIG_KEY].lora_modules:  # loaded on their base by their first request
+        try:
+            await registry.register_adapter(lora.name, lora.path, lora.base_model, metadata=dict(lora.metadata),
+                                            load=False, trusted=True)
+        except Exception as exc:  # noqa: BLE001 - one bad adapter must not stop the others
+            state.startup_errors.append(f"{lora.name}: {from_exception(exc).message}")
+            log.error("adapter registration failed", model=lora.name, error=str(exc))
     state.started = True  # load failures show as `failed` models in /v1/models
 
 

@@ -22,6 +22,7 @@ from server.safety import is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
 _ADMIN_METHODS = frozenset({"POST", "DELETE", "PUT", "PATCH"})
+_ADMIN_PATHS = frozenset({"/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # vLLM's LoRA routes too
 DEFAULT_OWNER = "default"
 ADMIN_OWNER = "admin"
 OWNER = web.RequestKey("owner", str)  # set by the app's auth middleware
@@ -30,7 +31,9 @@ NamedKeys = Sequence[tuple[str, str]]  # (owner name, key)
 
 
 def is_admin_route(request: web.Request) -> bool:
-    return request.method in _ADMIN_METHODS and (request.path == "/v1/models" or request.path.startswith("/v1/models/"))
+    return request.method in _ADMIN_METHODS and (
+        request.path in _ADMIN_PATHS or request.path.startswith("/v1/models/")
+    )
 
 
 def bearer_token(request: web.Request) -> bytes | None:

@@ -34,6 +34,17 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraModule:
+    """A LoRA adapter named by the operator: served as model `name` over `base_model` (None: the one
+    model the server serves)."""
+
+    name: str
+    path: Path
+    base_model: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # another address without an api key logs a warning (server/safety.py)
     port: int = 8000
@@ -74,6 +85,9 @@ class ServerConfig:
     batch_quota_files: int = 10_000  # files one API key may keep (uploads and outputs); 0: no limit
     batch_quota_bytes: int = 10 * 10**9  # bytes of files one API key may keep; 0: no limit
     batch_quota_batches: int = 1_000  # batches one API key may keep (finished ones until purged); 0: no limit
+    # LoRA adapters registered at start (--lora-modules, run.yaml models with metadata.base_model),
+    # each loaded on its base by its first request (server/adapters.py)
+    lora_modules: tuple[LoraModule, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -110,6 +124,19 @@ def _names(text: str | list[str]) -> tuple[str, ...]:
     """'a.example, b.example' (flag, env) or a YAML list -> ('a.example', 'b.example')."""
     parts = text.split(",") if isinstance(text, str) else text
     return tuple(part.strip() for part in parts if part.strip())
+
+
+def _lora_modules(text: str | list[str]) -> tuple[LoraModule, ...]:
+    """'sql=/adapters/sql, chat=chat-v2' (flag, env; commas or spaces) or a YAML list of 'name=path'
+    -> LoRA modules over the one served model (vLLM's --lora-modules name=path)."""
+    parts = text.replace(",", " ").split() if isinstance(text, str) else text
+    out = []
+    for part in parts:
+        name, sep, path = part.strip().partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"LoRA module {part!r} is not name=path")
+        out.append(LoraModule(name, Path(path).expanduser()))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +216,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("enable_prefix_caching", _bool, "engine", "reuse KV blocks of shared prompt prefixes"),
     Option("quantization", str, "engine", "quantization type, e.g. fp8_mixed (bf16: none, bfloat16 weights, as "
            "Llama Stack means it)", meta_env="QUANTIZATION_TYPE"),
+    Option("max_loras", int, "engine", "LoRA adapters running at once (others wait their turn); 0 serves none"),
+    Option("max_lora_rank", int, "engine", "the largest rank a LoRA adapter may have"),
+    Option("lora_modules", _lora_modules, "server", "LoRA adapters to serve over the model, name=path[,name=path] "
+           "(each loaded by its first request)"),
     Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
@@ -207,7 +238,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 _YAML_TYPES: dict[Callable[[str], Any], Any] = {
     int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
-    _names: str | list[str], parse_keep_alive: str | int | float,
+    _names: str | list[str], parse_keep_alive: str | int | float, _lora_modules: str | list[str],
 }
 
 
@@ -316,8 +347,21 @@ def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] 
             value = flags[option.name]
             values[option.name] = value if not isinstance(value, str) else _parse(option, value, "--" + option.name.replace("_", "-"))
 
+    adapters = [entry for entry in run_yaml.models if entry.metadata.get("base_model")]  # LoRA adapters
+    run_yaml.models = [entry for entry in run_yaml.models if not entry.metadata.get("base_model")]
+    values["lora_modules"] = tuple(values.get("lora_modules", ())) + tuple(
+        _lora_module_from_entry(entry, f"{config_path}: models[{entry.model_id}]") for entry in adapters
+    )
     models = _models(run_yaml, Path(config_path) if config_path else None, env, flags, values)
     return _assemble(values, models)
+
+
+def _lora_module_from_entry(entry: ModelEntry, source: str) -> LoraModule:
+    directory = entry.checkpoint_dir or entry.metadata.get("checkpoint_dir")
+    if not directory:
+        raise ConfigError(f"{source}: a LoRA adapter (metadata.base_model) needs checkpoint_dir, its folder")
+    return LoraModule(entry.model_id, Path(directory).expanduser(), str(entry.metadata["base_model"]),
+                      dict(entry.metadata))
 
 
 def _parse(option: Option, text: str, source: str) -> Any:
@@ -332,6 +376,8 @@ def _from_yaml(name: str, value: Any, source: str) -> Any:
     option = _BY_NAME[name]
     if option.parse is _names:
         return _names(value)
+    if option.parse is _lora_modules:
+        return _parse(option, value, source)
     if isinstance(value, list):
         return [Path(v).expanduser() for v in value]
     if option.parse in (Path, _paths, parse_bytes, parse_keep_alive):
@@ -463,6 +509,8 @@ def _validate(config: ServerConfig) -> None:
         (config.max_connections >= 1, "max_connections must be >= 1"),
         (config.engine.model_parallel_size >= 0, "model_parallel_size must be >= 0 (0: one rank per checkpoint shard)"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
+        (config.engine.max_loras >= 0 and config.engine.max_lora_rank >= 1,
+         "max_loras must be >= 0 and max_lora_rank >= 1"),
         (min(config.engine.max_waiting_requests, config.engine.max_waiting_batch_sequences,
              config.engine.max_sequences_per_request) >= 1,
          "max_waiting_requests, max_waiting_batch_sequences and max_sequences_per_request must be >= 1"),

@@ -107,6 +107,10 @@ class MemoryBudget:
             f"is free (loaded: {loaded or 'none'}); {hint}"
         )
 
+    def draining_reservations(self) -> list[Reservation]:
+        """Reservations whose bytes come back without anyone acting (retired engines, evicted adapters)."""
+        return [r for r in self._reservations if r.draining]
+
     def reserved_bytes(self) -> int:
         return sum(r.num_bytes for r in self._reservations)
 

@@ -12,6 +12,7 @@ scrapes to route between replicas (`vllm:num_requests_waiting`, `vllm:num_reques
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import structlog
@@ -173,6 +174,39 @@ class _VllmFamilies:
     def families(self) -> tuple[Metric, ...]:
         return (self.running, self.waiting, self.kv_usage, self.gpu_kv_usage, self.preemptions, self.prompt_tokens,
                 self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success)
+class _LoraCollector(Collector):
+    """LoRA adapters per engine: requests admitted per adapter, and vLLM's `vllm:lora_requests_info`
+    (the running and waiting adapters as comma-separated labels, its value the scrape's unix time,
+    as vLLM sets it), which gateways that route by adapter read (the Gateway API Inference Extension)."""
+
+    def __init__(self, engines: EnginesFn) -> None:
+        self._engines = engines
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(f"{PREFIX}lora_requests", "Sequences admitted per LoRA adapter.",
+                                       labels=["model_name", "lora_name"])
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        now_s = time.time()
+        for model_id, engine in self._engines():
+            activity = getattr(engine, "adapter_activity", None)  # engines that serve adapters
+            if activity is None:
+                continue
+            try:
+                running, waiting = activity()
+                totals = engine.adapter_requests_total()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - a dying engine must not break the whole scrape
+                log.exception("engine adapter stats failed", model=model_id)
+                continue
+            for name, count in sorted(totals.items()):
+                requests.add_metric([model_id, name], count)
+            max_lora = getattr(getattr(engine, "config", None), "max_loras", 0)
+            info.add_metric([model_id, ",".join(running), ",".join(waiting), str(max_lora)], now_s)
+        yield requests
+        yield info
 
 
 class _LifecycleCollector(Collector):
@@ -229,6 +263,7 @@ class ServerMetrics:
     def __init__(self, engines: EnginesFn) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(engines))
+        self.registry.register(_LoraCollector(engines))
         self.http_requests = Counter(
             f"{PREFIX}http_requests", "HTTP requests by route and status.", ["method", "route", "status"],
             registry=self.registry,

@@ -78,6 +78,26 @@ class MetadataSettings(_Settings, kw_only=True):
 _REQUEST_DECODER = msgspec.json.Decoder(RegisterModelRequest)
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: ModelName
+    lora_path: PathText  # under a checkpoint root, absolute or relative to one
+    base_model_name: ModelName | None = None  # None: the one registered model
+    load_inplace: bool = False  # replace an adapter of that name (else a 400, as vLLM answers)
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: ModelName
+    lora_int_id: int | None = None  # vLLM accepts it; names are unique here
+
+
+_LOAD_LORA_DECODER = msgspec.json.Decoder(LoadLoraAdapterRequest)
+_UNLOAD_LORA_DECODER = msgspec.json.Decoder(UnloadLoraAdapterRequest)
+
+
 # Which of these need the admin key is server/auth.py's rule (POST and DELETE under /v1/models).
 def add_model_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models, name="models.list")
@@ -85,6 +105,9 @@ def add_model_routes(app: web.Application) -> None:
     # Ids may contain '/' (meta-llama/Llama-3.2-3B-Instruct), so the id takes the rest of the path.
     app.router.add_get(r"/v1/models/{model_id:.+}", get_model, name="models.get")
     app.router.add_delete(r"/v1/models/{model_id:.+}", delete_model, name="models.unregister")
+    # vLLM's runtime LoRA routes (behind the admin gate too, server/auth.py)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter, name="lora.load")
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter, name="lora.unload")
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -126,11 +149,63 @@ async def register_model(request: web.Request) -> web.Response:
     refuse_under_torchrun("registering or hot-switching a model")
     registry = request.app[REGISTRY_KEY]
     body = _decode(_REQUEST_DECODER.decode, await request.read(), prefix="")
+    if not isinstance(body.metadata, dict):
+        body.metadata = _metadata_object(body.metadata or "")
+    if body.metadata.get("base_model") is not None:  # a LoRA adapter over a registered model
+        return _json(model_object(await _register_adapter(body, registry)))
     spec, load = _spec_from_request(body, registry)
     config = request.app.get(CONFIG_KEY)
     check_registration_bounds(spec, config.engine.device if config is not None else "cpu")
     info = await registry.register(spec, load=load)
     return _json(model_object(info))
+
+
+async def _register_adapter(body: RegisterModelRequest, registry: ModelRegistry) -> ModelInfo:
+    """{"model_id", "checkpoint_dir": <adapter folder>, "metadata": {"base_model", "skip_initialize"?}}."""
+    meta = _decode(lambda m: msgspec.convert(m, MetadataSettings), body.metadata, prefix="metadata")
+    base_model = body.metadata["base_model"]
+    if not isinstance(base_model, str) or not base_model:
+        raise ApiError(400, "metadata.base_model must be a registered model id", param="metadata.base_model",
+                       code="invalid_value")
+    model_id = _one("model_id", body.model_id, "model", body.model)
+    checkpoint_dir = _one("checkpoint_dir", body.checkpoint_dir, "metadata.checkpoint_dir", meta.checkpoint_dir)
+    if model_id is None or checkpoint_dir is None:
+        missing = "model_id" if model_id is None else "checkpoint_dir"
+        raise ApiError(400, f"{missing} is required to register an adapter", param=missing, code="invalid_value")
+    skip = any(flag for flag in (body.skip_initialize, body.skip_load, meta.skip_initialize, meta.skip_load))
+    return await registry.register_adapter(model_id, checkpoint_dir, base_model, metadata=dict(body.metadata),
+                                           load=not skip)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's route: load an adapter now (errors as vLLM gives them: 400 for a name in use or a bad
+    adapter); it is then served as the model `lora_name` and listed with its parent."""
+    refuse_under_torchrun("loading a LoRA adapter")
+    registry = request.app[REGISTRY_KEY]
+    body = _decode(_LOAD_LORA_DECODER.decode, await request.read(), prefix="")
+    if registry.adapters.has(body.lora_name) and not body.load_inplace:
+        raise ApiError(400, f"The lora adapter {body.lora_name!r} has already been loaded.", param="lora_name",
+                       code="invalid_value")
+    new = not registry.adapters.has(body.lora_name)
+    try:
+        await registry.register_adapter(body.lora_name, body.lora_path, body.base_model_name, metadata={}, load=True,
+                                        param="lora_path")
+    except ApiError:
+        if new:
+            registry.adapters.forget_failed(body.lora_name)  # as vLLM: an adapter that did not load is not kept
+        raise
+    return web.Response(text=f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    refuse_under_torchrun("unloading a LoRA adapter")
+    registry = request.app[REGISTRY_KEY]
+    body = _decode(_UNLOAD_LORA_DECODER.decode, await request.read(), prefix="")
+    if not registry.adapters.has(body.lora_name):
+        raise ApiError(404, f"The lora adapter {body.lora_name!r} cannot be found.", param="lora_name",
+                       code="model_not_found")
+    await registry.unregister(body.lora_name)
+    return web.Response(text=f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
 
 def model_object(info: ModelInfo) -> dict[str, Any]:

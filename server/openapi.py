@@ -16,7 +16,7 @@ from aiohttp import web
 from compat import batch_protocol as bp
 from compat import llama_stack as ls
 from compat import protocol as p
-from server.model_routes import RegisterModelRequest
+from server.model_routes import LoadLoraAdapterRequest, RegisterModelRequest, UnloadLoraAdapterRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -48,6 +48,8 @@ def request_types() -> dict[tuple[str, str], type]:
         ("POST", "/tokenize"): p.TokenizeRequest,
         ("POST", "/detokenize"): p.DetokenizeRequest,
         ("POST", "/v1/models"): RegisterModelRequest,
+        ("POST", "/v1/load_lora_adapter"): LoadLoraAdapterRequest,
+        ("POST", "/v1/unload_lora_adapter"): UnloadLoraAdapterRequest,
     }
 
 

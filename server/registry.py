@@ -56,6 +56,7 @@ import msgspec
 from aiohttp import web
 
 from engine.types import CheckpointError, EngineClient, InvalidRequest
+from server.adapters import AdapterInfo, AdapterSet
 from server.drain import shutting_down_error
 from server.errors import ApiError
 from server.memory_budget import BudgetExceeded, MemoryBudget, Reservation
@@ -87,7 +88,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     sampling_defaults: dict[str, float] | None = None  # what requests that omit them get, once loaded
     weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
     keep_alive_s: float | None = None  # seconds it stays loaded while idle; None: always
-    parent: str | None = None  # vLLM's `parent`: the base model an adapter applies to; None for a base model
+    parent: str | None = None  # vLLM's `parent`: a LoRA adapter's base model id (server/adapters.py); None for a model
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +193,7 @@ class ModelRegistry:
         self._unloads_total = 0
         self._evictions_total = 0
         self._use_ticks = itertools.count(1)
+        self.adapters = AdapterSet(self._budget, self.checkpoint_roots)  # LoRA adapters over registered models
 
     # ------------------------------------------------------------------ registration
     def locate_checkpoint(
@@ -233,6 +235,9 @@ class ModelRegistry:
         if self._closed:
             raise shutting_down_error()
         spec = self._validated(spec)
+        if self.adapters.has(spec.model_id):
+            raise ApiError(400, f"{spec.model_id!r} is a registered LoRA adapter; register it again with "
+                           "metadata.base_model, or choose another name", param="model_id", code="model_id_in_use")
         entry = self._entries.get(spec.model_id)
         if entry is None:
             entry = _Entry(spec.model_id, spec, int(time.time()), dict(spec.metadata))
@@ -406,9 +411,14 @@ class ModelRegistry:
         in_place = own if own is not None and not _same_model(own.spec, entry.spec) else None
         idle_lru = [e.active for e in sorted(self._idle_entries(exclude=entry), key=lambda e: e.last_used)]
         holders = [(e.model_id, e.active.reservation.num_bytes) for e in self._entries.values() if e.active]
-        victims = self._budget.choose_victims(
-            entry.model_id, need_bytes, budget, in_place=in_place, idle_lru=idle_lru, holders=holders
-        )
+        try:
+            victims = self._budget.choose_victims(
+                entry.model_id, need_bytes, budget, in_place=in_place, idle_lru=idle_lru, holders=holders
+            )
+        except BudgetExceeded:
+            if self.adapters.evict_idle(need_bytes, budget, for_id=entry.model_id):
+                return  # idle LoRA adapters make room once unloaded (they reload on their next request)
+            raise
         for slot in victims:
             owner = slot.owner
             if owner is not entry:
@@ -427,7 +437,14 @@ class ModelRegistry:
     # ------------------------------------------------------------------ leases
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str) -> AsyncIterator[EngineClient]:
-        """The engine for `model_id`, loading it if needed; hold it for the whole request."""
+        """The engine for `model_id`, loading it if needed; hold it for the whole request. A LoRA
+        adapter's id leases its base's engine, the adapter loaded on it (server/adapters.py)."""
+        if self.adapters.has(model_id):
+            if self._closed:
+                raise shutting_down_error()
+            async with self.adapters.lease(model_id, self.lease) as engine:
+                yield engine
+            return
         slot = await self._acquire(model_id)
         try:
             yield slot.engine
@@ -560,7 +577,11 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ unregister, queries, close
     async def unregister(self, model_id: str) -> None:
-        """Forget `model_id`: new leases get 404; returns once its engines are shut down."""
+        """Forget `model_id`: new leases get 404; returns once its engines are shut down (an
+        adapter: once its base engines let go of it)."""
+        if self.adapters.has(model_id):
+            await self.adapters.unregister(model_id)
+            return
         entry = self._entries.pop(model_id, None)
         if entry is None:
             raise _not_found(model_id)
@@ -573,6 +594,8 @@ class ModelRegistry:
         await _wait_drained(entry)
 
     def get(self, model_id: str) -> ModelInfo:
+        if self.adapters.has(model_id):
+            return _adapter_info(self.adapters.info(model_id))
         entry = self._entries.get(model_id)
         if entry is None:
             raise _not_found(model_id)
@@ -584,7 +607,40 @@ class ModelRegistry:
         return report(model_id) if report is not None else None
 
     def list(self) -> list[ModelInfo]:
-        return [_info(entry, self.checkpoint_roots, self.keep_alive_s) for entry in self._entries.values()]
+        models = [_info(entry, self.checkpoint_roots, self.keep_alive_s) for entry in self._entries.values()]
+        return models + [_adapter_info(info) for info in self.adapters.infos()]
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def register_adapter(
+        self, adapter_id: str, checkpoint_dir: str | Path, base_model: str | None, *, metadata: dict[str, Any],
+        load: bool, trusted: bool = False, param: str = "checkpoint_dir",
+    ) -> ModelInfo:
+        """Register (or hot-swap) a LoRA adapter over a registered base (the one registered model
+        when base_model is None); with `load`, return once it is loaded on its base, or raise why not."""
+        if self._closed:
+            raise shutting_down_error()
+        if not adapter_id or len(adapter_id) > 256 or "\x00" in adapter_id:
+            raise ApiError(400, "an adapter name must be a non-empty name of at most 256 characters", param="model_id",
+                           code="invalid_value")
+        if adapter_id in self._entries:
+            raise ApiError(400, f"{adapter_id!r} is a registered model, not an adapter; choose another name",
+                           param="model_id", code="model_id_in_use")
+        if base_model is None:
+            if len(self._entries) != 1:
+                raise ApiError(400, f"name the adapter's base model: {len(self._entries)} models are registered",
+                               param="base_model_name", code="invalid_value")
+            base_model = next(iter(self._entries))
+        if base_model not in self._entries:
+            raise ApiError(404, f"the base model {base_model!r} is not registered", param="metadata.base_model",
+                           code="model_not_found")
+        try:
+            folder = check_checkpoint_dir(checkpoint_dir, self.checkpoint_roots, trusted=trusted)
+        except ApiError as exc:
+            raise ApiError(exc.status, exc.message.replace("checkpoint_dir", param), param=param, code=exc.code) from None
+        self.adapters.register(adapter_id, folder, base_model, metadata, trusted=trusted)
+        if load:
+            await self.adapters.load_now(adapter_id, self.lease)
+        return self.get(adapter_id)
 
     def engines(self) -> list[tuple[str, EngineClient]]:
         return [(e.model_id, e.active.engine) for e in self._entries.values() if e.active is not None]
@@ -621,6 +677,7 @@ class ModelRegistry:
     async def close(self) -> None:
         """Unload everything now, leases or not: the server is stopping (it drained requests first)."""
         self._closed = True
+        await self.adapters.close()
         entries = list(self._entries.values())
         self._entries.clear()
         for entry in entries:
@@ -680,6 +737,14 @@ def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> Mode
 def _keep_alive(spec: ModelSpec, default_s: float) -> float:
     """Seconds a model stays loaded while idle: its own keep_alive, else the server's."""
     return default_s if spec.keep_alive_s is None else spec.keep_alive_s
+
+
+def _adapter_info(info: AdapterInfo) -> ModelInfo:
+    return ModelInfo(
+        id=info.id, created=info.created, status=info.status, llama_model=None,  # type: ignore[arg-type]
+        max_seq_len=info.max_seq_len, checkpoint_dir=info.root, metadata=info.metadata, error=info.error,
+        memory_bytes=info.memory_bytes, parent=info.parent,
+    )
 
 
 def _weights_report(engine: Any) -> dict[str, Any] | None:

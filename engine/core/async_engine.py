@@ -11,9 +11,12 @@ hands the C heap's free pages back once (engine.kernels.memory.idle_heap_trim).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from engine.config import EngineConfig, QueueClass, queue_class
@@ -165,6 +168,43 @@ class AsyncEngine:
             self._runner_shut_down = True
             await asyncio.to_thread(self.runner.shutdown)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_adapter(self, name: str, folder: Path, *, roots: tuple[Path, ...] = ()) -> int:
+        """Read and check an adapter folder (off the loop; InvalidRequest naming what differs from
+        this base), then install it under `name` between two steps; loading a name again swaps it
+        with no request dropped. The bytes its weights hold."""
+        adapter = await asyncio.to_thread(self.runner.read_adapter, folder, roots)  # type: ignore[attr-defined]
+        return await self._on_engine_thread(lambda: self.core.load_adapter(name, adapter, str(folder)))
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Stop serving an adapter; requests running with it finish first. False if it was not loaded."""
+        return await self._on_engine_thread(lambda: self.core.unload_adapter(name))
+
+    def adapter_names(self) -> list[str]:
+        return sorted(self.core.adapters.ids)
+
+    def adapter_bytes(self, name: str) -> int:
+        return self.core.adapters.bytes_of(name)
+
+    def adapter_activity(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter names."""
+        return self.core.adapter_activity()
+
+    def adapter_requests_total(self) -> dict[str, int]:
+        return dict(self.core.adapters.requests_total)
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between two steps (what a model-parallel group needs: its
+        broadcasts stay in order with the steps'); its result or exception comes back here."""
+        self._check_open()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                raise EngineDead(f"model {self.model_id!r} is not available")
+            self._inbox.append(("call", fn, done))
+            self._cond.notify()
+        return await asyncio.wrap_future(done)
+
     # ------------------------------------------------------------------ event-loop side
     def _check_open(self) -> None:
         if self._dead is not None:
@@ -239,6 +279,7 @@ class AsyncEngine:
             try:
                 items = self._apply(inbox)
                 items += self._route(self.core.step())
+                self.core.release_adapters()  # swapped or unloaded adapter versions whose last sequence finished
             except BaseException as exc:  # a dead worker, or a bug: every request fails, the model goes away
                 log.exception("engine for %s stopped", self.model_id)
                 dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine step crashed: {exc!r}")
@@ -274,6 +315,11 @@ class AsyncEngine:
                     items.append((slot, exc))
                 else:
                     self._slots[request.request_id] = slot  # type: ignore[assignment]
+            elif kind == "call":
+                try:
+                    slot.set_result(payload())  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001 - the caller's to handle (a bad adapter, a dead group)
+                    slot.set_exception(exc)  # type: ignore[union-attr]
             elif (output := self.core.abort_request(payload)) is not None:
                 items += self._route([output])
         return items
@@ -305,5 +351,8 @@ class AsyncEngine:
         self.core.fail_all(str(error))  # frees every block
         slots = {id(slot): slot for slot in self._slots.values()}
         slots.update((id(slot), slot) for kind, _, slot in inbox if kind == "add" and slot is not None)
+        for kind, _, call in inbox:
+            if kind == "call" and not call.done():  # type: ignore[union-attr]
+                call.set_exception(error)  # type: ignore[union-attr]
         self._slots.clear()
         self._send([(slot, error) for slot in slots.values()])

@@ -18,6 +18,7 @@ from engine.core.output import DetokenizerFactory, OutputProcessor, decode_for_l
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.structured import CompiledGrammar, GrammarCompiler
+from engine.lora.table import AdapterTable
 from engine.types import (
     EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput, check_context_length,
     check_token_ids, request_id_in_use,
@@ -56,6 +57,10 @@ def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) 
     check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
 
 
+def adapter_not_loaded(name: str) -> InvalidRequest:
+    return InvalidRequest(f"LoRA adapter {name!r} is not loaded on this engine", param="model", code="model_not_found")
+
+
 class EngineCore:
     def __init__(
         self,
@@ -81,11 +86,14 @@ class EngineCore:
         self.timing = StepTiming()
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)  # llguidance loads on first use
         self._next_seq_id = 0
+        self.adapters = AdapterTable()  # LoRA adapters loaded on this engine (engine/lora/table.py)
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> None:
         """Whether this engine can serve the request at all; pure (reads only immutable limits)."""
         check_request(request, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        if request.lora_name is not None and request.lora_name not in self.adapters.ids:
+            raise adapter_not_loaded(request.lora_name)
 
     def add_request(self, request: EngineRequest) -> None:
         """Check, compile its grammar (blocking, bounded) and queue a request; raises InvalidRequest,
@@ -113,6 +121,12 @@ class EngineCore:
             priority=request.priority,
             client_priority=request.client_priority,
         )
+        if request.lora_name is not None:
+            lora_id = self.adapters.ids.get(request.lora_name)
+            if lora_id is None:  # unloaded since generate() checked it
+                raise adapter_not_loaded(request.lora_name)
+            seq.lora_id = lora_id
+            self.adapters.requests_total[request.lora_name] = self.adapters.requests_total.get(request.lora_name, 0) + 1
         if grammar is not None:
             seq.grammar = self.grammars.new_state(grammar)  # a copy; the engine thread never compiles
         self.output.add(seq)
@@ -181,6 +195,36 @@ class EngineCore:
 
     def _final(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
         return self.output.abort(seq, reason, error)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ LoRA adapters (engine thread)
+    def load_adapter(self, name: str, adapter: Any, path: str) -> int:
+        """Install a read adapter (engine.lora.adapters.LoraAdapter) under `name` on every rank; a
+        name loaded already is swapped: running sequences finish on the old weights. Bytes held."""
+        lora_id = self.adapters.new_id()
+        num_bytes = self.runner.load_adapter(lora_id, adapter, path)  # type: ignore[attr-defined]
+        self.adapters.bind(name, lora_id, num_bytes)
+        self.release_adapters()
+        return num_bytes
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name` (its weights go once its running sequences finish); False if unknown."""
+        found = self.adapters.unbind(name)
+        self.release_adapters()
+        return found
+
+    def release_adapters(self) -> None:
+        """Unload retired adapter versions no sequence holds any more."""
+        if self.adapters.retired:
+            in_use = {seq.lora_id for seq in (*self.scheduler.running, *self.scheduler.waiting) if seq.lora_id}
+            for lora_id in self.adapters.releasable(in_use):
+                self.runner.unload_adapter(lora_id)  # type: ignore[attr-defined]
+
+    def adapter_activity(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter names, for vLLM's lora_requests_info; a racy read is fine."""
+        names = {lora_id: name for name, lora_id in list(self.adapters.ids.items())}
+        running = {names[s.lora_id] for s in list(self.scheduler.running) if s.lora_id in names}
+        waiting = {names[s.lora_id] for s in list(self.scheduler.waiting) if s.lora_id in names}
+        return sorted(running), sorted(waiting - running)
 
     # ------------------------------------------------------------------ stats and debugging
     def stats(self) -> EngineStats:

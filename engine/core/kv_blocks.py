@@ -32,6 +32,12 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     return digest.digest()
 
 
+def lora_root(lora_id: int) -> BlockHash | None:
+    """The hash a sequence's first block chains from: None for the base; for an adapter, its engine
+    lora id (never reused, a hot-swapped adapter gets a new one), since its K/V differ from the base's."""
+    return None if lora_id == 0 else hash_block(None, [-1, lora_id])
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -112,7 +118,8 @@ class BlockPool:
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * size : (i + 1) * size]))
+            parent = hashes[i - 1] if i else lora_root(seq.lora_id)
+            hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size]))
 
     # ------------------------------------------------------------------ allocation
     def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int, cached_blocks: Iterable[int] = ()) -> int:

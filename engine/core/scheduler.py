@@ -10,6 +10,9 @@ a long prompt never stalls them, then running prefill chunks, then admissions. S
 (online) prefill takes the token budget before less urgent (batch) work does, and an urgent
 request that finds no sequence slot or KV room preempts less urgent running sequences, latest
 first, to be admitted at once; a request never preempts one of its own or a more urgent level.
+At most config.max_loras distinct LoRA adapters run at once: a waiting sequence of another
+adapter stays queued (never refused); base sequences behind it pass, adapter sequences wait too
+(so the running adapters drain and it gets its turn).
 Waiting sequences are bounded per queue class (engine.config.queue_class): online and batch work
 each within their own bound, so a batch filling the queue never refuses an online request.
 Plain Python over ints: no torch, no numpy.
@@ -196,10 +199,20 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int, level: int) -> tuple[int, bool]:
         """Admit waiting sequences of one priority level in order; the budget left, and False when
         the level's head had to stay (so nothing less urgent may pass it)."""
-        while self.waiting and self.waiting[0].priority == level:
+        index = 0
+        adapters = {s.lora_id for s in self.running if s.lora_id}
+        adapter_waits = False  # an adapter sequence ahead waits for a free adapter slot
+        while index < len(self.waiting) and self.waiting[index].priority == level:
             if budget == 0 or len(batch.seqs) >= self.max_batch_size:
                 return budget, False
-            seq = self.waiting[0]
+            seq = self.waiting[index]
+            if seq.lora_id and (adapter_waits or (seq.lora_id not in adapters and len(adapters) >= self.config.max_loras)):
+                # Its adapter waits for one of the max_loras running ones to finish; base sequences behind
+                # it pass, adapter ones do not (not even of a running adapter), so the running adapters drain
+                # and the waiting one gets its turn instead of starving behind a steady stream.
+                adapter_waits = True
+                index += 1
+                continue
             cached = self._room_for(seq)
             if cached is None:
                 return budget, False
@@ -207,7 +220,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.pool.allocate(seq, num_cached + num_new, cached):
                 return budget, False
-            self._dequeue(0)
+            self._dequeue(index)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             if not seq.wants_prompt_logprobs:
                 self.pool.record_prefix_lookup(seq.num_tokens, num_cached)
             if seq.status is SequenceStatus.WAITING:  # first admission: report cache use of the prompt

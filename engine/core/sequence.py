@@ -47,6 +47,9 @@ class Sequence:
     # The tokens that end this sequence past min_tokens (and that the sampler holds back before):
     # set once by the scheduler on admission (ending_token_ids), read by the scheduler and the sampler.
     stop_token_ids: frozenset[int] = frozenset()
+    # The engine's LoRA id of the adapter this sequence runs with (0: the base alone); it keys the
+    # prefix cache too, so no two adapters (or an adapter and the base) share KV blocks.
+    lora_id: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -10,7 +10,8 @@ than a single decode.
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -66,6 +67,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
             sampling.append(i)
 
     num_seqs, num_tokens = len(seqs), len(input_ids)
+    lora_ids = [seq.lora_id for seq in seqs]
     logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]
     wide = torch.tensor(input_ids + positions + slots + logits_rows, dtype=torch.int64)
     narrow = torch.tensor(block_rows + query_start_loc + seq_lens, dtype=torch.int32)
@@ -78,8 +80,20 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
         query_start_loc=narrow[num_table : num_table + num_seqs + 1],
         seq_lens=narrow[num_table + num_seqs + 1 :],
         logits_indices=wide[3 * num_tokens :],
+        lora_ids=torch.tensor(lora_ids, dtype=torch.int64) if any(lora_ids) else None,
     )
     return inputs, sampling
+
+
+def grouped_by_adapter(batch: ScheduledBatch) -> ScheduledBatch:
+    """The batch with sequences of one adapter next to each other (decodes before prefill chunks,
+    the base first, else the scheduler's order), so each adapter's rows are one run of consecutive
+    rows (engine/lora/layers.py): one pair of small matmuls per adapter and linear, not per
+    sequence. The batch unchanged when no sequence has an adapter."""
+    if not any(seq.lora_id for seq in batch.seqs):
+        return batch
+    order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] > 1, batch.seqs[i].lora_id))
+    return ScheduledBatch([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order])
 
 
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
@@ -156,6 +170,7 @@ class ModelExecutor:
         left out of seq_ids/sampled_token_ids/logprobs."""
         if not batch.seqs:
             return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
+        batch = grouped_by_adapter(batch)  # StepOutput is keyed by seq_id: the order is the executor's own
         inputs, sampling = build_step_inputs(batch, self.block_size)
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
@@ -174,6 +189,19 @@ class ModelExecutor:
                 out.sampled_token_ids.append(token)
                 out.logprobs.append(logprob)
         return out
+
+    def read_adapter(self, folder: Path, roots: tuple[Path, ...] = ()) -> Any:
+        """An adapter folder read and checked against this model (engine.lora.adapters.read_adapter)."""
+        from engine.lora.adapters import read_adapter
+
+        return read_adapter(folder, self._workers.model_args, max_rank=self._workers.max_lora_rank, roots=roots)
+
+    def load_adapter(self, lora_id: int, adapter: Any, path: str) -> int:
+        """Install an adapter on every rank (between steps: the engine thread calls it); bytes held."""
+        return self._workers.load_adapter(lora_id, adapter, path)
+
+    def unload_adapter(self, lora_id: int) -> None:
+        self._workers.unload_adapter(lora_id)
 
     def shutdown(self) -> None:
         self._workers.shutdown()

@@ -38,6 +38,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 
 OP_STEP = 1
 OP_STOP = 2
-HEADER_LEN = 8  # [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, 0, 0, 0]
+OP_LORA_LOAD = 3  # [op, lora id, path bytes, 0...], then the adapter folder's path as int64 bytes
+OP_LORA_UNLOAD = 4  # [op, lora id, 0...]
+HEADER_LEN = 8  # [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, has lora ids, 0, 0]
 # Rank 0 waits this long in one collective (covers followers loading their weights); a dead peer
 # fails much sooner, as a broken connection.
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -105,21 +108,24 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 # --------------------------------------------------------------------------- the step protocol
 def _pack(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:5] = torch.tensor(
-        [OP_STEP, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[1], inputs.logits_indices.shape[0]]
+    has_lora = int(inputs.lora_ids is not None)
+    header[:6] = torch.tensor(
+        [OP_STEP, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[1], inputs.logits_indices.shape[0], has_lora]
     )
     parts = [
         inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables.reshape(-1),
         inputs.query_start_loc, inputs.seq_lens, inputs.logits_indices,
     ]  # fmt: skip
+    if inputs.lora_ids is not None:
+        parts.append(inputs.lora_ids)
     payload = torch.cat([p.to(torch.int64) for p in parts])
     return header.to(device), payload.to(device)
 
 
 def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
-    _, num_tokens, num_seqs, max_blocks, num_logits = header[:5]
+    _, num_tokens, num_seqs, max_blocks, num_logits, has_lora = header[:6]
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
-    ids, pos, slots, tables, qsl, lens, logits = torch.split(payload, sizes)
+    ids, pos, slots, tables, qsl, lens, logits, *lora = torch.split(payload, sizes + [num_seqs] * has_lora)
     return StepInputs(
         input_ids=ids,
         positions=pos,
@@ -128,26 +134,53 @@ def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
         query_start_loc=qsl.to(torch.int32),
         seq_lens=lens.to(torch.int32),
         logits_indices=logits,
+        lora_ids=lora[0] if lora else None,
     )
 
 
 def payload_len(header: list[int]) -> int:
-    _, num_tokens, num_seqs, max_blocks, num_logits = header[:5]
-    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits
+    _, num_tokens, num_seqs, max_blocks, num_logits, has_lora = header[:6]
+    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits + has_lora * num_seqs
 
 
-def recv_step(device: torch.device) -> StepInputs | None:
-    """Followers: the next step's inputs, or None when rank 0 says stop."""
-    header_t = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.broadcast(header_t, src=0)
-    header = header_t.tolist()
-    if header[0] == OP_STOP:
-        return None
-    if header[0] != OP_STEP:
-        raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
-    payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
-    dist.broadcast(payload, src=0)
-    return _unpack(header, payload)
+def pack_lora_load(lora_id: int, path: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload telling followers to read an adapter folder themselves (they share
+    rank 0's file system): a path, not the tensors, so nothing is pickled and each rank reads only
+    what it cuts its shard from."""
+    data = list(path.encode())
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:3] = torch.tensor([OP_LORA_LOAD, lora_id, len(data)])
+    return header.to(device), torch.tensor(data, dtype=torch.int64).to(device)
+
+
+def pack_lora_unload(lora_id: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:2] = torch.tensor([OP_LORA_UNLOAD, lora_id])
+    return header.to(device)
+
+
+def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], None] | None = None) -> StepInputs | None:
+    """Followers: the next step's inputs, or None when rank 0 says stop. Adapter loads and unloads
+    between steps go to on_lora(op, lora_id, path or None), in the order rank 0 sent them."""
+    while True:
+        header_t = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        dist.broadcast(header_t, src=0)
+        header = header_t.tolist()
+        if header[0] == OP_STOP:
+            return None
+        if header[0] == OP_LORA_LOAD:
+            path_t = torch.empty(header[2], dtype=torch.int64, device=device)
+            dist.broadcast(path_t, src=0)
+            on_lora(OP_LORA_LOAD, header[1], bytes(path_t.tolist()).decode())  # type: ignore[misc]
+            continue
+        if header[0] == OP_LORA_UNLOAD:
+            on_lora(OP_LORA_UNLOAD, header[1], None)  # type: ignore[misc]
+            continue
+        if header[0] != OP_STEP:
+            raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
+        payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
+        dist.broadcast(payload, src=0)
+        return _unpack(header, payload)
 
 
 # --------------------------------------------------------------------------- rank 0's view of the group
@@ -251,6 +284,16 @@ class ParallelGroup:
             except EngineDead:
                 pass
             raise EngineDead(self.dead_reason) from exc
+
+    def broadcast_lora_load(self, lora_id: int, path: str) -> None:
+        self.check_alive()
+        header, payload = pack_lora_load(lora_id, path, self.device)
+        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0)))
+
+    def broadcast_lora_unload(self, lora_id: int) -> None:
+        self.check_alive()
+        header = pack_lora_unload(lora_id, self.device)
+        self.collective(lambda: dist.broadcast(header, src=0))
 
     def agree_min(self, value: int) -> int:
         """The smallest value over all ranks (KV blocks: every rank must hold the same count)."""
@@ -380,6 +423,13 @@ def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, 
     dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
     shard.allocate_kv_cache(int(num_blocks.item()))
     log.info("model-parallel rank %d ready", rank)
-    while (inputs := recv_step(device)) is not None:
+
+    def on_lora(op: int, lora_id: int, path: str | None) -> None:
+        if op == OP_LORA_LOAD:
+            shard.load_adapter_from(lora_id, path, config)  # type: ignore[arg-type]
+        else:
+            shard.unload_adapter(lora_id)
+
+    while (inputs := recv_step(device, on_lora)) is not None:
         shard.forward(inputs)
     log.info("model-parallel rank %d stopping", rank)

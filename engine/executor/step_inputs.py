@@ -22,12 +22,16 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each sequence after this step
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch whose logits are wanted
+    # [num_seqs] int64, each sequence's engine LoRA id (0: the base alone; engine/lora/layers.py);
+    # None when no sequence of the step has an adapter (the usual step pays nothing for LoRA)
+    lora_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device`; self when every tensor is there already (a CPU model's every step)."""
-        if all(getattr(self, f.name).device == device for f in fields(self)):
+        present = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        if all(getattr(self, name).device == device for name in present):
             return self
-        return StepInputs(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        return StepInputs(**{name: getattr(self, name).to(device, non_blocking=True) for name in present})
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,9 @@ from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cac
 from engine.quant.cuda import to_device
 from engine.quant.formats import QuantizedWeight
 from engine.executor.step_inputs import StepInputs
-from engine.types import CheckpointError
+from engine.lora.adapters import LoraAdapter, read_adapter, shard_adapter
+from engine.lora.layers import LoraSlots, attach_lora
+from engine.types import CheckpointError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,13 @@ class Worker:
     max_seq_len: int
     weight_bytes: int  # this rank's weights in memory
     kv_caches: list[KVCache] | None = None
+    rank: int = 0
+    serves_lora: bool = False  # a Llama 2/3 model under max_loras > 0
+    # LoRA adapters (engine/lora/): the loaded adapters and each adapted linear's part sizes; None
+    # until the first adapter loads (the linears are wrapped then, so a model that never serves an
+    # adapter runs exactly as before)
+    lora: LoraSlots | None = None
+    lora_sizes: dict[str, list[int]] | None = None
 
     @classmethod
     def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
@@ -84,7 +94,9 @@ class Worker:
             rank, weight_bytes / 2**20, device, dtype, f" ({config.quantization})" if config.quantization else "",
             backend.name, time.monotonic() - started_s,
         )  # fmt: skip
-        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes)
+        serves_lora = config.max_loras > 0 and type(model) is Transformer
+        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes, rank=rank,
+                   serves_lora=serves_lora)
 
     @property
     def bytes_per_block(self) -> int:
@@ -119,7 +131,35 @@ class Worker:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
-        return self.model(inputs.to(self.device), self.kv_caches)
+        if self.lora is None or inputs.lora_ids is None:
+            return self.model(inputs.to(self.device), self.kv_caches)
+        self.lora.begin_step(inputs)  # before the move: the runs are read from rank 0's CPU tensors
+        try:
+            return self.model(inputs.to(self.device), self.kv_caches)
+        finally:
+            self.lora.end_step()
+
+    # ----------------------------------------------------------------- LoRA adapters
+    def load_adapter(self, lora_id: int, adapter: LoraAdapter) -> int:
+        """Install this rank's cut of an adapter under an engine lora id; bytes it holds here."""
+        if not self.serves_lora:
+            raise InvalidRequest(
+                "this model serves no LoRA adapters (a Llama 4 model, or --max-loras 0)", param="lora_path",
+                code="lora_disabled",
+            )  # fmt: skip
+        if self.lora is None or self.lora_sizes is None:  # the first adapter: wrap the linears now (weight_bytes is taken)
+            self.lora = LoraSlots()
+            self.lora_sizes = attach_lora(self.model, self.lora)
+        local = shard_adapter(adapter, self.model.params, self.rank, self.mp_size)
+        return self.lora.install(lora_id, local, adapter.scale, self.lora_sizes, dtype=self.dtype, device=self.device)
+
+    def load_adapter_from(self, lora_id: int, path: str, config: EngineConfig) -> int:
+        """A follower's load: read the folder rank 0 checked already, then install this rank's cut."""
+        return self.load_adapter(lora_id, read_adapter(Path(path), self.model.params, max_rank=config.max_lora_rank))
+
+    def unload_adapter(self, lora_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_id)
 
 
 @contextlib.contextmanager

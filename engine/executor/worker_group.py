@@ -8,7 +8,7 @@ every follower runs, engine/executor/parallel.py) and drives the followers.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -61,6 +61,8 @@ class WorkerGroup:
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.vocab_size = spec.model_args.vocab_size
+        self.model_args = spec.model_args  # what adapters are checked against
+        self.max_lora_rank = config.max_lora_rank
         self.block_size = config.block_size_tokens
         # logits come back to the CPU (execute), so the sampler's greedy argmax can be the C one
         self.argmax_kernels = load_cpu_kernels() if config.cpu_kernels else None
@@ -108,6 +110,23 @@ class WorkerGroup:
             return self._shard.forward(inputs).cpu()
         self._group.broadcast_step(inputs)
         return self._group.collective(lambda: self._shard.forward(inputs)).cpu()
+
+    def load_adapter(self, lora_id: int, adapter: Any, path: str) -> int:
+        """Install an adapter (engine.lora.adapters.LoraAdapter, read and checked from `path`) on
+        every rank under lora_id, between steps; the bytes it holds over all ranks."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        num_bytes = self._shard.load_adapter(lora_id, adapter)  # rank 0 first: a refusal reaches no follower
+        if self._group is not None:
+            self._group.broadcast_lora_load(lora_id, path)
+        return num_bytes * self._shard.mp_size
+
+    def unload_adapter(self, lora_id: int) -> None:
+        if self._closed:
+            return
+        self._shard.unload_adapter(lora_id)
+        if self._group is not None:
+            self._group.broadcast_lora_unload(lora_id)
 
     def shutdown(self) -> None:
         """Stop followers and free the process group; safe to call twice."""

@@ -300,7 +300,9 @@ class Transformer(nn.Module):
         sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
         greedy argmax reading it, bench/NOTES.md). How the step runs is the backend's plan, made
         once here: the compiled step, or the blocks op by op over the plan's attention layout."""
-        plan = self.backend.plan_step(inputs, self.freqs_cis, kv_caches[0], self.decode_step)
+        # a step with LoRA rows runs the blocks op by op: the adapters wrap the per-op linears (engine/lora/)
+        compiled = self.decode_step if inputs.lora_ids is None else None
+        plan = self.backend.plan_step(inputs, self.freqs_cis, kv_caches[0], compiled)
         h = self.tok_embeddings(inputs.input_ids)
         if plan.compiled:
             normed = self.decode_step(h, plan.attention, kv_caches)

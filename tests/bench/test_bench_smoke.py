@@ -188,3 +188,13 @@ def test_every_bench_script_imports_and_explains_itself(script):
     """--help imports each script's engine and server pieces: a renamed module or class fails here,
     for the scripts whose full runs are too long for the suite too."""
     assert "usage:" in run_script(f"bench/{script}", "--help", timeout_s=120)
+
+
+def test_lora_smoke(tmp_path):
+    out = tmp_path / "lora.json"
+    run_script("bench/lora.py", "--config", "tiny", "--streams", "1,2", "--rank", "4", "--smoke", "--checkpoint-dir",
+               str(tmp_path / "ckpt"), "--adapter-dir", str(tmp_path / "adapters"), "--json", str(out))
+    tput = rows(out, name="output throughput", config=None)
+    assert {(r["mode"], r["streams"]) for r in tput} == {(m, s) for m in ("base", "one adapter", "8 adapters") for s in (1, 2)}
+    assert all(r["value"] > 0 for r in tput)
+    assert len(rows(out, name="8 adapters / base step time")) == 1

@@ -441,3 +441,28 @@ def test_preempted_sequences_count_in_their_own_class():
     assert (h.sched.num_waiting_in("online"), h.sched.num_waiting_in("batch")) == (0, 1)
     h.run()
     h.assert_clean()
+
+
+def test_adapters_beyond_max_loras_wait_their_turn_and_never_starve():
+    """max_loras 1: the second adapter's request waits (never fails) while base requests pass; a
+    later request of the running adapter does not overtake it."""
+    h = Harness(max_loras=1)
+    order: list[str] = []
+
+    def add(rid: str, lora_id: int) -> None:
+        seq = Sequence(h.next_id, rid, [10, 11, 12], 3, SamplingParams(max_tokens=3), arrival_time_s=float(h.next_id))
+        seq.lora_id = lora_id
+        h.next_id += 1
+        h.sched.add(seq)
+        h.outputs[rid] = []
+
+    for rid, lora_id in (("a1", 1), ("b", 2), ("a2", 1), ("base", 0)):
+        add(rid, lora_id)
+    while h.sched.has_work:
+        batch = h.sched.schedule()
+        assert len({s.lora_id for s in batch.seqs if s.lora_id}) <= 1
+        order += [s.request_id for s in batch.seqs if s.request_id not in order]
+        h.execute(batch)
+    assert order == ["a1", "base", "b", "a2"]
+    assert all(h.finished[rid].finish_reason == "length" for rid in ("a1", "b", "a2", "base"))
+    h.assert_clean()

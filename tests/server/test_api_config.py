@@ -301,3 +301,30 @@ models:
     assert config_from([], env={"LLAMASERVE_KEEP_ALIVE": "-1"}).keep_alive == math.inf
     with pytest.raises(ConfigError, match="--keep-alive"):
         config_from(["--keep-alive", "soon"])
+def test_lora_flags_and_run_yaml_adapters(tmp_path):
+    from server.config import LoraModule
+
+    (tmp_path / "ckpt").mkdir()
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+engine:
+  max_loras: 3
+server:
+  lora_modules: [a=/adapters/a]
+models:
+  - model_id: base
+    checkpoint_dir: {tmp_path / 'ckpt'}
+  - model_id: sql
+    checkpoint_dir: /adapters/sql
+    metadata: {{base_model: base}}
+""")
+    config = config_from(["--config", str(path), "--max-lora-rank", "32"])
+    assert [m.model_id for m in config.models] == ["base"]  # the adapter is not a model of its own
+    assert config.engine.max_loras == 3 and config.engine.max_lora_rank == 32
+    assert config.lora_modules == (LoraModule("a", Path("/adapters/a")), LoraModule("sql", Path("/adapters/sql"), "base"))
+    flags = config_from(["--lora-modules", "x=/p/x,y=rel/y"])
+    assert flags.lora_modules == (LoraModule("x", Path("/p/x")), LoraModule("y", Path("rel/y")))
+    with pytest.raises(ConfigError, match="--lora-modules: LoRA module 'nopath' is not name=path"):
+        config_from(["--lora-modules", "nopath"])
+    with pytest.raises(ConfigError, match="max_loras must be >= 0"):
+        config_from(["--max-loras", "-1"])

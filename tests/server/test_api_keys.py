@@ -84,3 +84,14 @@ def test_named_keys_guard_registry_routes_as_the_api_key_does_unless_an_admin_ke
     # A key named "admin" in the file owns what "admin" owns, but it is not the admin key.
     with pytest.raises(ApiError):
         auth.check(request("/v1/models", token="sk-x", method="POST"), None, "sk-admin", named_keys=(("admin", "sk-x"),))
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_vllm_lora_routes_are_behind_the_admin_gate(path):
+    with pytest.raises(ApiError) as raised:
+        auth.check(request(path, token="sk-main", method="POST"), "sk-main", "sk-admin")
+    assert raised.value.status == 403 and raised.value.code == "admin_key_required"
+    assert auth.check(request(path, token="sk-admin", method="POST"), "sk-main", "sk-admin") == auth.ADMIN_OWNER
+    with pytest.raises(ApiError) as raised:  # no key at all: loopback clients only, as for /v1/models
+        auth.check(request(path, method="POST"), None, None)
+    assert raised.value.code == "admin_requires_loopback"
