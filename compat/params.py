@@ -182,7 +182,7 @@ MESSAGES_PARAMETERS: tuple[Param, ...] = (
     Param("thinking", MESSAGES, R, "Anthropic", "the model does not reason", no_op=({"type": "disabled"},)),
     Param("output_config", MESSAGES, R, "Anthropic", "no effort control or output formats", no_op=({},)),
     Param("container", MESSAGES, R, "Anthropic", "no code-execution containers"),
-    Param("mcp_servers", MESSAGES, R, "Anthropic", "no MCP connector"),
+    Param("mcp_servers", MESSAGES, R, "Anthropic", "no MCP connector", no_op=([],)),
     Param("context_management", MESSAGES, R, "Anthropic", "no server-side context editing"),
 )
 _ALL: tuple[Param, ...] = PARAMETERS + RESPONSES_PARAMETERS + MESSAGES_PARAMETERS
