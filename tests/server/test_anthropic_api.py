@@ -4,6 +4,8 @@ tool_use round trip, stop reasons, x-api-key, and errors in Anthropic's shape.""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -172,3 +174,15 @@ async def test_bad_inputs(live, body, status):
     error = response.json()
     assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
     assert error["error"]["type"] == "invalid_request_error"
+
+
+async def test_failure_mid_stream_is_an_anthropic_error_event(live):
+    server, _ = live
+    engine(live).fail_after = 2
+    async with httpx.AsyncClient() as http:
+        response = await http.post(str(server.make_url("/v1/messages")), headers={"x-api-key": "sk-test"},
+                                   json={"model": "fake", "max_tokens": 100, "messages": USER, "stream": True})
+    last = [frame for frame in response.text.split("\n\n") if frame][-1].splitlines()
+    assert last[0] == "event: error"
+    error = json.loads(last[1][len("data: "):])
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"

@@ -278,3 +278,51 @@ async def test_unknown_ids_and_model(live):
             assert response.status_code == 404 and response.json()["error"]["code"] == "not_found", (method, path)
         response = await http.post(str(live.server.make_url("/v1/responses")), json={"model": "nope", "input": "x"})
         assert response.status_code == 404
+
+
+async def test_failure_mid_stream_is_an_error_event(live, sdk):
+    live.engine.fail_after = 2
+    async with httpx.AsyncClient() as http:
+        response = await http.post(str(live.server.make_url("/v1/responses")), headers={"Authorization": "Bearer sk-test"},
+                                   json={"model": "fake", "input": "hi", "stream": True})
+    frames = [frame for frame in response.text.split("\n\n") if frame]
+    last = frames[-1].splitlines()
+    assert last[0] == "event: error"
+    error = json.loads(last[1][len("data: "):])
+    assert error["type"] == "error" and error["code"] == "engine_error"
+    numbers = [json.loads(f.splitlines()[1][len("data: "):])["sequence_number"] for f in frames]
+    assert numbers == list(range(len(frames)))  # the error event continues the sequence
+    assert "[DONE]" not in response.text
+
+
+async def test_api_key_required(live):
+    bad = live.client("wrong")
+    with pytest.raises(openai.AuthenticationError):
+        await bad.responses.create(model="fake", input="x")
+    with pytest.raises(openai.AuthenticationError):
+        await bad.responses.retrieve("resp_x")
+    await bad.close()
+
+
+async def test_store_down_answers_503_and_store_false_serves(tmp_path):
+    from tests.server.fake_engine import FakeEngineFactory
+
+    (tmp_path / "not-a-dir").write_text("")
+    app = create_app(ServerConfig(models=[fake_spec("fake", tmp_path)], checkpoint_roots=[tmp_path],
+                                  batch_dir=tmp_path / "not-a-dir"), FakeEngineFactory())
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    await app[STATE_KEY].startup_task
+    sdk = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="none", max_retries=0)
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            await sdk.responses.create(model="fake", input="x")
+        assert info.value.status_code == 503 and info.value.body["code"] == "responses_unavailable"
+        assert info.value.response.headers["Retry-After"]
+        assert (await sdk.responses.create(model="fake", input="x", store=False)).output_text == "Hello world!"
+        async with httpx.AsyncClient() as http:
+            ready = (await http.get(str(server.make_url("/ready")))).json()
+        assert ready["status"] == "ready" and ready["subsystems"]["responses"]["status"] == "down"
+    finally:
+        await sdk.close()
+        await server.close()
