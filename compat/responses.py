@@ -135,7 +135,8 @@ class ResponsesRequest(RequestStruct, kw_only=True):
     max_output_tokens: p.PositiveInt | None = None
     metadata: Annotated[dict[str, Annotated[str, Meta(max_length=512)]], Meta(max_length=16)] | None = None
     user: str | None = None
-    priority: p.Seed | None = None  # vLLM's integer: lower is sooner (passed to chat's own field)
+    # vLLM's integer: lower is sooner; passed to chat's own field (its bounds; p.ClientPriority once that lands)
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = True

@@ -64,6 +64,7 @@ class ResponseService:
         self._failures = 0
         self._opening = asyncio.Lock()
         self.tasks: dict[str, asyncio.Task] = {}  # background response id -> its task
+        self.closing = False  # a background response cancelled now failed (the server stopped); else a client cancelled it
 
     async def store(self) -> ResponseStore:
         """The open store, or a 503 saying why it is not (and when it is tried again)."""
@@ -96,6 +97,7 @@ class ResponseService:
                              max_bytes=self.config.responses_max_bytes, retention_s=self.config.responses_retention_s)
 
     async def close(self) -> None:
+        self.closing = True
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -244,7 +246,10 @@ async def _run_background(service: ResponseService, store: ResponseStore, owner:
             finally:
                 await run.aclose()
     except asyncio.CancelledError:
-        builder.end("cancelled", "cancelled", "the response was cancelled")
+        if service.closing:
+            builder.end("failed", "server_error", "the server stopped before this response finished")
+        else:
+            builder.end("cancelled", "cancelled", "the response was cancelled")
     except Exception as exc:  # noqa: BLE001 - the failure is the response's state, as OpenAI reports it
         error = from_exception_logged(exc, "background response failed", response_id=response.id)
         builder.end("failed", error.code or "server_error", error.message)

@@ -80,3 +80,16 @@ def test_anthropic_messages_say_what_chat_says(server, client):
     assert text == streamed == chat.choices[0].message.content
     assert message.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
     assert count.input_tokens == message.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_anthropic_stop_sequence_is_named(server, client):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12)
+    text = chat.choices[0].message.content
+    stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip(f"the greedy answer {text!r} has no stop string to cut at")
+    with anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0) as claude:
+        message = claude.messages.create(model=MODEL, system=MESSAGES[0]["content"], max_tokens=12,
+                                         messages=[MESSAGES[1]], stop_sequences=[stop], extra_body={"temperature": 0})
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(block.text for block in message.content) == text[:text.index(stop)]

@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from pydantic import BaseModel
 
+from compat import protocol as p
 from engine.types import EngineRequest
 from server.app import STATE_KEY, create_app
 from server.config import ServerConfig
@@ -326,3 +327,24 @@ async def test_store_down_answers_503_and_store_false_serves(tmp_path):
     finally:
         await sdk.close()
         await server.close()
+
+
+async def test_priority_reaches_the_engine_as_on_chat(live, sdk):
+    if "priority" not in p.ChatCompletionRequest.__struct_fields__:
+        pytest.skip("chat's priority field (issue 34's other half) is not on this branch; Responses passes it through it")
+    await sdk.responses.create(model="fake", input="x", extra_body={"priority": 5})
+    assert live.engine.requests[-1].client_priority == 5
+
+
+async def test_server_stop_fails_running_background_responses(live, sdk):
+    live.engine.hold = Hold(after=1)
+    running = await sdk.responses.create(model="fake", input="x", background=True)
+    await live.engine.hold.reached.wait()
+    service = live.app[RESPONSES_KEY]
+    store = await service.store()
+    service.closing = True
+    for task in list(service.tasks.values()):
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    stored = json.loads(store.get(running.id, "alice").response)
+    assert stored["status"] == "failed" and "stopped" in stored["error"]["message"]
