@@ -21,8 +21,8 @@ optionally with "max_tokens".
 --backend openai-responses drives OpenAI's Responses API (/v1/responses: the chat prompts as `input`,
 its stream events read for tokens and usage). It has no ignore_eos, so at temperature 0 its outputs
 are the model's own length; responses-vs-chat runs the same prompts through /v1/responses and then
-/v1/chat/completions, both without ignore_eos (greedy: the same tokens through both), and prints
-the difference in output tokens/s and TTFT p50: the Responses layer's cost.
+/v1/chat/completions, both without ignore_eos (greedy: the same tokens through both), twice each in
+A B B A order, and prints the difference in output tokens/s and TTFT p50: the Responses layer's cost.
 
 Reports (mean, p50, p90, p99):
 - TTFT, time to first token: request sent -> first content token received.
@@ -409,19 +409,25 @@ def as_responses_body(body: dict[str, Any]) -> dict[str, Any]:
 async def compare_responses_with_chat(args: argparse.Namespace) -> int:
     """The same prompts through /v1/responses, then /v1/chat/completions, without ignore_eos; the
     Responses layer's cost in output tokens/s and TTFT p50 (positive: Responses is slower)."""
-    results = {}
-    for backend in ("openai-responses", "openai-chat"):
+    results: dict[str, list[dict[str, Any]]] = {"openai-responses": [], "openai-chat": []}
+    # A B B A: drift over the run (warm-up, a neighbour's load) weighs on both alike
+    for backend in ("openai-responses", "openai-chat", "openai-chat", "openai-responses"):
         run = argparse.Namespace(**{**vars(args), "backend": backend, "no_ignore_eos": True, "sweep": None,
                                     "result_filename": None, "save_result": False})
         if await main_async(run):
             return 1
-        results[backend] = run.last_metrics[0]
-    responses, chat = results["openai-responses"], results["openai-chat"]
-    throughput = (chat["output_throughput"] - responses["output_throughput"]) / chat["output_throughput"] * 100
-    ttft = (responses["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) / chat["ttft_s"]["p50"] * 100
-    print(f"responses vs chat at max concurrency {args.max_concurrency or 'unbounded'}: output tok/s "
-          f"{responses['output_throughput']:.1f} vs {chat['output_throughput']:.1f} ({throughput:+.1f}% slower), "
-          f"TTFT p50 {responses['ttft_s']['p50'] * 1e3:.1f} vs {chat['ttft_s']['p50'] * 1e3:.1f} ms ({ttft:+.1f}%)")
+        results[backend].append(run.last_metrics[0])
+
+    def mean(backend: str, read: Any) -> float:
+        return statistics.fmean(read(m) for m in results[backend])
+
+    tok_s = {b: mean(b, lambda m: m["output_throughput"]) for b in results}
+    ttft_s = {b: mean(b, lambda m: m["ttft_s"]["p50"]) for b in results}
+    slower = (tok_s["openai-chat"] - tok_s["openai-responses"]) / tok_s["openai-chat"] * 100
+    later = (ttft_s["openai-responses"] - ttft_s["openai-chat"]) / ttft_s["openai-chat"] * 100
+    print(f"responses vs chat at max concurrency {args.max_concurrency or 'unbounded'} (mean of 2 runs each, ABBA): "
+          f"output tok/s {tok_s['openai-responses']:.1f} vs {tok_s['openai-chat']:.1f} ({slower:+.1f}% slower), "
+          f"TTFT p50 {ttft_s['openai-responses'] * 1e3:.1f} vs {ttft_s['openai-chat'] * 1e3:.1f} ms ({later:+.1f}%)")
     return 0
 
 

@@ -465,6 +465,7 @@ class _Open:
     output_index: int
     item: OutputItem
     tool_index: int | None = None  # the chat tool-call index of a function_call item
+    parts: list[str] = field(default_factory=list)  # its text or arguments so far, joined when it closes
 
 
 @dataclass(slots=True)
@@ -478,17 +479,20 @@ class ResponseBuilder:
     tool_items: dict[int, _Open] = field(default_factory=dict)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        return {"type": kind, "sequence_number": self._next(), **fields}
+
+    def _next(self) -> int:
         self.sequence_number += 1
-        return event
+        return self.sequence_number - 1
 
     def head(self) -> list[dict[str, Any]]:
         self.response.status = "in_progress"
         return [self.event("response.created", response=self.response),
                 self.event("response.in_progress", response=self.response)]
 
-    def chunk(self, chunk: p.ChatCompletionChunk | None) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def chunk(self, chunk: p.ChatCompletionChunk | None) -> list[Any]:
+        """The events of one chat chunk: dicts, and Structs for the deltas (each has `type`)."""
+        events: list[Any] = []
         if chunk is None or not chunk.choices:
             return events
         delta = chunk.choices[0].delta
@@ -498,7 +502,7 @@ class ResponseBuilder:
             events += self._call(call)
         return events
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, text: str) -> list[Any]:
         events = []
         if self.open is None or not isinstance(self.open.item, OutputMessage):
             events += self._close()
@@ -508,13 +512,12 @@ class ResponseBuilder:
             item.content.append(part)
             events.append(self.event("response.content_part.added", item_id=item.id, output_index=self.open.output_index,
                                      content_index=0, part=OutputTextPart(text="")))
-        item = self.open.item
-        item.content[0].text += text
-        events.append(self.event("response.output_text.delta", item_id=item.id, output_index=self.open.output_index,
-                                 content_index=0, delta=text, logprobs=[]))
+        self.open.parts.append(text)
+        events.append(TextDeltaEvent(sequence_number=self._next(), item_id=self.open.item.id,
+                                     output_index=self.open.output_index, delta=text))
         return events
 
-    def _call(self, call: p.ToolCallDeltaOut) -> list[dict[str, Any]]:
+    def _call(self, call: p.ToolCallDeltaOut) -> list[Any]:
         events = []
         opened = self.tool_items.get(call.index)
         if opened is None:
@@ -526,9 +529,9 @@ class ResponseBuilder:
             opened = self.open
         arguments = call.function.arguments if call.function is not UNSET else ""
         if arguments:
-            opened.item.arguments += arguments
-            events.append(self.event("response.function_call_arguments.delta", item_id=opened.item.id,
-                                     output_index=opened.output_index, delta=arguments))
+            opened.parts.append(arguments)
+            events.append(ArgumentsDeltaEvent(sequence_number=self._next(), item_id=opened.item.id,
+                                              output_index=opened.output_index, delta=arguments))
         return events
 
     def _add(self, item: OutputItem, tool_index: int | None = None) -> list[dict[str, Any]]:
@@ -546,14 +549,16 @@ class ResponseBuilder:
             return []
         item, index = opened.item, opened.output_index
         item.status = status
-        events = []
+        events: list[Any] = []
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.text = "".join(opened.parts)
             events.append(self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
                                      text=part.text, logprobs=[]))
             events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
                                      content_index=0, part=part))
         else:
+            item.arguments = "".join(opened.parts)
             events.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                      arguments=item.arguments, name=item.name))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
@@ -584,6 +589,26 @@ class ResponseBuilder:
         self.response.status = status
         if status == "failed":
             self.response.error = ResponseErrorInfo(code=code, message=message)
+
+
+class TextDeltaEvent(ResponseStruct, kw_only=True):
+    """response.output_text.delta: one per streamed piece, the hot path (a Struct encodes faster than a dict)."""
+
+    type: str = "response.output_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class ArgumentsDeltaEvent(ResponseStruct, kw_only=True):
+    type: str = "response.function_call_arguments.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
 
 
 def error_event(sequence_number: int, code: str | None, message: str, param: str | None) -> dict[str, Any]:

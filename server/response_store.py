@@ -57,6 +57,10 @@ class ResponseStore:
         self._clock = clock
         self._db = connect_private(self.root / DB_NAME, _SCHEMA)
         try:
+            # Commits without an fsync each (WAL: a crash of the process loses nothing, a power cut the
+            # last moments): a Responses request stores before its stream ends, and a sync per request
+            # would cost every stream that wait. Batch results keep FULL: they are a job's only output.
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._fail_unfinished()
         except BaseException:
             self._db.close()

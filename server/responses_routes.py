@@ -183,13 +183,19 @@ async def _with_end(run: ChatRun, store: ResponseStore | None, owner: str, build
     yield _Final(events)
 
 
-def _render(builder: r.ResponseBuilder, item: Any) -> list[Event] | None:
+def _render(builder: r.ResponseBuilder, item: Any) -> Event | list[Event] | None:
     events = item.events if isinstance(item, _Final) else builder.chunk(item)
+    if len(events) == 1:  # a delta: most of a stream
+        return _event(events[0])
     return _events(events) if events else None
 
 
-def _events(events: list[dict[str, Any]]) -> list[Event]:
-    return [Event(event["type"], event) for event in events]
+def _event(event: Any) -> Event:
+    return Event(event["type"] if isinstance(event, dict) else event.type, event)
+
+
+def _events(events: list[Any]) -> list[Event]:
+    return [_event(event) for event in events]
 
 
 def _error_frame(builder: r.ResponseBuilder, error: ApiError) -> bytes:
