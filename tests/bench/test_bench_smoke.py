@@ -111,6 +111,11 @@ def test_serve_smoke_responses_vs_chat(live_server):
     assert len(totals) == 4 and len(set(totals)) == 1, totals  # greedy: the same answers through both APIs
 
 
+def test_responses_overhead_smoke():
+    stdout = run_script("bench/responses_overhead.py", "--tokens", "200", "--rounds", "1")
+    assert [line.split()[0] for line in stdout.splitlines()] == ["chat", "responses", "messages"]
+
+
 def test_serve_help_uses_vllm_flag_names():
     stdout = run_script("bench/serve.py", "--help")
     for flag in ("--base-url", "--model", "--num-prompts", "--random-input-len", "--random-output-len", "--dataset",
