@@ -142,6 +142,10 @@ def check_request(req: MessagesRequest | CountTokensRequest) -> None:
 
 
 def to_chat(req: MessagesRequest) -> p.ChatCompletionRequest:
+    if req.messages[-1].role == "assistant":
+        # Anthropic continues a final assistant message (a "prefill"); chat would answer after it instead
+        raise InvalidRequest("a final assistant message (prefill) is not supported by this server; end with a user "
+                             "message", param=f"messages[{len(req.messages) - 1}].role", code="unsupported_parameter")
     tools, tool_choice, parallel = chat_tools(req)
     return p.ChatCompletionRequest(
         model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens, temperature=req.temperature,

@@ -161,7 +161,7 @@ RESPONSES_PARAMETERS: tuple[Param, ...] = (
 MESSAGES_PARAMETERS: tuple[Param, ...] = (
     Param("model", MESSAGES, H, "Anthropic", "a registered model id"),
     Param("messages", MESSAGES, H, "Anthropic", "text, tool_use and tool_result blocks; image and document blocks "
-          "are refused by name"),
+          "are refused by name, and so is a final assistant message (prefill)"),
     Param("system", MESSAGES, H, "Anthropic", "a string or text blocks"),
     Param("max_tokens", MESSAGES, H, "Anthropic", "required"),
     Param("temperature", MESSAGES, H, "Anthropic", "0 to 1; default: generation_config.json, else 1"),

@@ -164,6 +164,7 @@ async def test_errors_in_anthropic_shape(live, client):
     ({"max_tokens": 10, "messages": USER, "stop_sequences": ["x"] * 17}, 400),
     ({"max_tokens": 10**6, "messages": USER}, 400),
     ({"max_tokens": 10, "messages": USER, "unknown_field": 1}, 400),
+    ({"max_tokens": 10, "messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, 400),  # prefill
 ])
 async def test_bad_inputs(live, body, status):
     server, _ = live
