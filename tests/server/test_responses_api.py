@@ -348,3 +348,21 @@ async def test_server_stop_fails_running_background_responses(live, sdk):
         await asyncio.gather(task, return_exceptions=True)
     stored = json.loads(store.get(running.id, "alice").response)
     assert stored["status"] == "failed" and "stopped" in stored["error"]["message"]
+
+
+async def test_input_items_query_and_browser_rules(live, sdk):
+    response = await sdk.responses.create(model="fake", input="x")
+    async with httpx.AsyncClient(headers={"Authorization": "Bearer sk-test"}) as http:
+        url = str(live.server.make_url(f"/v1/responses/{response.id}/input_items"))
+        for query, param in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                             ({"after": "msg_nope"}, "after")]:
+            answer = await http.get(url, params=query)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param, query
+        # JSON routes take only JSON bodies (server/browser_guard.py), these as every other
+        answer = await http.post(str(live.server.make_url("/v1/responses")), content=b'{"model": "fake", "input": "x"}',
+                                 headers={"Content-Type": "text/plain"})
+        assert answer.status_code == 415 and answer.json()["error"]["code"] == "unsupported_media_type"
+        answer = await http.post(str(live.server.make_url("/v1/messages")), content=b"{}",
+                                 headers={"Content-Type": "text/plain"})
+        assert answer.status_code == 415 and answer.json()["error"]["type"] == "invalid_request_error"
+        assert answer.json()["type"] == "error"  # Anthropic's shape on its routes, from the middleware too
