@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
+from typing import Literal
+
 import anthropic
 import pytest
+from pydantic import BaseModel
 
 from tests.e2e.conftest import BASE_DESCRIPTOR, ready_server
 
@@ -93,3 +96,16 @@ def test_anthropic_stop_sequence_is_named(server, client):
                                          messages=[MESSAGES[1]], stop_sequences=[stop], extra_body={"temperature": 0})
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert "".join(block.text for block in message.content) == text[:text.index(stop)]
+
+
+class Pick(BaseModel):
+    colour: Literal["red", "green", "blue"]
+    sure: bool
+
+
+def test_parse_follows_the_schema_on_a_real_model(client):
+    """text.format json_schema reaches chat's grammar: even random weights answer in the schema."""
+    for seed_text in ("Pick a colour.", "Another colour?"):
+        parsed = client.responses.parse(model=MODEL, input=seed_text, text_format=Pick, temperature=0,
+                                        max_output_tokens=60)
+        assert parsed.status == "completed" and parsed.output_parsed.colour in ("red", "green", "blue")
