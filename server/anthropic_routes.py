@@ -8,6 +8,7 @@ on these routes, from the middlewares too, are Anthropic's body (`ANTHROPIC_PREF
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +37,7 @@ def error_json(error: ApiError) -> bytes:
 async def create_message(request: web.Request) -> web.StreamResponse:
     req, size = await decode_body(request, a.MESSAGES_DECODER)
     a.check_request(req)
-    chat = a.to_chat(req)
+    chat = await off_loop_if_large(size, a.to_chat, req)
     async with lease(request, req.model) as engine:
         message_id = a.new_message_id()
         run = await start_chat(size, chat, engine, message_id, a.CHAT_PARAMS)
@@ -47,8 +48,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                     builder.chunk(chunk)
                 builder.finish(run.finish_reason, run.stop, run.assembler.usage())
                 return json_response(builder.message())
-            return await stream_events(request, _with_end(run, builder), lambda item: _render(builder, item),
-                                       lambda: _events(builder.head()), _error_frame)
+            async with aclosing(_with_end(run, builder)) as items:
+                return await stream_events(request, items, lambda item: _render(builder, item),
+                                           lambda: _events(builder.head()), _error_frame)
         finally:
             await run.aclose(request)
 
@@ -80,11 +82,15 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as create would build it (system, messages, tools), without generating."""
     req, size = await decode_body(request, a.COUNT_TOKENS_DECODER)
     a.check_request(req)
-    tools, _, _ = a.chat_tools(req)
-    tokenize = p.TokenizeRequest(model=req.model, messages=a.chat_messages(req), tools=tools)
+    tokenize = await off_loop_if_large(size, _tokenize_request, req)
     async with lease(request, req.model) as engine:
         try:
             ids = await off_loop_if_large(size, to_engine.tokenize, tokenize, engine)
         except InvalidRequest as exc:
             raise renamed(exc, a.CHAT_PARAMS) from None
         return json_response(a.TokenCount(input_tokens=len(ids)))
+
+
+def _tokenize_request(req: a.CountTokensRequest) -> p.TokenizeRequest:
+    tools, _, _ = a.chat_tools(req)
+    return p.TokenizeRequest(model=req.model, messages=a.chat_messages(req), tools=tools)

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -39,7 +40,7 @@ from server.chat_bridge import ChatRun, not_found, start_chat, stream_events
 from server.config import ServerConfig
 from server.errors import ApiError, from_exception_logged
 from server.registry import REGISTRY_KEY, ModelRegistry
-from server.request_flow import decode_body, json_response, lease
+from server.request_flow import decode_body, json_response, lease, off_loop_if_large
 from server.response_store import ResponseStore
 from server.sse import Event
 from server.subsystems import SUBSYSTEMS_KEY, Backoff, Subsystems, describe_failure
@@ -138,15 +139,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     r.check_request(req)
     service = _service(request)
     owner = request[OWNER]
-    items = r.with_ids(r.input_items(req.input))
     history: list[r.Item] = []
     if req.previous_response_id is not None:
         history = await _conversation(service, req.previous_response_id, owner)
-    chat = r.to_chat(req, history, items)
+    chat, inputs = await off_loop_if_large(size, _translate, req, history)
     store = await service.store() if req.store else None
     response_id = f"resp_{uuid.uuid4().hex}"
     builder = r.ResponseBuilder(r.response_shell(req, response_id, status="in_progress"))
-    inputs = msgspec.json.encode([*history, *items])
     if req.background:
         async with lease(request, req.model) as engine:  # refusals (400) come back now, not as a failed response
             run = await start_chat(size, chat, engine, response_id, r.CHAT_PARAMS)
@@ -161,11 +160,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 builder.finish(run.finish_reason, run.assembler.usage())
                 await _save(store, owner, builder, inputs)
                 return json_response(builder.response)
-            return await stream_events(request, _with_end(run, store, owner, builder, inputs),
-                                       lambda item: _render(builder, item), lambda: _events(builder.head()),
-                                       lambda error: _error_frame(builder, error))
+            async with aclosing(_with_end(run, store, owner, builder, inputs)) as items:
+                return await stream_events(request, items, lambda item: _render(builder, item),
+                                           lambda: _events(builder.head()), lambda error: _error_frame(builder, error))
         finally:
             await run.aclose(request)
+
+
+def _translate(req: r.ResponsesRequest, history: list[r.Item]) -> tuple[p.ChatCompletionRequest, bytes]:
+    """The chat request, and the input items as stored (history first); off the loop when the body is large."""
+    items = r.with_ids(r.input_items(req.input))
+    return r.to_chat(req, history, items), msgspec.json.encode([*history, *items])
 
 
 class _Final(NamedTuple):
