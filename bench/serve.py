@@ -5,6 +5,7 @@ flag names of `vllm bench serve`:
         --random-input-len 128 --random-output-len 64 --max-concurrency 8 [--request-rate inf]
     python bench/serve.py --backend openai-chat --dataset prompts.jsonl --num-prompts 100
     python bench/serve.py --sweep 1,4,16,32 --num-prompts 64 --result-filename sweep.json   # + sweep.png
+    python bench/serve.py --backend responses-vs-chat --max-concurrency 32 --num-prompts 128   # /v1/responses against chat
 
 Every request streams, so time to first token can be seen. Requests arrive as a Poisson process
 at --request-rate per second (inf: all at once), at most --max-concurrency in flight. The output
@@ -16,6 +17,12 @@ the server accepts one (ours, vLLM, llama-server do); otherwise, and for chat, t
 through the server's /detokenize, and the server's usage reports the lengths it actually saw.
 --dataset reads a JSONL file of real prompts instead: {"prompt": "..."} or {"messages": [...]},
 optionally with "max_tokens".
+
+--backend openai-responses drives OpenAI's Responses API (/v1/responses: the chat prompts as `input`,
+its stream events read for tokens and usage). It has no ignore_eos, so at temperature 0 its outputs
+are the model's own length; responses-vs-chat runs the same prompts through /v1/responses and then
+/v1/chat/completions, both without ignore_eos (greedy: the same tokens through both), twice each in
+A B B A order, and prints the difference in output tokens/s and TTFT p50: the Responses layer's cost.
 
 Reports (mean, p50, p90, p99):
 - TTFT, time to first token: request sent -> first content token received.
@@ -200,8 +207,15 @@ async def send(server: Server, path: str, body: dict[str, Any]) -> RequestResult
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    return RequestResult(False, error=f"in-band error: {json.dumps(chunk['error'])[:500]}")
+                if "error" in chunk or chunk.get("type") == "error":
+                    return RequestResult(False, error=f"in-band error: {json.dumps(chunk.get('error', chunk))[:500]}")
+                if "type" in chunk:  # a Responses API event
+                    if chunk["type"] in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                        stamps.append(time.perf_counter())
+                    elif chunk["type"] in ("response.completed", "response.incomplete"):
+                        got = chunk["response"]["usage"]
+                        usage = {"prompt_tokens": got["input_tokens"], "completion_tokens": got["output_tokens"]}
+                    continue
                 usage = chunk.get("usage") or usage
                 choice = (chunk.get("choices") or [{}])[0]
                 delta = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
@@ -336,8 +350,12 @@ def plot_sweep(levels: list[int], sweep: list[dict[str, Any]], path: Path, title
 async def main_async(args: argparse.Namespace) -> int:
     import aiohttp
 
-    chat = args.backend == "openai-chat"
-    path = args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
+    if args.backend == "responses-vs-chat":
+        return await compare_responses_with_chat(args)
+    responses = args.backend == "openai-responses"
+    chat = args.backend == "openai-chat" or responses
+    default_path = "/v1/responses" if responses else "/v1/chat/completions" if chat else "/v1/completions"
+    path = args.endpoint or default_path
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         server = Server(session, args.base_url, args.api_key)
@@ -348,13 +366,18 @@ async def main_async(args: argparse.Namespace) -> int:
                 prompt.body["model"] = model
         else:
             prompts = await random_prompts(server, model, args, chat)
+        if responses:
+            prompts = [Prompt(as_responses_body(prompt.body), prompt.expected_prompt_tokens) for prompt in prompts]
         extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, "temperature": args.temperature}
-        if not args.no_ignore_eos:
+        if responses:  # usage comes with response.completed; the Responses API has no ignore_eos
+            extra.pop("stream_options")
+        elif not args.no_ignore_eos:
             if await server.accepts(path, {**prompts[0].body, "ignore_eos": True}):
                 extra["ignore_eos"] = True
             else:
                 print("the server refused ignore_eos: output lengths are the model's own", file=sys.stderr)
-        if not await server.accepts(path, {**prompts[0].body, "stream_options": {"include_usage": True}, "stream": True}):
+        if not responses and not await server.accepts(path, {**prompts[0].body, "stream_options": {"include_usage": True},
+                                                             "stream": True}):
             extra.pop("stream_options")  # counts then come from the chunks
         levels = [int(n) for n in args.sweep.split(",")] if args.sweep else [args.max_concurrency]
         out = Results("serve", context={"base_url": server.base_url, "model": model, "endpoint": path})
@@ -371,14 +394,49 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.sweep:
         plot_path = Path(result_path).with_suffix(".png")
         plot_sweep(levels, sweep, plot_path, f"{model}: {len(prompts)} prompts per concurrency")
+    args.last_metrics = sweep
     return 1 if all(m["completed"] == 0 for m in sweep) else 0
+
+
+def as_responses_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body as the Responses API asks the same: messages as `input`, max_output_tokens."""
+    out = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
+    out["input"] = body["messages"]
+    out["max_output_tokens"] = body["max_tokens"]
+    return out
+
+
+async def compare_responses_with_chat(args: argparse.Namespace) -> int:
+    """The same prompts through /v1/responses, then /v1/chat/completions, without ignore_eos; the
+    Responses layer's cost in output tokens/s and TTFT p50 (positive: Responses is slower)."""
+    results: dict[str, list[dict[str, Any]]] = {"openai-responses": [], "openai-chat": []}
+    # A B B A: drift over the run (warm-up, a neighbour's load) weighs on both alike
+    for backend in ("openai-responses", "openai-chat", "openai-chat", "openai-responses"):
+        run = argparse.Namespace(**{**vars(args), "backend": backend, "no_ignore_eos": True, "sweep": None,
+                                    "result_filename": None, "save_result": False})
+        if await main_async(run):
+            return 1
+        results[backend].append(run.last_metrics[0])
+
+    def mean(backend: str, read: Any) -> float:
+        return statistics.fmean(read(m) for m in results[backend])
+
+    tok_s = {b: mean(b, lambda m: m["output_throughput"]) for b in results}
+    ttft_s = {b: mean(b, lambda m: m["ttft_s"]["p50"]) for b in results}
+    slower = (tok_s["openai-chat"] - tok_s["openai-responses"]) / tok_s["openai-chat"] * 100
+    later = (ttft_s["openai-responses"] - ttft_s["openai-chat"]) / ttft_s["openai-chat"] * 100
+    print(f"responses vs chat at max concurrency {args.max_concurrency or 'unbounded'} (mean of 2 runs each, ABBA): "
+          f"output tok/s {tok_s['openai-responses']:.1f} vs {tok_s['openai-chat']:.1f} ({slower:+.1f}% slower), "
+          f"TTFT p50 {ttft_s['openai-responses'] * 1e3:.1f} vs {ttft_s['openai-chat'] * 1e3:.1f} ms ({later:+.1f}%)")
+    return 0
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    parser.add_argument("--backend", choices=("openai", "openai-chat"), default="openai",
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    parser.add_argument("--backend", choices=("openai", "openai-chat", "openai-responses", "responses-vs-chat"),
+                        default="openai", help="openai: /v1/completions; openai-chat: /v1/chat/completions; "
+                        "openai-responses: /v1/responses; responses-vs-chat: both, the same prompts, compared")
     parser.add_argument("--endpoint", default=None, help="override the path the backend implies")
     parser.add_argument("--model", default=None, help="default: the server's only model")
     parser.add_argument("--api-key", default=None, help="sent as a Bearer token")

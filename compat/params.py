@@ -23,10 +23,12 @@ from msgspec import UNSET
 
 from engine.types import InvalidRequest
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses", "messages"]
 CHAT: frozenset[Endpoint] = frozenset({"chat"})
 COMPLETIONS: frozenset[Endpoint] = frozenset({"completions"})
 BOTH: frozenset[Endpoint] = CHAT | COMPLETIONS
+RESPONSES: frozenset[Endpoint] = frozenset({"responses"})  # OpenAI's Responses API (compat/responses.py)
+MESSAGES: frozenset[Endpoint] = frozenset({"messages"})  # Anthropic's Messages API (compat/anthropic.py)
 
 
 class Support(enum.Enum):
@@ -40,7 +42,7 @@ class Param:
     name: str  # a request field; nested ones dotted ("stream_options.include_usage")
     endpoints: frozenset[Endpoint]
     support: Support
-    origin: Literal["OpenAI", "vLLM", "llamaserve"]
+    origin: Literal["OpenAI", "vLLM", "llamaserve", "Anthropic"]
     note: str = ""
     no_op: tuple[Any, ...] = ()  # REFUSED only: values that ask for nothing we lack, accepted
 
@@ -122,8 +124,81 @@ PARAMETERS: tuple[Param, ...] = (
 )
 
 
+# The Responses and Messages APIs run on chat's path (their requests become chat requests), so
+# what they honour is chat's; each has its own table, in README beside chat's.
+RESPONSES_PARAMETERS: tuple[Param, ...] = (
+    Param("model", RESPONSES, H, "OpenAI", "a registered model id"),
+    Param("input", RESPONSES, H, "OpenAI", "text, or message (input_text, output_text), function_call and "
+          "function_call_output items; input_image and input_file parts are refused by name"),
+    Param("instructions", RESPONSES, H, "OpenAI", "a system message before the input (not carried to the next turn)"),
+    Param("tools", RESPONSES, H, "OpenAI", "function tools (strict by default, as OpenAI); hosted tools are refused by name"),
+    Param("tool_choice", RESPONSES, H, "OpenAI", "none, auto, required or a named function"),
+    Param("parallel_tool_calls", RESPONSES, H, "OpenAI"),
+    Param("text.format", RESPONSES, H, "OpenAI", "text, json_object, json_schema (structured outputs)"),
+    Param("text.verbosity", RESPONSES, R, "OpenAI", "no verbosity control", no_op=("medium",)),
+    Param("temperature", RESPONSES, H, "OpenAI", "default: generation_config.json, else 1"),
+    Param("top_p", RESPONSES, H, "OpenAI", "default: generation_config.json, else 1"),
+    Param("max_output_tokens", RESPONSES, H, "OpenAI", "default: the rest of the context"),
+    Param("metadata", RESPONSES, H, "OpenAI", "stored and returned with the response"),
+    Param("stream", RESPONSES, H, "OpenAI", "OpenAI's events, each with its sequence_number"),
+    Param("stream_options.include_obfuscation", RESPONSES, N, "OpenAI", "no obfuscation field is sent"),
+    Param("store", RESPONSES, H, "OpenAI", "default true: kept (per API key) for GET, input_items and "
+          "previous_response_id"),
+    Param("previous_response_id", RESPONSES, H, "OpenAI", "the stored conversation, then this input"),
+    Param("background", RESPONSES, H, "OpenAI", "runs after the reply; poll GET, stop with cancel; not with stream"),
+    Param("priority", RESPONSES, H, "vLLM", "as on chat: lower is sooner among online requests"),
+    Param("include", RESPONSES, N, "OpenAI", "the outputs it names never occur here (no reasoning, images or "
+          "hosted tools); message.output_text.logprobs is refused"),
+    Param("user", RESPONSES, N, "OpenAI", "no per-user accounting"),
+    Param("service_tier", RESPONSES, N, "OpenAI", "one tier"),
+    Param("safety_identifier", RESPONSES, N, "OpenAI", "no usage-policy monitoring"),
+    Param("prompt_cache_key", RESPONSES, N, "OpenAI", "the prefix cache is automatic and shared"),
+    Param("prompt_cache_options", RESPONSES, N, "OpenAI", "the prefix cache is automatic and shared"),
+    Param("prompt_cache_retention", RESPONSES, N, "OpenAI", "the prefix cache keeps blocks until memory is needed"),
+    Param("truncation", RESPONSES, R, "OpenAI", "input is never cut: too long is a 400", no_op=("disabled",)),
+    Param("reasoning", RESPONSES, R, "OpenAI", "the model does not reason", no_op=({},)),
+    Param("top_logprobs", RESPONSES, R, "OpenAI", "no logprobs in Responses output", no_op=(0,)),
+    Param("max_tool_calls", RESPONSES, R, "OpenAI", "no hosted tools; parallel_tool_calls false allows one call"),
+    Param("conversation", RESPONSES, R, "OpenAI", "no Conversations API; use previous_response_id"),
+    Param("prompt", RESPONSES, R, "OpenAI", "no stored prompt templates"),
+    Param("context_management", RESPONSES, R, "OpenAI", "no server-side compaction"),
+    Param("moderation", RESPONSES, R, "OpenAI", "no moderation model"),
+    Param("image", RESPONSES, R, "OpenAI", "no image output"),
+    Param("access_programs", RESPONSES, R, "OpenAI", "no access programs"),
+    Param("background_options", RESPONSES, R, "OpenAI", "background responses take no options here"),
+)
+MESSAGES_PARAMETERS: tuple[Param, ...] = (
+    Param("model", MESSAGES, H, "Anthropic", "a registered model id"),
+    Param("messages", MESSAGES, H, "Anthropic", "text, tool_use and tool_result blocks; image and document blocks "
+          "are refused by name, and so is a final assistant message (prefill)"),
+    Param("system", MESSAGES, H, "Anthropic", "a string or text blocks"),
+    Param("max_tokens", MESSAGES, H, "Anthropic", "required"),
+    Param("temperature", MESSAGES, H, "Anthropic", "0 to 1; default: generation_config.json, else 1"),
+    Param("top_p", MESSAGES, H, "Anthropic"),
+    Param("top_k", MESSAGES, H, "Anthropic"),
+    Param("stop_sequences", MESSAGES, H, "Anthropic", "at most 16; stop_reason stop_sequence names the one met"),
+    Param("stream", MESSAGES, H, "Anthropic", "Anthropic's events, with ping"),
+    Param("tools", MESSAGES, H, "Anthropic", "custom tools (name, description, input_schema)"),
+    Param("tool_choice", MESSAGES, H, "Anthropic", "auto, any, tool, none; disable_parallel_tool_use"),
+    Param("metadata", MESSAGES, N, "Anthropic", "no per-user accounting"),
+    Param("service_tier", MESSAGES, N, "Anthropic", "one tier"),
+    Param("cache_control", MESSAGES, N, "Anthropic", "the prefix cache is automatic and shared"),
+    Param("inference_geo", MESSAGES, N, "Anthropic", "one place"),
+    Param("speed", MESSAGES, N, "Anthropic", "one speed"),
+    Param("diagnostics", MESSAGES, N, "Anthropic", "no diagnostics are returned"),
+    Param("user_profile_id", MESSAGES, N, "Anthropic", "no per-user accounting"),
+    Param("workspace_id", MESSAGES, N, "Anthropic", "no workspaces"),
+    Param("thinking", MESSAGES, R, "Anthropic", "the model does not reason", no_op=({"type": "disabled"},)),
+    Param("output_config", MESSAGES, R, "Anthropic", "no effort control or output formats", no_op=({},)),
+    Param("container", MESSAGES, R, "Anthropic", "no code-execution containers"),
+    Param("mcp_servers", MESSAGES, R, "Anthropic", "no MCP connector", no_op=([],)),
+    Param("context_management", MESSAGES, R, "Anthropic", "no server-side context editing"),
+)
+_ALL: tuple[Param, ...] = PARAMETERS + RESPONSES_PARAMETERS + MESSAGES_PARAMETERS
+
+
 def rows(endpoint: Endpoint) -> tuple[Param, ...]:
-    return tuple(row for row in PARAMETERS if endpoint in row.endpoints)
+    return tuple(row for row in _ALL if endpoint in row.endpoints)
 
 
 def check_request(request: object, endpoint: Endpoint) -> None:
@@ -152,21 +227,28 @@ def _field(request: object, dotted: str) -> object:
 # --------------------------------------------------------------------------- README
 TABLE_START = "<!-- openai-compat-table:start -->"
 TABLE_END = "<!-- openai-compat-table:end -->"
-_ENDPOINT_NAMES = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions"}
+RESPONSES_TABLE = ("<!-- responses-compat-table:start -->", "<!-- responses-compat-table:end -->")
+MESSAGES_TABLE = ("<!-- messages-compat-table:start -->", "<!-- messages-compat-table:end -->")
+_ENDPOINT_NAMES = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions", RESPONSES: "responses",
+                   MESSAGES: "messages"}
 
 
-def markdown_table() -> str:
-    """README's compatibility table, between its markers (a test checks README holds exactly this)."""
+def markdown_table(table: tuple[Param, ...] = PARAMETERS, markers: tuple[str, str] = (TABLE_START, TABLE_END)) -> str:
+    """A README compatibility table, between its markers (a test checks README holds exactly this)."""
     lines = [
-        TABLE_START,
+        markers[0],
         "| parameter | endpoint | from | class | note |",
         "|---|---|---|---|---|",
         *(f"| `{row.name}` | {_ENDPOINT_NAMES[row.endpoints]} | {row.origin} | {row.support.value} | {row.note} |"
-          for row in PARAMETERS),
-        TABLE_END,
+          for row in table),
+        markers[1],
     ]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     print(markdown_table())
+    print()
+    print(markdown_table(RESPONSES_PARAMETERS, RESPONSES_TABLE))
+    print()
+    print(markdown_table(MESSAGES_PARAMETERS, MESSAGES_TABLE))

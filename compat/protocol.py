@@ -48,6 +48,9 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
                 setattr(self, name, default)
 
 
+RequestStruct = _Request  # the base of every request Struct, for the other APIs' wire types (compat/responses.py, ...)
+
+
 @functools.cache
 def _null_defaults(struct_type: type) -> tuple[tuple[str, Any], ...]:
     """(field, default) for each field whose default is a value, not null or absent."""
@@ -348,6 +351,9 @@ def validation_param(message: str) -> tuple[str, str | None]:
 # --------------------------------------------------------------------------- responses
 class _Response(Struct, kw_only=True):
     """Field order follows OpenAI's; UNSET fields are left out of the JSON, None ones are null."""
+
+
+ResponseStruct = _Response  # likewise for response Structs
 
 
 class PromptTokensDetails(_Response, kw_only=True):

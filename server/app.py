@@ -19,6 +19,8 @@ from aiohttp import web
 
 from engine.config import launched_by_torchrun
 from server import auth, routes
+from server.anthropic_routes import ANTHROPIC_PREFIX, add_anthropic_routes
+from server.anthropic_routes import error_json as anthropic_error_json
 from server.app_keys import CONFIG_KEY, LOG_FIELDS, LOGGER_KEY, METRICS_KEY, REQUEST_ID, STATE_KEY, ServerState
 from server.batch_api import add_batch_routes
 from server.browser_guard import browser_guard
@@ -32,6 +34,7 @@ from server.model_routes import add_model_routes
 from server.model_spec import EngineFactory
 from server.openapi import add_openapi_route
 from server.registry import REGISTRY_KEY, ModelRegistry
+from server.responses_routes import add_responses_routes
 from server.subsystems import SUBSYSTEMS_KEY, Subsystems
 
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -65,11 +68,13 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
     routes.add_routes(app)
     add_model_routes(app)
     add_llama_stack_routes(app)  # Llama Stack's native inference API beside OpenAI's
+    add_anthropic_routes(app)  # Anthropic's Messages API, on chat's path
     add_openapi_route(app)
     app.on_response_prepare.append(_add_request_id_header)
     app.on_shutdown.append(_start_draining)
     app.cleanup_ctx.append(_registry_context)
     add_batch_routes(app)  # after the registry's context: the batch runner stops before the engines do
+    add_responses_routes(app)  # likewise: background responses stop before the engines do
     return app
 
 
@@ -190,8 +195,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if error.status >= 500:
         error.message += f" (request id {request[REQUEST_ID]})"
     request[LOG_FIELDS]["error_code"] = error.code
-    return web.Response(body=error.to_json(), status=error.status, headers=error.headers,
-                        content_type="application/json")
+    # Anthropic's SDKs read their own error body on their routes; every other route answers OpenAI's
+    body = anthropic_error_json(error) if request.path.startswith(ANTHROPIC_PREFIX) else error.to_json()
+    return web.Response(body=body, status=error.status, headers=error.headers, content_type="application/json")
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:

@@ -37,9 +37,12 @@ def is_admin_route(request: web.Request) -> bool:
 
 
 def bearer_token(request: web.Request) -> bytes | None:
+    """The key a request carries: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
+        token = request.headers.get("x-api-key", "")
+    if not token.strip():
         return None
     # aiohttp decodes header bytes with surrogateescape: a non-UTF-8 key compares as its raw bytes
     return token.strip().encode("utf-8", "surrogateescape")

@@ -198,8 +198,7 @@ class BatchStore:
         self.root = Path(root).expanduser()
         self.files_dir = self.root / "files"
         for directory in (self.root, self.files_dir):
-            directory.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-            _make_private(directory, _DIR_MODE)
+            make_private_dir(directory)
         self.max_file_bytes = max_file_bytes
         self.max_requests = max_requests
         self.retention_s = retention_s
@@ -230,8 +229,8 @@ class BatchStore:
         self._lock_file.close()
 
     # ------------------------------------------------------------------ transactions
-    def _transaction(self) -> "_Tx":
-        return _Tx(self._db)
+    def _transaction(self) -> "Transaction":
+        return Transaction(self._db)
 
     def _now_s(self) -> int:
         return int(self._clock())
@@ -615,7 +614,19 @@ def _make_private(path: Path, mode: int) -> None:
         os.chmod(path, mode)
 
 
+def make_private_dir(path: Path) -> None:
+    """mkdir -p, then 0700 whatever the umask (a looser existing dir is tightened)."""
+    path.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    _make_private(path, _DIR_MODE)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
+    return connect_private(path, _SCHEMA)
+
+
+def connect_private(path: Path, schema: str) -> sqlite3.Connection:
+    """A SQLite database private to the server's user (0600, its WAL files too), in WAL mode with
+    full syncs, `schema` applied; autocommit (use Transaction for each change)."""
     open_private(path, "a+b").close()  # SQLite gives its -wal and -shm files the database's mode
     for existing in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         if existing.exists():
@@ -625,14 +636,14 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
-        db.executescript(_SCHEMA)
+        db.executescript(schema)
     except BaseException:
         db.close()
         raise
     return db
 
 
-class _Tx:
+class Transaction:
     """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK when the block raises."""
 
     def __init__(self, db: sqlite3.Connection) -> None:

@@ -88,6 +88,10 @@ class ServerConfig:
     # LoRA adapters registered at start (--lora-modules, run.yaml models with metadata.base_model),
     # each loaded on its base by its first request (server/adapters.py)
     lora_modules: tuple[LoraModule, ...] = ()
+    # Stored Responses (server/response_store.py, beside the batch store), per API key; 0: no bound
+    responses_max_stored: int = 10_000
+    responses_max_bytes: int = 10**9
+    responses_retention_s: int = 30 * 24 * 3600
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -195,6 +199,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_quota_bytes", parse_bytes, "server", "bytes of files one API key may keep, e.g. 10GB (0: no limit)"),
     Option("batch_quota_batches", int, "server", "batches one API key may keep, finished ones until they are "
            "purged (0: no limit)"),
+    Option("responses_max_stored", int, "server", "stored Responses (store: true) one API key keeps; past it "
+           "its oldest are deleted (0: no limit)"),
+    Option("responses_max_bytes", parse_bytes, "server", "bytes of stored Responses one API key keeps, e.g. 1GB; "
+           "past it its oldest are deleted (0: no limit)"),
+    Option("responses_retention_s", int, "server", "seconds a stored Response is kept (default 30 days; 0: until "
+           "deleted)"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model (0: one per checkpoint shard, "
@@ -502,6 +512,8 @@ def _validate(config: ServerConfig) -> None:
         (config.batch_retention_s >= 0, "batch_retention_s must be >= 0 (0: keep until deleted)"),
         (min(config.batch_quota_files, config.batch_quota_bytes, config.batch_quota_batches) >= 0,
          "batch_quota_files, batch_quota_bytes and batch_quota_batches must be >= 0 (0: no limit)"),
+        (min(config.responses_max_stored, config.responses_max_bytes, config.responses_retention_s) >= 0,
+         "responses_max_stored, responses_max_bytes and responses_retention_s must be >= 0 (0: no limit)"),
         (config.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0"),
         (config.max_stream_duration_s > 0, "max_stream_duration_s must be > 0"),
         (config.body_read_timeout_s > 0 and config.keepalive_timeout_s > 0,

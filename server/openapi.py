@@ -13,7 +13,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from compat import anthropic as a
 from compat import batch_protocol as bp
+from compat import responses as r
 from compat import llama_stack as ls
 from compat import protocol as p
 from server.model_routes import LoadLoraAdapterRequest, RegisterModelRequest, UnloadLoraAdapterRequest
@@ -50,6 +52,9 @@ def request_types() -> dict[tuple[str, str], type]:
         ("POST", "/v1/models"): RegisterModelRequest,
         ("POST", "/v1/load_lora_adapter"): LoadLoraAdapterRequest,
         ("POST", "/v1/unload_lora_adapter"): UnloadLoraAdapterRequest,
+        ("POST", "/v1/responses"): r.ResponsesRequest,
+        ("POST", "/v1/messages"): a.MessagesRequest,
+        ("POST", "/v1/messages/count_tokens"): a.CountTokensRequest,
     }
 
 
@@ -59,6 +64,13 @@ RESPONSE_TYPES: dict[tuple[str, str], type] = {
     # (BatchResponse's items hold an untagged union of two response Structs: no schema for it)
     ("POST", "/tokenize"): p.TokenizeResponse,
     ("POST", "/detokenize"): p.DetokenizeResponse,
+    ("POST", "/v1/responses"): r.ResponseObject,
+    ("GET", "/v1/responses/{response_id}"): r.ResponseObject,
+    ("POST", "/v1/responses/{response_id}/cancel"): r.ResponseObject,
+    ("DELETE", "/v1/responses/{response_id}"): r.DeletedResponse,
+    ("GET", "/v1/responses/{response_id}/input_items"): r.InputItemList,
+    ("POST", "/v1/messages"): a.MessageObject,
+    ("POST", "/v1/messages/count_tokens"): a.TokenCount,
 }
 # Bodies that are not one JSON Struct: the Batch API's upload (OpenAI's multipart form) and cancel (no body).
 _OTHER_BODIES: dict[tuple[str, str], dict[str, Any]] = {
@@ -67,6 +79,8 @@ _OTHER_BODIES: dict[tuple[str, str], dict[str, Any]] = {
         "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
     }}}},
     ("POST", "/v1/batches/{batch_id}/cancel"): {"required": False, "content": {"application/json": {"schema": {
+        "type": "object"}}}},
+    ("POST", "/v1/responses/{response_id}/cancel"): {"required": False, "content": {"application/json": {"schema": {
         "type": "object"}}}},
 }
 _STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "403": "not allowed",
@@ -89,7 +103,8 @@ def openapi_path(canonical: str) -> tuple[str, list[str]]:
 
 def build_document(app: web.Application) -> dict[str, Any]:
     requests = request_types()
-    bodies = sorted({*requests.values(), *RESPONSE_TYPES.values(), ErrorResponse}, key=lambda t: t.__qualname__)
+    bodies = sorted({*requests.values(), *RESPONSE_TYPES.values(), ErrorResponse, a.ErrorBody},
+                    key=lambda t: t.__qualname__)
     # msgspec names each component (module-qualified where two Structs share a name): keep its refs.
     refs, components = msgspec.json.schema_components(bodies, ref_template=_REF)
     ref_of = dict(zip(bodies, refs))
@@ -120,7 +135,8 @@ def build_document(app: web.Application) -> dict[str, Any]:
 
 
 def _responses(key: tuple[str, str], ref_of: dict[type, dict[str, Any]]) -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": ref_of[ErrorResponse]}}}
+    error_type = a.ErrorBody if key[1].startswith("/v1/messages") else ErrorResponse  # Anthropic's routes: its shape
+    error = {"content": {"application/json": {"schema": ref_of[error_type]}}}
     ok: dict[str, Any] = {"description": "success"}
     if key in RESPONSE_TYPES:
         ok["content"] = {"application/json": {"schema": ref_of[RESPONSE_TYPES[key]]},

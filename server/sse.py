@@ -11,7 +11,7 @@ the request in the engine when the client leaves.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Callable, Iterable, NamedTuple
 
 import structlog
 from aiohttp import web
@@ -30,8 +30,25 @@ DONE = b"data: [DONE]\n\n"
 log = structlog.get_logger("llamaserve.sse")
 
 
+class Event(NamedTuple):
+    """A named event (`event: NAME` before its data), as the Responses and Anthropic streams send."""
+
+    name: str
+    data: object
+
+
 def frame(obj: object) -> bytes:
+    """One `data:` frame; an Event also names itself; a list is its items' frames, in order."""
+    if isinstance(obj, Event):
+        return b"event: " + obj.name.encode() + b"\ndata: " + ENCODER.encode(obj.data) + b"\n\n"
+    if isinstance(obj, list):
+        return b"".join(frame(item) for item in obj)
     return b"data: " + ENCODER.encode(obj) + b"\n\n"
+
+
+def error_frame(error: ApiError) -> bytes:
+    """OpenAI's in-band error: the error body as one `data:` frame."""
+    return b"data: " + error.to_json() + b"\n\n"
 
 
 async def stream(
@@ -42,9 +59,11 @@ async def stream(
     head: Iterable[object],
     tail: Callable[[], Iterable[object]],
     done: bytes = DONE,
+    error_frame: Callable[[ApiError], bytes] = error_frame,
 ) -> web.StreamResponse:
     """Send head chunks, one chunk per item (`first`, then the rest), tail chunks, [DONE]
-    (`done`: Llama Stack's clients parse every event as JSON, so its streams end without one).
+    (`done`: Llama Stack's clients parse every event as JSON, so its streams end without one; nor do
+    the Responses and Anthropic streams, whose `error_frame` is their own error event).
 
     `first` was awaited before this call, so errors raised before any output (queue full, invalid
     request) still get a proper HTTP status instead of an in-band error."""
@@ -84,14 +103,14 @@ async def stream(
         error = ApiError(408, f"The stream reached this server's maximum duration of "
                          f"{config.max_stream_duration_s:g} s.", code="stream_timeout", error_type="timeout_error")
         try:
-            await write(b"data: " + error.to_json() + b"\n\n" + done)
+            await write(error_frame(error) + done)
         except (ConnectionError, _SlowReader):
             _drop(request)
             return response
     except Exception as exc:  # noqa: BLE001 - any failure mid-stream becomes an in-band error event
         error = from_exception_logged(exc, "stream failed", request_id=request[REQUEST_ID], path=request.path)
         try:
-            await write(b"data: " + error.to_json() + b"\n\n" + done)
+            await write(error_frame(error) + done)
         except (ConnectionError, _SlowReader):
             _drop(request)
             return response

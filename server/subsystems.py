@@ -1,4 +1,4 @@
-"""Optional subsystems (the Batch API; the Responses store later): each one fails alone.
+"""Optional subsystems (the Batch API; the Responses store): each one fails alone.
 
 Inference is the server's job; a subsystem beside it (its own storage, its own background task)
 must never take it down. Each subsystem registers here under a name and reports its state:

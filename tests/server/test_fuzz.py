@@ -67,7 +67,10 @@ def live(tmp_path_factory) -> Iterator[LiveApp]:
 
 def check_response(status: int, content_type: str, body: bytes, what: str) -> None:
     assert status < 500, f"{what}: {status} {body[:500]!r}"
-    if status >= 400 and status != 405:  # aiohttp's 405 for HEAD etc. still has our error body
+    if status >= 400 and status != 405 and what.startswith("POST /v1/messages"):  # Anthropic's routes: its shape
+        error = json.loads(body)
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, f"{what}: {body[:500]!r}"
+    elif status >= 400 and status != 405:  # aiohttp's 405 for HEAD etc. still has our error body
         error = json.loads(body)["error"]
         assert set(error) == {"message", "type", "param", "code"}, f"{what}: {body[:500]!r}"
     if status >= 400:
@@ -173,5 +176,69 @@ def test_hypothesis_chat_messages_and_tools_never_5xx(live):
     def check(body):
         response = session.post(live.base_url + "/v1/chat/completions", json=body, timeout=30)
         check_response(response.status_code, response.headers.get("content-type", ""), response.content, repr(body)[:300])
+
+    check()
+
+
+# --------------------------------------------------------------------------- hypothesis: Responses items, Anthropic blocks
+part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal", "bogus"])},
+                             optional={"text": st.text(max_size=30), "image_url": st.text(max_size=10),
+                                       "refusal": st.text(max_size=10), "annotations": json_value})
+item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "bogus"]),
+                           "content": st.text(max_size=50) | st.lists(part, max_size=3) | json_value},
+                          optional={"type": st.sampled_from(["message", "reasoning"]), "id": st.text(max_size=8)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=8), "name": st.text(max_size=8),
+                           "arguments": st.text(max_size=30) | json_value.map(json.dumps)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=8),
+                           "output": st.text(max_size=30) | st.lists(part, max_size=2) | json_value}),
+    json_value,
+)
+responses_body = st.fixed_dictionaries(
+    {"model": st.sampled_from(["fake", "nope"]), "input": st.text(max_size=50) | st.lists(item, max_size=4) | json_value},
+    optional={"tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                       "name": st.text(max_size=70)},
+                                                      optional={"parameters": json_value, "strict": st.booleans()}),
+                                max_size=2),
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_value,
+              "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema", "bogus"])},
+                  optional={"schema": json_value, "name": st.text(max_size=8)})}),
+              "stream": st.booleans(), "background": st.booleans(), "store": st.booleans(),
+              "previous_response_id": st.text(max_size=10), "max_output_tokens": st.integers(-1, 10**6),
+              "instructions": st.text(max_size=20) | json_value, "include": st.lists(st.text(max_size=30), max_size=2)},
+)
+block = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "bogus"])},
+                              optional={"text": st.text(max_size=30), "id": st.text(max_size=8), "name": st.text(max_size=8),
+                                        "input": json_value, "tool_use_id": st.text(max_size=8),
+                                        "content": st.text(max_size=20) | json_value, "source": json_value,
+                                        "thinking": st.text(max_size=5), "is_error": st.booleans()})
+messages_body = st.fixed_dictionaries(
+    {"model": st.sampled_from(["fake", "nope"]), "max_tokens": st.integers(-1, 10**6),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                 "content": st.text(max_size=30) | st.lists(block, max_size=3)}),
+                          max_size=4)},
+    optional={"system": st.text(max_size=20) | json_value, "stream": st.booleans(),
+              "tools": st.lists(st.fixed_dictionaries({"name": st.text(max_size=70), "input_schema": json_value}), max_size=2),
+              "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                                   optional={"name": st.text(max_size=8)}) | json_value,
+              "stop_sequences": st.lists(st.text(max_size=5), max_size=20), "top_k": st.integers(-2, 100)},
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"])
+def test_hypothesis_responses_items_and_anthropic_blocks_never_5xx(live, path):
+    import requests
+
+    session = requests.Session()
+    strategy = responses_body if path == "/v1/responses" else messages_body
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(body=strategy)
+    def check(body):
+        response = session.post(live.base_url + path, json=body, timeout=30)
+        check_response(response.status_code, response.headers.get("content-type", ""), response.content,
+                       f"POST {path} {body!r:.300}")
 
     check()
