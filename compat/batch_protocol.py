@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from compat import protocol as p
+
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600}  # OpenAI accepts only 24h
 
 MIN_EXPIRES_AFTER_S, MAX_EXPIRES_AFTER_S = 3600, 30 * 24 * 3600  # OpenAI's bounds: 1 hour to 30 days
@@ -92,20 +94,8 @@ class BatchErrors(_Object, kw_only=True):
     data: list[BatchError]
 
 
-class InputTokensDetails(_Object, kw_only=True):
-    cached_tokens: int
-
-
-class OutputTokensDetails(_Object, kw_only=True):
-    reasoning_tokens: int = 0
-
-
-class BatchUsage(_Object, kw_only=True):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
+# the Batch API reports usage as the Responses API does
+InputTokensDetails, OutputTokensDetails, BatchUsage = p.InputTokensDetails, p.OutputTokensDetails, p.ResponseUsage
 
 
 class Batch(_Object, kw_only=True):

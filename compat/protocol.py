@@ -356,6 +356,24 @@ class _Response(Struct, kw_only=True):
 ResponseStruct = _Response  # likewise for response Structs
 
 
+class InputTokensDetails(_Response, kw_only=True):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(_Response, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Response, kw_only=True):
+    """Token usage as the Responses API and the Batch API both report it."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
 class PromptTokensDetails(_Response, kw_only=True):
     cached_tokens: int = 0
 

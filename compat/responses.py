@@ -357,20 +357,7 @@ class OutputFunctionCall(ResponseStruct, kw_only=True, tag_field="type", tag="fu
 OutputItem = OutputMessage | OutputFunctionCall
 
 
-class InputTokensDetails(ResponseStruct, kw_only=True):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(ResponseStruct, kw_only=True):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(ResponseStruct, kw_only=True):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
+InputTokensDetails, OutputTokensDetails, ResponseUsage = p.InputTokensDetails, p.OutputTokensDetails, p.ResponseUsage
 
 
 class ResponseErrorInfo(ResponseStruct, kw_only=True):
