@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_fp8
+from engine.quant.kquants import K_FORMATS, KQuantWeight
 from engine.quant.linear import tiled_dequant_mm
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
@@ -46,7 +47,8 @@ Capability = tuple[int, int]
 
 # The compute capability each format needs on CUDA (None: any): fp8 and int8 run everywhere
 # (their fallbacks are plain torch), int4 needs tinygemm.
-MIN_CAPABILITY: dict[str, Capability | None] = {"fp8": None, "int8": None, "int4": TINYGEMM_MIN_CAPABILITY}
+# GGUF K-quants: their super-blocks dequantized tile by tile in torch (dequant_mm), any device.
+MIN_CAPABILITY: dict[str, Capability | None] = {"fp8": None, "int8": None, "int4": TINYGEMM_MIN_CAPABILITY, **dict.fromkeys(K_FORMATS)}
 
 
 def kernel_formats(capability: Capability | None) -> tuple[str, ...]:
@@ -180,6 +182,6 @@ def dequant_mm(x: torch.Tensor, weight: QuantizedWeight, tile_elems: int = DEQUA
 
 
 def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> CudaQuantLinear:
-    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
+    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight, KQuantWeight)):
         raise TypeError(f"no CUDA linear for {type(weight).__name__}")
     return CudaQuantLinear(weight, plan(weight, capability))

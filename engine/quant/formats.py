@@ -202,11 +202,34 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
     return replace(first, **merged)
 
 
-def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
-    """Row concatenation of float tensors (torch.cat) or of quantized weights (concat_rows): what
-    load-time fusion calls, whichever form the checkpoint holds."""
+@dataclass(frozen=True)
+class RowStack:
+    """Weights of different formats fused into one linear by rows (a GGUF Q4_K_M file's Q4_K wq and
+    wk beside a Q6_K wv): its Linear runs each part's own linear and lays the outputs side by side,
+    so every part keeps its format and kernels (engine.backends.base.PreparedWeight)."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.out_features for p in self.parts), self.parts[0].in_features)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def make_linear(self, backend: object) -> "torch.nn.Module":
+        return quant_linear.StackedLinear([backend.linear(p) for p in self.parts])  # type: ignore[attr-defined]
+
+
+def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight | RowStack":
+    """Row concatenation of float tensors (torch.cat) or of quantized weights (concat_rows; a
+    RowStack where their formats differ): what load-time fusion calls, whichever form the
+    checkpoint holds."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
+    quantized = all(isinstance(p, QuantizedWeight) for p in parts)
+    if quantized and len({type(p) for p in parts}) > 1 and len({p.in_features for p in parts}) == 1:
+        return RowStack(tuple(parts))
     return concat_rows(parts)
 
 

@@ -167,6 +167,29 @@ def make_linear(weight: QuantizedWeight) -> QuantLinear:
     return QuantLinear(weight, quant_kernels.load_quant_kernels())
 
 
+class StackedLinear(nn.Module):
+    """x -> the outputs of several linears over the same input, side by side (formats.RowStack: a
+    fused wq|wk|wv or w1|w3 whose parts hold different formats)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)  # submodules: each reports its own weight_format
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def storage_key(self) -> int:
+        # Transformer.weight_bytes keys each module's bytes by storage and visits this module before
+        # its parts: sharing the first part's key, its total is replaced by that part's own bytes,
+        # and the parts' bytes are each counted once
+        return self.parts[0].storage_key() if hasattr(self.parts[0], "storage_key") else id(self.parts[0])
+
+    def resident_bytes(self) -> int:
+        return sum(p.resident_bytes() for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table kept quantized (GGUF's Q8_0 token embeddings): only the looked-up rows
     are dequantized, into the model dtype."""

@@ -132,8 +132,9 @@ def test_paths_by_compute_capability():
     assert plan(quantize_int4(_weight(64, 512), 512), (9, 0)) == "dequant_mm"  # tinygemm: groups up to 256
     assert plan(quantize_fp8(_weight(60, 256)), (9, 0)) == "dequant_mm"  # scaled_mm: multiples of 16
     assert plan(int8, (9, 0)) == "dequant_mm"
-    assert kernel_formats(None) == ("fp8", "int8") and kernel_formats((7, 5)) == ("fp8", "int8")
-    assert kernel_formats((8, 0)) == ("fp8", "int8", "int4")
+    k_quants = ("q4_k", "q5_k", "q6_k")  # GGUF super-blocks: dequantized tile by tile on any GPU
+    assert kernel_formats(None) == ("fp8", "int8", *k_quants) and kernel_formats((7, 5)) == ("fp8", "int8", *k_quants)
+    assert kernel_formats((8, 0)) == ("fp8", "int8", "int4", *k_quants)
 
 
 def test_select_backend_picks_the_cuda_backend_for_cuda():

@@ -14,6 +14,7 @@
  *         column j + 16 high nibble); float16 scales per group; value = scale * q + min, where min
  *         is the float16 `mins` entry or, without mins, -8 * scale (i.e. scale * (q - 8)).
  *   fp8:  float8_e4m3fn codes, float32 scale per row, value = scale * fp8(q).
+ *   Q4_K, Q5_K, Q6_K: GGUF's 256-value super-blocks as stored (the K-quants section below).
  * Activations and outputs are float32 (dtype code 0) or bfloat16 (code 1); sums are float32.
  */
 #include <stdint.h>
@@ -444,6 +445,170 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
     }
 }
 
+/* ------------------------------------------------------------------------------------------ K-quants
+ * GGUF's Q4_K, Q5_K and Q6_K super-blocks (256 values; engine/quant/kquants.py describes the bytes),
+ * read as stored. A super-block is dequantized into 256 floats (exact: each value is the same
+ * float32 products and one subtraction gguf.quants.dequantize computes, and every product there is
+ * exact in float32, so contraction into an FMA changes nothing), then multiplied into up to TILE
+ * input rows from L1. AVX2 (x86-64-v3, this project's Zen 2 machines) unpacks the codes with
+ * intrinsics, 8 values a vector; elsewhere portable loops. */
+#define QK_K 256
+enum { FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5 };
+
+static AI int64_t kq_type_size(const int fmt) { return fmt == FMT_Q4_K ? 144 : fmt == FMT_Q5_K ? 176 : 210; }
+
+static AI float kq_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof(h));
+    return half_to_f32(h);
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes. */
+static AI void kq_scale_min(const uint8_t *s, int j, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+/* out[0..32) = scale * codes[0..32) - offset, codes uint8 (or int8 with `is_signed`) in a register */
+static AI void kq_store32(__m256i codes, int is_signed, float scale_lo, float scale_hi, float offset, float *out) {
+    uint8_t tmp[32];
+    _mm256_storeu_si256((__m256i *)tmp, codes);
+    const __m256 vm = _mm256_set1_ps(offset);
+    for (int c = 0; c < 4; c++) {
+        const __m128i eight = _mm_loadl_epi64((const __m128i *)(tmp + 8 * c));
+        const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+        const __m256 vd = _mm256_set1_ps(c < 2 ? scale_lo : scale_hi);
+        _mm256_storeu_ps(out + 8 * c, _mm256_sub_ps(_mm256_mul_ps(vd, f), vm));
+    }
+}
+#endif
+
+/* One super-block `b` of type fmt -> out[256] float32, bit for bit gguf's values. */
+static AI void kq_dequant_block(const int fmt, const uint8_t *b, float *out) {
+    if (fmt == FMT_Q6_K) {
+        const float d = kq_half(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int s = 0; s < 4; s++) { /* values 128 h + 32 s + i: low nibbles of ql[32 (s & 1) + i] (high for s >= 2), bits 2s of qh[i] */
+                float *dst = out + 128 * h + 32 * s;
+                const float d0 = d * (float)sc[8 * h + 2 * s], d1 = d * (float)sc[8 * h + 2 * s + 1];
+#ifdef __AVX2__
+                const __m256i lowb = _mm256_loadu_si256((const __m256i *)(ql + 32 * (s & 1)));
+                const __m256i low = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lowb, 4) : lowb, _mm256_set1_epi8(0x0F));
+                const __m256i high = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)qh), _mm_cvtsi32_si128(2 * s)),
+                                                      _mm256_set1_epi8(0x03));
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+                kq_store32(q, 1, d0, d1, 0.0f, dst);
+#else
+                for (int i = 0; i < 32; i++) {
+                    const int lo = (ql[32 * (s & 1) + i] >> (4 * (s >> 1))) & 15, hi = (qh[i] >> (2 * s)) & 3;
+                    dst[i] = (i < 16 ? d0 : d1) * (float)((lo | (hi << 4)) - 32);
+                }
+#endif
+            }
+        }
+        return;
+    }
+    /* Q4_K, Q5_K: four pairs of 32-value sub-blocks, 2p from the low nibbles of qs[32 p + i], 2p + 1 from the high */
+    const float d = kq_half(b), dmin = kq_half(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = fmt == FMT_Q5_K ? b + 48 : b + 16;
+    for (int p = 0; p < 4; p++) {
+        float sc0, m0, sc1, m1;
+        kq_scale_min(scales, 2 * p, &sc0, &m0);
+        kq_scale_min(scales, 2 * p + 1, &sc1, &m1);
+        const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
+        float *dst = out + 64 * p;
+#ifdef __AVX2__
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p)), nib = _mm256_set1_epi8(0x0F);
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if (fmt == FMT_Q5_K) { /* the fifth bit: bit 2p (2p + 1) of qh[i], moved to bit 4 */
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh), bit = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), _mm_cvtsi32_si128(4)), bit));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p + 1)), _mm_cvtsi32_si128(4)), bit));
+        }
+        kq_store32(lo, 0, d0, d0, o0, dst);
+        kq_store32(hi, 0, d1, d1, o1, dst + 32);
+#else
+        for (int i = 0; i < 32; i++) {
+            int lo = qs[32 * p + i] & 15, hi = qs[32 * p + i] >> 4;
+            if (fmt == FMT_Q5_K) {
+                lo |= ((qh[i] >> (2 * p)) & 1) << 4;
+                hi |= ((qh[i] >> (2 * p + 1)) & 1) << 4;
+            }
+            dst[i] = d0 * (float)lo - o0;
+            dst[32 + i] = d1 * (float)hi - o1;
+        }
+#endif
+    }
+}
+
+/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k). */
+static AI void kq_row_dot_n(const int fmt, const uint8_t *w, int64_t k, const float *x, int t, float *res) {
+    const int64_t size = kq_type_size(fmt);
+    float vals[QK_K] __attribute__((aligned(64)));
+    v16f acc[TILE];
+    for (int i = 0; i < t; i++) acc[i] = (v16f){0};
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        kq_dequant_block(fmt, w + sb * size, vals);
+        for (int i = 0; i < t; i++) {
+            const float *xb = x + i * k + sb * QK_K;
+            for (int c = 0; c < QK_K; c += 16) acc[i] += loadf(vals + c) * loadf(xb + c);
+        }
+    }
+    for (int i = 0; i < t; i++) res[i] = hsum(acc[i]);
+}
+
+static int kq_linear(const int fmt, int bf16, const void *x, int64_t rows, int64_t n, int64_t k, const uint8_t *w, void *out,
+                     int num_threads) {
+    float *xf = padded_input(x, bf16, rows, k, k); /* k is whole super-blocks */
+    if (!xf) return KERNEL_NO_MEMORY;
+    const int64_t row_bytes = k / QK_K * kq_type_size(fmt);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
+            const int t = rows - m0 < TILE ? (int)(rows - m0) : TILE;
+            float res[TILE];
+            kq_row_dot_n(fmt, w + r * row_bytes, k, xf + m0 * k, t, res);
+            for (int i = 0; i < t; i++) {
+                const size_t at = (size_t)((m0 + i) * n + r);
+                if (bf16) ((bf16_t *)out)[at] = f32_to_bf16(res[i]);
+                else ((float *)out)[at] = res[i];
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* Dequantize output rows [row0, row1) of a K-quant weight (fmt: 3 Q4_K, 4 Q5_K, 5 Q6_K) into out
+ * [row1 - row0, k] (float32 or bfloat16). */
+void kquant_dequantize(const void *w, int fmt, int64_t n, int64_t k, int64_t row0, int64_t row1, int bf16, void *out,
+                       int num_threads) {
+    (void)n;
+    const int64_t size = kq_type_size(fmt), row_bytes = k / QK_K * size;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = row0; r < row1; r++) {
+        float vals[QK_K];
+        for (int64_t sb = 0; sb < k / QK_K; sb++) {
+            kq_dequant_block(fmt, (const uint8_t *)w + r * row_bytes + sb * size, vals);
+            const size_t at = (size_t)((r - row0) * k + sb * QK_K);
+            if (bf16) {
+                for (int i = 0; i < QK_K; i++) ((bf16_t *)out)[at + i] = f32_to_bf16(vals[i]);
+            } else {
+                memcpy((float *)out + at, vals, sizeof(vals));
+            }
+        }
+    }
+}
+
 static qmat make_qmat(const void *w, const void *scales, int scales_f16, const uint16_t *mins, int64_t n, int64_t k, int64_t group) {
     qmat q = {(const uint8_t *)w, scales, mins, n, k, group, (k + group - 1) / group, scales_f16};
     return q;
@@ -464,6 +629,9 @@ int quant_linear(const quant_weight *d, int bf16, const void *x, int64_t rows, v
     switch (d->fmt) {
     case FMT_INT8: return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
     case FMT_INT4: return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
+    case FMT_Q4_K: return kq_linear(FMT_Q4_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
+    case FMT_Q5_K: return kq_linear(FMT_Q5_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
+    case FMT_Q6_K: return kq_linear(FMT_Q6_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
     default: return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
     }
 }
