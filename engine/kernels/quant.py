@@ -46,8 +46,8 @@ SIGNATURES = {
     "int8_dequantize": ((_p, _p, _i32, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # w, scales, mins, n, k, group, row0, row1, bf16, out, threads
     "int4_dequantize": ((_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
-    # w, scales, n, k, row0, row1, bf16, out, threads
-    "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # w, scales, n, k, group, row0, row1, bf16, out, threads
+    "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # blocks, fmt, n, k, row0, row1, bf16, out, threads
     "kquant_dequantize": ((_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
@@ -104,7 +104,7 @@ class QuantKernels:
             f16 = int(weight.scales.dtype == torch.float16)
             self._lib.int8_dequantize(wp, sp, f16, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
         elif weight.format == "fp8":
-            self._lib.fp8_dequantize(wp, sp, n, k, row0, row1, code, out.data_ptr(), threads)
+            self._lib.fp8_dequantize(wp, sp, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
         elif weight.format in K_QUANT_FORMATS:
             self._lib.kquant_dequantize(wp, FORMAT_CODES[weight.format], n, k, row0, row1, code, out.data_ptr(), threads)
         else:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from engine.loading.meta_quantized import attach_fp8_scales, release_formats
 from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.loading.file_guard import guard_tree, guarded
@@ -128,11 +129,6 @@ def resolve_checkpoint(
     original = checkpoint_dir / "original"
     if not (checkpoint_dir / PARAMS_FILE).exists() and (original / PARAMS_FILE).exists():
         checkpoint_dir = original
-    if any(checkpoint_dir.glob("fp8_scales_*.pt")):  # cast without its scales it would be garbage
-        raise CheckpointError(
-            f"{checkpoint_dir}: pre-quantized FP8 checkpoints (fp8_scales_*.pt) are not supported; load the "
-            "bf16 release with quantization fp8_mixed instead"
-        )
     descriptor = _descriptor_for(model_id, llama_model)
     if descriptor is not None:
         published = descriptor.architecture  # raises for architectures this engine cannot run
@@ -236,6 +232,8 @@ class _Shards:
         if old_rank not in self._open:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = _torch_load(path)
+            # Meta's FP8 release: fp8_scales_N.pt beside the shard (engine/loading/meta_quantized.py)
+            state = attach_fp8_scales(self._spec.checkpoint_dir, path, state, old_rank, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
@@ -330,7 +328,7 @@ def quantized_formats(spec: CheckpointSpec) -> set[str]:
     from the headers only), so a load on a device without their kernels fails before any mapping."""
     from engine.quant.shard_file import read_formats
 
-    formats: set[str] = set()
+    formats: set[str] = release_formats(spec.checkpoint_dir)  # Meta's pre-quantized releases
     for path in spec.shard_paths:
         if path.suffix == ".safetensors":
             try:

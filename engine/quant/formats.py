@@ -119,10 +119,23 @@ class Int8Weight(QuantizedWeight):
 @dataclass(frozen=True)
 class Fp8Weight(QuantizedWeight):
     format: ClassVar[str] = "fp8"
-    # qweight: float8_e4m3fn [out, in]; scales: float32 [out, 1]
+    # qweight: float8_e4m3fn [out, in]; scales: float32 [out, 1] (per row), or [out, groups] where
+    # the shards of a Meta FP8 release, each scaled per row on its own, were merged (concat_cols)
+    # activation_scale_ub: None: weight-only (our fp8_mixed on CPU). A bound: the linear first rounds
+    # each input row to e4m3 with its amax capped there (engine.quant.linear.quantize_activation_rows_fp8), as
+    # llama-models' fbgemm path does for Meta's FP8 releases (fp8_activation_scale_ub, 1200)
+    activation_scale_ub: float | None = None
+
+    def header(self) -> dict[str, object]:
+        found = super().header()
+        if self.activation_scale_ub is not None:
+            found["activation_scale_ub"] = self.activation_scale_ub
+        return found
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scales.float()).to(dtype)
+        if self.scales.shape[1] == 1:
+            return (self.qweight.float() * self.scales.float()).to(dtype)
+        return (self.qweight.float() * self._scales_per_column()).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -168,7 +181,8 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight whose output rows are the weights' rows in order (fusing wq|wk|wv or w1|w3, which
     read the same input); they must share format, width, group size, scale dtype and mins."""
     first = weights[0]
-    same = {(type(w), w.in_features, w.group_size, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
+    same = {(type(w), w.in_features, w.group_size, w.scales.dtype, getattr(w, "mins", None) is None,
+             getattr(w, "activation_scale_ub", None)) for w in weights}  # fmt: skip
     if len(same) != 1:
         raise ValueError(f"cannot fuse weights of different formats or layouts: {sorted(map(str, same))}")
     return replace(first, **{role: torch.cat([w.tensors()[role] for w in weights]) for role in first.tensors()})
@@ -179,8 +193,8 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
     shards merged when resharding), exactly: the codes, scales and mins side by side, the common
     group size kept. Per-row shards (int8, fp8) with equal scales stay per row; int8 shards with
     their own per-row scales become group-wise int8 with one group per shard (the kernels' group
-    sizes: multiples of 32). ValueError for what has no exact merged form (fp8 shards whose
-    per-row scales differ: fp8 is per row only)."""
+    sizes: multiples of 32), and fp8 shards likewise group-wise fp8 (a Meta FP8 release's row-parallel
+    w2, scaled per row on each rank). ValueError for what has no exact merged form."""
     first = weights[0]
     same = {(type(w), w.out_features, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
     if len(same) != 1:
@@ -194,8 +208,6 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
             f"{first.format} shards of widths {[w.in_features for w in weights]} with group sizes "
             f"{[w.group_size for w in weights]} have no common group size (a multiple of {_BLOCK}) to merge into"
         )
-    if isinstance(first, Fp8Weight):
-        raise ValueError("fp8 shards hold different per-row scales, and fp8 weights have one scale per row: they cannot be merged exactly")
     merged = {role: torch.cat([w.tensors()[role] for w in weights], dim=1) for role in first.tensors()}
     if isinstance(first, Int4Weight):
         return replace(first, **merged, in_features_=sum(w.in_features for w in weights))
@@ -326,6 +338,8 @@ def from_tensors(header: dict[str, object], tensors: dict[str, torch.Tensor]) ->
     group_size = int(header["group_size"])  # type: ignore[arg-type]
     if fmt == "int4":
         weight: QuantizedWeight = Int4Weight(tensors["qweight"], tensors["scales"], group_size, tensors.get("mins"), cols)
+    elif fmt == "fp8" and header.get("activation_scale_ub") is not None:
+        weight = Fp8Weight(tensors["qweight"], tensors["scales"], group_size, float(header["activation_scale_ub"]))  # type: ignore[arg-type]
     else:
         weight = FORMATS[fmt](tensors["qweight"], tensors["scales"], group_size)
     _validate(weight, out, cols)

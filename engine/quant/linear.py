@@ -61,6 +61,8 @@ class QuantLinear(nn.Module):
         self._kernel = kernels.bind(self.weight_q) if kernels is not None else None  # pointers fixed once
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
+        # a Meta FP8 release's weight: inputs rounded to fp8 per row first, as its reference computes
+        self._activation_ub = getattr(weight, "activation_scale_ub", None)
 
     @property
     def weight_format(self) -> str:
@@ -93,13 +95,17 @@ class QuantLinear(nn.Module):
         """("quant", bound descriptor address, out, in) when one input row of `dtype` runs through the
         C kernel (what a compiled decode step calls, engine/backends/cpu_step.py); None otherwise
         (another path is faster there, or no kernels)."""
-        if self._kernel is None or self.path(1, dtype) != "kernel":
-            return None
+        if self._kernel is None or self.path(1, dtype) != "kernel" or self._activation_ub is not None:
+            return None  # the compiled step calls the kernel directly: it would skip the activations' rounding
         return "quant", self._kernel.descriptor_address, self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
+        if self._activation_ub is not None:
+            rounded = round_activation_rows_fp8(x.reshape(-1, self.in_features), self._activation_ub)
+            out = self.run(rounded, self.path(rounded.shape[0], rounded.dtype))
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.is_contiguous():  # the model's flat batch: no reshapes (a decode step makes ~120 calls)
             return self.run(x, self.path(x.shape[0], x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()
@@ -123,6 +129,27 @@ class QuantLinear(nn.Module):
             kernels, threads = self._kernels, torch.get_num_threads()
             fill = lambda row0, row1, tile: kernels.dequantize(self.weight_q, row0, row1, tile, threads)  # noqa: E731
         return tiled_dequant_mm(x, self.weight_q, compute, tile_elems=TILE_ELEMS, fill=fill)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_activation_rows_fp8(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [rows, in], float32 scales [rows, 1]) of activations, as fbgemm's
+    quantize_fp8_per_row (llama-models' FP8 path) computes them: each row's amax, capped at
+    `scale_ub` and floored at 1e-12, maps to 448; codes = clamp(x * (448 / amax)); scale = 1 / that."""
+    amax = x.detach().float().abs().amax(dim=-1, keepdim=True)
+    amax = amax.clamp(min=1e-12, max=scale_ub) if scale_ub is not None else amax.clamp(min=1e-12)
+    inverse = FP8_MAX / amax
+    codes = (x.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, 1.0 / inverse
+
+
+def round_activation_rows_fp8(x: torch.Tensor, scale_ub: float | None) -> torch.Tensor:
+    """x [rows, in] as its fp8 row-wise codes times their scales, float32: the activations the
+    reference's fp8 x fp8 matmul multiplies (so x' @ dequantize(W)^T is its product up to order)."""
+    codes, scales = quantize_activation_rows_fp8(x, scale_ub)
+    return codes.float() * scales
 
 
 def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dtype, *, tile_elems: int,

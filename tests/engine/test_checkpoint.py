@@ -283,10 +283,12 @@ def test_bad_params_json(ckpt, params, message):
     assert "params.json" in str(info.value)
 
 
-def test_meta_fp8_checkpoint_is_refused(ckpt):
+def test_meta_fp8_scales_file_that_cannot_be_read_fails_the_load_naming_it(ckpt):
+    """Meta's FP8 releases load (tests/engine/test_meta_fp8.py); a broken scales file is named."""
     (ckpt / "fp8_scales_0.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"pre-quantized FP8 checkpoints \(fp8_scales_\*.pt\) are not supported"):
-        resolve(ckpt)
+    spec = resolve(ckpt)
+    with pytest.raises(CheckpointError, match=r"fp8_scales_0.pt: not a readable fp8 scales file"):
+        load_rank_state_dict(spec, 0, 1)
 
 
 def test_unknown_llama_model_lists_close_matches(tiny_checkpoint):

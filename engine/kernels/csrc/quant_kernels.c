@@ -13,7 +13,8 @@
  *   int4: two codes a byte, GGUF's order inside each 32-column block (byte j: column j low nibble,
  *         column j + 16 high nibble); float16 scales per group; value = scale * q + min, where min
  *         is the float16 `mins` entry or, without mins, -8 * scale (i.e. scale * (q - 8)).
- *   fp8:  float8_e4m3fn codes, float32 scale per row, value = scale * fp8(q).
+ *   fp8:  float8_e4m3fn codes, float32 scales per row (or per group: shards of a Meta FP8 release
+ *         merged), value = scale * fp8(q).
  *   Q4_K, Q5_K, Q6_K: GGUF's 256-value super-blocks as stored (the K-quants section below).
  * Activations and outputs are float32 (dtype code 0) or bfloat16 (code 1); sums are float32.
  */
@@ -649,8 +650,8 @@ void int4_dequantize(const void *w, const void *scales, const void *mins, int64_
     qdequantize(FMT_INT4, &q, row0, row1, bf16, out, num_threads);
 }
 
-void fp8_dequantize(const void *w, const void *scales, int64_t n, int64_t k, int64_t row0, int64_t row1, int bf16,
+void fp8_dequantize(const void *w, const void *scales, int64_t n, int64_t k, int64_t group, int64_t row0, int64_t row1, int bf16,
                     void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, 0, NULL, n, k, k);
+    qmat q = make_qmat(w, scales, 0, NULL, n, k, group);
     qdequantize(FMT_FP8, &q, row0, row1, bf16, out, num_threads);
 }
