@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.loading.meta_quantized import attach_fp8_scales, release_formats
+from engine.loading.meta_quantized import as_shipped, release_formats
 from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.loading.file_guard import guard_tree, guarded
@@ -232,8 +232,8 @@ class _Shards:
         if old_rank not in self._open:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = _torch_load(path)
-            # Meta's FP8 release: fp8_scales_N.pt beside the shard (engine/loading/meta_quantized.py)
-            state = attach_fp8_scales(self._spec.checkpoint_dir, path, state, old_rank, self._spec.allowed_roots)
+            # Meta's pre-quantized releases, FP8 and int4 (engine/loading/meta_quantized.py)
+            state = as_shipped(self._spec.checkpoint_dir, self._spec.model_args, path, state, old_rank, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
@@ -328,7 +328,7 @@ def quantized_formats(spec: CheckpointSpec) -> set[str]:
     from the headers only), so a load on a device without their kernels fails before any mapping."""
     from engine.quant.shard_file import read_formats
 
-    formats: set[str] = release_formats(spec.checkpoint_dir)  # Meta's pre-quantized releases
+    formats: set[str] = release_formats(spec.checkpoint_dir, spec.model_args)  # Meta's pre-quantized releases
     for path in spec.shard_paths:
         if path.suffix == ".safetensors":
             try:

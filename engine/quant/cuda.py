@@ -34,7 +34,8 @@ from torch import nn
 
 from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_fp8
 from engine.quant.kquants import K_FORMATS, KQuantWeight
-from engine.quant.linear import quantize_activation_rows_fp8, round_activation_rows_fp8, tiled_dequant_mm
+from engine.quant.lora import LoraInt8Weight, LoraLinear
+from engine.quant.linear import activation_rounding, quantize_activation_rows_fp8, tiled_dequant_mm
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
 TINYGEMM_MIN_CAPABILITY = (8, 0)  # mma.sync bf16 tensor cores, CUDA >= 12
@@ -137,6 +138,7 @@ class CudaQuantLinear(nn.Module):
         self.group_size = weight.group_size
         self.path = path
         self._activation_ub = getattr(weight, "activation_scale_ub", None)  # a Meta FP8 release: inputs rounded to fp8 per row
+        self._round_input = activation_rounding(weight)  # Meta's releases (fp8 rows, int8 tokens), outside scaled_mm
         self._weight: QuantizedWeight | None = None
         self._held: tuple[torch.Tensor, ...]
         if path == "scaled_mm":
@@ -166,8 +168,8 @@ class CudaQuantLinear(nn.Module):
         elif self.path == "tinygemm":
             out = torch._weight_int4pack_mm(flat.to(torch.bfloat16).contiguous(), self._held[0], self.group_size, self._held[1])
         else:
-            if self._activation_ub is not None:
-                flat = round_activation_rows_fp8(flat, self._activation_ub)
+            if self._round_input is not None:
+                flat = self._round_input(flat)
             out = dequant_mm(flat, self._weight)  # type: ignore[arg-type]
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -179,7 +181,9 @@ def dequant_mm(x: torch.Tensor, weight: QuantizedWeight, tile_elems: int = DEQUA
     return tiled_dequant_mm(x, weight, compute, tile_elems=tile_elems)
 
 
-def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> CudaQuantLinear:
+def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> nn.Module:
+    if isinstance(weight, LoraInt8Weight):  # the base on its CUDA path, the adaptor in torch
+        return LoraLinear(make_cuda_linear(weight.base(), capability), weight)
     if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight, KQuantWeight)):
         raise TypeError(f"no CUDA linear for {type(weight).__name__}")
     return CudaQuantLinear(weight, plan(weight, capability))

@@ -39,6 +39,8 @@ class QuantizedWeight:
     """Codes and scales of one [out_features, in_features] weight; see the module docstring."""
 
     format: ClassVar[str]
+    # fusing by rows (wq|wk|wv, w1|w3) would mix tensors that are not per output row (a LoRA adaptor's A)
+    stacks_by_rows: ClassVar[bool] = False
     qweight: torch.Tensor
     scales: torch.Tensor  # [out, groups]
     group_size: int
@@ -110,7 +112,17 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class Int8Weight(QuantizedWeight):
     format: ClassVar[str] = "int8"
-    # qweight: int8 [out, in]; scales: float32 [out, 1] (per row) or float16 [out, in / group_size]
+    # qweight: int8 [out, in]; scales: float32 [out, 1] (per row) or float16 / float32 [out, in / group_size]
+    # int8_token_activations: the linear first fake-quantizes each input row to int8, asymmetric
+    # (engine.quant.linear.fake_quantize_int8_tokens), as torchao's Int8DynActInt4WeightLinear does
+    # for Meta's int4 QLoRA / SpinQuant releases (their int4 codes held here as int8)
+    int8_token_activations: bool = False
+
+    def header(self) -> dict[str, object]:
+        found = super().header()
+        if self.int8_token_activations:
+            found["int8_token_activations"] = True
+        return found
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.float() * self._scales_per_column()).to(dtype)
@@ -217,7 +229,7 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
 @dataclass(frozen=True)
 class RowStack:
     """Weights of different formats fused into one linear by rows (a GGUF Q4_K_M file's Q4_K wq and
-    wk beside a Q6_K wv): its Linear runs each part's own linear and lays the outputs side by side,
+    wk beside a Q6_K wv; weights with LoRA adaptors, engine.quant.lora): its Linear runs each part's own linear and lays the outputs side by side,
     so every part keeps its format and kernels (engine.backends.base.PreparedWeight)."""
 
     parts: tuple[QuantizedWeight, ...]
@@ -240,7 +252,8 @@ def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight | RowStack":
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     quantized = all(isinstance(p, QuantizedWeight) for p in parts)
-    if quantized and len({type(p) for p in parts}) > 1 and len({p.in_features for p in parts}) == 1:
+    stacked = len({type(p) for p in parts}) > 1 or any(p.stacks_by_rows for p in parts) if quantized else False
+    if stacked and len({p.in_features for p in parts}) == 1:
         return RowStack(tuple(parts))
     return concat_rows(parts)
 
@@ -338,6 +351,8 @@ def from_tensors(header: dict[str, object], tensors: dict[str, torch.Tensor]) ->
     group_size = int(header["group_size"])  # type: ignore[arg-type]
     if fmt == "int4":
         weight: QuantizedWeight = Int4Weight(tensors["qweight"], tensors["scales"], group_size, tensors.get("mins"), cols)
+    elif fmt == "int8" and header.get("int8_token_activations"):
+        weight = Int8Weight(tensors["qweight"], tensors["scales"], group_size, True)
     elif fmt == "fp8" and header.get("activation_scale_ub") is not None:
         weight = Fp8Weight(tensors["qweight"], tensors["scales"], group_size, float(header["activation_scale_ub"]))  # type: ignore[arg-type]
     else:

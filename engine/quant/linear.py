@@ -61,8 +61,8 @@ class QuantLinear(nn.Module):
         self._kernel = kernels.bind(self.weight_q) if kernels is not None else None  # pointers fixed once
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
-        # a Meta FP8 release's weight: inputs rounded to fp8 per row first, as its reference computes
-        self._activation_ub = getattr(weight, "activation_scale_ub", None)
+        # Meta's pre-quantized releases: inputs rounded first (fp8 rows, int8 tokens), as their reference computes
+        self._round_input = activation_rounding(weight)
 
     @property
     def weight_format(self) -> str:
@@ -95,15 +95,15 @@ class QuantLinear(nn.Module):
         """("quant", bound descriptor address, out, in) when one input row of `dtype` runs through the
         C kernel (what a compiled decode step calls, engine/backends/cpu_step.py); None otherwise
         (another path is faster there, or no kernels)."""
-        if self._kernel is None or self.path(1, dtype) != "kernel" or self._activation_ub is not None:
+        if self._kernel is None or self.path(1, dtype) != "kernel" or self._round_input is not None:
             return None  # the compiled step calls the kernel directly: it would skip the activations' rounding
         return "quant", self._kernel.descriptor_address, self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
-        if self._activation_ub is not None:
-            rounded = round_activation_rows_fp8(x.reshape(-1, self.in_features), self._activation_ub)
+        if self._round_input is not None:
+            rounded = self._round_input(x.reshape(-1, self.in_features))
             out = self.run(rounded, self.path(rounded.shape[0], rounded.dtype))
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.is_contiguous():  # the model's flat batch: no reshapes (a decode step makes ~120 calls)
@@ -150,6 +150,31 @@ def round_activation_rows_fp8(x: torch.Tensor, scale_ub: float | None) -> torch.
     reference's fp8 x fp8 matmul multiplies (so x' @ dequantize(W)^T is its product up to order)."""
     codes, scales = quantize_activation_rows_fp8(x, scale_ub)
     return codes.float() * scales
+
+
+def fake_quantize_int8_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 quantized to int8 per row and back, as torchao's per_token_dynamic_quant
+    (Int8DynActInt4WeightLinear's activations): asymmetric over [min(x, 0), max(x, 0)] in 255 steps
+    (scale floored at float32 eps), zero point -128 - round(min / scale), q = clamp(round(x * (1 /
+    scale)) + zero, -128, 127), value = (q - zero) * scale."""
+    x = x.float()
+    low = torch.clamp(x.amin(dim=-1, keepdim=True), max=0.0)
+    high = torch.clamp(x.amax(dim=-1, keepdim=True), min=0.0)
+    scale = torch.clamp((high - low) / 255.0, min=torch.finfo(torch.float32).eps)
+    zero = torch.clamp(-128.0 - torch.round(low / scale), -128.0, 127.0)
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zero, -128.0, 127.0)
+    return (q - zero) * scale
+
+
+def activation_rounding(weight: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How a weight's linear rounds its inputs first (None: it does not): fp8 rows for a Meta FP8
+    release's weights, int8 tokens for a Meta int4 release's (both: float32 out)."""
+    scale_ub = getattr(weight, "activation_scale_ub", None)
+    if scale_ub is not None:
+        return lambda x: round_activation_rows_fp8(x, scale_ub)
+    if getattr(weight, "int8_token_activations", False):
+        return fake_quantize_int8_tokens
+    return None
 
 
 def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dtype, *, tile_elems: int,

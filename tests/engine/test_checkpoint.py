@@ -268,7 +268,7 @@ def test_truncated_file(ckpt):
         ('{"dim": 64, "n_layers": 2}', "missing required field"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 5}', "dim 64 must split into 5 heads"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3}', "n_heads 4 must be a multiple of n_kv_heads 3"),
-        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "quantization_args": {"group_size": 32}}', "pre-quantized"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "vision_args": {"image_size": 448}}', "vision checkpoints are not supported"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {"num_experts": 16}}', "mixture-of-experts params.json needs ffn_exp"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_exp": 4, "ffn_dim_multiplier": 1, "moe_args": {"num_experts": 2, "top_k": 3}}', "top_k must be in"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "head_dim": 32, "use_qk_norm": true}', "head_dim 32 differs from dim // n_heads = 16"),

@@ -51,7 +51,9 @@ def write_fp8_release(out_dir, args, num_shards: int, seed: int):
 
 @pytest.fixture(scope="module")
 def args(tiny_model_args):
-    return dataclasses.replace(tiny_model_args, n_layers=4, multiple_of=64)  # w2 shards at MP=2: whole 32-column blocks
+    # w2 shards at MP=2: whole 32-column blocks; no RoPE scaling: the engine takes the descriptor's
+    # factor (32 for Llama 3.2), the reference hard-codes Llama 3.1's 8
+    return dataclasses.replace(tiny_model_args, n_layers=4, multiple_of=64, use_scaled_rope=False)
 
 
 @pytest.fixture(scope="module")
@@ -175,14 +177,19 @@ def test_greedy_tokens_and_logits_match_the_reference_quantized_path(releases, a
     prompts = random_prompts(args.vocab_size, [5, 9, 7], seed=4)
     results, weights = _run(releases[1], prompts)
     assert "fp8" in weights.formats
-    agree = total = 0
+    exact = agree = total = 0
+    ours_error = weight_only_error = 0.0
     for logits, tokens in results.values():
         expected = reference_logits(releases[1], args, tokens)[: logits.shape[0]]
         weight_only = reference_logits(releases[1], args, tokens, round_activations=False)[: logits.shape[0]]
-        torch.testing.assert_close(logits[0], expected[0], rtol=1e-4, atol=1e-4 * float(expected[0].abs().max()))
-        assert mean_error(logits, expected) < 0.3 * mean_error(weight_only, expected)
+        scale = float(expected.abs().max())
+        exact += int(((logits - expected).abs().amax(dim=-1) < 1e-4 * scale).sum())  # rows before any rounding flip
+        ours_error += mean_error(logits, expected)
+        weight_only_error += mean_error(weight_only, expected)
         agree += int((logits.argmax(-1) == expected.argmax(-1)).sum())
         total += logits.shape[0]
+    assert exact >= 0.6 * total
+    assert ours_error < 0.3 * weight_only_error
     assert agree >= 0.9 * total
 
 
@@ -196,14 +203,17 @@ def test_mp2_release_at_mp2_and_mp1(releases, args):
     at_mp2, _ = _run(releases[2], prompts, mp_size=2)
     at_mp1, _ = _run(releases[2], [tokens for _, tokens in at_mp2.values()])
     agree = total = 0
+    errors = {"mp2-split": 0.0, "mp1-whole": 0.0, "split-whole": 0.0}
     for seq_id, (logits, tokens) in at_mp2.items():
         other = at_mp1[seq_id][0][: logits.shape[0]]
         split = reference_logits(releases[2], args, tokens, num_shards=2)[: logits.shape[0]]
         whole = reference_logits(releases[2], args, tokens, num_shards=2, w2_slices=1)[: logits.shape[0]]
-        assert mean_error(logits, split) < 0.5 * mean_error(split, whole)
-        assert mean_error(other, whole) < 0.5 * mean_error(split, whole)
+        errors["mp2-split"] += mean_error(logits, split)
+        errors["mp1-whole"] += mean_error(other, whole)
+        errors["split-whole"] += mean_error(split, whole)
         agree += int((logits.argmax(-1) == other.argmax(-1)).sum())
         total += logits.shape[0]
+    assert errors["mp2-split"] < 0.3 * errors["split-whole"] and errors["mp1-whole"] < 0.3 * errors["split-whole"]
     assert agree >= 0.85 * total
 
 
