@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_fp8
+from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 from engine.quant.kquants import K_FORMATS, KQuantWeight
 from engine.quant.lora import LoraInt8Weight, LoraLinear
 from engine.quant.linear import activation_rounding, quantize_activation_rows_fp8, tiled_dequant_mm
