@@ -567,17 +567,117 @@ static AI void kq_row_dot_n(const int fmt, const uint8_t *w, int64_t k, const fl
     for (int i = 0; i < t; i++) res[i] = hsum(acc[i]);
 }
 
+#ifdef __AVX2__
+/* The linear's AVX2 path, factored: per 32-value chunk (one scale; Q6_K: two, one per 16) the codes
+ * as they are times x, summed unscaled, then scaled once; Q4_K / Q5_K's offsets, the sum over chunks
+ * of dmin * m * (sum of x over the chunk), one scalar product per chunk with x's chunk sums computed
+ * once per call. The same dot products as sum(dequantized * x), reassociated (the tests' "up to
+ * summation order" tolerance); about twice the dequantize-then-multiply loop's speed on Zen 2. */
+
+/* The 32 codes of chunk c (0..7) of super-block b, as bytes: Q4_K / Q5_K 0..31, Q6_K -32..31. */
+static AI __m256i kq_codes32(const int fmt, const uint8_t *b, int c) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    if (fmt == FMT_Q6_K) {
+        const int h = c >> 2, s = c & 3;
+        const __m256i lowb = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+        const __m256i low = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lowb, 4) : lowb, nib);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), _mm_cvtsi32_si128(2 * s)),
+                                              _mm256_set1_epi8(0x03));
+        return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((fmt == FMT_Q5_K ? b + 48 : b + 16) + 32 * (c >> 1)));
+    __m256i q = _mm256_and_si256((c & 1) ? _mm256_srli_epi16(v, 4) : v, nib);
+    if (fmt == FMT_Q5_K) { /* the fifth bit: bit c of qh[i], moved to bit 4 */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(c)), _mm_cvtsi32_si128(4)), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
+static AI float kq_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* res[i] = dot(weight row w, x row i) for i < t; xsums [t, k / 32]: x's sums over 32-value chunks. */
+static AI void kq_row_dot_avx2(const int fmt, const uint8_t *w, int64_t k, const float *x, const float *xsums, int t, float *res) {
+    const int64_t size = kq_type_size(fmt), chunks = k / 32;
+    __m256 tot[TILE];
+    float off[TILE];
+    for (int i = 0; i < t; i++) {
+        tot[i] = _mm256_setzero_ps();
+        off[i] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        const uint8_t *b = w + sb * size;
+        float d_lo[8], d_hi[8], o[8];
+        if (fmt == FMT_Q6_K) {
+            const float d = kq_half(b + 208);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int c = 0; c < 8; c++) {
+                d_lo[c] = d * (float)sc[2 * c];
+                d_hi[c] = d * (float)sc[2 * c + 1];
+                o[c] = 0.0f;
+            }
+        } else {
+            const float d = kq_half(b), dmin = kq_half(b + 2);
+            for (int c = 0; c < 8; c++) {
+                float sc, m;
+                kq_scale_min(b + 4, c, &sc, &m);
+                d_lo[c] = d_hi[c] = d * sc;
+                o[c] = dmin * m;
+            }
+        }
+        for (int c = 0; c < 8; c++) {
+            const __m256i codes = kq_codes32(fmt, b, c);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            __m256 f[4];
+            for (int j = 0; j < 4; j++)
+                f[j] = _mm256_cvtepi32_ps(fmt == FMT_Q6_K ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
+            const __m256 dl = _mm256_set1_ps(d_lo[c]), dh = _mm256_set1_ps(d_hi[c]);
+            for (int i = 0; i < t; i++) {
+                const float *xb = x + i * k + sb * QK_K + 32 * c;
+                const __m256 a0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                const __m256 a1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                tot[i] = _mm256_fmadd_ps(a1, dh, _mm256_fmadd_ps(a0, dl, tot[i]));
+                off[i] += o[c] * xsums[i * chunks + sb * 8 + c];
+            }
+        }
+    }
+    for (int i = 0; i < t; i++) res[i] = kq_hsum8(tot[i]) - off[i];
+}
+#endif
+
 static int kq_linear(const int fmt, int bf16, const void *x, int64_t rows, int64_t n, int64_t k, const uint8_t *w, void *out,
                      int num_threads) {
     float *xf = padded_input(x, bf16, rows, k, k); /* k is whole super-blocks */
     if (!xf) return KERNEL_NO_MEMORY;
     const int64_t row_bytes = k / QK_K * kq_type_size(fmt);
+#ifdef __AVX2__
+    const int64_t chunks = k / 32;
+    float *xsums = kernel_malloc((size_t)(rows * chunks) * sizeof(float));
+    if (!xsums) {
+        free(xf);
+        return KERNEL_NO_MEMORY;
+    }
+    for (int64_t m = 0; m < rows * chunks; m++) {
+        float sum = 0.0f;
+        for (int i = 0; i < 32; i++) sum += xf[m * 32 + i];
+        xsums[m] = sum;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < n; r++) {
         for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
             const int t = rows - m0 < TILE ? (int)(rows - m0) : TILE;
             float res[TILE];
+#ifdef __AVX2__
+            kq_row_dot_avx2(fmt, w + r * row_bytes, k, xf + m0 * k, xsums + m0 * chunks, t, res);
+#else
             kq_row_dot_n(fmt, w + r * row_bytes, k, xf + m0 * k, t, res);
+#endif
             for (int i = 0; i < t; i++) {
                 const size_t at = (size_t)((m0 + i) * n + r);
                 if (bf16) ((bf16_t *)out)[at] = f32_to_bf16(res[i]);
@@ -585,6 +685,9 @@ static int kq_linear(const int fmt, int bf16, const void *x, int64_t rows, int64
             }
         }
     }
+#ifdef __AVX2__
+    free(xsums);
+#endif
     free(xf);
     return 0;
 }
