@@ -448,11 +448,12 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
 
 /* ------------------------------------------------------------------------------------------ K-quants
  * GGUF's Q4_K, Q5_K and Q6_K super-blocks (256 values; engine/quant/kquants.py describes the bytes),
- * read as stored. A super-block is dequantized into 256 floats (exact: each value is the same
- * float32 products and one subtraction gguf.quants.dequantize computes, and every product there is
- * exact in float32, so contraction into an FMA changes nothing), then multiplied into up to TILE
- * input rows from L1. AVX2 (x86-64-v3, this project's Zen 2 machines) unpacks the codes with
- * intrinsics, 8 values a vector; elsewhere portable loops. */
+ * read as stored. Dequantizing (kquant_dequantize, and the portable linear) gives gguf.quants.dequantize's
+ * values bit for bit: the same float32 products and one subtraction, every product exact in float32,
+ * so contraction into an FMA changes nothing. The linear multiplies into up to TILE input rows at
+ * once: with AVX2 (x86-64-v3, this project's Zen 2 machines) the codes unpacked by intrinsics and
+ * multiplied as they are, each chunk scaled once (kq_row_dot_avx2); elsewhere each super-block is
+ * dequantized into 256 floats by portable loops, then multiplied. */
 #define QK_K 256
 enum { FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5 };
 
