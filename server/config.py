@@ -404,12 +404,12 @@ def _models(run_yaml: RunYaml, config_path: Path | None, env: Mapping[str, str],
     env_model = env.get(ENV_PREFIX + "MODEL") or env.get("INFERENCE_MODEL")
     env_dir = env.get(ENV_PREFIX + "CHECKPOINT_DIR") or env.get("INFERENCE_CHECKPOINT_DIR")
     if env_model or env_dir:
-        entry = ModelEntry(model_id=env_model or Path(env_dir).name, checkpoint_dir=env_dir,
+        entry = ModelEntry(model_id=env_model or Path(env_dir).name.removesuffix(".gguf"), checkpoint_dir=env_dir,
                            llama_model=env.get(ENV_PREFIX + "LLAMA_MODEL"))
         by_id[entry.model_id] = _spec_from_entry(entry, roots, "INFERENCE_MODEL/INFERENCE_CHECKPOINT_DIR")
     if flags.get("model") or flags.get("checkpoint_dir"):
         directory = flags.get("checkpoint_dir")
-        entry = ModelEntry(model_id=flags.get("model") or Path(directory).name,
+        entry = ModelEntry(model_id=flags.get("model") or Path(directory).name.removesuffix(".gguf"),
                            checkpoint_dir=str(directory) if directory else None, llama_model=flags.get("llama_model"))
         by_id[entry.model_id] = _spec_from_entry(entry, roots, "--model/--checkpoint-dir")
     return list(by_id.values())

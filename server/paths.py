@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.loading import file_guard
+from engine.loading.gguf_cache import is_gguf_file  # torch-free: a .gguf file is served directly
 from server.errors import ApiError
 
 
@@ -56,19 +57,22 @@ def _checked_untrusted(candidate: Path, real_roots: list[Path], shown: str) -> P
             f"checkpoint_dir {shown!r} resolves outside the checkpoint roots (symlink escape)",
             "checkpoint_dir_outside_roots",
         )
+    if is_gguf_file(real):  # its real path is inside (above); the loader checks it again when it opens it
+        return real
     if not real.is_dir():
-        raise _error(f"checkpoint_dir {shown!r} is not a directory", "checkpoint_not_found")
+        raise _error(f"checkpoint_dir {shown!r} is not a directory or a .gguf file", "checkpoint_not_found")
     _check_links_inside(real, real_roots)
     return real
 
 
+
 def check_checkpoint_dir(requested: str | Path, roots: Sequence[Path], *, trusted: bool) -> Path:
-    """The real path of an existing checkpoint dir; a relative untrusted path is taken under each root."""
+    """The real path of an existing checkpoint dir (or .gguf file); a relative untrusted path is taken under each root."""
     shown = str(requested)
     if trusted:
         path = Path(os.path.realpath(Path(requested).expanduser()))
-        if not path.is_dir():
-            raise _error(f"checkpoint_dir {shown!r} does not exist or is not a directory", "checkpoint_not_found")
+        if not path.is_dir() and not is_gguf_file(path):
+            raise _error(f"checkpoint_dir {shown!r} does not exist or is not a directory or a .gguf file", "checkpoint_not_found")
         return path
     if not roots:
         raise _error(

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-FORMAT_CODES = {"int8": 0, "int4": 1, "fp8": 2}  # QuantizedWeight.format -> quant_kernels.c's FMT_*
+FORMAT_CODES = {"int8": 0, "int4": 1, "fp8": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # QuantizedWeight.format -> quant_kernels.c's FMT_*
+K_QUANT_FORMATS = ("q4_k", "q5_k", "q6_k")  # GGUF super-blocks as stored (engine.quant.kquants): no scale tensors
 
 
 class _QuantWeightDesc(ctypes.Structure):
@@ -45,8 +46,10 @@ SIGNATURES = {
     "int8_dequantize": ((_p, _p, _i32, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # w, scales, mins, n, k, group, row0, row1, bf16, out, threads
     "int4_dequantize": ((_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
-    # w, scales, n, k, row0, row1, bf16, out, threads
-    "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # w, scales, n, k, group, row0, row1, bf16, out, threads
+    "fp8_dequantize": ((_p, _p, _i64, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
+    # blocks, fmt, n, k, row0, row1, bf16, out, threads
+    "kquant_dequantize": ((_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
     "llamaserve_fail_allocs_after": ((_i64,), None),
 }
@@ -101,7 +104,9 @@ class QuantKernels:
             f16 = int(weight.scales.dtype == torch.float16)
             self._lib.int8_dequantize(wp, sp, f16, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
         elif weight.format == "fp8":
-            self._lib.fp8_dequantize(wp, sp, n, k, row0, row1, code, out.data_ptr(), threads)
+            self._lib.fp8_dequantize(wp, sp, n, k, weight.group_size, row0, row1, code, out.data_ptr(), threads)
+        elif weight.format in K_QUANT_FORMATS:
+            self._lib.kquant_dequantize(wp, FORMAT_CODES[weight.format], n, k, row0, row1, code, out.data_ptr(), threads)
         else:
             raise TypeError(f"no kernel for {type(weight).__name__}")
         return out

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
+from engine.loading.meta_quantized import as_shipped, release_formats
 from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.loading.detect import detect_format, reader_for
@@ -108,11 +109,6 @@ def resolve_checkpoint(
     original = checkpoint_dir / "original"
     if not (checkpoint_dir / PARAMS_FILE).exists() and (original / PARAMS_FILE).exists():
         checkpoint_dir = original
-    if any(checkpoint_dir.glob("fp8_scales_*.pt")):  # cast without its scales it would be garbage
-        raise CheckpointError(
-            f"{checkpoint_dir}: pre-quantized FP8 checkpoints (fp8_scales_*.pt) are not supported; load the "
-            "bf16 release with quantization fp8_mixed instead"
-        )
     found = detect_format(checkpoint_dir)  # raises naming what is missing
     checkpoint_dir = found.folder  # a torchtune output dir resolves to its latest epoch
     descriptor = _descriptor_for(model_id, llama_model)
@@ -229,6 +225,8 @@ class _Shards:
         if old_rank not in self._open:
             path = guarded(self._spec.shard_paths[old_rank], self._spec.allowed_roots)  # checked again at open
             state = reader_for(self._spec.format).read_shard(path, self._spec.model_args, self._spec.allowed_roots)
+            # Meta's pre-quantized releases, FP8 and int4 (engine/loading/meta_quantized.py); others pass through
+            state = as_shipped(self._spec.checkpoint_dir, self._spec.model_args, path, state, old_rank, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
             self._validate(path, state, old_rank)
@@ -287,7 +285,7 @@ def quantized_formats(spec: CheckpointSpec) -> set[str]:
     from the headers only), so a load on a device without their kernels fails before any mapping."""
     from engine.quant.shard_file import read_formats
 
-    formats: set[str] = set()
+    formats: set[str] = release_formats(spec.checkpoint_dir, spec.model_args)  # Meta's pre-quantized releases
     for path in spec.shard_paths:
         if spec.format == "meta" and path.suffix == ".safetensors":
             try:

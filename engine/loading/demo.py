@@ -109,8 +109,9 @@ def _sha256(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """One process converts at a time; the others wait, then find the finished cache."""
+def cache_lock(lock_path: Path) -> Iterator[None]:
+    """One process converts at a time; the others wait, then find the finished cache (the demo's
+    conversion, and a registered GGUF file's: engine/loading/gguf_cache.py)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: no lock, the atomic rename still protects
@@ -195,7 +196,7 @@ def ensure_demo_checkpoint(
         downloads.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DemoUnavailable(f"cannot create the demo cache dir {cache_dir}: {exc}; set {CACHE_DIR_ENV} to a writable place") from None
-    with _locked(cache_dir / ".demo.lock"):
+    with cache_lock(cache_dir / ".demo.lock"):
         if _is_complete(checkpoint_dir):  # another process finished while we waited
             _ensure_generation_config(checkpoint_dir)
             return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
@@ -219,7 +220,7 @@ def ensure_demo_checkpoint(
     return DemoModel(DEMO_MODEL_ID, checkpoint_dir)
 
 
-__all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "default_cache_dir", "ensure_demo_checkpoint", "fetch_command"]
+__all__ = ["DEMO_MODEL_ID", "DemoModel", "DemoUnavailable", "cache_lock", "default_cache_dir", "ensure_demo_checkpoint", "fetch_command"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from engine.tokenizers.hf import END_OF_GENERATION_SPELLINGS, TOKENIZER_CONFIG_F
 from engine.types import CheckpointError
 
 if TYPE_CHECKING:
+    from engine.loading.progress import ProgressCallback
     from engine.quant.formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,11 @@ def _check_rope_freqs(reader, path: Path, head_dim: int, theta: float) -> bool:
                 raise CheckpointError(f"{path}: Llama 3 RoPE scaling with factor {factor:g} is not supported (only 8, Llama 3.1's)")
             return True
     raise CheckpointError(f"{path}: {_ROPE_FREQS} holds RoPE factors other than Llama 3's scaling; not supported")
+
+
+def read_gguf_params(path: Path) -> dict[str, Any]:
+    """params.json's fields for a GGUF file, from its header alone (no tensor is read)."""
+    return read_params(_open_gguf(Path(path)), Path(path))
 
 
 # --------------------------------------------------------------------------- weights
@@ -484,13 +490,15 @@ def _stored_bytes(weight: Any) -> int:
 
 
 def import_gguf(
-    gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    gguf_path: Path, out_dir: Path, *, progress: bool = True, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+    callback: "ProgressCallback | None" = None,
 ) -> Path:
     """Convert `gguf_path` into a checkpoint dir at `out_dir` (created; existing files replaced).
 
     params.json is written last, so an interrupted import leaves no loadable-looking checkpoint.
     keep_quantized: Q4_0/Q4_1/Q8_0 matrices stay in their GGUF blocks (engine.quant int4/int8) and
-    all weights go to QUANTIZED_WEIGHTS_FILE (docs/quantization.md) instead of WEIGHTS_FILE."""
+    all weights go to QUANTIZED_WEIGHTS_FILE (docs/quantization.md) instead of WEIGHTS_FILE.
+    `callback` receives each stage's advance (a server showing a registered GGUF's conversion)."""
     from engine.loading.progress import Progress
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -503,12 +511,12 @@ def import_gguf(
     (out_dir / "params.json").unlink(missing_ok=True)
     state: dict[str, Any] = {}
     total_bytes = sum(int(t.n_elements) for t in reader.tensors) * torch.empty((), dtype=dtype).element_size()
-    with Progress(f"converting {gguf_path.name}", total_bytes, bar=progress and sys.stderr.isatty(), logger=log) as converting:
+    with Progress(f"converting {gguf_path.name}", total_bytes, callback=callback, bar=progress and sys.stderr.isatty(), logger=log) as converting:
         for key, tensor in iter_weights(reader, gguf_path, params, dtype, keep_quantized=keep_quantized):
             state[key] = tensor
             converting.update(_stored_bytes(tensor))
     weights_file = QUANTIZED_WEIGHTS_FILE if keep_quantized else WEIGHTS_FILE
-    with Progress(f"writing {out_dir / weights_file}", sum(map(_stored_bytes, state.values())), bar=False, logger=log) as writing:
+    with Progress(f"writing {weights_file}", sum(map(_stored_bytes, state.values())), callback=callback, bar=False, logger=log) as writing:
         if keep_quantized:
             _write_quantized(out_dir, state)
         else:
@@ -562,4 +570,4 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["PRE_TOKENIZERS", "build_tokenizer_files", "ffn_params", "import_gguf", "main", "read_params"]
+__all__ = ["PRE_TOKENIZERS", "build_tokenizer_files", "ffn_params", "import_gguf", "main", "read_gguf_params", "read_params"]

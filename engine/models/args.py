@@ -17,9 +17,9 @@ from engine.types import CheckpointError
 log = logging.getLogger(__name__)
 
 # params.json fields that mean these weights are not plain dense Llama text weights.
+# quantization_args / lora_args (Meta's int4 QLoRA and SpinQuant releases) are read by
+# engine/loading/meta_quantized.py from `extra`
 _INCOMPATIBLE_FIELDS = {
-    "quantization_args": "pre-quantized (QAT/SpinQuant) checkpoints are not supported",
-    "lora_args": "checkpoints with unmerged LoRA adapters are not supported",
     "vision_chunk_size": "Llama 3.2 Vision checkpoints are not supported",
     "vision_args": "vision checkpoints are not supported",
 }

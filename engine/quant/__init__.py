@@ -1,6 +1,7 @@
 """Quantized linear weights: formats (formats.py), no-pickle shard files (shard_file.py), GGUF
-blocks kept native (gguf_blocks.py), CPU linears (linear.py, over the C kernels that
-engine/kernels/quant.py binds) and CUDA linears (cuda.py).
+blocks kept native (gguf_blocks.py; K-quant super-blocks: kquants.py), quantized weights with LoRA
+adaptors (lora.py), CPU linears (linear.py, over the C kernels that engine/kernels/quant.py binds)
+and CUDA linears (cuda.py).
 docs/quantization.md describes the formats, the on-disk layout and the measured paths.
 
 QUANTIZATION_TYPES maps the names a model is configured with (QUANTIZATION_TYPE, run.yaml,

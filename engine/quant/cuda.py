@@ -32,8 +32,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_fp8
-from engine.quant.linear import tiled_dequant_mm
+from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.quant.kquants import K_FORMATS, KQuantWeight
+from engine.quant.lora import LoraInt8Weight, LoraLinear
+from engine.quant.linear import activation_rounding, quantize_activation_rows_fp8, tiled_dequant_mm
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
 TINYGEMM_MIN_CAPABILITY = (8, 0)  # mma.sync bf16 tensor cores, CUDA >= 12
@@ -46,7 +48,8 @@ Capability = tuple[int, int]
 
 # The compute capability each format needs on CUDA (None: any): fp8 and int8 run everywhere
 # (their fallbacks are plain torch), int4 needs tinygemm.
-MIN_CAPABILITY: dict[str, Capability | None] = {"fp8": None, "int8": None, "int4": TINYGEMM_MIN_CAPABILITY}
+# GGUF K-quants: their super-blocks dequantized tile by tile in torch (dequant_mm), any device.
+MIN_CAPABILITY: dict[str, Capability | None] = {"fp8": None, "int8": None, "int4": TINYGEMM_MIN_CAPABILITY, **dict.fromkeys(K_FORMATS)}
 
 
 def kernel_formats(capability: Capability | None) -> tuple[str, ...]:
@@ -58,7 +61,8 @@ def kernel_formats(capability: Capability | None) -> tuple[str, ...]:
 def plan(weight: QuantizedWeight, capability: Capability | None) -> str:
     """The path (module docstring) a weight takes on a device of `capability`."""
     n, k = weight.shape
-    if isinstance(weight, Fp8Weight) and _at_least(capability, SCALED_MM_ROWWISE_MIN_CAPABILITY) and n % 16 == 0 and k % 16 == 0:
+    per_row = weight.scales.shape[-1] == 1
+    if isinstance(weight, Fp8Weight) and per_row and _at_least(capability, SCALED_MM_ROWWISE_MIN_CAPABILITY) and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
     if isinstance(weight, Int4Weight) and _at_least(capability, TINYGEMM_MIN_CAPABILITY) and tinygemm_fits(weight):
         return "tinygemm"
@@ -114,17 +118,11 @@ def inner_k_tiles(in_features: int) -> int:
     return next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [rows, in], float32 scales [rows, 1]): each activation row quantized as a weight
-    row is (its amax maps to 448)."""
-    rows = quantize_fp8(x)
-    return rows.qweight, rows.scales
-
-
-def scaled_mm_fp8(x: torch.Tensor, codes_t: torch.Tensor, scales_row: torch.Tensor) -> torch.Tensor:
+def scaled_mm_fp8(x: torch.Tensor, codes_t: torch.Tensor, scales_row: torch.Tensor, scale_ub: float | None = None) -> torch.Tensor:
     """x [rows, in] @ (scales * codes)^T in bfloat16 through torch._scaled_mm with row-wise scales;
-    codes_t is the weight's codes transposed ([in, out], column-major), scales_row float32 [1, out]."""
-    xq, x_scale = quantize_rows_fp8(x)
+    codes_t is the weight's codes transposed ([in, out], column-major), scales_row float32 [1, out];
+    the activations' amax capped at scale_ub where the weight says so (a Meta FP8 release)."""
+    xq, x_scale = quantize_activation_rows_fp8(x, scale_ub)
     return torch._scaled_mm(xq, codes_t, scale_a=x_scale, scale_b=scales_row, out_dtype=torch.bfloat16)
 
 
@@ -139,6 +137,8 @@ class CudaQuantLinear(nn.Module):
         self.weight_format = weight.format
         self.group_size = weight.group_size
         self.path = path
+        self._activation_ub = getattr(weight, "activation_scale_ub", None)  # a Meta FP8 release: inputs rounded to fp8 per row
+        self._round_input = activation_rounding(weight)  # Meta's releases (fp8 rows, int8 tokens), outside scaled_mm
         self._weight: QuantizedWeight | None = None
         self._held: tuple[torch.Tensor, ...]
         if path == "scaled_mm":
@@ -164,10 +164,12 @@ class CudaQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.path == "scaled_mm":
-            out = scaled_mm_fp8(flat, *self._held)
+            out = scaled_mm_fp8(flat, *self._held, self._activation_ub)
         elif self.path == "tinygemm":
             out = torch._weight_int4pack_mm(flat.to(torch.bfloat16).contiguous(), self._held[0], self.group_size, self._held[1])
         else:
+            if self._round_input is not None:
+                flat = self._round_input(flat)
             out = dequant_mm(flat, self._weight)  # type: ignore[arg-type]
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -179,7 +181,9 @@ def dequant_mm(x: torch.Tensor, weight: QuantizedWeight, tile_elems: int = DEQUA
     return tiled_dequant_mm(x, weight, compute, tile_elems=tile_elems)
 
 
-def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> CudaQuantLinear:
-    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight)):
+def make_cuda_linear(weight: QuantizedWeight, capability: Capability | None) -> nn.Module:
+    if isinstance(weight, LoraInt8Weight):  # the base on its CUDA path, the adaptor in torch
+        return LoraLinear(make_cuda_linear(weight.base(), capability), weight)
+    if not isinstance(weight, (Int8Weight, Int4Weight, Fp8Weight, KQuantWeight)):
         raise TypeError(f"no CUDA linear for {type(weight).__name__}")
     return CudaQuantLinear(weight, plan(weight, capability))

@@ -39,6 +39,8 @@ class QuantizedWeight:
     """Codes and scales of one [out_features, in_features] weight; see the module docstring."""
 
     format: ClassVar[str]
+    # fusing by rows (wq|wk|wv, w1|w3) would mix tensors that are not per output row (a LoRA adaptor's A)
+    stacks_by_rows: ClassVar[bool] = False
     qweight: torch.Tensor
     scales: torch.Tensor  # [out, groups]
     group_size: int
@@ -110,7 +112,17 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class Int8Weight(QuantizedWeight):
     format: ClassVar[str] = "int8"
-    # qweight: int8 [out, in]; scales: float32 [out, 1] (per row) or float16 [out, in / group_size]
+    # qweight: int8 [out, in]; scales: float32 [out, 1] (per row) or float16 / float32 [out, in / group_size]
+    # int8_token_activations: the linear first fake-quantizes each input row to int8, asymmetric
+    # (engine.quant.linear.fake_quantize_int8_tokens), as torchao's Int8DynActInt4WeightLinear does
+    # for Meta's int4 QLoRA / SpinQuant releases (their int4 codes held here as int8)
+    int8_token_activations: bool = False
+
+    def header(self) -> dict[str, object]:
+        found = super().header()
+        if self.int8_token_activations:
+            found["int8_token_activations"] = True
+        return found
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.float() * self._scales_per_column()).to(dtype)
@@ -119,10 +131,23 @@ class Int8Weight(QuantizedWeight):
 @dataclass(frozen=True)
 class Fp8Weight(QuantizedWeight):
     format: ClassVar[str] = "fp8"
-    # qweight: float8_e4m3fn [out, in]; scales: float32 [out, 1]
+    # qweight: float8_e4m3fn [out, in]; scales: float32 [out, 1] (per row), or [out, groups] where
+    # the shards of a Meta FP8 release, each scaled per row on its own, were merged (concat_cols)
+    # activation_scale_ub: None: weight-only (our fp8_mixed on CPU). A bound: the linear first rounds
+    # each input row to e4m3 with its amax capped there (engine.quant.linear.quantize_activation_rows_fp8), as
+    # llama-models' fbgemm path does for Meta's FP8 releases (fp8_activation_scale_ub, 1200)
+    activation_scale_ub: float | None = None
+
+    def header(self) -> dict[str, object]:
+        found = super().header()
+        if self.activation_scale_ub is not None:
+            found["activation_scale_ub"] = self.activation_scale_ub
+        return found
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scales.float()).to(dtype)
+        if self.scales.shape[1] == 1:
+            return (self.qweight.float() * self.scales.float()).to(dtype)
+        return (self.qweight.float() * self._scales_per_column()).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -168,7 +193,8 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight whose output rows are the weights' rows in order (fusing wq|wk|wv or w1|w3, which
     read the same input); they must share format, width, group size, scale dtype and mins."""
     first = weights[0]
-    same = {(type(w), w.in_features, w.group_size, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
+    same = {(type(w), w.in_features, w.group_size, w.scales.dtype, getattr(w, "mins", None) is None,
+             getattr(w, "activation_scale_ub", None)) for w in weights}  # fmt: skip
     if len(same) != 1:
         raise ValueError(f"cannot fuse weights of different formats or layouts: {sorted(map(str, same))}")
     return replace(first, **{role: torch.cat([w.tensors()[role] for w in weights]) for role in first.tensors()})
@@ -179,8 +205,8 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
     shards merged when resharding), exactly: the codes, scales and mins side by side, the common
     group size kept. Per-row shards (int8, fp8) with equal scales stay per row; int8 shards with
     their own per-row scales become group-wise int8 with one group per shard (the kernels' group
-    sizes: multiples of 32). ValueError for what has no exact merged form (fp8 shards whose
-    per-row scales differ: fp8 is per row only)."""
+    sizes: multiples of 32), and fp8 shards likewise group-wise fp8 (a Meta FP8 release's row-parallel
+    w2, scaled per row on each rank). ValueError for what has no exact merged form."""
     first = weights[0]
     same = {(type(w), w.out_features, w.scales.dtype, getattr(w, "mins", None) is None) for w in weights}
     if len(same) != 1:
@@ -194,19 +220,41 @@ def concat_cols(weights: list[QuantizedWeight]) -> QuantizedWeight:
             f"{first.format} shards of widths {[w.in_features for w in weights]} with group sizes "
             f"{[w.group_size for w in weights]} have no common group size (a multiple of {_BLOCK}) to merge into"
         )
-    if isinstance(first, Fp8Weight):
-        raise ValueError("fp8 shards hold different per-row scales, and fp8 weights have one scale per row: they cannot be merged exactly")
     merged = {role: torch.cat([w.tensors()[role] for w in weights], dim=1) for role in first.tensors()}
     if isinstance(first, Int4Weight):
         return replace(first, **merged, in_features_=sum(w.in_features for w in weights))
     return replace(first, **merged)
 
 
-def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
-    """Row concatenation of float tensors (torch.cat) or of quantized weights (concat_rows): what
-    load-time fusion calls, whichever form the checkpoint holds."""
+@dataclass(frozen=True)
+class RowStack:
+    """Weights of different formats fused into one linear by rows (a GGUF Q4_K_M file's Q4_K wq and
+    wk beside a Q6_K wv; weights with LoRA adaptors, engine.quant.lora): its Linear runs each part's own linear and lays the outputs side by side,
+    so every part keeps its format and kernels (engine.backends.base.PreparedWeight)."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.out_features for p in self.parts), self.parts[0].in_features)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def make_linear(self, backend: object) -> "torch.nn.Module":
+        return quant_linear.StackedLinear([backend.linear(p) for p in self.parts])  # type: ignore[attr-defined]
+
+
+def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight | RowStack":
+    """Row concatenation of float tensors (torch.cat) or of quantized weights (concat_rows; a
+    RowStack where their formats differ): what load-time fusion calls, whichever form the
+    checkpoint holds."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
+    quantized = all(isinstance(p, QuantizedWeight) for p in parts)
+    stacked = len({type(p) for p in parts}) > 1 or any(p.stacks_by_rows for p in parts) if quantized else False
+    if stacked and len({p.in_features for p in parts}) == 1:
+        return RowStack(tuple(parts))
     return concat_rows(parts)
 
 
@@ -303,6 +351,10 @@ def from_tensors(header: dict[str, object], tensors: dict[str, torch.Tensor]) ->
     group_size = int(header["group_size"])  # type: ignore[arg-type]
     if fmt == "int4":
         weight: QuantizedWeight = Int4Weight(tensors["qweight"], tensors["scales"], group_size, tensors.get("mins"), cols)
+    elif fmt == "int8" and header.get("int8_token_activations"):
+        weight = Int8Weight(tensors["qweight"], tensors["scales"], group_size, True)
+    elif fmt == "fp8" and header.get("activation_scale_ub") is not None:
+        weight = Fp8Weight(tensors["qweight"], tensors["scales"], group_size, float(header["activation_scale_ub"]))  # type: ignore[arg-type]
     else:
         weight = FORMATS[fmt](tensors["qweight"], tensors["scales"], group_size)
     _validate(weight, out, cols)

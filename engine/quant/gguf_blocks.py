@@ -1,4 +1,5 @@
-"""GGUF Q4_0, Q4_1 and Q8_0 tensors kept as our int4 / int8 formats, with their exact block scales.
+"""GGUF Q4_0, Q4_1 and Q8_0 tensors kept as our int4 / int8 formats, with their exact block scales;
+K-quants (Q4_K, Q5_K, Q6_K) kept in their own super-blocks (engine.quant.kquants).
 
 A GGUF row of `cols` values is cols / 32 blocks (ggml's block size is 32 for all three types):
 - Q4_0, 18 bytes: float16 d, 16 bytes of nibbles; value = d * (q - 8)      -> int4, no mins
@@ -15,12 +16,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.quant import kquants
 from engine.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 _BLOCK = 32
 # GGML type name -> (bytes per block, float16 header fields)
 _LAYOUTS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
-NATIVE_TYPES = tuple(_LAYOUTS)
+NATIVE_TYPES = (*_LAYOUTS, *kquants.BY_GGML_TYPE)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
@@ -55,7 +57,9 @@ def from_reader_tensor(tensor) -> QuantizedWeight | None:
     """Our weight for a gguf ReaderTensor of a native type, else None (it is dequantized as before).
     GGUF shapes are ggml's (innermost first): [cols, rows]."""
     type_name = tensor.tensor_type.name
-    if type_name not in _LAYOUTS or len(tensor.shape) != 2:
+    if type_name not in NATIVE_TYPES or len(tensor.shape) != 2:
         return None
     cols, rows = (int(n) for n in tensor.shape)
+    if type_name in kquants.BY_GGML_TYPE:  # a copy: GGUF data is a read-only mmap
+        return kquants.from_gguf_blocks(torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), type_name, (rows, cols))
     return from_gguf_blocks(np.asarray(tensor.data), type_name, (rows, cols))

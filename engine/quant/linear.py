@@ -61,6 +61,8 @@ class QuantLinear(nn.Module):
         self._kernel = kernels.bind(self.weight_q) if kernels is not None else None  # pointers fixed once
         self._policy = policy
         self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
+        # Meta's pre-quantized releases: inputs rounded first (fp8 rows, int8 tokens), as their reference computes
+        self._round_input = activation_rounding(weight)
 
     @property
     def weight_format(self) -> str:
@@ -93,13 +95,17 @@ class QuantLinear(nn.Module):
         """("quant", bound descriptor address, out, in) when one input row of `dtype` runs through the
         C kernel (what a compiled decode step calls, engine/backends/cpu_step.py); None otherwise
         (another path is faster there, or no kernels)."""
-        if self._kernel is None or self.path(1, dtype) != "kernel":
-            return None
+        if self._kernel is None or self.path(1, dtype) != "kernel" or self._round_input is not None:
+            return None  # the compiled step calls the kernel directly: it would skip the activations' rounding
         return "quant", self._kernel.descriptor_address, self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this linear takes {self.in_features}")
+        if self._round_input is not None:
+            rounded = self._round_input(x.reshape(-1, self.in_features))
+            out = self.run(rounded, self.path(rounded.shape[0], rounded.dtype))
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.is_contiguous():  # the model's flat batch: no reshapes (a decode step makes ~120 calls)
             return self.run(x, self.path(x.shape[0], x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()
@@ -123,6 +129,52 @@ class QuantLinear(nn.Module):
             kernels, threads = self._kernels, torch.get_num_threads()
             fill = lambda row0, row1, tile: kernels.dequantize(self.weight_q, row0, row1, tile, threads)  # noqa: E731
         return tiled_dequant_mm(x, self.weight_q, compute, tile_elems=TILE_ELEMS, fill=fill)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_activation_rows_fp8(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [rows, in], float32 scales [rows, 1]) of activations, as fbgemm's
+    quantize_fp8_per_row (llama-models' FP8 path) computes them: each row's amax, capped at
+    `scale_ub` and floored at 1e-12, maps to 448; codes = clamp(x * (448 / amax)); scale = 1 / that."""
+    amax = x.detach().float().abs().amax(dim=-1, keepdim=True)
+    amax = amax.clamp(min=1e-12, max=scale_ub) if scale_ub is not None else amax.clamp(min=1e-12)
+    inverse = FP8_MAX / amax
+    codes = (x.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, 1.0 / inverse
+
+
+def round_activation_rows_fp8(x: torch.Tensor, scale_ub: float | None) -> torch.Tensor:
+    """x [rows, in] as its fp8 row-wise codes times their scales, float32: the activations the
+    reference's fp8 x fp8 matmul multiplies (so x' @ dequantize(W)^T is its product up to order)."""
+    codes, scales = quantize_activation_rows_fp8(x, scale_ub)
+    return codes.float() * scales
+
+
+def fake_quantize_int8_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 quantized to int8 per row and back, as torchao's per_token_dynamic_quant
+    (Int8DynActInt4WeightLinear's activations): asymmetric over [min(x, 0), max(x, 0)] in 255 steps
+    (scale floored at float32 eps), zero point -128 - round(min / scale), q = clamp(round(x * (1 /
+    scale)) + zero, -128, 127), value = (q - zero) * scale."""
+    x = x.float()
+    low = torch.clamp(x.amin(dim=-1, keepdim=True), max=0.0)
+    high = torch.clamp(x.amax(dim=-1, keepdim=True), min=0.0)
+    scale = torch.clamp((high - low) / 255.0, min=torch.finfo(torch.float32).eps)
+    zero = torch.clamp(-128.0 - torch.round(low / scale), -128.0, 127.0)
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zero, -128.0, 127.0)
+    return (q - zero) * scale
+
+
+def activation_rounding(weight: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How a weight's linear rounds its inputs first (None: it does not): fp8 rows for a Meta FP8
+    release's weights, int8 tokens for a Meta int4 release's (both: float32 out)."""
+    scale_ub = getattr(weight, "activation_scale_ub", None)
+    if scale_ub is not None:
+        return lambda x: round_activation_rows_fp8(x, scale_ub)
+    if getattr(weight, "int8_token_activations", False):
+        return fake_quantize_int8_tokens
+    return None
 
 
 def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dtype, *, tile_elems: int,
@@ -165,6 +217,29 @@ def make_linear(weight: QuantizedWeight) -> QuantLinear:
     if weight.format not in FORMAT_CODES:
         raise TypeError(f"no linear for {type(weight).__name__}")
     return QuantLinear(weight, quant_kernels.load_quant_kernels())
+
+
+class StackedLinear(nn.Module):
+    """x -> the outputs of several linears over the same input, side by side (formats.RowStack: a
+    fused wq|wk|wv or w1|w3 whose parts hold different formats)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)  # submodules: each reports its own weight_format
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def storage_key(self) -> int:
+        # Transformer.weight_bytes keys each module's bytes by storage and visits this module before
+        # its parts: sharing the first part's key, its total is replaced by that part's own bytes,
+        # and the parts' bytes are each counted once
+        return self.parts[0].storage_key() if hasattr(self.parts[0], "storage_key") else id(self.parts[0])
+
+    def resident_bytes(self) -> int:
+        return sum(p.resident_bytes() for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class QuantEmbedding(nn.Module):

@@ -17,6 +17,7 @@ import torch
 
 from engine.quant import QUANTIZATION_TYPES
 from engine.quant.formats import QuantizedWeight, quantize
+from engine.quant.kquants import K_FORMATS
 from engine.types import InvalidRequest
 
 SUPPORTED = tuple(QUANTIZATION_TYPES)
@@ -38,7 +39,7 @@ def kernel_formats(device_type: str, capability: tuple[int, int] | None = None) 
     """The weight formats with kernels on a device: every one on the CPU (engine.quant.linear);
     on CUDA what engine.quant.cuda serves at that compute capability (None: unknown); none elsewhere."""
     if device_type == "cpu":
-        return tuple(kind.format for kind in QUANTIZATION_TYPES.values())
+        return (*(kind.format for kind in QUANTIZATION_TYPES.values()), *K_FORMATS)
     if device_type == "cuda":
         from engine.quant.cuda import kernel_formats as cuda_formats
 
@@ -57,6 +58,12 @@ def check_quantization(name: str | None, device_type: str | None = None, capabil
         check_formats({QUANTIZATION_TYPES[name].format}, device_type, capability, what=f"quantization {name!r}")
 
 
+def _label(fmt: str) -> str:
+    """A format as a user names it: its QUANTIZATION_TYPE, or for a GGUF K-quant (never a
+    configured type: only a checkpoint holds one) its GGML name."""
+    return TYPE_OF_FORMAT.get(fmt) or f"{fmt.upper()} (GGUF)"
+
+
 def check_formats(formats: set[str], device_type: str, capability: tuple[int, int] | None = None, *, what: str) -> None:
     """InvalidRequest when a weight format in `formats` has no kernels on the device, naming `what`
     asked for it (a configured type, a checkpoint's weights) and what works there and elsewhere."""
@@ -67,14 +74,14 @@ def check_formats(formats: set[str], device_type: str, capability: tuple[int, in
     from engine.quant.cuda import MIN_CAPABILITY
 
     where = device_type if capability is None or device_type != "cuda" else f"cuda (compute capability {capability[0]}.{capability[1]})"
-    here = ", ".join(TYPE_OF_FORMAT.get(f, f) for f in available) or "none"
+    here = ", ".join(_label(f) for f in available) or "none"
     on_cuda = ", ".join(
-        f"{TYPE_OF_FORMAT[fmt]} " + ("on any GPU" if minimum is None else f"from compute capability {minimum[0]}.{minimum[1]}")
+        f"{_label(fmt)} " + ("on any GPU" if minimum is None else f"from compute capability {minimum[0]}.{minimum[1]}")
         for fmt, minimum in MIN_CAPABILITY.items()
     )
     raise InvalidRequest(
         f"{what}: {', '.join(missing)} weights have no kernels on {where}; what works there: {here}; "
-        f"on cpu: {', '.join(TYPE_OF_FORMAT[f] for f in kernel_formats('cpu'))}; on cuda: {on_cuda} "
+        f"on cpu: {', '.join(_label(f) for f in kernel_formats('cpu'))}; on cuda: {on_cuda} "
         f"(or unquantized weights on any device)",
         param="quantization",
     )

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.quant import kquants
 from engine.quant.formats import QuantizedWeight, from_tensors
 
 METADATA_KEY = "llamaserve.quantization"
@@ -65,7 +66,8 @@ def load_shard(path: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.
         quantized = {}
         for key, header in described["weights"].items():
             parts = {role: tensors.pop(f"{key}.{role}") for role in ("qweight", "scales", "mins") if f"{key}.{role}" in tensors}
-            quantized[key] = from_tensors(header, parts)
+            read = kquants.from_tensors if header.get("format") in kquants.K_FORMATS else from_tensors
+            quantized[key] = read(header, parts)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: bad quantized-weight metadata: {exc}") from None
     return quantized, tensors

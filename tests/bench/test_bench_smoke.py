@@ -214,3 +214,29 @@ def test_lora_smoke(tmp_path):
     assert {(r["mode"], r["streams"]) for r in tput} == {(m, s) for m in ("base", "one adapter", "8 adapters") for s in (1, 2)}
     assert all(r["value"] > 0 for r in tput)
     assert len(rows(out, name="8 adapters / base step time")) == 1
+
+
+def test_gguf_convert_q4_k_m_mixes_as_llama_cpp_does(tmp_path):
+    """Q4_K_M: Q6_K for the head and for attn_v / ffn_down where llama.cpp's use_more_bits says
+    (of 2 layers: the last), Q4_K elsewhere; rows not whole super-blocks fall back to Q8_0."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from bench.gguf_convert import convert
+    from tests.engine.test_gguf_import import hf_weights, write_gguf
+    from tests.engine.test_kquant_model import write_kquant_gguf
+
+    write_kquant_gguf(tmp_path / "src.gguf", seed=1)
+    convert(tmp_path / "src.gguf", tmp_path / "km.gguf", "Q4_K_M", progress=False)
+    before, after = gguf.GGUFReader(tmp_path / "src.gguf"), gguf.GGUFReader(tmp_path / "km.gguf")
+    types = {t.name: t.tensor_type.name for t in after.tensors}
+    assert types["output.weight"] == "Q6_K" and types["blk.1.attn_v.weight"] == "Q6_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
+    assert types["blk.0.attn_v.weight"] == "Q4_K" and types["blk.0.ffn_down.weight"] == "Q4_K" and types["blk.0.attn_q.weight"] == "Q4_K"
+    assert int(after.fields["general.file_type"].contents()) == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for old, new in zip(before.tensors, after.tensors):
+        a = gguf.quants.dequantize(old.data, old.tensor_type).astype(np.float32)
+        b = gguf.quants.dequantize(new.data, new.tensor_type).astype(np.float32)
+        np.testing.assert_allclose(b, a, atol=0.15 * np.abs(a).max())
+    write_gguf(tmp_path / "narrow.gguf", hf_weights(seed=1, tied=False))  # 64 columns: no K-quant fits
+    convert(tmp_path / "narrow.gguf", tmp_path / "narrow_km.gguf", "Q4_K_M", progress=False)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "narrow_km.gguf").tensors} == {"Q8_0", "F32"}

@@ -268,7 +268,7 @@ def test_truncated_file(ckpt):
         ('{"dim": 64, "n_layers": 2}', "missing required field"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 5}', "dim 64 must split into 5 heads"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3}', "n_heads 4 must be a multiple of n_kv_heads 3"),
-        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "quantization_args": {"group_size": 32}}', "pre-quantized"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "vision_args": {"image_size": 448}}', "vision checkpoints are not supported"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "moe_args": {"num_experts": 16}}', "mixture-of-experts params.json needs ffn_exp"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_exp": 4, "ffn_dim_multiplier": 1, "moe_args": {"num_experts": 2, "top_k": 3}}', "top_k must be in"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "head_dim": 32, "use_qk_norm": true}', "head_dim 32 differs from dim // n_heads = 16"),
@@ -283,10 +283,12 @@ def test_bad_params_json(ckpt, params, message):
     assert "params.json" in str(info.value)
 
 
-def test_meta_fp8_checkpoint_is_refused(ckpt):
+def test_meta_fp8_scales_file_that_cannot_be_read_fails_the_load_naming_it(ckpt):
+    """Meta's FP8 releases load (tests/engine/test_meta_fp8.py); a broken scales file is named."""
     (ckpt / "fp8_scales_0.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"pre-quantized FP8 checkpoints \(fp8_scales_\*.pt\) are not supported"):
-        resolve(ckpt)
+    spec = resolve(ckpt)
+    with pytest.raises(CheckpointError, match=r"fp8_scales_0.pt: not a readable fp8 scales file"):
+        load_rank_state_dict(spec, 0, 1)
 
 
 def test_unknown_llama_model_lists_close_matches(tiny_checkpoint):

@@ -119,6 +119,21 @@ def test_quantized_linear_reports_a_failed_allocation():
     assert_fails_then_recovers(lambda: linear(x, THREADS), quant.fail_allocs_after, 0, "quantized linear")
 
 
+@pytest.mark.parametrize("allocs_before_failure", [0, 1])  # the input copy, then (AVX2) its chunk sums
+def test_k_quant_linear_reports_each_failed_allocation(allocs_before_failure):
+    from engine.quant.kquants import quantize_q4_k
+
+    quant = load_quant_kernels()
+    if quant is None:
+        pytest.skip("quantized-linear C kernels could not be built here")
+    g = torch.Generator().manual_seed(0)
+    linear = quant.bind(quantize_q4_k(torch.randn(16, 512, generator=g)))
+    x = torch.randn(3, 512, generator=g)
+    if allocs_before_failure == 1 and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("one allocation only without AVX2")
+    assert_fails_then_recovers(lambda: linear(x, THREADS), quant.fail_allocs_after, allocs_before_failure, "quantized linear")
+
+
 def test_the_engine_fails_the_step_and_keeps_serving(kernels, failing, tiny_checkpoint):
     """A real CPU model whose kernels cannot allocate: the step's requests finish with an error naming
     it; once memory is back, the next request is served exactly as it would have been."""

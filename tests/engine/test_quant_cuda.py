@@ -18,7 +18,6 @@ from engine.quant.cuda import (
     kernel_formats,
     make_cuda_linear,
     plan,
-    quantize_rows_fp8,
     scaled_mm_fp8,
     tinygemm_reference,
     tinygemm_scales_and_zeros,
@@ -26,6 +25,7 @@ from engine.quant.cuda import (
     to_device,
 )
 from engine.quant.formats import Int4Weight, pack_int4, quantize_fp8, quantize_int4, quantize_int8
+from engine.quant.linear import quantize_activation_rows_fp8
 from engine.types import InvalidRequest
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
@@ -99,7 +99,7 @@ def test_fp8_scaled_mm_matches_its_dequantized_reference():
         if device.type == "cpu" and "per-tensor scaling" in str(exc):
             pytest.skip(f"torch {torch.__version__} has no CPU _scaled_mm with row-wise scales")
         raise
-    xq, x_scale = quantize_rows_fp8(x)
+    xq, x_scale = quantize_activation_rows_fp8(x)
     exact = (xq.float() * x_scale) @ w.dequantize().t()
     torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.float(), x @ w.dequantize().t(), atol=0.1, rtol=0.1)
@@ -132,8 +132,9 @@ def test_paths_by_compute_capability():
     assert plan(quantize_int4(_weight(64, 512), 512), (9, 0)) == "dequant_mm"  # tinygemm: groups up to 256
     assert plan(quantize_fp8(_weight(60, 256)), (9, 0)) == "dequant_mm"  # scaled_mm: multiples of 16
     assert plan(int8, (9, 0)) == "dequant_mm"
-    assert kernel_formats(None) == ("fp8", "int8") and kernel_formats((7, 5)) == ("fp8", "int8")
-    assert kernel_formats((8, 0)) == ("fp8", "int8", "int4")
+    k_quants = ("q4_k", "q5_k", "q6_k")  # GGUF super-blocks: dequantized tile by tile on any GPU
+    assert kernel_formats(None) == ("fp8", "int8", *k_quants) and kernel_formats((7, 5)) == ("fp8", "int8", *k_quants)
+    assert kernel_formats((8, 0)) == ("fp8", "int8", "int4", *k_quants)
 
 
 def test_select_backend_picks_the_cuda_backend_for_cuda():

@@ -87,7 +87,7 @@ def test_quantized_model_parallel_matches_single_process(tmp_path, tiny_model_ar
 def test_no_kernels_on_the_device_fails_listing_what_works():
     check_quantization("int8", "cpu")
     # CUDA of unknown capability (torch without CUDA) or below 8.0: no int4 kernel (tinygemm)
-    with pytest.raises(InvalidRequest, match=r"'int4_mixed': int4 weights have no kernels on cuda; what works there: fp8_mixed, int8; on cpu: fp8_mixed, int4_mixed, int8"):
+    with pytest.raises(InvalidRequest, match=r"'int4_mixed': int4 weights have no kernels on cuda; what works there: fp8_mixed, int8, Q4_K \(GGUF\), Q5_K \(GGUF\), Q6_K \(GGUF\); on cpu: fp8_mixed, int4_mixed, int8, Q4_K"):
         check_quantization("int4_mixed", "cuda")
     with pytest.raises(InvalidRequest, match=r"no kernels on cuda \(compute capability 7.5\)"):
         check_quantization("int4_mixed", "cuda", (7, 5))

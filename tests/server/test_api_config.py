@@ -85,6 +85,17 @@ def test_meta_reference_env(tmp_path):
     assert spec.model_id == "Llama3.2-1B-Instruct" and spec.checkpoint_dir == tmp_path and spec.trusted
 
 
+def test_a_gguf_file_as_the_env_checkpoint_dir(tmp_path):
+    """INFERENCE_CHECKPOINT_DIR may name a .gguf file (served directly, engine/loading/gguf_cache.py):
+    without INFERENCE_MODEL the model id is the file name less .gguf; --checkpoint-dir too."""
+    gguf = tmp_path / "SmolLM2.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    [spec] = config_from([], {"INFERENCE_CHECKPOINT_DIR": str(gguf)}).models
+    assert spec.model_id == "SmolLM2.Q4_K_M" and spec.checkpoint_dir == gguf and spec.trusted
+    [spec] = config_from(["--checkpoint-dir", str(gguf)], {}).models
+    assert spec.model_id == "SmolLM2.Q4_K_M"
+
+
 def test_model_flags_and_roots(tmp_path):
     (tmp_path / "a").mkdir()
     config = config_from(["--checkpoint-root", str(tmp_path), "--checkpoint-root", "/x", "--model", "a"])

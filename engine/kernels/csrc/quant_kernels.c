@@ -13,7 +13,9 @@
  *   int4: two codes a byte, GGUF's order inside each 32-column block (byte j: column j low nibble,
  *         column j + 16 high nibble); float16 scales per group; value = scale * q + min, where min
  *         is the float16 `mins` entry or, without mins, -8 * scale (i.e. scale * (q - 8)).
- *   fp8:  float8_e4m3fn codes, float32 scale per row, value = scale * fp8(q).
+ *   fp8:  float8_e4m3fn codes, float32 scales per row (or per group: shards of a Meta FP8 release
+ *         merged), value = scale * fp8(q).
+ *   Q4_K, Q5_K, Q6_K: GGUF's 256-value super-blocks as stored (the K-quants section below).
  * Activations and outputs are float32 (dtype code 0) or bfloat16 (code 1); sums are float32.
  */
 #include <stdint.h>
@@ -444,6 +446,274 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
     }
 }
 
+/* ------------------------------------------------------------------------------------------ K-quants
+ * GGUF's Q4_K, Q5_K and Q6_K super-blocks (256 values; engine/quant/kquants.py describes the bytes),
+ * read as stored. Dequantizing (kquant_dequantize, and the portable linear) gives gguf.quants.dequantize's
+ * values bit for bit: the same float32 products and one subtraction, every product exact in float32,
+ * so contraction into an FMA changes nothing. The linear multiplies into up to TILE input rows at
+ * once: with AVX2 (x86-64-v3, this project's Zen 2 machines) the codes unpacked by intrinsics and
+ * multiplied as they are, each chunk scaled once (kq_row_dot_avx2); elsewhere each super-block is
+ * dequantized into 256 floats by portable loops, then multiplied. */
+#define QK_K 256
+enum { FMT_Q4_K = 3, FMT_Q5_K = 4, FMT_Q6_K = 5 };
+
+static AI int64_t kq_type_size(const int fmt) { return fmt == FMT_Q4_K ? 144 : fmt == FMT_Q5_K ? 176 : 210; }
+
+static AI float kq_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof(h));
+    return half_to_f32(h);
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes. */
+static AI void kq_scale_min(const uint8_t *s, int j, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+/* out[0..32) = scale * codes[0..32) - offset, codes uint8 (or int8 with `is_signed`) in a register */
+static AI void kq_store32(__m256i codes, int is_signed, float scale_lo, float scale_hi, float offset, float *out) {
+    uint8_t tmp[32];
+    _mm256_storeu_si256((__m256i *)tmp, codes);
+    const __m256 vm = _mm256_set1_ps(offset);
+    for (int c = 0; c < 4; c++) {
+        const __m128i eight = _mm_loadl_epi64((const __m128i *)(tmp + 8 * c));
+        const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+        const __m256 vd = _mm256_set1_ps(c < 2 ? scale_lo : scale_hi);
+        _mm256_storeu_ps(out + 8 * c, _mm256_sub_ps(_mm256_mul_ps(vd, f), vm));
+    }
+}
+#endif
+
+/* One super-block `b` of type fmt -> out[256] float32, bit for bit gguf's values. */
+static AI void kq_dequant_block(const int fmt, const uint8_t *b, float *out) {
+    if (fmt == FMT_Q6_K) {
+        const float d = kq_half(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int s = 0; s < 4; s++) { /* values 128 h + 32 s + i: low nibbles of ql[32 (s & 1) + i] (high for s >= 2), bits 2s of qh[i] */
+                float *dst = out + 128 * h + 32 * s;
+                const float d0 = d * (float)sc[8 * h + 2 * s], d1 = d * (float)sc[8 * h + 2 * s + 1];
+#ifdef __AVX2__
+                const __m256i lowb = _mm256_loadu_si256((const __m256i *)(ql + 32 * (s & 1)));
+                const __m256i low = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lowb, 4) : lowb, _mm256_set1_epi8(0x0F));
+                const __m256i high = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)qh), _mm_cvtsi32_si128(2 * s)),
+                                                      _mm256_set1_epi8(0x03));
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+                kq_store32(q, 1, d0, d1, 0.0f, dst);
+#else
+                for (int i = 0; i < 32; i++) {
+                    const int lo = (ql[32 * (s & 1) + i] >> (4 * (s >> 1))) & 15, hi = (qh[i] >> (2 * s)) & 3;
+                    dst[i] = (i < 16 ? d0 : d1) * (float)((lo | (hi << 4)) - 32);
+                }
+#endif
+            }
+        }
+        return;
+    }
+    /* Q4_K, Q5_K: four pairs of 32-value sub-blocks, 2p from the low nibbles of qs[32 p + i], 2p + 1 from the high */
+    const float d = kq_half(b), dmin = kq_half(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = fmt == FMT_Q5_K ? b + 48 : b + 16;
+    for (int p = 0; p < 4; p++) {
+        float sc0, m0, sc1, m1;
+        kq_scale_min(scales, 2 * p, &sc0, &m0);
+        kq_scale_min(scales, 2 * p + 1, &sc1, &m1);
+        const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
+        float *dst = out + 64 * p;
+#ifdef __AVX2__
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p)), nib = _mm256_set1_epi8(0x0F);
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if (fmt == FMT_Q5_K) { /* the fifth bit: bit 2p (2p + 1) of qh[i], moved to bit 4 */
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh), bit = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), _mm_cvtsi32_si128(4)), bit));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p + 1)), _mm_cvtsi32_si128(4)), bit));
+        }
+        kq_store32(lo, 0, d0, d0, o0, dst);
+        kq_store32(hi, 0, d1, d1, o1, dst + 32);
+#else
+        for (int i = 0; i < 32; i++) {
+            int lo = qs[32 * p + i] & 15, hi = qs[32 * p + i] >> 4;
+            if (fmt == FMT_Q5_K) {
+                lo |= ((qh[i] >> (2 * p)) & 1) << 4;
+                hi |= ((qh[i] >> (2 * p + 1)) & 1) << 4;
+            }
+            dst[i] = d0 * (float)lo - o0;
+            dst[32 + i] = d1 * (float)hi - o1;
+        }
+#endif
+    }
+}
+
+/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k). */
+static AI void kq_row_dot_n(const int fmt, const uint8_t *w, int64_t k, const float *x, int t, float *res) {
+    const int64_t size = kq_type_size(fmt);
+    float vals[QK_K] __attribute__((aligned(64)));
+    v16f acc[TILE];
+    for (int i = 0; i < t; i++) acc[i] = (v16f){0};
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        kq_dequant_block(fmt, w + sb * size, vals);
+        for (int i = 0; i < t; i++) {
+            const float *xb = x + i * k + sb * QK_K;
+            for (int c = 0; c < QK_K; c += 16) acc[i] += loadf(vals + c) * loadf(xb + c);
+        }
+    }
+    for (int i = 0; i < t; i++) res[i] = hsum(acc[i]);
+}
+
+#ifdef __AVX2__
+/* The linear's AVX2 path, factored: per 32-value chunk (one scale; Q6_K: two, one per 16) the codes
+ * as they are times x, summed unscaled, then scaled once; Q4_K / Q5_K's offsets, the sum over chunks
+ * of dmin * m * (sum of x over the chunk), one scalar product per chunk with x's chunk sums computed
+ * once per call. The same dot products as sum(dequantized * x), reassociated (the tests' "up to
+ * summation order" tolerance); about twice the dequantize-then-multiply loop's speed on Zen 2. */
+
+/* The 32 codes of chunk c (0..7) of super-block b, as bytes: Q4_K / Q5_K 0..31, Q6_K -32..31. */
+static AI __m256i kq_codes32(const int fmt, const uint8_t *b, int c) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    if (fmt == FMT_Q6_K) {
+        const int h = c >> 2, s = c & 3;
+        const __m256i lowb = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+        const __m256i low = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lowb, 4) : lowb, nib);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), _mm_cvtsi32_si128(2 * s)),
+                                              _mm256_set1_epi8(0x03));
+        return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((fmt == FMT_Q5_K ? b + 48 : b + 16) + 32 * (c >> 1)));
+    __m256i q = _mm256_and_si256((c & 1) ? _mm256_srli_epi16(v, 4) : v, nib);
+    if (fmt == FMT_Q5_K) { /* the fifth bit: bit c of qh[i], moved to bit 4 */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(c)), _mm_cvtsi32_si128(4)), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
+static AI float kq_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* res[i] = dot(weight row w, x row i) for i < t; xsums [t, k / 32]: x's sums over 32-value chunks. */
+static AI void kq_row_dot_avx2(const int fmt, const uint8_t *w, int64_t k, const float *x, const float *xsums, int t, float *res) {
+    const int64_t size = kq_type_size(fmt), chunks = k / 32;
+    __m256 tot[TILE];
+    float off[TILE];
+    for (int i = 0; i < t; i++) {
+        tot[i] = _mm256_setzero_ps();
+        off[i] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        const uint8_t *b = w + sb * size;
+        float d_lo[8], d_hi[8], o[8];
+        if (fmt == FMT_Q6_K) {
+            const float d = kq_half(b + 208);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int c = 0; c < 8; c++) {
+                d_lo[c] = d * (float)sc[2 * c];
+                d_hi[c] = d * (float)sc[2 * c + 1];
+                o[c] = 0.0f;
+            }
+        } else {
+            const float d = kq_half(b), dmin = kq_half(b + 2);
+            for (int c = 0; c < 8; c++) {
+                float sc, m;
+                kq_scale_min(b + 4, c, &sc, &m);
+                d_lo[c] = d_hi[c] = d * sc;
+                o[c] = dmin * m;
+            }
+        }
+        for (int c = 0; c < 8; c++) {
+            const __m256i codes = kq_codes32(fmt, b, c);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            __m256 f[4];
+            for (int j = 0; j < 4; j++)
+                f[j] = _mm256_cvtepi32_ps(fmt == FMT_Q6_K ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
+            const __m256 dl = _mm256_set1_ps(d_lo[c]), dh = _mm256_set1_ps(d_hi[c]);
+            for (int i = 0; i < t; i++) {
+                const float *xb = x + i * k + sb * QK_K + 32 * c;
+                const __m256 a0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                const __m256 a1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                tot[i] = _mm256_fmadd_ps(a1, dh, _mm256_fmadd_ps(a0, dl, tot[i]));
+                off[i] += o[c] * xsums[i * chunks + sb * 8 + c];
+            }
+        }
+    }
+    for (int i = 0; i < t; i++) res[i] = kq_hsum8(tot[i]) - off[i];
+}
+#endif
+
+static int kq_linear(const int fmt, int bf16, const void *x, int64_t rows, int64_t n, int64_t k, const uint8_t *w, void *out,
+                     int num_threads) {
+    float *xf = padded_input(x, bf16, rows, k, k); /* k is whole super-blocks */
+    if (!xf) return KERNEL_NO_MEMORY;
+    const int64_t row_bytes = k / QK_K * kq_type_size(fmt);
+#ifdef __AVX2__
+    const int64_t chunks = k / 32;
+    float *xsums = kernel_malloc((size_t)(rows * chunks) * sizeof(float));
+    if (!xsums) {
+        free(xf);
+        return KERNEL_NO_MEMORY;
+    }
+    for (int64_t m = 0; m < rows * chunks; m++) {
+        float sum = 0.0f;
+        for (int i = 0; i < 32; i++) sum += xf[m * 32 + i];
+        xsums[m] = sum;
+    }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
+            const int t = rows - m0 < TILE ? (int)(rows - m0) : TILE;
+            float res[TILE];
+#ifdef __AVX2__
+            kq_row_dot_avx2(fmt, w + r * row_bytes, k, xf + m0 * k, xsums + m0 * chunks, t, res);
+#else
+            kq_row_dot_n(fmt, w + r * row_bytes, k, xf + m0 * k, t, res);
+#endif
+            for (int i = 0; i < t; i++) {
+                const size_t at = (size_t)((m0 + i) * n + r);
+                if (bf16) ((bf16_t *)out)[at] = f32_to_bf16(res[i]);
+                else ((float *)out)[at] = res[i];
+            }
+        }
+    }
+#ifdef __AVX2__
+    free(xsums);
+#endif
+    free(xf);
+    return 0;
+}
+
+/* Dequantize output rows [row0, row1) of a K-quant weight (fmt: 3 Q4_K, 4 Q5_K, 5 Q6_K) into out
+ * [row1 - row0, k] (float32 or bfloat16). */
+void kquant_dequantize(const void *w, int fmt, int64_t n, int64_t k, int64_t row0, int64_t row1, int bf16, void *out,
+                       int num_threads) {
+    (void)n;
+    const int64_t size = kq_type_size(fmt), row_bytes = k / QK_K * size;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = row0; r < row1; r++) {
+        float vals[QK_K];
+        for (int64_t sb = 0; sb < k / QK_K; sb++) {
+            kq_dequant_block(fmt, (const uint8_t *)w + r * row_bytes + sb * size, vals);
+            const size_t at = (size_t)((r - row0) * k + sb * QK_K);
+            if (bf16) {
+                for (int i = 0; i < QK_K; i++) ((bf16_t *)out)[at + i] = f32_to_bf16(vals[i]);
+            } else {
+                memcpy((float *)out + at, vals, sizeof(vals));
+            }
+        }
+    }
+}
+
 static qmat make_qmat(const void *w, const void *scales, int scales_f16, const uint16_t *mins, int64_t n, int64_t k, int64_t group) {
     qmat q = {(const uint8_t *)w, scales, mins, n, k, group, (k + group - 1) / group, scales_f16};
     return q;
@@ -464,6 +734,9 @@ int quant_linear(const quant_weight *d, int bf16, const void *x, int64_t rows, v
     switch (d->fmt) {
     case FMT_INT8: return qlinear(FMT_INT8, bf16, x, rows, &q, out, num_threads);
     case FMT_INT4: return qlinear(FMT_INT4, bf16, x, rows, &q, out, num_threads);
+    case FMT_Q4_K: return kq_linear(FMT_Q4_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
+    case FMT_Q5_K: return kq_linear(FMT_Q5_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
+    case FMT_Q6_K: return kq_linear(FMT_Q6_K, bf16, x, rows, d->n, d->k, (const uint8_t *)d->w, out, num_threads);
     default: return qlinear(FMT_FP8, bf16, x, rows, &q, out, num_threads);
     }
 }
@@ -481,8 +754,8 @@ void int4_dequantize(const void *w, const void *scales, const void *mins, int64_
     qdequantize(FMT_INT4, &q, row0, row1, bf16, out, num_threads);
 }
 
-void fp8_dequantize(const void *w, const void *scales, int64_t n, int64_t k, int64_t row0, int64_t row1, int bf16,
+void fp8_dequantize(const void *w, const void *scales, int64_t n, int64_t k, int64_t group, int64_t row0, int64_t row1, int bf16,
                     void *out, int num_threads) {
-    qmat q = make_qmat(w, scales, 0, NULL, n, k, k);
+    qmat q = make_qmat(w, scales, 0, NULL, n, k, group);
     qdequantize(FMT_FP8, &q, row0, row1, bf16, out, num_threads);
 }
