@@ -287,7 +287,7 @@ def test_model_parallel_size_0_takes_one_rank_per_shard(folders, expected):
     config = EngineConfig(model_parallel_size=0)
     for layout, ranks in (("meta_2_shards", 2), ("hf_safetensors", 1), ("torchtune_epochs", 1)):
         checkpoint = resolve_checkpoint(folders[layout], model_id="tiny")
-        assert _with_parallel_size(config, checkpoint).model_parallel_size == ranks
+        assert _with_parallel_size(config, len(checkpoint.shard_paths), layout).model_parallel_size == ranks
     tokens, logprobs, _ = serve(folders["meta_2_shards"], mp_size=0)
     assert tokens == expected[0]
     assert_logprobs_close(logprobs, expected[1])
