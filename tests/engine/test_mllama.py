@@ -22,7 +22,7 @@ from engine.executor.executor import build_step_inputs
 from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
 from engine.models.llama import allocate_kv_caches
 from engine.models.mllama.model import MllamaTransformer
-from engine.models.mllama.preprocess import stack_tiles, transform_image, vision_spans
+from engine.vision.mllama import MllamaImagePreprocessor, stack_tiles, transform_image, vision_spans
 from engine.types import SamplingParams
 from tests.engine.test_model import BlockAllocator
 from tests.mllama_fixtures import TINY_VISION_DESCRIPTOR, install_torchvision_shim, reference_model, write_tiny_vision_checkpoint
@@ -141,6 +141,9 @@ def test_preprocessing_matches_llama_models_transform():
             got, ar = transform_image(im, size=28, max_num_chunks=chunks)
             assert ar == tuple(expected_ar)
             assert torch.equal(got, expected), (w, h, chunks)
+            prepared = MllamaImagePreprocessor(chunk_size=28, max_num_chunks=chunks).preprocess(im)
+            assert torch.equal(prepared.pixels, expected) and prepared.aspect_ratio == ar
+            assert prepared.num_chunks == ar[0] * ar[1] and prepared.tokens_per_chunk == 0  # one <|image|> token
 
 
 def test_vision_spans_match_create_vision_mask():

@@ -2,7 +2,7 @@
 computes them (VisionEncoder, CrossAttentionTransformerVision), over this rank's weights.
 
 Input: each image as vision_max_num_chunks tiles of [3, chunk, chunk] (real tiles first, zeros
-after; engine/models/mllama/preprocess.py) and its aspect ratio (tile rows, tile columns). Output:
+after; engine/vision/mllama.py) and its aspect ratio (tile rows, tile columns). Output:
 [images, tiles, tokens_per_tile, dim] image states in the text model's width. The encoder's quirks
 are kept because the weights were trained with them: every image runs as max_num_chunks tiles,
 each padded to a multiple of 8 tokens, and only pad-to-pad attention is masked (real tokens attend

@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision's image preprocessing, as llama-models' VariableSizeImageTransform does it
+"""Llama 3.2 Vision's ImagePreprocessor (engine/vision/__init__.py): its image preprocessing, as llama-models' VariableSizeImageTransform does it
 (llama3/multimodal/image_transform.py), over Pillow and torch only (torchvision's PyPI wheel is a
 CUDA build that cannot load beside torch+cpu; the reference's torchvision calls on a PIL image
 are Pillow's resize, a uint8 -> float / 255 conversion and a per-channel normalisation).
@@ -16,6 +16,9 @@ from collections import defaultdict
 
 import torch
 from PIL import Image
+
+from engine.vision import Preprocessed
+from engine.vision.llama4 import split_tiles
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's, as the reference normalises
 STD = (0.26862954, 0.26130258, 0.27577711)
@@ -58,8 +61,8 @@ def resize_without_distortion(image: Image.Image, canvas: tuple[int, int], max_u
     return image.resize((new_w, new_h), Image.BILINEAR)
 
 
-def to_normalized_tensor(image: Image.Image) -> torch.Tensor:
-    """ToTensor then Normalize: uint8 HWC -> float32 CHW in [0, 1] -> (x - mean) / std per channel."""
+def clip_normalized_tensor(image: Image.Image) -> torch.Tensor:
+    """ToTensor then Normalize with CLIP's mean and std (Llama 4 uses 0.5: engine/vision/llama4.py): uint8 HWC -> float32 CHW in [0, 1] -> (x - mean) / std per channel."""
     data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     x = data.view(image.size[1], image.size[0], 3).permute(2, 0, 1).to(torch.float32).div(255)
     return x.sub_(torch.tensor(MEAN)[:, None, None]).div_(torch.tensor(STD)[:, None, None])
@@ -73,10 +76,22 @@ def transform_image(image: Image.Image, *, size: int, max_num_chunks: int) -> tu
     image = resize_without_distortion(image, canvas, size)
     padded = Image.new(mode="RGB", size=canvas, color=(0, 0, 0))
     padded.paste(image)
-    x = to_normalized_tensor(padded)
+    x = clip_normalized_tensor(padded)
     columns, rows = canvas[0] // size, canvas[1] // size
-    tiles = x.view(3, rows, size, columns, size).permute(1, 3, 0, 2, 4).reshape(rows * columns, 3, size, size)
-    return tiles.contiguous(), (rows, columns)
+    return split_tiles(x, rows, columns), (rows, columns)
+
+
+class MllamaImagePreprocessor:
+    """The ImagePreprocessor of Llama 3.2 Vision for one checkpoint's vision_chunk_size and
+    vision_max_num_chunks: pixels are the image's real tiles [tiles, 3, size, size] (the model pads
+    them to max_num_chunks, stack_tiles); in the prompt the image is one <|image|> token."""
+
+    def __init__(self, *, chunk_size: int, max_num_chunks: int) -> None:
+        self.chunk_size, self.max_num_chunks = chunk_size, max_num_chunks
+
+    def preprocess(self, image: Image.Image) -> Preprocessed:
+        tiles, aspect_ratio = transform_image(image, size=self.chunk_size, max_num_chunks=self.max_num_chunks)
+        return Preprocessed(pixels=tiles, aspect_ratio=aspect_ratio, num_chunks=tiles.shape[0], tokens_per_chunk=0)
 
 
 def stack_tiles(tiles: list[torch.Tensor], max_num_chunks: int) -> torch.Tensor:
