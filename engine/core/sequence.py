@@ -47,6 +47,9 @@ class Sequence:
     # The tokens that end this sequence past min_tokens (and that the sampler holds back before):
     # set once by the scheduler on admission (ending_token_ids), read by the scheduler and the sampler.
     stop_token_ids: frozenset[int] = frozenset()
+    # The request's images and where their tokens sit in the prompt (EngineRequest.images; engine/types.py
+    # ImagePlacement): Llama 3.2 Vision's cross-attention reads them (engine/executor/cross_attention.py).
+    images: tuple[Any, ...] = ()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from engine.core.sampler import Sampler
 from engine.core.sequence import ScheduledBatch, StepOutput
+from engine.executor.cross_attention import CrossAttentionTracker
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
 from engine.types import TokenLogprob
@@ -149,6 +150,13 @@ class ModelExecutor:
         self.num_blocks: int = workers.num_blocks
         self.block_size: int = workers.block_size
         self._sampler = Sampler(seed=seed, kernels=workers.argmax_kernels)
+        # Llama 3.2 Vision's cross-attention states on the workers (None: a text model, or a fake)
+        cross = getattr(workers, "cross_attention", None)
+        self._cross: CrossAttentionTracker | None = None
+        if cross is not None:
+            args = cross.model.params
+            self._cross = CrossAttentionTracker(vocab_size=args.vocab_size, max_tiles=args.vision_max_num_chunks,
+                                                chunk_size=args.vision_chunk_size)  # fmt: skip
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step. Worker exceptions propagate (the core fails the batch's requests); a
@@ -157,6 +165,8 @@ class ModelExecutor:
         if not batch.seqs:
             return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
         inputs, sampling = build_step_inputs(batch, self.block_size)
+        if self._cross is not None and (update := self._cross.plan(batch, inputs)) is not None:
+            self._workers.update_cross_attention(update)  # type: ignore[attr-defined]
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
         if spans:
@@ -174,6 +184,11 @@ class ModelExecutor:
                 out.sampled_token_ids.append(token)
                 out.logprobs.append(logprob)
         return out
+
+    def release_finished(self) -> None:
+        """Drop the cross-attention states of finished, aborted and preempted sequences now."""
+        if self._cross is not None and self._cross.sweep():
+            self._workers.update_cross_attention(self._cross.take_frees())  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         self._workers.shutdown()

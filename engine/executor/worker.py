@@ -21,9 +21,12 @@ from engine.config import EngineConfig
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models import model_class
 from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.models.mllama.cache import CrossAttentionCache, state_bytes_per_image
+from engine.models.mllama.model import MllamaTransformer
 from engine.quant.cuda import to_device
 from engine.quant.formats import QuantizedWeight
 from engine.executor.step_inputs import StepInputs
+from engine.executor.cross_attention import CrossAttentionUpdate
 from engine.types import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class Worker:
     max_seq_len: int
     weight_bytes: int  # this rank's weights in memory
     kv_caches: list[KVCache] | None = None
+    # Llama 3.2 Vision: each sequence's cross-attention state, apart from the paged KV; None for text models
+    cross_attention: CrossAttentionCache | None = None
+    max_batch_size: int = 1
 
     @classmethod
     def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
@@ -84,7 +90,19 @@ class Worker:
             rank, weight_bytes / 2**20, device, dtype, f" ({config.quantization})" if config.quantization else "",
             backend.name, time.monotonic() - started_s,
         )  # fmt: skip
-        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes)
+        cross = CrossAttentionCache(model) if isinstance(model, MllamaTransformer) else None
+        return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes, None, cross,
+                   config.max_batch_size)  # fmt: skip
+
+    @property
+    def cross_attention_reserve_bytes(self) -> int:
+        """Bytes the KV budget leaves for cross-attention states: one image at the most tiles per
+        sequence of a full batch (more images than that use memory past the budget)."""
+        if self.cross_attention is None:
+            return 0
+        model = self.cross_attention.model
+        per_image = state_bytes_per_image(model.params, self.mp_size, model.vision.dims.tokens_per_tile, self.dtype)
+        return self.max_batch_size * per_image
 
     @property
     def bytes_per_block(self) -> int:
@@ -97,6 +115,7 @@ class Worker:
         if budget is None:  # CUDA: a fraction of what the weights left free
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * config.kv_cache_memory_fraction)
+        budget -= self.cross_attention_reserve_bytes
         num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
                                      max_seq_len=self.max_seq_len)
         if num_blocks < 1:
@@ -119,7 +138,16 @@ class Worker:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
+        if self.cross_attention is not None:
+            return self.model(inputs.to(self.device), self.kv_caches, self.cross_attention.for_step())
         return self.model(inputs.to(self.device), self.kv_caches)
+
+    def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
+        """Drop and add sequences' cross-attention states, and set the next step's (rank 0's
+        CrossAttentionTracker decided; every rank applies the same update)."""
+        if self.cross_attention is None:
+            raise RuntimeError("a cross-attention update for a model without cross-attention layers")
+        self.cross_attention.apply(update.free_seq_ids, update.image_meta, update.pixels, update.step_seq_ids)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from engine.quant.policy import WeightsReport, check_formats, check_quantization
 from engine.executor.worker import Worker, without_omp_team
 from engine.loading.progress import ProgressCallback
 from engine.executor.step_inputs import StepInputs
+from engine.executor.cross_attention import CrossAttentionUpdate
 from engine.types import EngineDead, InvalidRequest
 from engine.executor.parallel import ParallelGroup, group_in_use, rank_device
 
@@ -108,6 +109,22 @@ class WorkerGroup:
             return self._shard.forward(inputs).cpu()
         self._group.broadcast_step(inputs)
         return self._group.collective(lambda: self._shard.forward(inputs)).cpu()
+
+    def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
+        """Llama 3.2 Vision: apply a cross-attention update on every rank (rank 0 encodes its share
+        of the new images while the followers encode theirs)."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        if self._group is None:
+            self._shard.update_cross_attention(update)
+            return
+        self._group.broadcast_cross(update)
+        self._group.collective(lambda: self._shard.update_cross_attention(update))
+
+    @property
+    def cross_attention(self):
+        """Rank 0's per-sequence cross-attention states (None: a text model), for stats and tests."""
+        return self._shard.cross_attention
 
     def shutdown(self) -> None:
         """Stop followers and free the process group; safe to call twice."""
