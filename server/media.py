@@ -78,6 +78,13 @@ def _check_url(url: str, config: ServerConfig, param: str) -> None:
     host = (parts.hostname or "").lower().rstrip(".")
     if parts.scheme not in ("http", "https") or not host:
         raise InvalidRequest("an image URL must be a data: URL or an http(s) URL", param=param, code="image_url_not_allowed")
+    try:  # aiohttp connects to an IP literal without asking the resolver: check it here
+        literal = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        literal = None
+    if literal is not None and not literal.is_global and not config.allow_private_media_addresses:
+        raise InvalidRequest(f"image URLs may not name the non-global address {host}", param=param,
+                             code="image_url_not_allowed")
     allowed = config.allowed_media_domains
     if "*" not in allowed and not any(host == d.lower() or host.endswith("." + d.lower()) for d in allowed):
         raise InvalidRequest(f"image URLs from {host!r} are not allowed on this server", param=param,
@@ -85,7 +92,7 @@ def _check_url(url: str, config: ServerConfig, param: str) -> None:
 
 
 async def _fetch(ref: ImageRef, config: ServerConfig) -> bytes:
-    resolver = _GlobalOnlyResolver(allow_private=config.allow_private_media_addresses)
+    resolver = GlobalOnlyResolver(allow_private=config.allow_private_media_addresses)
     url = ref.url
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=resolver, limit=1)) as session:
         for _ in range(MAX_REDIRECTS + 1):
@@ -108,7 +115,7 @@ async def _fetch(ref: ImageRef, config: ServerConfig) -> bytes:
                          code="image_fetch_failed")
 
 
-class _GlobalOnlyResolver(AbstractResolver):
+class GlobalOnlyResolver(AbstractResolver):
     """The default resolver, less the addresses a request must not reach (unless allowed)."""
 
     def __init__(self, *, allow_private: bool) -> None:

@@ -198,3 +198,68 @@ async def test_openai_sdk_sends_a_data_url_image(tmp_path):
     finally:
         await client.close()
         await server.close()
+
+
+@pytest.fixture
+async def image_host(aiohttp_server):
+    """An image server on loopback: /small.png, /big.png (over 10 kB), /hop (redirects to
+    /small.png), /away (redirects to a host that is not allowed)."""
+    from aiohttp import web
+
+    async def small(request):
+        return web.Response(body=SMALL, content_type="image/jpeg")
+
+    async def big(request):
+        return web.Response(body=random_image(200, 200, seed=5), content_type="image/png")
+
+    async def hop(request):
+        raise web.HTTPFound("/small.png")
+
+    async def away(request):
+        raise web.HTTPFound("http://elsewhere.invalid/x.png")
+
+    app = web.Application()
+    app.router.add_get("/small.png", small)
+    app.router.add_get("/big.png", big)
+    app.router.add_get("/hop", hop)
+    app.router.add_get("/away", away)
+    return await aiohttp_server(app, host="127.0.0.1")
+
+
+@pytest.mark.parametrize("path,private_ok,status,code", [
+    ("/small.png", True, 200, None),
+    ("/hop", True, 200, None),
+    ("/small.png", False, 400, "image_url_not_allowed"),  # loopback is refused unless configured
+    ("/big.png", True, 400, "image_too_large"),
+    ("/away", True, 400, "image_url_not_allowed"),
+])
+async def test_allowed_image_urls_are_fetched_within_bounds(aiohttp_client, tmp_path, image_host, path, private_ok,
+                                                            status, code):
+    engine = vision_engine()
+    client = await start(aiohttp_client, tmp_path, engine, allowed_media_domains=("127.0.0.1",),
+                         allow_private_media_addresses=private_ok, max_image_bytes=10_000)
+    url = str(image_host.make_url(path))
+    response = await client.post("/v1/chat/completions", json={"model": "llama", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+    body = await response.json()
+    assert response.status == status, body
+    if code is not None:
+        assert body["error"]["code"] == code and body["error"]["param"] == "messages[0].content[0]", body
+    else:
+        assert len(engine.requests[-1].images) == 1
+
+
+async def test_names_resolving_to_private_addresses_are_refused_at_connect():
+    from server.media import _GlobalOnlyResolver
+
+    with pytest.raises(OSError, match="non-global"):
+        await _GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
+    assert await _GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
+
+
+async def test_names_resolving_to_private_addresses_are_refused_at_connect():
+    from server.media import GlobalOnlyResolver
+
+    with pytest.raises(OSError, match="non-global"):
+        await GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
+    assert await GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
