@@ -104,7 +104,7 @@ def reference_preprocess_module() -> types.ModuleType:
                 sys.modules[name] = module
 
 
-def reference_chat_format(tokenizer_path: str):
+def reference_chat_format(tokenizer_path):
     """llama-models' Llama 4 ChatFormat with the tiny vision_args (imported as above)."""
     reference_preprocess_module()
     from llama_models.llama4.args import VisionArgs
