@@ -89,6 +89,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     from engine.executor.worker_group import WorkerGroup
     from engine.loading.generation_config import read_sampling_defaults
     from engine.executor.executor import ModelExecutor
+    from engine.vision.mllama import mllama_preprocessor
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
@@ -100,7 +101,8 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     try:
         executor = ModelExecutor(workers, seed=config.seed)
         engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=workers.weights)
+                             sampling_defaults=sampling_defaults, weights=workers.weights,
+                             image_preprocessor=mllama_preprocessor(checkpoint.model_args))
     except BaseException:
         workers.shutdown()
         raise

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from PIL import Image
 
+from engine.models.args import ModelArgs
 from engine.vision import Preprocessed
 from engine.vision.llama4 import split_tiles
 
@@ -79,6 +80,13 @@ def transform_image(image: Image.Image, *, size: int, max_num_chunks: int) -> tu
     x = clip_normalized_tensor(padded)
     columns, rows = canvas[0] // size, canvas[1] // size
     return split_tiles(x, rows, columns), (rows, columns)
+
+
+def mllama_preprocessor(args: ModelArgs) -> "MllamaImagePreprocessor | None":
+    """A Llama 3.2 Vision checkpoint's preprocessor (its vision_chunk_size and vision_max_num_chunks); None otherwise."""
+    if not args.is_mllama or args.vision_chunk_size is None:
+        return None
+    return MllamaImagePreprocessor(chunk_size=args.vision_chunk_size, max_num_chunks=args.vision_max_num_chunks)
 
 
 class MllamaImagePreprocessor:

@@ -149,3 +149,41 @@ def test_preprocessing_matches_llama_models_transform():
 def test_vision_spans_match_create_vision_mask():
     for tokens in ([1, IMAGE, 2], [1, 2], [IMAGE, IMAGE, 3, IMAGE, 4], [1, IMAGE, 2, IMAGE, 3, IMAGE, IMAGE]):
         assert [list(s) for s in vision_spans(tokens, IMAGE)] == vision_spans_reference(tokens)
+
+
+def test_prompt_tokens_with_images_equal_llama_models_chat_format():
+    """Our Llama 3.2 chat format places <|image|> (128011) as llama-models' ChatFormat does; its
+    LLMInput then feeds 128256, which the engine does at the placement (test_mllama_engine.py)."""
+    import io
+
+    from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer as Reference
+
+    from engine.chat.format import make_chat_format
+    from engine.types import ChatMessage, PreparedImage
+    from tests.engine.tokenizer_fixtures import llama_models_file, real_llama3
+
+    def png(seed: int) -> bytes:
+        out = io.BytesIO()
+        image(40, 20, seed).save(out, format="PNG")
+        return out.getvalue()
+
+    reference = ChatFormat(Reference(llama_models_file("llama3/tokenizer.model")))
+    prepared = [PreparedImage(bytes(32), (1, 2), 2, 0, None) for _ in range(3)]
+    ours = make_chat_format("llama3_2", real_llama3())
+    dialogs = [
+        [("user", [prepared[0], "Describe this image."])],
+        [("system", ["Be brief."]), ("user", ["Compare", prepared[0], "with", prepared[1], prepared[2], "now"]),
+         ("assistant", ["Same."]), ("user", ["Sure?"])],
+    ]
+    for dialog in dialogs:
+        raw = [RawMessage(role=role, content=[RawMediaItem(data=png(i)) if isinstance(p, PreparedImage) else RawTextItem(text=p)
+                                             for i, p in enumerate(parts)]) for role, parts in dialog]  # fmt: skip
+        expected = reference.encode_dialog_prompt(raw)
+        prompt = ours.encode_prompt([ChatMessage(role, "".join(p for p in parts if isinstance(p, str)), parts=tuple(parts))
+                                     for role, parts in dialog])  # fmt: skip
+        marker = reference.tokenizer.special_tokens["<|image|>"]
+        assert prompt.ids == [marker if t == 128256 else t for t in expected.tokens]
+        assert [p.offset for p in prompt.images] == [i for i, t in enumerate(prompt.ids) if t == marker]
+        assert len(expected.vision.images) == len(prompt.images)
