@@ -163,11 +163,12 @@ class LocalEngineFactory:
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
-        from engine.loading.checkpoint import estimate_weight_bytes
+        from engine.loading.checkpoint import checkpoint_vision_dims, estimate_weight_bytes
 
         checkpoint = _resolve(spec)
         config = _with_parallel_size(_effective_config(self._config, spec), checkpoint)
-        weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config))
+        vision = checkpoint_vision_dims(checkpoint)  # Llama 3.2 Vision: the encoder's sizes, from its shapes
+        weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config), vision)
         kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
         return weights + kv
 

@@ -468,8 +468,8 @@ def write_random_checkpoint(
 
 
 # --------------------------------------------------------------------------- sizing
-def parameter_count(args: ModelArgs) -> int:
-    return sum(math.prod(layout.full_shape) for layout in param_layouts(args).values())
+def parameter_count(args: ModelArgs, vision: VisionDims | None = None) -> int:
+    return sum(math.prod(layout.full_shape) for layout in param_layouts(args, vision).values())
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -478,15 +478,17 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def estimate_weight_bytes(args: ModelArgs, dtype: torch.dtype | str) -> int:
-    """Bytes the weights take in `dtype` over all ranks together."""
-    return parameter_count(args) * dtype_bytes(dtype)
+def estimate_weight_bytes(args: ModelArgs, dtype: torch.dtype | str, vision: VisionDims | None = None) -> int:
+    """Bytes the weights take in `dtype` over all ranks together (a Llama 3.2 Vision encoder at
+    `vision`'s sizes, checkpoint_vision_dims; else the released one's)."""
+    return parameter_count(args, vision) * dtype_bytes(dtype)
 
 
 __all__ = [
     "CheckpointSpec",
     "check_parallel_size",
     "check_tokenizer_vocab",
+    "checkpoint_vision_dims",
     "estimate_weight_bytes",
     "find_shards",
     "load_rank_state_dict",

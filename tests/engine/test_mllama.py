@@ -187,3 +187,18 @@ def test_prompt_tokens_with_images_equal_llama_models_chat_format():
         assert prompt.ids == [marker if t == 128256 else t for t in expected.tokens]
         assert [p.offset for p in prompt.images] == [i for i, t in enumerate(prompt.ids) if t == marker]
         assert len(expected.vision.images) == len(prompt.images)
+
+
+def test_encoder_sizes_come_from_the_weights(checkpoint):
+    """The tiny encoder (width 32) is read from the checkpoint's shapes, for loading and for the
+    memory estimate; without the weights the estimate is the released encoder's."""
+    from engine.loading.checkpoint import checkpoint_vision_dims, estimate_weight_bytes, parameter_count
+    from tests.mllama_fixtures import tiny_vision_dims
+
+    spec = resolve_checkpoint(checkpoint, model_id="tiny-vision", llama_model=TINY_VISION_DESCRIPTOR)
+    dims = checkpoint_vision_dims(spec)
+    assert dims == tiny_vision_dims()
+    on_disk = sum(t.numel() for t in torch.load(checkpoint / "consolidated.pth", weights_only=True).values())
+    assert parameter_count(spec.model_args, dims) == on_disk
+    assert estimate_weight_bytes(spec.model_args, torch.float32, dims) == 4 * on_disk
+    assert parameter_count(spec.model_args) > 100 * on_disk  # the released 1280-wide encoder

@@ -159,3 +159,20 @@ def test_model_parallel_2_equals_1(checkpoint, alone):
         assert states(core) == 0
     finally:
         core.runner.shutdown()
+
+
+def test_prefix_cache_hit_with_the_same_image_gives_the_same_tokens(checkpoint, alone):
+    """The second run of each request reuses the first's KV blocks (the text before and after its
+    image) and recomputes only the cross-attention state; its tokens do not change. (A different
+    image behind the same tokens must miss: the block keys hash the image content, kv_blocks.py.)"""
+    core = make_core(checkpoint, dtype="float64", enable_prefix_caching=True)
+    try:
+        first = tokens_of(run(core, make_requests()))
+        hits_before = core.pool.prefix_hits_tokens
+        again = [EngineRequest(f"again-{r.request_id}", r.prompt_token_ids, r.params, images=r.images) for r in make_requests()]
+        second = tokens_of(run(core, again))
+        assert core.pool.prefix_hits_tokens - hits_before >= 3 * BLOCK
+        assert first == alone and {k.removeprefix("again-"): v for k, v in second.items()} == alone
+        assert states(core) == 0
+    finally:
+        core.runner.shutdown()
