@@ -33,7 +33,7 @@ from engine.loading.formats import architecture_file
 from engine.loading.layout import ParamLayout, local_shape, param_layouts, rank_range
 from engine.loading.llama4 import normalize_shard, parallel_size_problems, to_meta_layout
 from engine.loading.mllama import TEXT_PREFIX, normalize_shard as normalize_mllama_shard, vision_dims
-from engine.models.mllama.args import VisionDims
+from engine.models.mllama.args import IMAGE_TOKEN_ROWS, VISION_HEADS, VisionDims
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models.args import ModelArgs
 from engine.types import CheckpointError, Family, InvalidRequest
@@ -210,6 +210,11 @@ def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
         problems.append(f"vocab_size {args.vocab_size}")
     if args.is_llama4:
         problems += parallel_size_problems(args, mp_size)
+    if args.is_mllama:  # the image encoder's heads and the image-token rows are split over the ranks
+        if VISION_HEADS % mp_size:
+            problems.append(f"the image encoder's {VISION_HEADS} heads")
+        if IMAGE_TOKEN_ROWS % mp_size:
+            problems.append(f"the {IMAGE_TOKEN_ROWS} image-token embedding rows")
     if problems:
         raise CheckpointError(f"model-parallel size {mp_size} does not divide {', '.join(problems)}")
 

@@ -59,10 +59,11 @@ def checkpoint(tmp_path_factory):
     return write_tiny_vision_checkpoint(tmp_path_factory.mktemp("mllama_engine"))
 
 
-def make_core(checkpoint, *, dtype: str = "float32", mp_size: int = 1, num_blocks: int = 256, **overrides) -> EngineCore:
+def make_core(checkpoint, *, dtype: str = "float32", mp_size: int = 1, num_blocks: int = 256, cpu_kernels: bool = False,
+              **overrides) -> EngineCore:  # fmt: skip
     spec = resolve_checkpoint(checkpoint, model_id="tiny-vision", llama_model=TINY_VISION_DESCRIPTOR)
     cfg = EngineConfig(dtype=dtype, block_size_tokens=BLOCK, max_batch_size=8, max_num_batched_tokens=16,
-                       model_parallel_size=mp_size, cpu_kernels=False, **overrides)  # fmt: skip
+                       model_parallel_size=mp_size, cpu_kernels=cpu_kernels, **overrides)  # fmt: skip
     workers = WorkerGroup(spec, cfg, max_seq_len=MAX_SEQ_LEN)
     if num_blocks < workers.num_blocks:  # a small pool, to force preemption
         workers.num_blocks = num_blocks
@@ -87,8 +88,9 @@ def states(core: EngineCore) -> int:
     return core.runner._workers.cross_attention.num_states  # noqa: SLF001 (the test's view of rank 0's cache)
 
 
-def test_greedy_generation_equals_llama_models(checkpoint):
-    core = make_core(checkpoint)
+@pytest.mark.parametrize("cpu_kernels", [False, True])  # the text layers over torch ops, and over the C kernels
+def test_greedy_generation_equals_llama_models(checkpoint, cpu_kernels):
+    core = make_core(checkpoint, cpu_kernels=cpu_kernels)
     try:
         requests = make_requests(logprobs=0)
         outputs = run(core, [requests[0]])

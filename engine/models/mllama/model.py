@@ -62,7 +62,7 @@ class CrossAttentionBlock(nn.Module):
         super().__init__()
         self.w = {k.removeprefix(prefix): v for k, v in w.items() if k.startswith(prefix)}
         self.n_local_heads = args.n_heads // mp.mp_size
-        self.n_local_kv_heads = args.kv_heads // mp.mp_size
+        self.n_local_kv_heads = max(1, args.kv_heads // mp.mp_size)  # past n_kv_heads ranks repeat heads, as in text attention
         self.head_dim = args.head_dim
         self.eps = args.norm_eps
         self.reduce = mp.reduce
@@ -115,10 +115,6 @@ class MllamaTransformer(Transformer):
         self.cross_attention_before = {layer: k for k, layer in enumerate(schedule)}  # text layer -> cross-attention layer
         self._vision_weights = vision_weights  # counted in weight_bytes (plain tensors, not parameters)
         self._xattn_weights = xattn_weights
-
-    @staticmethod
-    def _prepare_weights(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        return Transformer._prepare_weights(state, args)  # text layers fused; the rest pass through
 
     # ------------------------------------------------------------------ images
     @torch.inference_mode()
