@@ -202,3 +202,16 @@ def test_encoder_sizes_come_from_the_weights(checkpoint):
     assert parameter_count(spec.model_args, dims) == on_disk
     assert estimate_weight_bytes(spec.model_args, torch.float32, dims) == 4 * on_disk
     assert parameter_count(spec.model_args) > 100 * on_disk  # the released 1280-wide encoder
+
+
+def test_numbered_shards_load_as_the_unnumbered_file(checkpoint, tmp_path):
+    """The 90B release's consolidated.NN.pth (model-parallel shards, split as the reference's
+    fairscale layers split them) load to the same weights as the 11B release's single consolidated.pth."""
+    sharded = write_tiny_vision_checkpoint(tmp_path / "two", num_shards=2)
+    assert sorted(p.name for p in sharded.glob("*.pth")) == ["consolidated.00.pth", "consolidated.01.pth"]
+    one = load_rank_state_dict(resolve_checkpoint(checkpoint, model_id="a", llama_model=TINY_VISION_DESCRIPTOR), 0, 1)
+    two = load_rank_state_dict(resolve_checkpoint(sharded, model_id="b", llama_model=TINY_VISION_DESCRIPTOR), 0, 1)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    half = torch.load(sharded / "consolidated.00.pth", weights_only=True)
+    assert half["vision_model.vision_encoder.transformer.resblocks.0.attn.wq.weight"].shape[0] == 16  # width 32 / 2
+    assert half["text_model.cross_attention_layers.0.attention.wo.weight"].shape[1] == 32  # row-parallel: dim 64 / 2
