@@ -10,7 +10,8 @@ flat tensors like StepInputs, ahead of the step that needs it (engine/executor/p
 
 The <|image|> marker of a placement is fed to the model as id vocab_size (llama-models'
 LLMInput turns <|image|> into 128256, the first learnable image-token row) and the text spans
-attending each image follow llama-models' create_vision_mask over the markers' positions.
+attending each image follow llama-models' create_vision_mask over the markers' positions
+(engine/vision/mllama.py vision_spans).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
 from engine.executor.step_inputs import StepInputs
+from engine.vision.mllama import stack_tiles, vision_spans
 
 NO_SEQ = -1
 
@@ -38,24 +40,6 @@ class CrossAttentionUpdate:
     @property
     def num_images(self) -> int:
         return int(self.image_meta.shape[0])
-
-
-def vision_spans_at(locations: list[int], num_prompt_tokens: int) -> list[tuple[int, int]]:
-    """llama-models' create_vision_mask over the positions of the <|image|> markers: an image is
-    attended from its marker to the next one; the last to the prompt's end when there are several
-    (to the sequence's end, -1, when it is the only one); consecutive markers all reach the end of
-    the text that follows them."""
-    if not locations:
-        return []
-    if len(locations) == 1:
-        return [(locations[0], -1)]
-    spans = [[a, b] for a, b in zip(locations[:-1], locations[1:])] + [[locations[-1], num_prompt_tokens]]
-    last_end = spans[-1][1]
-    for span in spans[::-1]:
-        if span[0] == span[1] - 1:
-            span[1] = last_end
-        last_end = span[1]
-    return [(a, b) for a, b in spans]
 
 
 class CrossAttentionTracker:
@@ -99,7 +83,7 @@ class CrossAttentionTracker:
             step_ids.append(seq.seq_id)
             if seq.seq_id not in self._live:
                 locations = [p.offset for p in seq.images]
-                new.append((seq, vision_spans_at(locations, seq.num_prompt_tokens)))
+                new.append((seq, vision_spans(locations, seq.num_prompt_tokens)))
                 self._live[seq.seq_id] = seq
             first = seq.num_computed_tokens
             for placement in seq.images:  # markers inside this step's chunk
@@ -115,9 +99,7 @@ class CrossAttentionTracker:
                 rows, columns = placement.image.aspect_ratio
                 meta.append([seq.seq_id, rows, columns, start, end])
                 tiles.append(placement.image.pixels)  # type: ignore[arg-type]
-        pixels = torch.zeros(len(tiles), self.max_tiles, 3, self.chunk_size, self.chunk_size)
-        for i, t in enumerate(tiles):
-            pixels[i, : t.shape[0]] = t
+        pixels = stack_tiles(tiles, self.max_tiles, self.chunk_size)
         frees, self._pending_free = self._pending_free, []
         return CrossAttentionUpdate(
             free_seq_ids=torch.tensor(frees, dtype=torch.int64),

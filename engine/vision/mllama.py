@@ -102,26 +102,26 @@ class MllamaImagePreprocessor:
         return Preprocessed(pixels=tiles, aspect_ratio=aspect_ratio, num_chunks=tiles.shape[0], tokens_per_chunk=0)
 
 
-def stack_tiles(tiles: list[torch.Tensor], max_num_chunks: int) -> torch.Tensor:
-    """Each image's tiles padded with zero tiles to max_num_chunks: [images, max_num_chunks, 3, size, size]."""
-    size = tiles[0].shape[-1]
+def stack_tiles(tiles: list[torch.Tensor], max_num_chunks: int, size: int) -> torch.Tensor:
+    """Each image's tiles padded with zero tiles to max_num_chunks, as the reference's _stack_images
+    pads them (its encoder sees every padding tile): [images, max_num_chunks, 3, size, size]."""
     out = torch.zeros(len(tiles), max_num_chunks, 3, size, size)
     for i, t in enumerate(tiles):
         out[i, : t.shape[0]] = t
     return out
 
 
-def vision_spans(tokens: list[int], image_token: int) -> list[tuple[int, int]]:
+def vision_spans(locations: list[int], num_prompt_tokens: int) -> list[tuple[int, int]]:
     """Which text positions attend each image, as [start, end) (end -1: to the end of the
-    sequence), as llama-models' create_vision_mask gives them: an image from its <|image|> token to
-    the next one; the last to the prompt's end when there are several (to the sequence's end when
-    it is the only one); consecutive <|image|> tokens all reach the end of the following text."""
-    locations = [i for i, token in enumerate(tokens) if token == image_token]
+    sequence), from the positions of the prompt's <|image|> tokens, as llama-models'
+    create_vision_mask gives them: an image from its <|image|> token to the next one; the last to
+    the prompt's end when there are several (to the sequence's end when it is the only one);
+    consecutive <|image|> tokens all reach the end of the text that follows them."""
     if not locations:
         return []
     if len(locations) == 1:
         return [(locations[0], -1)]
-    spans = [[a, b] for a, b in zip(locations[:-1], locations[1:])] + [[locations[-1], len(tokens)]]
+    spans = [[a, b] for a, b in zip(locations[:-1], locations[1:])] + [[locations[-1], num_prompt_tokens]]
     last_end = spans[-1][1]
     for span in spans[::-1]:
         if span[0] == span[1] - 1:

@@ -11,7 +11,6 @@ import io
 
 import pytest
 import torch
-from PIL import Image
 
 from tests.e2e.conftest import llama3_tokenizer_model, ready_server
 from tests.engine.test_mllama import image

@@ -83,8 +83,8 @@ def run_ours(model, prompts: list[tuple[list[int], list[Image.Image]]], chunk: i
             cross.append(None)
             continue
         tiles = [transform_image(im, size=28, max_num_chunks=4) for im in images]
-        cross.append(model.cross_attention_state(stack_tiles([t for t, _ in tiles], 4), [ar for _, ar in tiles],
-                                                 vision_spans(tokens, IMAGE)))  # fmt: skip
+        cross.append(model.cross_attention_state(stack_tiles([t for t, _ in tiles], 4, 28), [ar for _, ar in tiles],
+                                                 vision_spans([i for i, t in enumerate(tokens) if t == IMAGE], len(tokens))))  # fmt: skip
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     while any(s.num_uncomputed_tokens for s in seqs):
         step = [s for s in seqs if s.num_uncomputed_tokens]
@@ -148,7 +148,8 @@ def test_preprocessing_matches_llama_models_transform():
 
 def test_vision_spans_match_create_vision_mask():
     for tokens in ([1, IMAGE, 2], [1, 2], [IMAGE, IMAGE, 3, IMAGE, 4], [1, IMAGE, 2, IMAGE, 3, IMAGE, IMAGE]):
-        assert [list(s) for s in vision_spans(tokens, IMAGE)] == vision_spans_reference(tokens)
+        locations = [i for i, t in enumerate(tokens) if t == IMAGE]
+        assert [list(s) for s in vision_spans(locations, len(tokens))] == vision_spans_reference(tokens)
 
 
 def test_prompt_tokens_with_images_equal_llama_models_chat_format():

@@ -17,7 +17,7 @@ from engine.executor.executor import ModelExecutor
 from engine.executor.worker_group import WorkerGroup
 from engine.loading.checkpoint import resolve_checkpoint
 from engine.types import EngineRequest, ImagePlacement, PreparedImage, SamplingParams
-from engine.vision.mllama import MllamaImagePreprocessor, stack_tiles
+from engine.vision.mllama import MllamaImagePreprocessor
 from tests.engine.fakes import ByteTokenizer
 from tests.engine.test_mllama import IMAGE, image, vision_spans_reference
 from tests.mllama_fixtures import TINY_VISION_DESCRIPTOR, reference_model, write_tiny_vision_checkpoint
