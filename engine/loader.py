@@ -98,9 +98,10 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
     workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
     try:
-        executor = ModelExecutor(workers, seed=config.seed)
+        image_rows, preprocessor = _vision(workers, tokenizer)
+        executor = ModelExecutor(workers, seed=config.seed, image_rows=image_rows)
         engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=workers.weights)
+                             sampling_defaults=sampling_defaults, weights=workers.weights, image_preprocessor=preprocessor)
     except BaseException:
         workers.shutdown()
         raise
@@ -114,6 +115,20 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
         max_seq_len,
     )
     return engine
+
+
+def _vision(workers: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """(the executor's ImageRows, the engine's ImagePreprocessor) of a model that takes images, else (None, None)."""
+    if workers.image_encoder is None:
+        return None, None
+    from engine.executor.images import ImageRows
+    from engine.vision.llama4 import Llama4ImagePreprocessor
+
+    args = workers.vision_args
+    preprocessor = Llama4ImagePreprocessor(tile_size=int(args["image_size"]["width"]),
+                                           patch_size=int(args["patch_size"]["width"]),
+                                           pixel_shuffle_ratio=float(args["pixel_shuffle_ratio"]))
+    return ImageRows(workers.image_encoder, tokenizer.special_token_id("<|patch|>")), preprocessor
 
 
 def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):

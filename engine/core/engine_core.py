@@ -112,6 +112,7 @@ class EngineCore:
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
             client_priority=request.client_priority,
+            images=request.images,
         )
         if grammar is not None:
             seq.grammar = self.grammars.new_state(grammar)  # a copy; the engine thread never compiles

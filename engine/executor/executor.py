@@ -16,6 +16,7 @@ import torch
 
 from engine.core.sampler import Sampler
 from engine.core.sequence import ScheduledBatch, StepOutput
+from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
 from engine.types import TokenLogprob
@@ -143,8 +144,9 @@ class Executor(Protocol):
 class ModelExecutor:
     """Executor over a worker group (engine/executor/worker_group.py) and the sampler."""
 
-    def __init__(self, workers: Workers, *, seed: int = 0) -> None:
+    def __init__(self, workers: Workers, *, seed: int = 0, image_rows: ImageRows | None = None) -> None:
         self._workers = workers
+        self._image_rows = image_rows  # early fusion (a model that takes images); None: text only
         self.vocab_size: int = workers.vocab_size
         self.num_blocks: int = workers.num_blocks
         self.block_size: int = workers.block_size
@@ -157,6 +159,10 @@ class ModelExecutor:
         if not batch.seqs:
             return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
         inputs, sampling = build_step_inputs(batch, self.block_size)
+        if self._image_rows is not None:
+            fused = self._image_rows.step(batch)
+            if fused is not None:
+                inputs.image_rows, inputs.image_embeds = fused
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
         if spans:
