@@ -141,3 +141,52 @@ async def test_served_greedy_tokens_equal_llama_models(aiohttp_client, tmp_path,
         assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-3, name
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["input_modalities"] == ["text", "image"]
+
+
+@pytest.fixture(scope="module")
+def small_engine(checkpoint):
+    """The same checkpoint on a KV pool of 8 blocks of 8 tokens (one image prompt and its answer fit,
+    two do not): concurrent image prompts preempt."""
+    from types import SimpleNamespace
+
+    from engine.loader import load_engine
+
+    spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
+    engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4,
+                                            cpu_kv_cache_bytes=8 * 8192, max_num_batched_tokens=16))  # 8 blocks of 8192 bytes
+    yield engine
+    engine.core.runner.shutdown()
+
+
+async def test_batched_preempted_and_prefix_cached_requests_keep_their_tokens(aiohttp_client, tmp_path, small_engine,
+                                                                              reference):
+    """Image and text-only requests at once (chunked prefills split the images, the small pool
+    preempts), then an image prompt again (a prefix-cache hit through its image) and the same text
+    with another image in its place (no hit past the image's first block): every answer is its
+    reference's."""
+    import asyncio
+
+    engine = small_engine
+    client = await start(aiohttp_client, tmp_path, engine)
+    expected = {name: reference(content) for name, content in CASES.items()}
+    names = list(CASES) * 2 + ["text only"] * 3  # three short ones admitted together outgrow the pool
+    results = await asyncio.gather(*(served(client, CASES[name]) for name in names))
+    for name, (texts, logprobs, _) in zip(names, results):
+        assert texts == [engine.tokenizer.decode([t]) for t in expected[name][1]], name
+        assert max(abs(a - b) for a, b in zip(logprobs, expected[name][2])) < 2e-3, name
+    assert engine.stats().num_preempted_total > 0  # the pool was too small for all at once
+
+    content = CASES["one image"]
+    first = (await served(client, content))[2]
+    again_texts, again_logprobs, again = await served(client, content)
+    prompt = expected["one image"][0]
+    image_start = prompt.index(engine.tokenizer.special_token_id("<|image_start|>"))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > image_start + 8  # blocks holding the image hit
+    assert again_texts == [engine.tokenizer.decode([t]) for t in expected["one image"][1]]
+    other = [random_image(100, 30, seed=99), content[1]]  # another image of the same size: the same tokens
+    other_prompt, other_tokens, _ = reference(other)
+    assert other_prompt == prompt
+    texts, _, body = await served(client, other)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] <= image_start  # nothing past the image's first block
+    assert texts == [engine.tokenizer.decode([t]) for t in other_tokens]
+    assert first["usage"]["prompt_tokens"] == len(prompt)
