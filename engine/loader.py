@@ -89,7 +89,6 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     from engine.executor.worker_group import WorkerGroup
     from engine.loading.generation_config import read_sampling_defaults
     from engine.executor.executor import ModelExecutor
-    from engine.vision.mllama import mllama_preprocessor
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec)
@@ -99,10 +98,10 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
     workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
     try:
-        executor = ModelExecutor(workers, seed=config.seed)
+        image_rows, preprocessor = _vision(workers, tokenizer, checkpoint.model_args)
+        executor = ModelExecutor(workers, seed=config.seed, image_rows=image_rows)
         engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=workers.weights,
-                             image_preprocessor=mllama_preprocessor(checkpoint.model_args))
+                             sampling_defaults=sampling_defaults, weights=workers.weights, image_preprocessor=preprocessor)
     except BaseException:
         workers.shutdown()
         raise
@@ -116,6 +115,26 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
         max_seq_len,
     )
     return engine
+
+
+def _vision(workers: Any, tokenizer: Any, model_args: Any) -> tuple[Any, Any]:
+    """(the executor's ImageRows, the engine's ImagePreprocessor) of a model that takes images, else (None, None).
+    Llama 3.2 Vision has no image rows: its images reach the model as cross-attention states
+    (engine/executor/cross_attention.py)."""
+    if model_args.is_mllama:
+        from engine.vision.mllama import mllama_preprocessor
+
+        return None, mllama_preprocessor(model_args)
+    if workers.image_encoder is None:
+        return None, None
+    from engine.executor.images import ImageRows
+    from engine.vision.llama4 import Llama4ImagePreprocessor
+
+    args = workers.vision_args
+    preprocessor = Llama4ImagePreprocessor(tile_size=int(args["image_size"]["width"]),
+                                           patch_size=int(args["patch_size"]["width"]),
+                                           pixel_shuffle_ratio=float(args["pixel_shuffle_ratio"]))
+    return ImageRows(workers.image_encoder, tokenizer.special_token_id("<|patch|>")), preprocessor
 
 
 def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):

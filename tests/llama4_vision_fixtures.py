@@ -112,3 +112,27 @@ def reference_chat_format(tokenizer_path):
     from llama_models.llama4.tokenizer import Tokenizer
 
     return ChatFormat(Tokenizer(tokenizer_path), vision_args=VisionArgs(**TINY_VISION_ARGS))
+
+
+def write_tiny_llama4_vision_checkpoint(out_dir, *, tokenizer_path, seed: int = 0):
+    """A tiny Llama 4 checkpoint in Meta's release layout with vision: params.json's vision_args and
+    the vision encoder, adapter and projection under the names llama-models' model loads, in
+    consolidated.00.pth beside the text weights (real vocabulary: image tokens are special tokens)."""
+    import json
+    from pathlib import Path
+
+    from engine.models.llama4.vision import VisionConfig, random_vision_state
+    from tests.llama4_fixtures import LLAMA4_VOCAB_SIZE, TINY_LLAMA4_PARAMS, write_tiny_llama4_checkpoint
+
+    out_dir = write_tiny_llama4_checkpoint(Path(out_dir), seed=seed, tokenizer_path=tokenizer_path,
+                                           vocab_size=LLAMA4_VOCAB_SIZE)
+    shard = out_dir / "consolidated.00.pth"
+    state = torch.load(shard, weights_only=True)
+    state.update(random_vision_state(VisionConfig.from_params(TINY_VISION_ARGS), output_dim=TINY_VISION_ARGS["output_dim"],
+                                     mlp_ratio=TINY_VISION_ARGS["mlp_ratio"], text_dim=TINY_LLAMA4_PARAMS["dim"],
+                                     seed=seed + 1))
+    torch.save(state, shard)
+    params = json.loads((out_dir / "params.json").read_text())
+    params["vision_args"] = TINY_VISION_ARGS
+    (out_dir / "params.json").write_text(json.dumps(params, indent=2))
+    return out_dir

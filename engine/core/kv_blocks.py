@@ -20,8 +20,10 @@ from engine.core.sequence import Sequence
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """A collision-resistant digest of one full block and everything before it.
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """A collision-resistant digest of one full block and everything before it; `extra` is what
+    else decides the block's K/V beside its tokens (the content hashes of the images whose tokens
+    it holds: the same <|patch|> ids stand for any image).
 
     Why a cryptographic hash and not Python's `hash`: a collision would serve one request the K/V
     of another's text, and int hashes are easy to collide on purpose."""
@@ -29,7 +31,15 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     if parent is not None:
         digest.update(parent)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"images")
+        digest.update(extra)
     return digest.digest()
+
+
+def images_in_block(seq: Sequence, start: int, end: int) -> bytes:
+    """The content hashes of the images whose token spans overlap tokens [start, end)."""
+    return b"".join(p.image.content_hash for p in seq.images if p.offset < end and p.offset + p.length > start)
 
 
 class BlockPool:
@@ -112,7 +122,8 @@ class BlockPool:
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * size : (i + 1) * size]))
+            extra = images_in_block(seq, i * size, (i + 1) * size) if seq.images else b""
+            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * size : (i + 1) * size], extra))
 
     # ------------------------------------------------------------------ allocation
     def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int, cached_blocks: Iterable[int] = ()) -> int:

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.types import SamplingParams, TokenLogprob
+from engine.types import ImagePlacement, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -47,9 +47,11 @@ class Sequence:
     # The tokens that end this sequence past min_tokens (and that the sampler holds back before):
     # set once by the scheduler on admission (ending_token_ids), read by the scheduler and the sampler.
     stop_token_ids: frozenset[int] = frozenset()
-    # The request's images and where their tokens sit in the prompt (EngineRequest.images; engine/types.py
-    # ImagePlacement): Llama 3.2 Vision's cross-attention reads them (engine/executor/cross_attention.py).
-    images: tuple[Any, ...] = ()
+    # The prompt's images and the spans their tokens fill (EngineRequest.images): the executor puts
+    # their embeddings on those rows (Llama 4) or their cross-attention states beside the sequence
+    # (Llama 3.2 Vision, engine/executor/cross_attention.py); the block pool keys the prefix hashes of
+    # those blocks by them
+    images: tuple[ImagePlacement, ...] = ()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

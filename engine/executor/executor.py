@@ -17,6 +17,7 @@ import torch
 from engine.core.sampler import Sampler
 from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.executor.cross_attention import CrossAttentionTracker
+from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
 from engine.types import TokenLogprob
@@ -144,8 +145,9 @@ class Executor(Protocol):
 class ModelExecutor:
     """Executor over a worker group (engine/executor/worker_group.py) and the sampler."""
 
-    def __init__(self, workers: Workers, *, seed: int = 0) -> None:
+    def __init__(self, workers: Workers, *, seed: int = 0, image_rows: ImageRows | None = None) -> None:
         self._workers = workers
+        self._image_rows = image_rows  # early fusion (a model that takes images); None: text only
         self.vocab_size: int = workers.vocab_size
         self.num_blocks: int = workers.num_blocks
         self.block_size: int = workers.block_size
@@ -167,6 +169,10 @@ class ModelExecutor:
         inputs, sampling = build_step_inputs(batch, self.block_size)
         if self._cross is not None and (update := self._cross.plan(batch, inputs)) is not None:
             self._workers.update_cross_attention(update)  # type: ignore[attr-defined]
+        if self._image_rows is not None:
+            fused = self._image_rows.step(batch)
+            if fused is not None:
+                inputs.image_rows, inputs.image_embeds = fused
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
         if spans:

@@ -22,12 +22,17 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each sequence after this step
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch whose logits are wanted
+    # Early fusion (Llama 4 images): these rows' embeddings are replaced by image_embeds' rows.
+    # None on a step without image tokens; built on rank 0 by engine/executor/images.py.
+    image_rows: torch.Tensor | None = None  # [num_image_rows] int64
+    image_embeds: torch.Tensor | None = None  # [num_image_rows, dim] in the model dtype
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device`; self when every tensor is there already (a CPU model's every step)."""
-        if all(getattr(self, f.name).device == device for f in fields(self)):
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        if all(t is None or t.device == device for t in tensors.values()):
             return self
-        return StepInputs(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        return StepInputs(**{name: None if t is None else t.to(device, non_blocking=True) for name, t in tensors.items()})
 
     @property
     def num_tokens(self) -> int:

@@ -302,6 +302,8 @@ class Transformer(nn.Module):
         once here: the compiled step, or the blocks op by op over the plan's attention layout."""
         plan = self.backend.plan_step(inputs, self.freqs_cis, kv_caches[0], self.decode_step)
         h = self.tok_embeddings(inputs.input_ids)
+        if inputs.image_rows is not None:  # early fusion: the reference's h * ~mask + h_image * mask
+            h.index_copy_(0, inputs.image_rows, inputs.image_embeds.to(h.dtype))
         if plan.compiled:
             normed = self.decode_step(h, plan.attention, kv_caches)
         else:

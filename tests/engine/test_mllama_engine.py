@@ -178,3 +178,24 @@ def test_prefix_cache_hit_with_the_same_image_gives_the_same_tokens(checkpoint, 
         assert states(core) == 0
     finally:
         core.runner.shutdown()
+
+
+def test_a_different_image_behind_the_same_tokens_misses_the_prefix_cache(checkpoint):
+    """Blocks from the image's <|image|> on are keyed by the image's content (kv_blocks.py), so the
+    same tokens with another image reuse only the blocks before it, and answer as they would alone."""
+    prompt, ((offset, _),) = REQUESTS[0]
+    first = vision_request("first", prompt, [(offset, prepared(40, 20, 0))])
+    other = vision_request("other", prompt, [(offset, prepared(40, 20, 9))])
+    alone_core = make_core(checkpoint, dtype="float64", enable_prefix_caching=False)
+    try:
+        expected = tokens_of(run(alone_core, [vision_request("other", prompt, [(offset, prepared(40, 20, 9))])]))
+    finally:
+        alone_core.runner.shutdown()
+    core = make_core(checkpoint, dtype="float64", enable_prefix_caching=True)
+    try:
+        run(core, [first])
+        hits_before = core.pool.prefix_hits_tokens
+        assert tokens_of(run(core, [other])) == expected
+        assert core.pool.prefix_hits_tokens - hits_before == (offset // BLOCK) * BLOCK  # the blocks before the image
+    finally:
+        core.runner.shutdown()
