@@ -94,15 +94,16 @@ class Worker:
         return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes, None, cross,
                    config.max_batch_size)  # fmt: skip
 
-    @property
-    def cross_attention_reserve_bytes(self) -> int:
-        """Bytes the KV budget leaves for cross-attention states: one image at the most tiles per
-        sequence of a full batch (more images than that use memory past the budget)."""
+    def cross_attention_reserve_bytes(self, budget_bytes: int) -> int:
+        """Bytes of the KV budget left to cross-attention states (Llama 3.2 Vision; 0 otherwise): one
+        image at the most tiles per sequence of a full batch, at most half the budget (the 11B's
+        states are ~0.2 GB an image in bf16: a full batch's would not fit a CPU's default budget).
+        More images than that in flight use memory past the budget."""
         if self.cross_attention is None:
             return 0
         model = self.cross_attention.model
         per_image = state_bytes_per_image(model.params, self.mp_size, model.vision.dims.tokens_per_tile, self.dtype)
-        return self.max_batch_size * per_image
+        return min(self.max_batch_size * per_image, budget_bytes // 2)
 
     @property
     def bytes_per_block(self) -> int:
@@ -115,7 +116,7 @@ class Worker:
         if budget is None:  # CUDA: a fraction of what the weights left free
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * config.kv_cache_memory_fraction)
-        budget -= self.cross_attention_reserve_bytes
+        budget -= self.cross_attention_reserve_bytes(budget)
         num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
                                      max_seq_len=self.max_seq_len)
         if num_blocks < 1:

@@ -199,3 +199,20 @@ def test_a_different_image_behind_the_same_tokens_misses_the_prefix_cache(checkp
         assert core.pool.prefix_hits_tokens - hits_before == (offset // BLOCK) * BLOCK  # the blocks before the image
     finally:
         core.runner.shutdown()
+
+
+def test_cross_attention_states_are_reserved_in_the_kv_budget(checkpoint):
+    """One image at the most tiles per sequence of a full batch comes out of the KV budget (here
+    8 x 2 layers x K and V x 2 heads x 4 tiles x 5 tokens x 16 x 4 bytes), at most half of it."""
+    from engine.models.llama import kv_cache_bytes_per_block
+
+    spec = resolve_checkpoint(checkpoint, model_id="tiny-vision", llama_model=TINY_VISION_DESCRIPTOR)
+    per_block = kv_cache_bytes_per_block(spec.model_args, 1, BLOCK, torch.float32)
+    reserve = 8 * 2 * 2 * 2 * (4 * 5) * 16 * 4
+    for budget, expected in ((256 << 10, (256 << 10) - reserve), (96 << 10, 48 << 10)):
+        cfg = EngineConfig(dtype="float32", block_size_tokens=BLOCK, max_batch_size=8, cpu_kernels=False, kv_cache_bytes=budget)
+        workers = WorkerGroup(spec, cfg, max_seq_len=MAX_SEQ_LEN)
+        try:
+            assert workers.num_blocks == expected // per_block
+        finally:
+            workers.shutdown()
