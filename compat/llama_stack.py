@@ -190,6 +190,33 @@ def content_text(content: Content | None, param: str) -> str:
     return "".join(texts)  # as Llama Stack's interleaved_content_as_str joins items
 
 
+def user_content(content: Content, param: str) -> p.Content:
+    """A user message's content as OpenAI parts: text items, and images as image_url parts (base64
+    `data` as a data URL, `url.uri` as it is), so that one image path serves both APIs. The OpenAI
+    field names (`messages[i].content[j]`) are Llama Stack's own."""
+    if isinstance(content, str):
+        return content
+    items = content if isinstance(content, list) else [content]
+    if not any(isinstance(item, ImageItem) for item in items):
+        return content_text(content, param)
+    if not isinstance(content, list):
+        raise InvalidRequest("send an image as a list of content items", param=param)
+    parts: list[p.ContentPart] = []
+    for j, item in enumerate(items):
+        if isinstance(item, TextItem):
+            parts.append(p.TextPart(text=item.text))
+            continue
+        image, where = item.image, f"{param}[{j}].image"
+        url = image.get("url")
+        if isinstance(image.get("data"), str) and url is None:
+            parts.append(p.ImagePart(image_url=p.ImageUrl(url="data:image/*;base64," + image["data"])))
+        elif isinstance(url, dict) and isinstance(url.get("uri"), str) and "data" not in image:
+            parts.append(p.ImagePart(image_url=p.ImageUrl(url=url["uri"])))
+        else:
+            raise InvalidRequest("an image item needs exactly one of 'data' (base64) or 'url': {'uri': ...}", param=where)
+    return parts
+
+
 def _sampling_fields(params: SamplingParams | None, logprobs: Logprobs | None) -> dict[str, Any]:
     params = params or SamplingParams()
     strategy = params.strategy
@@ -270,7 +297,7 @@ def openai_messages(messages: Sequence[Message], param: str = "messages") -> lis
             if message.context is not None:
                 raise InvalidRequest("user message context (RAG) is not supported; put it in content",
                                      param=f"{where}.context")
-            out.append(p.UserMessage(content=content_text(message.content, f"{where}.content")))
+            out.append(p.UserMessage(content=user_content(message.content, f"{where}.content")))
         elif isinstance(message, SystemMessage):
             out.append(p.SystemMessage(content=content_text(message.content, f"{where}.content")))
         elif isinstance(message, ToolResponseMessage):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import msgspec
 
@@ -24,7 +24,9 @@ from engine.types import (
     ContextLengthExceeded,
     EngineClient,
     EngineRequest,
+    ImagePlacement,
     InvalidRequest,
+    PreparedImage,
     SamplingDefaults,
     SamplingParams,
     ToolCall,
@@ -58,7 +60,9 @@ class CompletionPlan:
 
 # --------------------------------------------------------------------------- chat
 def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: EngineClient, request_id: str, *,
-              priority: int = ONLINE_PRIORITY) -> ChatPlan:
+              priority: int = ONLINE_PRIORITY, images: Mapping[str, PreparedImage] | None = None) -> ChatPlan:
+    """`images`: each image part's prepared image by its field (`messages[i].content[j]`, see
+    compat/images.py), which the server prepared off the event loop; an image part without one is refused."""
     policy.check_request(fields, "chat")
     check_num_sequences(1, fields.n, engine)
     plan = tool_plan(fields, supports_tools=engine.chat_format.supports_tools)
@@ -71,10 +75,11 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
                                  param=grammar.param)
         raise InvalidRequest(f"{grammar.param} cannot be combined with tool_choice {fields.tool_choice!r} or strict tools",
                              param=grammar.param)
-    dialog = chat_messages(messages)
+    dialog = chat_messages(messages, images)
     check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
-    prompt = render_chat(engine, dialog, tools, generic_tools=plan.generic, add_generation_prompt=fields.add_generation_prompt,
-                         continue_final_message=fields.continue_final_message, template_kwargs=fields.chat_template_kwargs)
+    prompt, placements = render_chat_prompt(
+        engine, dialog, tools, generic_tools=plan.generic, add_generation_prompt=fields.add_generation_prompt,
+        continue_final_message=fields.continue_final_message, template_kwargs=fields.chat_template_kwargs)
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     param = "max_completion_tokens" if fields.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_context_length(len(prompt), max_tokens, engine.max_seq_len, param=param, prompt_param="messages")
@@ -85,7 +90,8 @@ def chat_plan(fields: p.ChatFields, messages: Sequence[p.Message], engine: Engin
     skip_special = fields.skip_special_tokens and not tools
     params = sampling_params(fields, max_tokens, logprobs, skip_special, engine.tokenizer, engine.sampling_defaults)
     params = dataclasses.replace(params, grammar=grammar or plan.grammar)
-    requests = fan_out(request_id, prompt, params, fields.n, priority=priority, client_priority=fields.priority)
+    requests = fan_out(request_id, prompt, params, fields.n, priority=priority, client_priority=fields.priority,
+                       images=placements)
     # vLLM's echo: the reply repeats the last message first when it is the assistant's (a continued answer)
     echo_text = dialog[-1].content if fields.echo and dialog[-1].role == "assistant" else ""
     return ChatPlan(requests, prompt, tools, plan.forced, plan.max_calls, plan.generic, echo_text)
@@ -101,7 +107,16 @@ def render_chat(
     add_generation_prompt: bool = True, continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt's token ids, as chat and /tokenize both render it (so the two agree): tools in the
+    return render_chat_prompt(engine, dialog, tools, generic_tools=generic_tools, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, template_kwargs=template_kwargs)[0]
+
+
+def render_chat_prompt(
+    engine: EngineClient, dialog: list[ChatMessage], tools: Sequence[ToolDefinition], *, generic_tools: bool,
+    add_generation_prompt: bool = True, continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], tuple[ImagePlacement, ...]]:
+    """The prompt's token ids and where its images sit, as chat and /tokenize both render it (so the two agree): tools in the
     chat format's own way, or the generic tool format's; vLLM's add_generation_prompt,
     continue_final_message (the last assistant message left open: the conversation before it with
     the generation prompt, then its text) and chat_template_kwargs (variables for a Jinja template)."""
@@ -120,15 +135,27 @@ def render_chat(
                                  param=f"chat_template_kwargs.{name}")
     if template_kwargs and getattr(engine.chat_format, "accepts_template_kwargs", False):
         extra["template_kwargs"] = template_kwargs  # the built-in Llama formats have no template to give them to
+    if any(isinstance(part, PreparedImage) for m in dialog for part in m.parts):
+        if generic_tools:  # the generic tool format rewrites messages as text
+            raise InvalidRequest("images cannot be combined with tools on this model", param="tools")
+        if template_kwargs:
+            raise InvalidRequest("chat_template_kwargs cannot be combined with images", param="chat_template_kwargs")
+        # only formats whose models take images get here (chat_messages refuses images otherwise)
+        head = dialog[:-1] if continue_final_message else dialog
+        built = engine.chat_format.encode_prompt(head, tools=tools,  # type: ignore[attr-defined]
+                                                 add_generation_prompt=add_generation_prompt or continue_final_message)
+        tail = engine.tokenizer.encode(dialog[-1].content) if continue_final_message else []
+        return built.ids + tail, tuple(built.images)
     if generic_tools:
         dialog, tools = generic_dialog(dialog, tools), ()
     if not continue_final_message:
-        return engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
+        return engine.chat_format.encode_dialog(dialog, tools=tools, add_generation_prompt=add_generation_prompt, **extra), ()
     head = engine.chat_format.encode_dialog(dialog[:-1], tools=tools, add_generation_prompt=True, **extra)
-    return head + engine.tokenizer.encode(dialog[-1].content)
+    return head + engine.tokenizer.encode(dialog[-1].content), ()
 
 
-def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
+def chat_messages(messages: Sequence[p.Message], images: Mapping[str, PreparedImage] | None = None) -> list[ChatMessage]:
+    images = images or {}
     dialog: list[ChatMessage] = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
@@ -140,16 +167,18 @@ def chat_messages(messages: Sequence[p.Message]) -> list[ChatMessage]:
             dialog.append(ChatMessage("tool", _text(message.content, param), tool_call_id=message.tool_call_id))
         else:  # system, developer (OpenAI's new name for system) and user
             role = "user" if isinstance(message, p.UserMessage) else "system"
-            dialog.append(ChatMessage(role, _text(message.content, param), name=_name(message),
-                                      parts=_parts(message.content)))
+            user_images = images if role == "user" else {}  # OpenAI takes images in user messages only
+            dialog.append(ChatMessage(role, _text(message.content, param, user_images), name=_name(message),
+                                      parts=_parts(message.content, param, user_images)))
     return dialog
 
 
-def _parts(content: p.Content | None) -> tuple[str, ...]:
-    """Several text parts as sent: llama-models' ChatFormat encodes each on its own (a part
-    boundary is a token boundary), which the Llama formats reproduce token for token."""
-    if isinstance(content, list) and len(content) > 1:
-        return tuple(part.text for part in content)
+def _parts(content: p.Content | None, param: str, images: Mapping[str, PreparedImage]) -> tuple[str | PreparedImage, ...]:
+    """Several parts as sent: llama-models' ChatFormat encodes each on its own (a part boundary is
+    a token boundary), which the Llama formats reproduce token for token; an image is a part of its own."""
+    if isinstance(content, list) and (len(content) > 1 or any(isinstance(part, p.ImagePart) for part in content)):
+        return tuple(images[f"{param}.content[{j}]"] if isinstance(part, p.ImagePart) else part.text
+                     for j, part in enumerate(content))
     return ()
 
 
@@ -158,13 +187,20 @@ def _name(message: p.Message) -> str | None:
     return None if name is msgspec.UNSET else name
 
 
-def _text(content: p.Content | None, param: str) -> str:
+def _text(content: p.Content | None, param: str, images: Mapping[str, PreparedImage] | None = None) -> str:
+    """The text parts joined; an image part passes only where the server prepared it (`images`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
+        if isinstance(part, p.ImagePart) and f"{param}.content[{j}]" in (images or {}):
+            continue
+        if isinstance(part, p.ImagePart):
+            raise InvalidRequest("image content is not supported here: images go in user messages, to a model that "
+                                 "takes them (see input_modalities in /v1/models)", param=f"{param}.content[{j}]",
+                                 code="images_not_supported")
         if not isinstance(part, p.TextPart):
             kind = type(part).__struct_config__.tag
             raise InvalidRequest(
@@ -359,7 +395,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 def fan_out(
     request_id: str, prompt: list[int], params: SamplingParams, n: int, *, first_index: int = 0,
-    priority: int = ONLINE_PRIORITY, client_priority: int = 0,
+    priority: int = ONLINE_PRIORITY, client_priority: int = 0, images: tuple[ImagePlacement, ...] = (),
 ) -> list[EngineRequest]:
     """OpenAI's n -> n engine requests; seeds seed+i keep choices distinct but reproducible. `priority`
     is the level (online, batch), `client_priority` the request's own `priority` field within it."""
@@ -369,12 +405,12 @@ def fan_out(
         if params.seed is not None and i:
             seeded = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
         requests.append(EngineRequest(f"{request_id}-{first_index + i}", prompt, seeded, priority=priority,
-                                      client_priority=client_priority))
+                                      client_priority=client_priority, images=images))
     return requests
 
 
 # --------------------------------------------------------------------------- tokenize
-def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
+def tokenize(req: p.TokenizeRequest, engine: EngineClient, images: Mapping[str, PreparedImage] | None = None) -> list[int]:
     has_prompt = req.prompt is not msgspec.UNSET
     has_messages = req.messages is not msgspec.UNSET
     if has_prompt == has_messages:
@@ -385,7 +421,7 @@ def tokenize(req: p.TokenizeRequest, engine: EngineClient) -> list[int]:
     tools: tuple[ToolDefinition, ...] = ()
     if req.tools:
         tools = tuple(ToolDefinition(t.function.name, t.function.description, t.function.parameters) for t in req.tools)
-    dialog = chat_messages(req.messages)
+    dialog = chat_messages(req.messages, images)
     check_text_fits(sum(len(m.content) for m in dialog), engine, "messages")
     # as chat renders it: tools the format cannot show go into the generic tool format's prompt
     return render_chat(engine, dialog, tools, generic_tools=bool(tools) and not engine.chat_format.supports_tools,

@@ -59,10 +59,11 @@ def _resolve(spec: Any, progress: ProgressCallback | None = None):
     return resolve_checkpoint(path, model_id=spec.model_id, llama_model=getattr(spec, "llama_model", None), allowed_roots=roots)
 
 
-def _architecture(spec: Any) -> tuple[Any, int, int]:
-    """(ModelArgs, the checkpoint's context length, its shard count) without reading weights: a GGUF
-    file not yet converted is read from its header (the estimate runs on the event loop: no
-    conversion there)."""
+def _architecture(spec: Any) -> tuple[Any, int, int, Any]:
+    """(ModelArgs, the checkpoint's context length, its shard count, its vision encoder's sizes or
+    None) without reading weights: a GGUF file not yet converted is read from its header (the
+    estimate runs on the event loop: no conversion there)."""
+    from engine.loading.checkpoint import checkpoint_vision_dims
     from engine.loading.gguf_cache import converted_dir, gguf_params, is_converted, is_gguf_file
 
     path = Path(spec.checkpoint_dir)
@@ -70,9 +71,10 @@ def _architecture(spec: Any) -> tuple[Any, int, int]:
         from engine.models.args import ModelArgs
 
         params = gguf_params(path, tuple(getattr(spec, "allowed_roots", ())))
-        return ModelArgs.from_params(params, source=path.name), int(params["max_seq_len"]), 1
+        return ModelArgs.from_params(params, source=path.name), int(params["max_seq_len"]), 1, None
     checkpoint = _resolve(spec)
-    return checkpoint.model_args, checkpoint.max_seq_len, len(checkpoint.shard_paths)
+    vision = checkpoint_vision_dims(checkpoint)  # Llama 3.2 Vision: the encoder's sizes, from its shapes
+    return checkpoint.model_args, checkpoint.max_seq_len, len(checkpoint.shard_paths), vision
 
 
 def max_seq_len_for(checkpoint_max_seq_len: int, config: EngineConfig) -> int:
@@ -115,9 +117,10 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
     workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
     try:
-        executor = ModelExecutor(workers, seed=config.seed)
+        image_rows, preprocessor = _vision(workers, tokenizer, checkpoint.model_args)
+        executor = ModelExecutor(workers, seed=config.seed, image_rows=image_rows)
         engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=workers.weights)
+                             sampling_defaults=sampling_defaults, weights=workers.weights, image_preprocessor=preprocessor)
     except BaseException:
         workers.shutdown()
         raise
@@ -131,6 +134,26 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
         max_seq_len,
     )
     return engine
+
+
+def _vision(workers: Any, tokenizer: Any, model_args: Any) -> tuple[Any, Any]:
+    """(the executor's ImageRows, the engine's ImagePreprocessor) of a model that takes images, else (None, None).
+    Llama 3.2 Vision has no image rows: its images reach the model as cross-attention states
+    (engine/executor/cross_attention.py)."""
+    if model_args.is_mllama:
+        from engine.vision.mllama import mllama_preprocessor
+
+        return None, mllama_preprocessor(model_args)
+    if workers.image_encoder is None:
+        return None, None
+    from engine.executor.images import ImageRows
+    from engine.vision.llama4 import Llama4ImagePreprocessor
+
+    args = workers.vision_args
+    preprocessor = Llama4ImagePreprocessor(tile_size=int(args["image_size"]["width"]),
+                                           patch_size=int(args["patch_size"]["width"]),
+                                           pixel_shuffle_ratio=float(args["pixel_shuffle_ratio"]))
+    return ImageRows(workers.image_encoder, tokenizer.special_token_id("<|patch|>")), preprocessor
 
 
 def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):
@@ -178,11 +201,11 @@ class LocalEngineFactory:
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
-        from engine.loading.checkpoint import estimate_weight_bytes
+        from engine.loading.checkpoint import checkpoint_vision_dims, estimate_weight_bytes
 
-        model_args, checkpoint_max_seq_len, num_shards = _architecture(spec)
+        model_args, checkpoint_max_seq_len, num_shards, vision = _architecture(spec)
         config = _with_parallel_size(_effective_config(self._config, spec), num_shards, spec.checkpoint_dir)
-        weights = estimate_weight_bytes(model_args, resolve_dtype(config))
+        weights = estimate_weight_bytes(model_args, resolve_dtype(config), vision)
         kv = planned_kv_cache_bytes(model_args, config, max_seq_len_for(checkpoint_max_seq_len, config))
         return weights + kv
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable, Literal, Protocol
 if TYPE_CHECKING:  # protocols only; no import at run time keeps compat/ free of engine internals
     from engine.chat.format import ChatFormat
     from engine.tokenizers.tokenizer import Tokenizer
+    from engine.vision import ImagePreprocessor
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -142,6 +143,8 @@ class EngineRequest:
     # vLLM's request `priority` within the level: lower is admitted sooner (and preempted later); FCFS among equals
     client_priority: int = 0
     lora_name: str | None = None  # the LoRA adapter to run with (loaded on this engine); None: the base alone
+    # The request's images in prompt order, each with the span of prompt tokens it fills (engine/vision/)
+    images: tuple["ImagePlacement", ...] = ()
 
 
 @dataclass(slots=True)
@@ -174,6 +177,42 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+# --------------------------------------------------------------------------- images (engine/vision/)
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """Bounds on the images one request may carry, checked before and while decoding (server flags)."""
+
+    max_image_bytes: int = 20 * 1024 * 1024  # the encoded image as sent (after base64 decoding)
+    max_image_pixels: int = 4096 * 4096  # width x height, checked from the header before pixels are decoded
+    max_images_per_request: int = 8  # over the whole conversation (or each prompt of a batch item)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedImage:
+    """One decoded, preprocessed image, ready for a model family's vision encoder.
+
+    Built off the event loop by `engine.vision.decode.prepare_image` with the model's
+    `ImagePreprocessor`; the chat format reads the layout fields to place the image's tokens; the
+    model reads `pixels`. Compared by identity: equal content is `content_hash`'s business."""
+
+    content_hash: bytes  # sha256 of the encoded bytes: keys the prefix cache of blocks holding its tokens
+    aspect_ratio: tuple[int, int]  # (tiles high, tiles wide) of the canvas it was cut into
+    num_chunks: int  # tiles, plus the whole-image view where the family adds one (Llama 4: when tiles > 1)
+    tokens_per_chunk: int  # image tokens each chunk becomes (Llama 4: <|patch|> tokens), 0 if the family uses one marker
+    pixels: object  # the family's tensor, e.g. [num_chunks, 3, H, W] float32; opaque above the engine (no torch here)
+    param: str = "messages"  # the request field it came from, for errors: "messages[0].content[1]"
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePlacement:
+    """Where one image's tokens sit in a prompt: [offset, offset + length) of prompt_token_ids,
+    the family's start and end markers included (the chat format that rendered it says which)."""
+
+    image: PreparedImage
+    offset: int
+    length: int
+
+
 # --------------------------------------------------------------------------- chat (engine-side shapes)
 @dataclass(slots=True)
 class ToolCall:
@@ -196,9 +235,10 @@ class ChatMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None  # for role == "tool"
     name: str | None = None
-    # The text parts of `content` when it came as several (compat checked they are all text):
-    # formats that encode parts one by one (llama-models' Llama 3 and 4) read them; others read `content`.
-    parts: tuple[str, ...] = ()
+    # The parts of `content` when it came as several: text, and images where the model takes them
+    # (compat refuses images otherwise). Formats that encode parts one by one (llama-models' Llama 3
+    # and 4) read them; others read `content`, the text parts joined.
+    parts: tuple["str | PreparedImage", ...] = ()
 
 
 # --------------------------------------------------------------------------- errors
@@ -310,6 +350,8 @@ class EngineClient(Protocol):
     chat_format: "ChatFormat"
     sampling_defaults: SamplingDefaults
     max_sequences_per_request: int  # n x prompts one request may ask for (compat refuses more with 400)
+    # How this model turns an image into pixels and tokens; None: it takes text only (images are 400)
+    image_preprocessor: "ImagePreprocessor | None"
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue the request and yield its deltas; the last one has finish_reason set.

@@ -107,7 +107,7 @@ class BatchService:
                 self._store = await self._open()
         finally:
             self._first_attempt_done.set()
-        self._runner = BatchRunner(self._store, self.registry, max_in_flight=self.max_in_flight)
+        self._runner = BatchRunner(self._store, self.registry, max_in_flight=self.max_in_flight, config=self.config)
         self.subsystems.up(BATCH_SUBSYSTEM)
         tasks = [asyncio.create_task(self._runner.run(), name="batch-runner"),
                  asyncio.create_task(_purge_periodically(self._store), name="batch-purge")]

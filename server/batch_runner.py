@@ -28,6 +28,8 @@ from compat import limits
 from compat import protocol as p
 from compat import to_engine
 from engine.types import EngineClient, InvalidRequest
+from server import media
+from server.config import ServerConfig
 from server.batch_store import BatchRow, BatchStore, CheckedLine, PendingItem, StoreError
 from server.endpoints import KIND_BY_PATH, EndpointKind
 from server.errors import ApiError, from_exception
@@ -147,14 +149,14 @@ def checked_lines(path: Path, checker: LineChecker) -> Iterator[tuple[int, Check
 
 
 # --------------------------------------------------------------------------- one item
-async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem) -> ItemResult:
-    """One request, as the online endpoint would serve it, at batch priority. Raises ApiError with a
-    code in _RETRY_CODES when it should be tried again later."""
+async def run_item(registry: ModelRegistry, endpoint: str, item: PendingItem, config: ServerConfig | None = None) -> ItemResult:
+    """One request, as the online endpoint would serve it, at batch priority (its images under
+    `config`'s limits). Raises ApiError with a code in _RETRY_CODES when it should be tried again later."""
     kind = KIND_BY_PATH[endpoint]
     try:
         req = p.decode(kind.decoder, item.body)
         async with registry.lease(req.model) as engine:
-            response = await _generate(kind, req, engine, len(item.body))
+            response = await _generate(kind, req, engine, len(item.body), config or ServerConfig())
     except Exception as exc:  # noqa: BLE001 - the item's own error line
         error = from_exception(exc)
         if error.code in _RETRY_CODES:
@@ -188,9 +190,10 @@ def item_sequences(body: bytes) -> int:
     return max(fanout.n or 1, 1) * num_prompts
 
 
-async def _generate(kind: EndpointKind, req: Any, engine: EngineClient, body_bytes: int) -> Any:
+async def _generate(kind: EndpointKind, req: Any, engine: EngineClient, body_bytes: int, config: ServerConfig) -> Any:
+    images = await media.prepare_images(kind.image_refs(kind.prompt(req)), engine, config)
     plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, kind.prompt(req), engine,
-                                              kind.response_id(), priority=BATCH_PRIORITY)
+                                              kind.response_id(), priority=BATCH_PRIORITY, images=images)
     return await collect(merged_outputs(engine, plan.requests), assembler)
 
 
@@ -198,7 +201,9 @@ async def _generate(kind: EndpointKind, req: Any, engine: EngineClient, body_byt
 class BatchRunner:
     """The background task that owns batch execution for one store."""
 
-    def __init__(self, store: BatchStore, registry: ModelRegistry, *, max_in_flight: int) -> None:
+    def __init__(self, store: BatchStore, registry: ModelRegistry, *, max_in_flight: int,
+                 config: ServerConfig | None = None) -> None:
+        self.config = config  # image limits and fetching, as online
         self.store = store
         self.registry = registry
         self.max_in_flight = max_in_flight
@@ -316,7 +321,7 @@ class BatchRunner:
         while True:
             try:
                 with structlog.contextvars.bound_contextvars(batch_id=batch.id):  # in what run_item logs
-                    result = await run_item(self.registry, batch.endpoint, item)
+                    result = await run_item(self.registry, batch.endpoint, item, self.config)
                 break
             except ApiError as exc:  # not now: wait as the server asks, then again
                 if _expired(batch):

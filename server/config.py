@@ -92,6 +92,13 @@ class ServerConfig:
     responses_max_stored: int = 10_000
     responses_max_bytes: int = 10**9
     responses_retention_s: int = 30 * 24 * 3600
+    # Images in requests (server/media.py): decoding bounds, and which hosts an http(s) image URL may name
+    max_image_bytes: int = 20 << 20  # one image, as sent (after base64 decoding, or as fetched)
+    max_image_pixels: int = 4096 * 4096  # one image's width x height, read from its header before decoding
+    max_images_per_request: int = 8  # over a whole conversation (each prompt of a batch call on its own)
+    allowed_media_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may name ('*': any); empty: data: URLs only
+    allow_private_media_addresses: bool = False  # let those hosts resolve to loopback, private or link-local addresses
+    media_fetch_timeout_s: float = 10.0  # one image fetch, redirects included
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -205,6 +212,15 @@ OPTIONS: tuple[Option, ...] = (
            "past it its oldest are deleted (0: no limit)"),
     Option("responses_retention_s", int, "server", "seconds a stored Response is kept (default 30 days; 0: until "
            "deleted)"),
+    Option("max_image_bytes", parse_bytes, "server", "largest image in a request, as sent or fetched (400 beyond)"),
+    Option("max_image_pixels", int, "server", "most pixels (width x height) of an image in a request (400 beyond)"),
+    Option("max_images_per_request", int, "server", "most images in one conversation (400 beyond)"),
+    Option("allowed_media_domains", _names, "server", "hosts an http(s) image URL may name, comma-separated ('*': "
+           "any); the server fetches them (bounded by max_image_bytes, media_fetch_timeout_s, 3 redirects). Empty "
+           "(the default): images come as data: URLs only"),
+    Option("allow_private_media_addresses", _bool, "server", "let allowed media hosts resolve to loopback, private "
+           "or link-local addresses (default: refused)"),
+    Option("media_fetch_timeout_s", float, "server", "longest fetch of one image URL, redirects included"),
     Option("device", str, "engine", "cpu or cuda"),
     Option("dtype", str, "engine", "float32, bfloat16, float16 or float64"),
     Option("model_parallel_size", int, "engine", "model-parallel ranks per model (0: one per checkpoint shard, "
@@ -519,6 +535,9 @@ def _validate(config: ServerConfig) -> None:
         (config.body_read_timeout_s > 0 and config.keepalive_timeout_s > 0,
          "body_read_timeout_s and keepalive_timeout_s must be > 0"),
         (config.max_connections >= 1, "max_connections must be >= 1"),
+        (min(config.max_image_bytes, config.max_image_pixels, config.max_images_per_request) >= 1
+         and config.media_fetch_timeout_s > 0,
+         "max_image_bytes, max_image_pixels, max_images_per_request and media_fetch_timeout_s must be > 0"),
         (config.engine.model_parallel_size >= 0, "model_parallel_size must be >= 0 (0: one rank per checkpoint shard)"),
         (config.engine.max_batch_size >= 1, "max_batch_size must be >= 1"),
         (config.engine.max_loras >= 0 and config.engine.max_lora_rank >= 1,

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import msgspec
 
 from compat import protocol as p
 from compat import to_engine
+from compat.images import ImageRef, image_refs
 from compat.from_engine import ChatAssembler, CompletionAssembler
-from engine.types import ONLINE_PRIORITY, EngineClient
+from engine.types import ONLINE_PRIORITY, EngineClient, PreparedImage
 
 Plan = to_engine.ChatPlan | to_engine.CompletionPlan
 Assembler = ChatAssembler | CompletionAssembler
@@ -39,6 +40,8 @@ class EndpointKind:
     batch_prompts: Callable[[Any], tuple[list, str]]  # batch request -> (each prompt as `plan` takes it, their field)
     plan: Callable[..., Plan]  # (fields, prompt, engine, response id, *, priority) -> the engine requests
     assembler: Callable[..., Assembler]  # (fields, plan, engine, response id, *, include_usage) -> OpenAI objects
+    # prompt -> its image parts (server/media.py prepares them; `prepare` takes the results as `images`)
+    image_refs: Callable[[Any], list[ImageRef]] = lambda prompt: []
 
     def response_id(self) -> str:
         return new_response_id(self.id_prefix)
@@ -48,10 +51,12 @@ class EndpointKind:
 
     def prepare(
         self, fields: Any, prompt: Any, engine: EngineClient, response_id: str, *,
-        priority: int = ONLINE_PRIORITY, include_usage: bool = False,
+        priority: int = ONLINE_PRIORITY, include_usage: bool = False, images: Mapping[str, PreparedImage] | None = None,
     ) -> tuple[Plan, Assembler]:
-        """The engine requests (at `priority`) and the assembler that turns their outputs into the response."""
-        plan = self.plan(fields, prompt, engine, response_id, priority=priority)
+        """The engine requests (at `priority`) and the assembler that turns their outputs into the response;
+        `images`: the prompt's prepared images (server/media.py), by field."""
+        extra = {"images": images} if images else {}  # only chat takes images
+        plan = self.plan(fields, prompt, engine, response_id, priority=priority, **extra)
         return plan, self.assembler(fields, plan, engine, response_id, include_usage=include_usage)
 
 
@@ -88,7 +93,7 @@ CHAT = EndpointKind(
     decoder=p.CHAT_DECODER, batch_decoder=p.BATCH_CHAT_DECODER,
     id_prefix="chatcmpl", batch_object="batch.chat.completion",
     prompt=lambda req: req.messages, batch_prompts=lambda req: (req.messages_batch, "messages_batch"),
-    plan=to_engine.chat_plan, assembler=chat_assembler,
+    plan=to_engine.chat_plan, assembler=chat_assembler, image_refs=image_refs,
 )
 COMPLETION = EndpointKind(
     path="/v1/completions", batch_path="/v1/batch/completions",

@@ -14,7 +14,7 @@ import asyncio
 import functools
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -22,7 +22,9 @@ from aiohttp import web
 from compat import llama_stack as ls
 from compat.from_engine import token_text
 from engine.types import EngineClient, RequestOutput
-from server import endpoints, sse
+from server import endpoints, media, sse
+from server.app_keys import CONFIG_KEY
+from server.config import ServerConfig
 from server.endpoints import EndpointKind, Plan, new_response_id
 from server.request_flow import (
     Indexed,
@@ -81,17 +83,23 @@ async def _stream(request: web.Request, events: AsyncIterator[dict], head: list[
 
 
 # --------------------------------------------------------------------------- chat and completion
-def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Plan]:
-    chat, parser_tools = ls.chat_request(req, messages, engine.chat_format.family, param)
-    plan = endpoints.CHAT.plan(chat, endpoints.CHAT.prompt(chat), engine, response_id)
+async def _chat_plan(req: Any, messages: list, engine: EngineClient, response_id: str, param: str, size: int,
+                     config: ServerConfig) -> tuple[Any, Plan]:
+    chat, parser_tools = await off_loop_if_large(size, ls.chat_request, req, messages, engine.chat_format.family, param)
+    # ImageContentItems arrive as OpenAI image parts: one image path for both APIs (server/media.py)
+    images = await media.prepare_images(endpoints.CHAT.image_refs(chat.messages), engine, config)
+    extra = {"images": images} if images else {}
+    plan = await off_loop_if_large(size, endpoints.CHAT.plan, chat, endpoints.CHAT.prompt(chat), engine, response_id, **extra)
     if parser_tools is not None:  # system_message_behavior=replace: the caller's prompt, our parser
         plan.tools = parser_tools
     return chat, plan
 
 
-def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str) -> tuple[Any, Plan]:
-    completion_req = ls.completion_request(req, content, param)
-    plan = endpoints.COMPLETION.plan(completion_req, endpoints.COMPLETION.prompt(completion_req), engine, response_id)
+async def _completion_plan(req: Any, content: Any, engine: EngineClient, response_id: str, param: str, size: int,
+                           config: ServerConfig) -> tuple[Any, Plan]:
+    completion_req = await off_loop_if_large(size, ls.completion_request, req, content, param)
+    plan = await off_loop_if_large(size, endpoints.COMPLETION.plan, completion_req,
+                                   endpoints.COMPLETION.prompt(completion_req), engine, response_id)
     return completion_req, plan
 
 
@@ -129,7 +137,8 @@ class _Kind:
     batch_decoder: msgspec.json.Decoder
     item_field: str  # the request's prompt field (also the `param` its errors name)
     batch_field: str  # a batch request's list of them
-    plan: Callable[..., tuple[Any, Plan]]  # (ls request, item, engine, response id, param) -> (OpenAI request, plan)
+    # async (ls request, item, engine, response id, param, body size, config) -> (OpenAI request, plan)
+    plan: Callable[..., Awaitable[tuple[Any, Plan]]]
     respond: Callable[[Any, str | None], dict]  # OpenAI response, stop token -> Llama Stack response
     events: Callable[..., AsyncIterator[dict]]  # (outputs, assembler, stops) -> Llama Stack stream events
     head: Callable[[], list[dict]]  # stream events before any output
@@ -154,7 +163,7 @@ async def _serve(kind: _Kind, request: web.Request) -> web.StreamResponse:
     async with lease(request, req.model_id) as engine:
         response_id = kind.openai.response_id()
         item = getattr(req, kind.item_field)
-        converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, kind.item_field)
+        converted, plan = await kind.plan(req, item, engine, response_id, kind.item_field, size, request.app[CONFIG_KEY])
         assembler = kind.openai.assembler(converted, plan, engine, response_id)
         stops = _StopTokens(engine)
         outputs = stops.track(merged_outputs(engine, plan.requests))
@@ -174,7 +183,7 @@ async def _serve_batch(kind: _Kind, request: web.Request) -> web.Response:
 
         async def one(k: int, item: Any) -> dict:
             response_id = kind.openai.batch_item_id(batch_id, k)
-            converted, plan = await off_loop_if_large(size, kind.plan, req, item, engine, response_id, f"{param}[{k}]")
+            converted, plan = await kind.plan(req, item, engine, response_id, f"{param}[{k}]", size, request.app[CONFIG_KEY])
             assembler = kind.openai.assembler(converted, plan, engine, response_id)
             stops = _StopTokens(engine)
             response = await collect(stops.track(merged_outputs(engine, plan.requests)), assembler)

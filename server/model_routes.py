@@ -233,6 +233,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "root": info.checkpoint_dir,
         "parent": info.parent,
         "max_model_len": info.max_seq_len,
+        "input_modalities": info.input_modalities,  # null until loaded
     }
     if info.error is not None:
         body["error"] = info.error

@@ -89,6 +89,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
     keep_alive_s: float | None = None  # seconds it stays loaded while idle; None: always
     parent: str | None = None  # vLLM's `parent`: a LoRA adapter's base model id (server/adapters.py); None for a model
+    # what a request may carry (vLLM's and llama.cpp's name), once loaded: ["text"] or ["text", "image"]
+    input_modalities: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,7 +733,13 @@ def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> Mode
         sampling_defaults=dataclasses.asdict(slot.engine.sampling_defaults) if slot is not None else None,
         weights=_weights_report(slot.engine) if slot is not None else None,
         keep_alive_s=None if math.isinf(keep_alive_s := _keep_alive(entry.spec, default_keep_alive_s)) else keep_alive_s,
+        input_modalities=input_modalities(slot.engine) if slot is not None else None,
     )
+
+
+def input_modalities(engine: EngineClient) -> list[str]:
+    takes_images = getattr(engine, "image_preprocessor", None) is not None  # engines that predate images: text
+    return ["text", "image"] if takes_images else ["text"]
 
 
 def _keep_alive(spec: ModelSpec, default_s: float) -> float:

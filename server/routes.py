@@ -20,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from compat import protocol as p
 from compat import to_engine
 from compat.from_engine import token_text
+from compat.images import image_refs
 from engine.types import EngineClient
-from server import sse
-from server.app_keys import METRICS_KEY, STATE_KEY
+from server import media, sse
+from server.app_keys import CONFIG_KEY, METRICS_KEY, STATE_KEY
+from server.config import ServerConfig
 from server.endpoints import KINDS, Assembler, EndpointKind, new_response_id
 from server.errors import from_exception_logged
 from server.registry import REGISTRY_KEY, ModelRegistry
@@ -106,8 +108,9 @@ async def generate(kind: EndpointKind, request: web.Request) -> web.StreamRespon
     req, size = await decode_body(request, kind.decoder)
     async with lease(request, req.model) as engine:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        images = await media.prepare_images(kind.image_refs(kind.prompt(req)), engine, request.app[CONFIG_KEY])
         plan, assembler = await off_loop_if_large(size, kind.prepare, req, kind.prompt(req), engine, kind.response_id(),
-                                                  include_usage=include_usage)
+                                                  include_usage=include_usage, images=images)
         return await _respond(request, req.stream, merged_outputs(engine, plan.requests), assembler, include_usage)
 
 
@@ -119,17 +122,20 @@ async def generate_batch(kind: EndpointKind, request: web.Request) -> web.Respon
     check_batch_size(request, len(prompts), param)
     async with lease(request, req.model) as engine:
         batch_id = new_response_id("batch")
-        items = await asyncio.gather(*(_batch_item(kind, req, k, prompt, engine, kind.batch_item_id(batch_id, k), size)
+        config = request.app[CONFIG_KEY]
+        items = await asyncio.gather(*(_batch_item(kind, req, k, prompt, engine, kind.batch_item_id(batch_id, k), size, config)
                                        for k, prompt in enumerate(prompts)))
         return _batch_response(batch_id, kind.batch_object, req.model, list(items), request)
 
 
 async def _batch_item(
-    kind: EndpointKind, req: Any, index: int, prompt: Any, engine: EngineClient, response_id: str, body_bytes: int
+    kind: EndpointKind, req: Any, index: int, prompt: Any, engine: EngineClient, response_id: str, body_bytes: int,
+    config: ServerConfig,
 ) -> p.BatchItem:
     """One prompt of a batch: its own response, or its own error without failing the rest."""
     try:
-        plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, prompt, engine, response_id)
+        images = await media.prepare_images(kind.image_refs(prompt), engine, config)
+        plan, assembler = await off_loop_if_large(body_bytes, kind.prepare, req, prompt, engine, response_id, images=images)
         return p.BatchItem(index=index, response=await collect(merged_outputs(engine, plan.requests), assembler))
     except Exception as exc:  # noqa: BLE001 - per-item errors are part of the response
         error = from_exception_logged(exc, "batch item failed", response_id=response_id)
@@ -151,7 +157,9 @@ def _batch_response(response_id: str, object_name: str, model: str, items: list[
 async def tokenize(request: web.Request) -> web.Response:
     req, size = await decode_body(request, p.TOKENIZE_DECODER)
     async with lease(request, model_or_only(request, req.model)) as engine:
-        ids = await off_loop_if_large(size, to_engine.tokenize, req, engine)
+        refs = image_refs(req.messages) if req.messages is not p.UNSET else []
+        images = await media.prepare_images(refs, engine, request.app[CONFIG_KEY])
+        ids = await off_loop_if_large(size, to_engine.tokenize, req, engine, images)
         strs = await off_loop_if_large(size, _token_strs, engine, ids) if req.return_token_strs else p.UNSET
         return json_response(p.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                                 token_strs=strs))

@@ -9,15 +9,22 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engine.tokenizers.tokenizer import Tokenizer
-from engine.types import ChatMessage, InvalidRequest, ToolCall, ToolDefinition
+from engine.types import ChatMessage, ImagePlacement, InvalidRequest, PreparedImage, ToolCall, ToolDefinition
 
 
 class PromptBuilder:
-    """A prompt as token ids: text is encoded as text, control tokens are appended by name."""
+    """A prompt as token ids: text is encoded as text, control tokens are appended by name, and
+    an image's tokens are appended with the span they fill recorded (`images`)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        self.images: list[ImagePlacement] = []
+
+    def image(self, image: PreparedImage, ids: list[int]) -> "PromptBuilder":
+        self.images.append(ImagePlacement(image, offset=len(self.ids), length=len(ids)))
+        self.ids.extend(ids)
+        return self
 
     def text(self, text: str) -> "PromptBuilder":
         if text:
@@ -45,6 +52,12 @@ class HeaderTurns:
     def encode_dialog(
         self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
     ) -> list[int]:
+        return self.encode_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt).ids
+
+    def encode_prompt(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[ToolDefinition] = (), add_generation_prompt: bool = True
+    ) -> PromptBuilder:
+        """encode_dialog's tokens, with where each image's tokens sit (`.images`)."""
         name, with_tools = self.family_display_name, self.supports_tools
         check_tools(tools, family_name=name, supports_tools=with_tools, pythonic=self.pythonic_tool_calls)
         dialog = check_dialog(messages, family_name=name, supports_tools=with_tools, system_anywhere=True)
@@ -57,7 +70,7 @@ class HeaderTurns:
             self._encode_message(prompt, message, dialog, index)
         if add_generation_prompt:
             self._header(prompt, "assistant")
-        return prompt.ids
+        return prompt
 
     def _system_text(self, system: str | None, tools: Sequence[ToolDefinition]) -> str | None:
         raise NotImplementedError
@@ -71,12 +84,20 @@ class HeaderTurns:
     def _header(self, prompt: PromptBuilder, role: str) -> None:
         prompt.special(self.header_start).text(role).special(self.header_end).text("\n\n")
 
-    def _message(self, prompt: PromptBuilder, role: str, content: str | Sequence[str], end: str) -> None:
-        """`content` as one text, or as text parts each encoded on its own (ChatMessage.parts)."""
+    def _message(self, prompt: PromptBuilder, role: str, content: str | Sequence[str | PreparedImage], end: str) -> None:
+        """`content` as one text, or as parts each encoded on its own (ChatMessage.parts)."""
         self._header(prompt, role)
         for part in (content,) if isinstance(content, str) else content:
-            prompt.text(part)
+            if isinstance(part, PreparedImage):
+                prompt.image(part, self._image_tokens(part))
+            else:
+                prompt.text(part)
         prompt.special(end)
+
+    def _image_tokens(self, image: PreparedImage) -> list[int]:
+        """An image's tokens in the prompt; families whose models take images say how."""
+        raise InvalidRequest(f"{self.family_display_name} models take text only", param=image.param,
+                             code="images_not_supported")
 
 # --------------------------------------------------------------------------- dialog checks
 @dataclass(slots=True)

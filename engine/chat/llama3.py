@@ -31,7 +31,7 @@ from engine.chat.common import (
 )
 from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import CODE_INTERPRETER, ContentOnlyParser, OutputParser, make_output_parser
-from engine.types import ChatMessage, InvalidRequest, ToolDefinition
+from engine.types import ChatMessage, InvalidRequest, PreparedImage, ToolDefinition
 
 Version = Literal["3", "3.1", "3.2", "3.3"]
 
@@ -82,6 +82,13 @@ class Llama3ChatFormat(HeaderTurns):
         self.pythonic_tool_calls = version in ("3.2", "3.3")
         self._today = today
         self.family_display_name = f"Llama {version}"
+
+    def _image_tokens(self, image: PreparedImage) -> list[int]:
+        """Llama 3.2 Vision: one <|image|> per image where it sits among the text parts (llama-models'
+        Llama 3 ChatFormat); the model reads it as its image-token row and attends to the image from
+        there (engine/executor/cross_attention.py). Text models never get here: compat refuses images
+        for an engine without an image preprocessor."""
+        return [self.tokenizer.special_token_id("<|image|>")]
 
     # ---- prompt (HeaderTurns.encode_dialog walks the dialog)
     def _before_turns(self, prompt: PromptBuilder, tools: Sequence[ToolDefinition]) -> None:

@@ -14,7 +14,7 @@ from typing import Sequence
 from engine.chat.common import Dialog, HeaderTurns, PromptBuilder, pythonic_call, tool_definitions_json
 from engine.tokenizers.tokenizer import Tokenizer
 from engine.chat.tool_parser import OutputParser, make_output_parser
-from engine.types import ChatMessage, ToolDefinition
+from engine.types import ChatMessage, PreparedImage, ToolDefinition
 
 TOOLS_SYSTEM_PROMPT = (
     "You are a helpful assisant who can can answer general questions or invoke tools when necessary.\n"
@@ -52,6 +52,27 @@ class Llama4ChatFormat(HeaderTurns):
 
     def output_parser(self, tools: Sequence[ToolDefinition]) -> OutputParser:
         return make_output_parser(tools)
+
+    def _image_tokens(self, image: PreparedImage) -> list[int]:
+        return image_tokens(self.tokenizer, image)
+
+
+def image_tokens(tokenizer: Tokenizer, image: PreparedImage) -> list[int]:
+    """llama-models' llama4 ChatFormat._encode_image: <|image_start|>, then for several tiles each
+    row's tiles of <|patch|>es split by <|tile_x_separator|> and ended by <|tile_y_separator|>, then
+    <|image|> and the global view's (or the single tile's) patches, then <|image_end|>."""
+    special = tokenizer.special_token_id
+    patches = [special("<|patch|>")] * image.tokens_per_chunk
+    ids = [special("<|image_start|>")]
+    if image.num_chunks > 1:
+        rows, cols = image.aspect_ratio
+        for _ in range(rows):
+            for col in range(cols):
+                ids += patches
+                if col < cols - 1:
+                    ids.append(special("<|tile_x_separator|>"))
+            ids.append(special("<|tile_y_separator|>"))
+    return ids + [special("<|image|>"), *patches, special("<|image_end|>")]
 
 
 def system_text(system: str | None, tools: Sequence[ToolDefinition]) -> str | None:

@@ -27,6 +27,7 @@ from engine.core.output import DetokenizerFactory
 from engine.quant.policy import WeightsReport
 from engine.types import EngineDead, EngineError, EngineRequest, EngineStats, RequestOutput
 from engine.types import SamplingDefaults, request_id_in_use
+from engine.vision import ImagePreprocessor
 
 if TYPE_CHECKING:
     from engine.executor.executor import Executor
@@ -106,8 +107,10 @@ class AsyncEngine:
         detokenizer_factory: DetokenizerFactory | None = None,
         sampling_defaults: SamplingDefaults = SamplingDefaults(),
         weights: WeightsReport | None = None,
+        image_preprocessor: ImagePreprocessor | None = None,
     ) -> None:
         self.model_id = model_id
+        self.image_preprocessor = image_preprocessor  # None: the model takes text only
         self.sampling_defaults = sampling_defaults
         self.weights = weights  # quantization, formats, resident bytes (/v1/models/{id})
         self.tokenizer = tokenizer

@@ -120,6 +120,7 @@ class EngineCore:
             arrival_time_s=request.arrival_time_s,
             priority=request.priority,
             client_priority=request.client_priority,
+            images=request.images,
         )
         if request.lora_name is not None:
             lora_id = self.adapters.ids.get(request.lora_name)
@@ -143,6 +144,7 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Remove a request in any phase and free its blocks; None if it already finished."""
         seq = self.scheduler.abort(request_id)
+        self._release_finished()
         return None if seq is None else self._final(seq, "abort")
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -181,9 +183,19 @@ class EngineCore:
         outputs, stopped = self.output.process(events)
         for seq in stopped:  # stop strings, found in the text
             self.scheduler.finish(seq)
+        self._release_finished()
         done_s = time.perf_counter()
         self._record_timing(started_s, scheduled_s, executed_s, done_s, len(batch.seqs))
         return outputs
+
+    def _release_finished(self) -> None:
+        """Per-sequence state the executor keeps beside the KV blocks (Llama 3.2 Vision's
+        cross-attention states), dropped as soon as its sequence is finished, aborted or preempted,
+        not at the next step (which may not come). Executors without such state (text models'
+        fakes included) have no release_finished."""
+        release = getattr(self.runner, "release_finished", None)
+        if release is not None:
+            release()
 
     def _record_timing(self, started_s: float, scheduled_s: float, executed_s: float, done_s: float, size: int) -> None:
         timing = self.timing

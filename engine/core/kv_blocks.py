@@ -20,8 +20,10 @@ from engine.core.sequence import Sequence
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """A collision-resistant digest of one full block and everything before it.
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """A collision-resistant digest of one full block and everything before it; `extra` is what
+    else decides the block's K/V beside its tokens (the content hashes of the images whose tokens
+    it holds: the same <|patch|> ids stand for any image).
 
     Why a cryptographic hash and not Python's `hash`: a collision would serve one request the K/V
     of another's text, and int hashes are easy to collide on purpose."""
@@ -29,6 +31,9 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     if parent is not None:
         digest.update(parent)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"images")
+        digest.update(extra)
     return digest.digest()
 
 
@@ -36,6 +41,11 @@ def lora_root(lora_id: int) -> BlockHash | None:
     """The hash a sequence's first block chains from: None for the base; for an adapter, its engine
     lora id (never reused, a hot-swapped adapter gets a new one), since its K/V differ from the base's."""
     return None if lora_id == 0 else hash_block(None, [-1, lora_id])
+
+
+def images_in_block(seq: Sequence, start: int, end: int) -> bytes:
+    """The content hashes of the images whose token spans overlap tokens [start, end)."""
+    return b"".join(p.image.content_hash for p in seq.images if p.offset < end and p.offset + p.length > start)
 
 
 class BlockPool:
@@ -119,7 +129,8 @@ class BlockPool:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[i - 1] if i else lora_root(seq.lora_id)
-            hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size]))
+            extra = images_in_block(seq, i * size, (i + 1) * size) if seq.images else b""
+            hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size], extra))
 
     # ------------------------------------------------------------------ allocation
     def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int, cached_blocks: Iterable[int] = ()) -> int:

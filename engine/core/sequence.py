@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.types import SamplingParams, TokenLogprob
+from engine.types import ImagePlacement, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +50,11 @@ class Sequence:
     # The engine's LoRA id of the adapter this sequence runs with (0: the base alone); it keys the
     # prefix cache too, so no two adapters (or an adapter and the base) share KV blocks.
     lora_id: int = 0
+    # The prompt's images and the spans their tokens fill (EngineRequest.images): the executor puts
+    # their embeddings on those rows (Llama 4) or their cross-attention states beside the sequence
+    # (Llama 3.2 Vision, engine/executor/cross_attention.py); the block pool keys the prefix hashes of
+    # those blocks by them
+    images: tuple[ImagePlacement, ...] = ()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -17,6 +17,8 @@ import torch
 
 from engine.core.sampler import Sampler
 from engine.core.sequence import ScheduledBatch, StepOutput
+from engine.executor.cross_attention import CrossAttentionTracker
+from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
 from engine.types import TokenLogprob
@@ -157,12 +159,20 @@ class Executor(Protocol):
 class ModelExecutor:
     """Executor over a worker group (engine/executor/worker_group.py) and the sampler."""
 
-    def __init__(self, workers: Workers, *, seed: int = 0) -> None:
+    def __init__(self, workers: Workers, *, seed: int = 0, image_rows: ImageRows | None = None) -> None:
         self._workers = workers
+        self._image_rows = image_rows  # early fusion (a model that takes images); None: text only
         self.vocab_size: int = workers.vocab_size
         self.num_blocks: int = workers.num_blocks
         self.block_size: int = workers.block_size
         self._sampler = Sampler(seed=seed, kernels=workers.argmax_kernels)
+        # Llama 3.2 Vision's cross-attention states on the workers (None: a text model, or a fake)
+        cross = getattr(workers, "cross_attention", None)
+        self._cross: CrossAttentionTracker | None = None
+        if cross is not None:
+            args = cross.model.params
+            self._cross = CrossAttentionTracker(vocab_size=args.vocab_size, max_tiles=args.vision_max_num_chunks,
+                                                chunk_size=args.vision_chunk_size)  # fmt: skip
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step. Worker exceptions propagate (the core fails the batch's requests); a
@@ -172,6 +182,12 @@ class ModelExecutor:
             return StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[])
         batch = grouped_by_adapter(batch)  # StepOutput is keyed by seq_id: the order is the executor's own
         inputs, sampling = build_step_inputs(batch, self.block_size)
+        if self._cross is not None and (update := self._cross.plan(batch, inputs)) is not None:
+            self._workers.update_cross_attention(update)  # type: ignore[attr-defined]
+        if self._image_rows is not None:
+            fused = self._image_rows.step(batch)
+            if fused is not None:
+                inputs.image_rows, inputs.image_embeds = fused
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
         if spans:
@@ -202,6 +218,11 @@ class ModelExecutor:
 
     def unload_adapter(self, lora_id: int) -> None:
         self._workers.unload_adapter(lora_id)
+
+    def release_finished(self) -> None:
+        """Drop the cross-attention states of finished, aborted and preempted sequences now."""
+        if self._cross is not None and self._cross.sweep():
+            self._workers.update_cross_attention(self._cross.take_frees())  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         self._workers.shutdown()

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.executor.cross_attention import CrossAttentionUpdate
 from engine.executor.step_inputs import StepInputs
 from engine.types import EngineDead
 
@@ -55,7 +56,9 @@ OP_STEP = 1
 OP_STOP = 2
 OP_LORA_LOAD = 3  # [op, lora id, path bytes, 0...], then the adapter folder's path as int64 bytes
 OP_LORA_UNLOAD = 4  # [op, lora id, 0...]
+OP_CROSS = 5  # Llama 3.2 Vision: a CrossAttentionUpdate, ahead of the step that reads it
 HEADER_LEN = 8  # [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, has lora ids, 0, 0]
+# OP_CROSS: [op, num_free, num_images, num_step_seqs, max_tiles, chunk_size, 0, 0]
 # Rank 0 waits this long in one collective (covers followers loading their weights); a dead peer
 # fails much sooner, as a broken connection.
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -159,9 +162,30 @@ def pack_lora_unload(lora_id: int, device: torch.device) -> torch.Tensor:
     return header.to(device)
 
 
-def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], None] | None = None) -> StepInputs | None:
-    """Followers: the next step's inputs, or None when rank 0 says stop. Adapter loads and unloads
-    between steps go to on_lora(op, lora_id, path or None), in the order rank 0 sent them."""
+def _pack_cross(update: CrossAttentionUpdate, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    _, max_tiles, _, chunk, _ = update.pixels.shape
+    header[:6] = torch.tensor([OP_CROSS, update.free_seq_ids.numel(), update.num_images, update.step_seq_ids.numel(), max_tiles, chunk])
+    ints = torch.cat([update.free_seq_ids, update.image_meta.reshape(-1), update.step_seq_ids])
+    return header.to(device), ints.to(device), update.pixels.to(device=device, dtype=torch.float32)
+
+
+def _recv_cross(header: list[int], device: torch.device) -> CrossAttentionUpdate:
+    _, num_free, num_images, num_step, max_tiles, chunk = header[:6]
+    ints = torch.empty(num_free + 5 * num_images + num_step, dtype=torch.int64, device=device)
+    dist.broadcast(ints, src=0)
+    pixels = torch.empty(num_images, max_tiles, 3, chunk, chunk, dtype=torch.float32, device=device)
+    if num_images:
+        dist.broadcast(pixels, src=0)
+    free, meta, step = torch.split(ints.cpu(), [num_free, 5 * num_images, num_step])
+    return CrossAttentionUpdate(free, meta.view(-1, 5), pixels, step)
+
+
+def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], None] | None = None,
+              ) -> StepInputs | CrossAttentionUpdate | None:
+    """Followers: the next step's inputs (or a cross-attention update ahead of it), or None when
+    rank 0 says stop. Adapter loads and unloads between steps go to on_lora(op, lora_id, path or
+    None), in the order rank 0 sent them."""
     while True:
         header_t = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         dist.broadcast(header_t, src=0)
@@ -176,6 +200,8 @@ def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], No
         if header[0] == OP_LORA_UNLOAD:
             on_lora(OP_LORA_UNLOAD, header[1], None)  # type: ignore[misc]
             continue
+        if header[0] == OP_CROSS:
+            return _recv_cross(header, device)
         if header[0] != OP_STEP:
             raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
         payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
@@ -271,6 +297,18 @@ class ParallelGroup:
         self.check_alive()
         header, payload = _pack(inputs, self.device)
         self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0)))
+
+    def broadcast_cross(self, update: CrossAttentionUpdate) -> None:
+        self.check_alive()
+        header, ints, pixels = _pack_cross(update, self.device)
+
+        def send() -> None:
+            dist.broadcast(header, src=0)
+            dist.broadcast(ints, src=0)
+            if update.num_images:
+                dist.broadcast(pixels, src=0)
+
+        self.collective(send)
 
     def collective(self, fn):
         """Run rank 0's part of a collective; a broken group becomes EngineDead."""
@@ -430,6 +468,9 @@ def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, 
         else:
             shard.unload_adapter(lora_id)
 
-    while (inputs := recv_step(device, on_lora)) is not None:
-        shard.forward(inputs)
+    while (message := recv_step(device, on_lora)) is not None:
+        if isinstance(message, CrossAttentionUpdate):
+            shard.update_cross_attention(message)  # collectives inside (the image encoder): in step with rank 0
+        else:
+            shard.forward(message)
     log.info("model-parallel rank %d stopping", rank)

@@ -25,13 +25,17 @@ class StepInputs:
     # [num_seqs] int64, each sequence's engine LoRA id (0: the base alone; engine/lora/layers.py);
     # None when no sequence of the step has an adapter (the usual step pays nothing for LoRA)
     lora_ids: torch.Tensor | None = None
+    # Early fusion (Llama 4 images): these rows' embeddings are replaced by image_embeds' rows.
+    # None on a step without image tokens; built on rank 0 by engine/executor/images.py.
+    image_rows: torch.Tensor | None = None  # [num_image_rows] int64
+    image_embeds: torch.Tensor | None = None  # [num_image_rows, dim] in the model dtype
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device`; self when every tensor is there already (a CPU model's every step)."""
-        present = [f.name for f in fields(self) if getattr(self, f.name) is not None]
-        if all(getattr(self, name).device == device for name in present):
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        if all(t is None or t.device == device for t in tensors.values()):
             return self
-        return StepInputs(**{name: getattr(self, name).to(device, non_blocking=True) for name in present})
+        return StepInputs(**{name: None if t is None else t.to(device, non_blocking=True) for name, t in tensors.items()})
 
     @property
     def num_tokens(self) -> int:

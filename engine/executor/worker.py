@@ -22,9 +22,12 @@ from engine.config import EngineConfig
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models import model_class
 from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.models.mllama.cache import CrossAttentionCache, state_bytes_per_image
+from engine.models.mllama.model import MllamaTransformer
 from engine.quant.cuda import to_device
 from engine.quant.formats import QuantizedWeight
 from engine.executor.step_inputs import StepInputs
+from engine.executor.cross_attention import CrossAttentionUpdate
 from engine.lora.adapters import LoraAdapter, read_adapter, shard_adapter
 from engine.lora.layers import LoraSlots, attach_lora
 from engine.types import CheckpointError, InvalidRequest
@@ -67,6 +70,9 @@ class Worker:
     # adapter runs exactly as before)
     lora: LoraSlots | None = None
     lora_sizes: dict[str, list[int]] | None = None
+    # Llama 3.2 Vision: each sequence's cross-attention state, apart from the paged KV; None for text models
+    cross_attention: CrossAttentionCache | None = None
+    max_batch_size: int = 1
 
     @classmethod
     def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
@@ -95,8 +101,20 @@ class Worker:
             backend.name, time.monotonic() - started_s,
         )  # fmt: skip
         serves_lora = config.max_loras > 0 and type(model) is Transformer
+        cross = CrossAttentionCache(model) if isinstance(model, MllamaTransformer) else None
         return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes, rank=rank,
-                   serves_lora=serves_lora)
+                   serves_lora=serves_lora, cross_attention=cross, max_batch_size=config.max_batch_size)
+
+    def cross_attention_reserve_bytes(self, budget_bytes: int) -> int:
+        """Bytes of the KV budget left to cross-attention states (Llama 3.2 Vision; 0 otherwise): one
+        image at the most tiles per sequence of a full batch, at most half the budget (the 11B's
+        states are ~0.2 GB an image in bf16: a full batch's would not fit a CPU's default budget).
+        More images than that in flight use memory past the budget."""
+        if self.cross_attention is None:
+            return 0
+        model = self.cross_attention.model
+        per_image = state_bytes_per_image(model.params, self.mp_size, model.vision.dims.tokens_per_tile, self.dtype)
+        return min(self.max_batch_size * per_image, budget_bytes // 2)
 
     @property
     def bytes_per_block(self) -> int:
@@ -109,6 +127,7 @@ class Worker:
         if budget is None:  # CUDA: a fraction of what the weights left free
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * config.kv_cache_memory_fraction)
+        budget -= self.cross_attention_reserve_bytes(budget)
         num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
                                      max_seq_len=self.max_seq_len)
         if num_blocks < 1:
@@ -131,11 +150,12 @@ class Worker:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
+        cross = () if self.cross_attention is None else (self.cross_attention.for_step(),)
         if self.lora is None or inputs.lora_ids is None:
-            return self.model(inputs.to(self.device), self.kv_caches)
+            return self.model(inputs.to(self.device), self.kv_caches, *cross)
         self.lora.begin_step(inputs)  # before the move: the runs are read from rank 0's CPU tensors
         try:
-            return self.model(inputs.to(self.device), self.kv_caches)
+            return self.model(inputs.to(self.device), self.kv_caches, *cross)
         finally:
             self.lora.end_step()
 
@@ -160,6 +180,13 @@ class Worker:
     def unload_adapter(self, lora_id: int) -> None:
         if self.lora is not None:
             self.lora.remove(lora_id)
+
+    def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
+        """Drop and add sequences' cross-attention states, and set the next step's (rank 0's
+        CrossAttentionTracker decided; every rank applies the same update)."""
+        if self.cross_attention is None:
+            raise RuntimeError("a cross-attention update for a model without cross-attention layers")
+        self.cross_attention.apply(update.free_seq_ids, update.image_meta, update.pixels, update.step_seq_ids)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,11 @@ from engine.config import EngineConfig, launched_by_torchrun
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.quant.policy import WeightsReport, check_formats, check_quantization
 from engine.executor.worker import Worker, without_omp_team
+from engine.loading.llama4 import load_vision_state, read_vision_args
 from engine.loading.progress import ProgressCallback
 from engine.executor.step_inputs import StepInputs
+from engine.executor.cross_attention import CrossAttentionUpdate
+from engine.models.llama4.vision import Llama4VisionEncoder, VisionConfig
 from engine.types import EngineDead, InvalidRequest
 from engine.executor.parallel import ParallelGroup, group_in_use, rank_device
 
@@ -94,6 +97,8 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.num_blocks = num_blocks
+        # Llama 4 images: rank 0 encodes them (whole vision weights) and each step carries the rows
+        self.vision_args, self.image_encoder = _vision(spec, self._shard, mp_size)
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
         self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
@@ -128,6 +133,22 @@ class WorkerGroup:
         if self._group is not None:
             self._group.broadcast_lora_unload(lora_id)
 
+    def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
+        """Llama 3.2 Vision: apply a cross-attention update on every rank (rank 0 encodes its share
+        of the new images while the followers encode theirs)."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        if self._group is None:
+            self._shard.update_cross_attention(update)
+            return
+        self._group.broadcast_cross(update)
+        self._group.collective(lambda: self._shard.update_cross_attention(update))
+
+    @property
+    def cross_attention(self):
+        """Rank 0's per-sequence cross-attention states (None: a text model), for stats and tests."""
+        return self._shard.cross_attention
+
     def shutdown(self) -> None:
         """Stop followers and free the process group; safe to call twice."""
         if self._closed:
@@ -136,3 +157,21 @@ class WorkerGroup:
         if self._group is not None:
             self._group.shutdown()
             self._group = None
+
+
+def _vision(spec: CheckpointSpec, shard: Worker, mp_size: int) -> tuple[dict | None, Llama4VisionEncoder | None]:
+    """(vision_args, encoder) of a Llama 4 checkpoint that ships vision weights, else (None, None).
+    Model parallel steps carry no image rows to the followers yet: such a model serves text only."""
+    if spec.family != "llama4" or spec.format != "meta":
+        return None, None
+    vision_args = read_vision_args(spec.checkpoint_dir)
+    if vision_args is None:
+        return None, None
+    if mp_size > 1:
+        log.info("%s: vision weights not loaded: images are served at model_parallel_size 1 only", spec.model_id)
+        return None, None
+    state = load_vision_state(spec.shard_paths, spec.allowed_roots, shard.dtype, shard.device)
+    if not state:
+        log.info("%s: params.json has vision_args but the shards hold no vision weights: text only", spec.model_id)
+        return None, None
+    return vision_args, Llama4VisionEncoder(VisionConfig.from_params(vision_args), state)

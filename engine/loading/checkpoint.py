@@ -33,6 +33,8 @@ from engine.loading.file_guard import guard_tree, guarded
 from engine.loading.formats import architecture_file
 from engine.loading.layout import ParamLayout, local_shape, param_layouts, rank_range
 from engine.loading.llama4 import normalize_shard, parallel_size_problems, to_meta_layout
+from engine.loading.mllama import TEXT_PREFIX, normalize_shard as normalize_mllama_shard, vision_dims
+from engine.models.mllama.args import IMAGE_TOKEN_ROWS, VISION_HEADS, VisionDims
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models.args import ModelArgs
 from engine.types import CheckpointError, Family, InvalidRequest
@@ -204,6 +206,11 @@ def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
         problems.append(f"vocab_size {args.vocab_size}")
     if args.is_llama4:
         problems += parallel_size_problems(args, mp_size)
+    if args.is_mllama:  # the image encoder's heads and the image-token rows are split over the ranks
+        if VISION_HEADS % mp_size:
+            problems.append(f"the image encoder's {VISION_HEADS} heads")
+        if IMAGE_TOKEN_ROWS % mp_size:
+            problems.append(f"the {IMAGE_TOKEN_ROWS} image-token embedding rows")
     if problems:
         raise CheckpointError(f"model-parallel size {mp_size} does not divide {', '.join(problems)}")
 
@@ -229,6 +236,8 @@ class _Shards:
             state = as_shipped(self._spec.checkpoint_dir, self._spec.model_args, path, state, old_rank, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
                 state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
+            if self._spec.model_args.is_mllama:  # Llama 3.2 Vision's text_model. prefix dropped
+                state = normalize_mllama_shard(state)
             self._validate(path, state, old_rank)
             self._open[old_rank] = state
         return self._open[old_rank]
@@ -360,7 +369,7 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     old_size = len(spec.shard_paths)
     if old_size > 1:
         check_parallel_size(args, old_size)
-    layouts = param_layouts(args)
+    layouts = param_layouts(args, checkpoint_vision_dims(spec))
     shards = _Shards(spec, layouts)
     started_s = time.monotonic()
     out: dict[str, torch.Tensor] = {}
@@ -382,16 +391,30 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     return out
 
 
+def checkpoint_vision_dims(spec: CheckpointSpec) -> VisionDims | None:
+    """A Llama 3.2 Vision checkpoint's image encoder sizes, from its first shard's shapes (mmapped:
+    no weight is read); None for a text model."""
+    if not spec.model_args.is_mllama:
+        return None
+    path = guarded(spec.shard_paths[0], spec.allowed_roots)
+    state = normalize_mllama_shard(reader_for(spec.format).read_shard(path, spec.model_args, spec.allowed_roots))
+    return vision_dims(state, spec.model_args, source=str(path))
+
+
 # --------------------------------------------------------------------------- writing (tests, demos)
-def random_state_dict(args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_state_dict(
+    args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32, vision: VisionDims | None = None
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) random weights, scaled so activations stay O(1) through the layers."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for key, layout in param_layouts(args).items():
-        if key.endswith("norm.weight"):  # norm weights near 1
+    for key, layout in param_layouts(args, vision).items():
+        if key.endswith("norm.weight") or (key.endswith(".weight") and ".ln_" in key):  # norm weights near 1
             value = 1.0 + 0.1 * torch.randn(layout.full_shape, generator=gen, dtype=torch.float64)
-        elif key == "tok_embeddings.weight":
+        elif key in ("tok_embeddings.weight", "learnable_embedding.weight"):
             value = torch.randn(layout.full_shape, generator=gen, dtype=torch.float64)
+        elif len(layout.full_shape) != 2:  # gates, biases, Llama 3.2 Vision's position tables: O(1)
+            value = 0.5 * torch.randn(layout.full_shape, generator=gen, dtype=torch.float64)
         else:
             fan_in = layout.full_shape[1]
             value = torch.randn(layout.full_shape, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)
@@ -399,10 +422,12 @@ def random_state_dict(args: ModelArgs, *, seed: int = 0, dtype: torch.dtype = to
     return out
 
 
-def shard_state_dict(full: dict[str, torch.Tensor], args: ModelArgs, rank: int, size: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    full: dict[str, torch.Tensor], args: ModelArgs, rank: int, size: int, vision: VisionDims | None = None
+) -> dict[str, torch.Tensor]:
     """Rank `rank` of `size` as Meta shards a checkpoint (the layout load_rank_state_dict reads)."""
     out = {}
-    for key, layout in param_layouts(args).items():
+    for key, layout in param_layouts(args, vision).items():
         tensor = full[key]
         if layout.parallel_dim is not None:
             start, end = rank_range(layout, rank, size)
@@ -419,18 +444,25 @@ def write_random_checkpoint(
     seed: int = 0,
     tokenizer_path: Path | None = None,
     dtype: torch.dtype = torch.float32,
+    vision: VisionDims | None = None,
+    unnumbered: bool = False,
 ) -> Path:
     """Write params.json + consolidated.NN.pth with random weights in the real Meta format. The same
-    seed gives the same full weights whatever num_shards is."""
+    seed gives the same full weights whatever num_shards is. A Llama 3.2 Vision model's encoder has
+    the sizes `vision` gives; `unnumbered` writes one consolidated.pth (the 11B Vision release's name)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_parallel_size(args, num_shards)  # past n_kv_heads, shards repeat KV heads as Meta's do
-    full = random_state_dict(args, seed=seed, dtype=dtype)
+    if unnumbered and num_shards != 1:
+        raise ValueError("an unnumbered consolidated.pth holds one shard")
+    full = random_state_dict(args, seed=seed, dtype=dtype, vision=vision)
     for rank in range(num_shards):
-        shard = shard_state_dict(full, args, rank, num_shards)
+        shard = shard_state_dict(full, args, rank, num_shards, vision)
         if args.is_llama4:  # written as Meta ships Llama 4 (fused, renamed)
             shard = to_meta_layout(shard, args)
-        torch.save(shard, out_dir / f"consolidated.{rank:02d}.pth")
+        if args.is_mllama:  # the text weights under text_model., as CrossAttentionTransformer names them
+            shard = {k if k.startswith("vision_model.") else TEXT_PREFIX + k: v for k, v in shard.items()}
+        torch.save(shard, out_dir / ("consolidated.pth" if unnumbered else f"consolidated.{rank:02d}.pth"))
     (out_dir / PARAMS_FILE).write_text(json.dumps(args.to_params(), indent=2))
     if tokenizer_path is not None:
         target = out_dir / Path(tokenizer_path).name
@@ -439,8 +471,8 @@ def write_random_checkpoint(
 
 
 # --------------------------------------------------------------------------- sizing
-def parameter_count(args: ModelArgs) -> int:
-    return sum(math.prod(layout.full_shape) for layout in param_layouts(args).values())
+def parameter_count(args: ModelArgs, vision: VisionDims | None = None) -> int:
+    return sum(math.prod(layout.full_shape) for layout in param_layouts(args, vision).values())
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -449,15 +481,17 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def estimate_weight_bytes(args: ModelArgs, dtype: torch.dtype | str) -> int:
-    """Bytes the weights take in `dtype` over all ranks together."""
-    return parameter_count(args) * dtype_bytes(dtype)
+def estimate_weight_bytes(args: ModelArgs, dtype: torch.dtype | str, vision: VisionDims | None = None) -> int:
+    """Bytes the weights take in `dtype` over all ranks together (a Llama 3.2 Vision encoder at
+    `vision`'s sizes, checkpoint_vision_dims; else the released one's)."""
+    return parameter_count(args, vision) * dtype_bytes(dtype)
 
 
 __all__ = [
     "CheckpointSpec",
     "check_parallel_size",
     "check_tokenizer_vocab",
+    "checkpoint_vision_dims",
     "estimate_weight_bytes",
     "find_shards",
     "load_rank_state_dict",

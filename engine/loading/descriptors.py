@@ -144,11 +144,20 @@ def _add_release_variants(add: Any) -> None:
                 f"meta-llama/Llama-3.2-{size}-Instruct-{hf_method}_INT4_EO8", 8192, 1, arch, quantization="int4")
     add("Llama-4-Maverick-17B-128E-Instruct:fp8", "llama4", "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8",
         1048576, 8, {}, quantization="fp8_mixed")
-    vision = "Llama 3.2 Vision models are not supported yet (text only until vision lands); serve a text model such as Llama3.2-3B-Instruct"
+    # Llama 3.2 Vision (engine/models/mllama/): Llama 3.1 8B / 70B text layers (RoPE factor 8) with
+    # cross-attention layers; the 11B base model tiles images at 448 pixels, the others at 560
     for size, shards in (("11B", 1), ("90B", 8)):
         for suffix in ("", "-Instruct"):
+            chunk = 448 if (size, suffix) == ("11B", "") else 560
             add(f"Llama3.2-{size}-Vision{suffix}", "llama3_2", f"meta-llama/Llama-3.2-{size}-Vision{suffix}", 131072, shards,
-                {}, vision)
+                _vision(size, chunk))
+
+
+def _vision(size: str, chunk_size: int) -> dict[str, Any]:
+    """Llama 3.2 Vision's params.json as llama-models' sku_list publishes it."""
+    text = _llama3(4096, 32, 32, 1.3, 1024, scaled=True) if size == "11B" else _llama3(8192, 80, 64, 1.3, 4096, scaled=True)
+    return {**text, "vision_chunk_size": chunk_size, "vision_max_num_chunks": 4,
+            "vision_num_cross_attention_layers": 8 if size == "11B" else 20}  # fmt: skip
 
 
 def _add_safety_models(add: Any) -> None:
@@ -164,9 +173,7 @@ def _add_safety_models(add: Any) -> None:
     add("Llama-Guard-3-1B:int4", "llama3_2", "meta-llama/Llama-Guard-3-1B-INT4", 131072, 1, {},
         "Llama-Guard-3-1B:int4 is a pruned int4 ExecuTorch program (.pte) for on-device use, not a checkpoint this "
         "server loads; serve Llama-Guard-3-1B")
-    add("Llama-Guard-3-11B-Vision", "llama3_2", "meta-llama/Llama-Guard-3-11B-Vision", 131072, 1, {},
-        "Llama Guard 3 Vision is a Llama 3.2 Vision model, not supported yet (text only); serve Llama-Guard-3-8B "
-        "or Llama-Guard-3-1B for text")
+    add("Llama-Guard-3-11B-Vision", "llama3_2", "meta-llama/Llama-Guard-3-11B-Vision", 131072, 1, _vision("11B", 560))
     add("Llama-Guard-4-12B", "llama4", "meta-llama/Llama-Guard-4-12B", 8192, 1, {},
         "Llama Guard 4 12B is a multimodal (dense) Llama 4 shipped only as a Hugging Face folder, which this server "
         "does not load yet; serve Llama-Guard-3-8B or Llama-Guard-3-1B for text")

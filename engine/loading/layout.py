@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.models.args import ModelArgs
 from engine.models.llama4.args import is_moe_layer, moe_hidden_dim
+from engine.models.mllama.args import ENCODER, IMAGE_TOKEN_ROWS, VisionDims
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +22,9 @@ class ParamLayout:
     kv_heads: int = 0  # > 0 for wk/wv: ranks past n_kv_heads repeat heads (Meta's MP > n_kv_heads rule)
 
 
-def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
-    """Every weight the model holds, with its full (unsharded) shape and parallel dimension."""
+def param_layouts(args: ModelArgs, vision: VisionDims | None = None) -> dict[str, ParamLayout]:
+    """Every weight the model holds, with its full (unsharded) shape and parallel dimension; a Llama
+    3.2 Vision model's image encoder sizes come from its weights (`vision`, engine/loading/mllama.py)."""
     ffn_layouts = llama4_ffn_layouts if args.is_llama4 else dense_ffn_layouts
     d = args.dim
     out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
@@ -35,6 +37,9 @@ def param_layouts(args: ModelArgs) -> dict[str, ParamLayout]:
     out["norm.weight"] = ParamLayout((d,), None)
     if not args.tie_word_embeddings:
         out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
+    if args.is_mllama:  # without `vision`: the released encoder's sizes (estimates before loading)
+        assert args.vision_chunk_size is not None
+        out.update(mllama_layouts(args, vision or VisionDims.release(args.vision_chunk_size)))
     return out
 
 
@@ -92,3 +97,58 @@ def llama4_ffn_layouts(args: ModelArgs, layer_id: int, prefix: str) -> dict[str,
         p + "shared_expert.w3.weight": ParamLayout((fm, d), 0),
         p + "shared_expert.w2.weight": ParamLayout((d, fm), 1),
     }
+
+
+def mllama_layouts(args: ModelArgs, vision: VisionDims) -> dict[str, ParamLayout]:
+    """The cross-attention layers, the image-token embedding and the vision model (the text
+    layers' layouts are Llama 3's)."""
+    d, hd = args.dim, args.head_dim
+    out = {"learnable_embedding.weight": ParamLayout((IMAGE_TOKEN_ROWS, d), 0)}
+    for k in range(args.vision_num_cross_attention_layers):
+        p = f"cross_attention_layers.{k}."
+        out.update(attention_layouts(args, p))
+        out.update(dense_ffn_layouts(args, k, p))
+        out[p + "attention.q_norm.weight"] = ParamLayout((hd,), None)
+        out[p + "attention.k_norm.weight"] = ParamLayout((hd,), None)
+        for name in ("attention_norm.weight", "ffn_norm.weight"):
+            out[p + name] = ParamLayout((d,), None)
+        for gate in ("gate_attn", "gate_ffwd"):
+            out[p + gate] = ParamLayout((1,), None)
+    out.update(vision_layouts(vision))
+    out["vision_model.vision_projection.weight"] = ParamLayout((d, vision.output_dim), 0)
+    out["vision_model.vision_projection.bias"] = ParamLayout((d,), 0)
+    return out
+
+
+def vision_layouts(v: VisionDims) -> dict[str, ParamLayout]:
+    w, tiles, tokens = v.width, v.max_tiles, v.tokens_per_tile
+    out = {
+        ENCODER + "conv1._linear.weight": ParamLayout((w, 3 * v.patch_size * v.patch_size), 0),
+        ENCODER + "class_embedding": ParamLayout((w,), None),
+        ENCODER + "positional_embedding": ParamLayout((tokens, w), None),
+        ENCODER + "gated_positional_embedding": ParamLayout((tiles, tiles, tokens, w), None),
+        ENCODER + "gated_positional_embedding_gate": ParamLayout((1,), None),
+    }
+    for norm in ("ln_pre", "ln_post"):
+        out[ENCODER + norm + ".weight"] = ParamLayout((w,), None)
+        out[ENCODER + norm + ".bias"] = ParamLayout((w,), None)
+    for table in ("pre_tile_pos_embed", "post_tile_pos_embed"):
+        out[ENCODER + table + ".embedding"] = ParamLayout((tiles, tiles, 1, w), None)
+        out[ENCODER + table + ".gate"] = ParamLayout((1,), None)
+    for stack, count, gated in (("transformer", v.layers, False), ("global_transformer", v.global_layers, True)):
+        for i in range(count):
+            p = f"{ENCODER}{stack}.resblocks.{i}."
+            for name in ("wq", "wk", "wv"):
+                out[p + f"attn.{name}.weight"] = ParamLayout((w, w), 0)
+            out[p + "attn.wo.weight"] = ParamLayout((w, w), 1)
+            out[p + "mlp.c_fc.weight"] = ParamLayout((4 * w, w), 0)
+            out[p + "mlp.c_fc.bias"] = ParamLayout((4 * w,), 0)
+            out[p + "mlp.c_proj.weight"] = ParamLayout((w, 4 * w), 1)
+            out[p + "mlp.c_proj.bias"] = ParamLayout((w,), None)
+            for norm in ("ln_1", "ln_2"):
+                out[p + norm + ".weight"] = ParamLayout((w,), None)
+                out[p + norm + ".bias"] = ParamLayout((w,), None)
+            if gated:
+                out[p + "gate_attn"] = ParamLayout((1,), None)
+                out[p + "gate_ffn"] = ParamLayout((1,), None)
+    return out

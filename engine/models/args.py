@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 # quantization_args / lora_args (Meta's int4 QLoRA and SpinQuant releases) are read by
 # engine/loading/meta_quantized.py from `extra`
 _INCOMPATIBLE_FIELDS = {
-    "vision_chunk_size": "Llama 3.2 Vision checkpoints are not supported",
     "vision_args": "vision checkpoints are not supported",
 }
 # Llama 4's params.json has vision_args: its text weights load, the vision weights are skipped.
@@ -56,6 +55,9 @@ _LLAMA4_FIELDS = frozenset(
 )  # fmt: skip
 
 
+_VISION_FIELDS = ("vision_chunk_size", "vision_max_num_chunks", "vision_num_cross_attention_layers")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
     """params.json, field for field as Meta writes it (llama3 reference `ModelArgs`)."""
@@ -82,6 +84,11 @@ class ModelArgs:
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
     moe_args: MoEArgs | None = None
+    # Llama 3.2 Vision (engine/models/mllama/): image tile side in pixels, tiles per image at most,
+    # cross-attention layers interleaved with the text layers. None: a text model.
+    vision_chunk_size: int | None = None
+    vision_max_num_chunks: int = 4
+    vision_num_cross_attention_layers: int = 0
     extra: tuple[tuple[str, Any], ...] = ()  # params.json keys this engine does not use, kept for the record
 
     @classmethod
@@ -128,10 +135,20 @@ class ModelArgs:
             raise bad(f"rope_scaling_factor must be >= 1, found {self.rope_scaling_factor!r}")
         if self.is_llama4:
             validate_llama4_args(self, dict(self.extra), bad)
+        if self.is_mllama:
+            for name in _VISION_FIELDS:
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise bad(f"{name} must be a positive integer, found {value!r}")
+            if self.vision_num_cross_attention_layers > self.n_layers:
+                raise bad(f"vision_num_cross_attention_layers {self.vision_num_cross_attention_layers} exceeds n_layers {self.n_layers}")
 
     def to_params(self) -> dict[str, Any]:
         """params.json content (the inverse of from_params)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if self.vision_chunk_size is None:  # text models' params.json carry no vision fields
+            for name in _VISION_FIELDS:
+                del out[name]
         for optional in ("n_kv_heads", "rope_scaling_factor"):
             if out[optional] is None:
                 del out[optional]
@@ -151,12 +168,17 @@ class ModelArgs:
     @property
     def architecture(self) -> str:
         """The model family these args describe, a key of engine.models.MODEL_CLASSES."""
-        return "llama4" if self.is_llama4 else "llama"
+        return "llama4" if self.is_llama4 else "mllama" if self.is_mllama else "llama"
 
     @property
     def is_llama4(self) -> bool:
         """Llama 4's architecture (engine/models/llama4/): MoE, NoPE layers, chunked attention, qk-norm."""
         return self.moe_args is not None or self.nope_layer_interval is not None or self.attention_chunk_size is not None or self.use_qk_norm
+
+    @property
+    def is_mllama(self) -> bool:
+        """Llama 3.2 Vision (engine/models/mllama/): an image encoder and cross-attention layers."""
+        return self.vision_chunk_size is not None
 
     @property
     def kv_heads(self) -> int:

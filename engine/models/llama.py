@@ -304,6 +304,8 @@ class Transformer(nn.Module):
         compiled = self.decode_step if inputs.lora_ids is None else None
         plan = self.backend.plan_step(inputs, self.freqs_cis, kv_caches[0], compiled)
         h = self.tok_embeddings(inputs.input_ids)
+        if inputs.image_rows is not None:  # early fusion: the reference's h * ~mask + h_image * mask
+            h.index_copy_(0, inputs.image_rows, inputs.image_embeds.to(h.dtype))
         if plan.compiled:
             normed = self.decode_step(h, plan.attention, kv_caches)
         else:

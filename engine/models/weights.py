@@ -19,6 +19,10 @@ class PreparedWeights:
             raise CheckpointError(f"{self._source}: missing weight {name!r}")
         return self._weights.pop(name)
 
+    def take_prefixed(self, prefix: str) -> dict[str, object]:
+        """Every weight whose name starts with `prefix` (a sub-model whose sizes its weights give)."""
+        return {name: self._weights.pop(name) for name in [n for n in self._weights if n.startswith(prefix)]}
+
     def check_all_taken(self) -> None:
         if self._weights:
             raise CheckpointError(f"{self._source}: unexpected weights {sorted(self._weights)[:5]}")

@@ -122,13 +122,21 @@ def test_every_llama_models_sku_resolves_or_says_why_not(name):
 @pytest.mark.parametrize("name, reason", [
     ("Prompt-Guard-86M", "is a classifier"),
     ("Llama-Prompt-Guard-2-22M", "is a classifier"),
-    ("Llama3.2-90B-Vision-Instruct", "Vision models are not supported yet"),
-    ("Llama-Guard-3-11B-Vision", "Vision model, not supported yet"),
     ("Llama-Guard-4-12B", "does not load yet"),
     ("Llama-Guard-3-1B:int4", "ExecuTorch"),
 ])
 def test_refused_skus_name_the_reason(name, reason):
     assert reason in resolve_descriptor(name).supported_reason
+
+
+def test_llama_3_2_vision_skus_are_served():
+    """Llama 3.2 Vision (engine/models/mllama/): served, with llama-models' published architecture."""
+    for name in ("Llama3.2-11B-Vision", "Llama3.2-11B-Vision-Instruct", "Llama3.2-90B-Vision",
+                 "Llama3.2-90B-Vision-Instruct", "Llama-Guard-3-11B-Vision"):  # fmt: skip
+        descriptor = resolve_descriptor(name)
+        args = ModelArgs.from_params(descriptor.architecture, source=name)
+        assert descriptor.supported_reason is None and args.architecture == "mllama"
+        assert args.vision_max_num_chunks == 4 and args.vision_num_cross_attention_layers in (8, 20)
 
 
 def test_llama_guard_3_is_a_llama_text_model():

@@ -333,7 +333,7 @@ async def test_missing_field_names_it(client):
      "stream_options.continuous_usage_stats"),
     ("/v1/chat/completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0].type"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0]"),
     ("/v1/chat/completions", {"min_tokens": 100, "max_tokens": 10}, "min_tokens"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 2}, "best_of"),

@@ -84,7 +84,6 @@ async def test_llama_stack_env_spellings_start_the_server_and_serve(aiohttp_clie
 
 @pytest.mark.parametrize("name, reason", [
     ("Prompt-Guard-86M", "is a classifier"),
-    ("Llama3.2-11B-Vision-Instruct", "Llama 3.2 Vision models are not supported yet"),
     ("Llama-Guard-4-12B", "multimodal"),
 ])
 async def test_unsupported_skus_are_refused_at_registration_with_the_reason(aiohttp_client, layouts, name, reason):

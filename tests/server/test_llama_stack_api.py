@@ -184,7 +184,7 @@ def test_sampling_strategies_map_onto_openai_sampling():
 
 @pytest.mark.parametrize("body,status,param", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": {"url": {"uri": "http://x"}}}]}]}, 400,
-     "messages[0].content[0].type"),
+     "messages[0].content[0]"),
     ({"tools": NATIVE_TOOLS, "tool_config": {"tool_prompt_format": "json"}}, 400, "tool_config.tool_prompt_format"),
     ({"tool_prompt_format": "function_tag", "tools": NATIVE_TOOLS}, 400, "tool_config.tool_prompt_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format"),
