@@ -201,7 +201,7 @@ class LocalEngineFactory:
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
-        from engine.loading.checkpoint import checkpoint_vision_dims, estimate_weight_bytes
+        from engine.loading.checkpoint import estimate_weight_bytes
 
         model_args, checkpoint_max_seq_len, num_shards, vision = _architecture(spec)
         config = _with_parallel_size(_effective_config(self._config, spec), num_shards, spec.checkpoint_dir)
