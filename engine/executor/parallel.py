@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 
 OP_STEP = 1
 OP_STOP = 2
-HEADER_LEN = 8  # [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, 0, 0, 0]
+# [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, num_image_rows, image_dim, 0]; with image
+# rows, a third broadcast carries their embeddings as float64 (any model dtype round-trips exactly)
+HEADER_LEN = 8
 # Rank 0 waits this long in one collective (covers followers loading their weights); a dead peer
 # fails much sooner, as a broken connection.
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -112,14 +114,24 @@ def _pack(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, torch
         inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables.reshape(-1),
         inputs.query_start_loc, inputs.seq_lens, inputs.logits_indices,
     ]  # fmt: skip
+    if inputs.image_rows is not None:
+        header[5:7] = torch.tensor(list(inputs.image_embeds.shape))
+        parts.append(inputs.image_rows)
     payload = torch.cat([p.to(torch.int64) for p in parts])
     return header.to(device), payload.to(device)
 
 
+def image_embeds_payload(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
+    """The step's image embeddings as followers receive them (after the header and payload)."""
+    if inputs.image_embeds is None:
+        return None
+    return inputs.image_embeds.to(device=device, dtype=torch.float64)
+
+
 def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
-    _, num_tokens, num_seqs, max_blocks, num_logits = header[:5]
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
-    ids, pos, slots, tables, qsl, lens, logits = torch.split(payload, sizes)
+    _, num_tokens, num_seqs, max_blocks, num_logits, num_image_rows = header[:6]
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits, num_image_rows]
+    ids, pos, slots, tables, qsl, lens, logits, image_rows = torch.split(payload, sizes)
     return StepInputs(
         input_ids=ids,
         positions=pos,
@@ -128,12 +140,13 @@ def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
         query_start_loc=qsl.to(torch.int32),
         seq_lens=lens.to(torch.int32),
         logits_indices=logits,
+        image_rows=image_rows if num_image_rows else None,
     )
 
 
 def payload_len(header: list[int]) -> int:
-    _, num_tokens, num_seqs, max_blocks, num_logits = header[:5]
-    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits
+    _, num_tokens, num_seqs, max_blocks, num_logits, num_image_rows = header[:6]
+    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits + num_image_rows
 
 
 def recv_step(device: torch.device) -> StepInputs | None:
@@ -147,7 +160,12 @@ def recv_step(device: torch.device) -> StepInputs | None:
         raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
     payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
-    return _unpack(header, payload)
+    inputs = _unpack(header, payload)
+    if header[5]:
+        embeds = torch.empty(header[5], header[6], dtype=torch.float64, device=device)
+        dist.broadcast(embeds, src=0)
+        inputs.image_embeds = embeds
+    return inputs
 
 
 # --------------------------------------------------------------------------- rank 0's view of the group
@@ -237,7 +255,9 @@ class ParallelGroup:
     def broadcast_step(self, inputs: StepInputs) -> None:
         self.check_alive()
         header, payload = _pack(inputs, self.device)
-        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0)))
+        embeds = image_embeds_payload(inputs, self.device)
+        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0),
+                                 embeds is not None and dist.broadcast(embeds, src=0)))
 
     def collective(self, fn):
         """Run rank 0's part of a collective; a broken group becomes EngineDead."""

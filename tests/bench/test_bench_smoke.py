@@ -188,3 +188,13 @@ def test_every_bench_script_imports_and_explains_itself(script):
     """--help imports each script's engine and server pieces: a renamed module or class fails here,
     for the scripts whose full runs are too long for the suite too."""
     assert "usage:" in run_script(f"bench/{script}", "--help", timeout_s=120)
+
+
+def test_vision_smoke(tmp_path):
+    pytest.importorskip("llama_models")
+    out = tmp_path / "vision.json"
+    stdout = run_script("bench/vision.py", "--size", "tiny", "--images", "0,1", "--concurrency", "1,2",
+                        "--max-tokens", "3", "--json", str(out))
+    assert "1 image(s), 2 concurrent" in stdout
+    assert {r["images"] for r in rows(out, name="output_tok_s")} == {0, 1}
+    assert rows(out, name="memory_per_image_in_flight")[0]["chunks"] == 5
