@@ -97,6 +97,8 @@ class WorkerGroup:
         # Llama 4 images: rank 0 encodes them (whole vision weights) and each step carries the rows
         self.vision_args, self.image_encoder = _vision(spec, self._shard)
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        if self.image_encoder is not None:  # rank 0's whole vision weights
+            self.weight_bytes += sum(t.numel() * t.element_size() for t in self.image_encoder.w.values())
         self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
         log.info(
