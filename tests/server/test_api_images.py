@@ -263,3 +263,24 @@ async def test_names_resolving_to_private_addresses_are_refused_at_connect():
     with pytest.raises(OSError, match="non-global"):
         await GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
     assert await GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
+
+
+async def test_batch_api_lines_take_images(aiohttp_client, tmp_path):
+    from tests.server.test_batch_api import batch_when, content_lines, create
+
+    engine = vision_engine()
+    client = await start(aiohttp_client, tmp_path, engine, batch_dir=tmp_path / "batches")
+
+    def line(custom_id: str, content: list) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "llama", "temperature": 0, "messages": [{"role": "user", "content": content}]}}
+
+    lines = [line("ok", openai_content(CONTENT)), line("bad", [image_part(b"not an image")])]
+    done = await batch_when(client, (await create(client, lines))["id"])
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}, done
+    [output] = await content_lines(client, done["output_file_id"])
+    assert output["custom_id"] == "ok" and output["response"]["body"]["choices"][0]["message"]["content"] == "A picture."
+    assert any(r.prompt_token_ids == reference_tokens(CONTENT) and len(r.images) == 2 for r in engine.requests)
+    [error] = await content_lines(client, done["error_file_id"])
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400, error
+    assert error["response"]["body"]["error"]["param"] == "messages[0].content[0]", error
