@@ -6,20 +6,17 @@ bad input is a 400 naming its field while the server keeps serving."""
 from __future__ import annotations
 
 import base64
-import io
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from PIL import Image
 
-from engine.types import ImageLimits
 from engine.vision.llama4 import Llama4ImagePreprocessor
 from server.app import STATE_KEY, create_app
 from server.config import ServerConfig
 from server.registry import REGISTRY_KEY
 from tests.engine.tokenizer_fixtures import llama_models_file, real_llama4
-from tests.llama4_vision_fixtures import TINY_VISION_ARGS, random_image, reference_chat_format
+from tests.llama4_vision_fixtures import random_image, reference_chat_format
 from tests.server.fake_engine import fake_spec
 from tests.server.test_api_real_formats import Factory, ScriptedTokenEngine
 
@@ -247,14 +244,6 @@ async def test_allowed_image_urls_are_fetched_within_bounds(aiohttp_client, tmp_
         assert body["error"]["code"] == code and body["error"]["param"] == "messages[0].content[0]", body
     else:
         assert len(engine.requests[-1].images) == 1
-
-
-async def test_names_resolving_to_private_addresses_are_refused_at_connect():
-    from server.media import _GlobalOnlyResolver
-
-    with pytest.raises(OSError, match="non-global"):
-        await _GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
-    assert await _GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
 
 
 async def test_names_resolving_to_private_addresses_are_refused_at_connect():
