@@ -52,7 +52,7 @@ H, N, R = Support.HONOURED, Support.NO_EFFECT, Support.REFUSED
 PARAMETERS: tuple[Param, ...] = (
     # ---- the request itself
     Param("model", BOTH, H, "OpenAI", "a registered model id"),
-    Param("messages", CHAT, H, "OpenAI", "text content; image, audio and file parts are refused by name"),
+    Param("messages", CHAT, H, "OpenAI", "text, and image_url parts in user messages for models that take images (see Images); audio and file parts are refused by name"),
     Param("prompt", COMPLETIONS, H, "OpenAI", "text, texts, token ids or lists of token ids; special-token "
           "spellings in text are parsed as the model's special tokens"),
     Param("stream", BOTH, H, "OpenAI"),

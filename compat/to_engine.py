@@ -140,10 +140,13 @@ def render_chat_prompt(
             raise InvalidRequest("images cannot be combined with tools on this model", param="tools")
         if template_kwargs:
             raise InvalidRequest("chat_template_kwargs cannot be combined with images", param="chat_template_kwargs")
-        # only formats whose models take images get here (chat_messages refuses images otherwise)
+        # a format that records image placements (engine/chat/common.HeaderTurns.encode_prompt)
+        encode_prompt = getattr(engine.chat_format, "encode_prompt", None)
+        if encode_prompt is None:
+            raise InvalidRequest("this model's chat format cannot place images", param="messages",
+                                 code="images_not_supported")
         head = dialog[:-1] if continue_final_message else dialog
-        built = engine.chat_format.encode_prompt(head, tools=tools,  # type: ignore[attr-defined]
-                                                 add_generation_prompt=add_generation_prompt or continue_final_message)
+        built = encode_prompt(head, tools=tools, add_generation_prompt=add_generation_prompt or continue_final_message)
         tail = engine.tokenizer.encode(dialog[-1].content) if continue_final_message else []
         return built.ids + tail, tuple(built.images)
     if generic_tools:

@@ -23,6 +23,7 @@ from aiohttp.resolver import DefaultResolver
 
 from compat.images import ImageRef, is_data_url
 from engine.types import EngineClient, ImageLimits, InvalidRequest, PreparedImage
+from engine.vision import ImagePreprocessor
 from engine.vision.decode import decode_data_url, prepare_image
 from server.config import ServerConfig
 
@@ -49,17 +50,23 @@ async def prepare_images(refs: Sequence[ImageRef], engine: EngineClient, config:
                              param=refs[limits.max_images_per_request].param, code="too_many_images")
     prepared: dict[str, PreparedImage] = {}
     for ref in refs:  # one at a time: the executor threads are shared with every other request
-        data = await image_bytes(ref, config)
-        prepared[ref.param] = await asyncio.to_thread(prepare_image, data, preprocessor, limits, param=ref.param)
+        if is_data_url(ref.url):  # base64 decoding, Pillow decoding and preprocessing, all in the thread
+            if len(ref.url) > config.max_image_bytes * 4 // 3 + 256:  # base64 of more than the limit: don't decode it
+                raise InvalidRequest(f"the image is over this server's limit of {config.max_image_bytes} bytes",
+                                     param=ref.param, code="image_too_large")
+            prepared[ref.param] = await asyncio.to_thread(_prepare_data_url, ref, preprocessor, limits)
+        else:
+            data = await fetch_image(ref, config)
+            prepared[ref.param] = await asyncio.to_thread(prepare_image, data, preprocessor, limits, param=ref.param)
     return prepared
 
 
-async def image_bytes(ref: ImageRef, config: ServerConfig) -> bytes:
-    if is_data_url(ref.url):
-        if len(ref.url) > config.max_image_bytes * 4 // 3 + 256:  # base64 of more than the limit: don't decode it
-            raise InvalidRequest(f"the image is over this server's limit of {config.max_image_bytes} bytes",
-                                 param=ref.param, code="image_too_large")
-        return decode_data_url(ref.url, param=ref.param)
+def _prepare_data_url(ref: ImageRef, preprocessor: ImagePreprocessor, limits: ImageLimits) -> PreparedImage:
+    return prepare_image(decode_data_url(ref.url, param=ref.param), preprocessor, limits, param=ref.param)
+
+
+async def fetch_image(ref: ImageRef, config: ServerConfig) -> bytes:
+    """An http(s) image URL's bytes, where the operator allowed its host (see the module docstring)."""
     if not config.allowed_media_domains:
         raise InvalidRequest("this server takes images as data: URLs only (data:image/png;base64,...); its operator "
                              "has not allowed fetching image URLs (--allowed-media-domains)", param=ref.param,

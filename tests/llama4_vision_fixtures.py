@@ -114,7 +114,7 @@ def reference_chat_format(tokenizer_path):
     return ChatFormat(Tokenizer(tokenizer_path), vision_args=VisionArgs(**TINY_VISION_ARGS))
 
 
-def write_tiny_llama4_vision_checkpoint(out_dir, *, tokenizer_path, seed: int = 0):
+def write_tiny_llama4_vision_checkpoint(out_dir, *, tokenizer_path, seed: int = 0, num_shards: int = 1):
     """A tiny Llama 4 checkpoint in Meta's release layout with vision: params.json's vision_args and
     the vision encoder, adapter and projection under the names llama-models' model loads, in
     consolidated.00.pth beside the text weights (real vocabulary: image tokens are special tokens)."""
@@ -125,14 +125,26 @@ def write_tiny_llama4_vision_checkpoint(out_dir, *, tokenizer_path, seed: int = 
     from tests.llama4_fixtures import LLAMA4_VOCAB_SIZE, TINY_LLAMA4_PARAMS, write_tiny_llama4_checkpoint
 
     out_dir = write_tiny_llama4_checkpoint(Path(out_dir), seed=seed, tokenizer_path=tokenizer_path,
-                                           vocab_size=LLAMA4_VOCAB_SIZE)
-    shard = out_dir / "consolidated.00.pth"
-    state = torch.load(shard, weights_only=True)
-    state.update(random_vision_state(VisionConfig.from_params(TINY_VISION_ARGS), output_dim=TINY_VISION_ARGS["output_dim"],
-                                     mlp_ratio=TINY_VISION_ARGS["mlp_ratio"], text_dim=TINY_LLAMA4_PARAMS["dim"],
-                                     seed=seed + 1))
-    torch.save(state, shard)
+                                           vocab_size=LLAMA4_VOCAB_SIZE, num_shards=num_shards)
+    vision = random_vision_state(VisionConfig.from_params(TINY_VISION_ARGS), output_dim=TINY_VISION_ARGS["output_dim"],
+                                 mlp_ratio=TINY_VISION_ARGS["mlp_ratio"], text_dim=TINY_LLAMA4_PARAMS["dim"], seed=seed + 1)
+    for rank in range(num_shards):
+        shard = out_dir / f"consolidated.{rank:02d}.pth"
+        state = torch.load(shard, weights_only=True)
+        state.update({key: _vision_shard(key, tensor, rank, num_shards) for key, tensor in vision.items()})
+        torch.save(state, shard)
     params = json.loads((out_dir / "params.json").read_text())
     params["vision_args"] = TINY_VISION_ARGS
     (out_dir / "params.json").write_text(json.dumps(params, indent=2))
     return out_dir
+
+
+def _vision_shard(key: str, tensor: torch.Tensor, rank: int, num_shards: int) -> torch.Tensor:
+    """Rank `rank`'s part as llama-models' fairscale layers hold it: column-parallel weights and
+    biases split along dim 0, row-parallel weights along dim 1, the rest whole."""
+    column = ("conv1._linear.weight", "attn.wq.", "attn.wk.", "attn.wv.", "mlp.c_fc.", "vision_projection.weight")
+    row = ("attn.wo.weight", "mlp.c_proj.weight")
+    if num_shards == 1 or not any(name in key for name in column + row):
+        return tensor
+    dim = 1 if any(name in key for name in row) else 0
+    return tensor.chunk(num_shards, dim=dim)[rank].clone()

@@ -55,6 +55,9 @@ def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) 
     check_token_ids(request.prompt_token_ids, vocab_size, "prompt")
     request.params.validate(vocab_size)
     check_context_length(len(request.prompt_token_ids), request.params.max_tokens, max_seq_len)
+    for placement in request.images:  # the executor fills exactly these rows (engine/executor/images.py)
+        if placement.offset < 0 or placement.length < 1 or placement.offset + placement.length > len(request.prompt_token_ids):
+            raise InvalidRequest("an image's tokens lie outside the prompt", param=placement.image.param)
 
 
 def adapter_not_loaded(name: str) -> InvalidRequest:

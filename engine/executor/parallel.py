@@ -57,8 +57,10 @@ OP_STOP = 2
 OP_LORA_LOAD = 3  # [op, lora id, path bytes, 0...], then the adapter folder's path as int64 bytes
 OP_LORA_UNLOAD = 4  # [op, lora id, 0...]
 OP_CROSS = 5  # Llama 3.2 Vision: a CrossAttentionUpdate, ahead of the step that reads it
-HEADER_LEN = 8  # [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, has lora ids, 0, 0]
+# OP_STEP: [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, num_image_rows, image_dim, has lora ids];
+# with image rows, a third broadcast carries their embeddings as float64 (any model dtype round-trips exactly)
 # OP_CROSS: [op, num_free, num_images, num_step_seqs, max_tiles, chunk_size, 0, 0]
+HEADER_LEN = 8
 # Rank 0 waits this long in one collective (covers followers loading their weights); a dead peer
 # fails much sooner, as a broken connection.
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -111,24 +113,34 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 # --------------------------------------------------------------------------- the step protocol
 def _pack(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    has_lora = int(inputs.lora_ids is not None)
-    header[:6] = torch.tensor(
-        [OP_STEP, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[1], inputs.logits_indices.shape[0], has_lora]
+    header[:5] = torch.tensor(
+        [OP_STEP, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[1], inputs.logits_indices.shape[0]]
     )
     parts = [
         inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables.reshape(-1),
         inputs.query_start_loc, inputs.seq_lens, inputs.logits_indices,
     ]  # fmt: skip
+    if inputs.image_rows is not None:
+        header[5:7] = torch.tensor(list(inputs.image_embeds.shape))
+        parts.append(inputs.image_rows)
     if inputs.lora_ids is not None:
+        header[7] = 1
         parts.append(inputs.lora_ids)
     payload = torch.cat([p.to(torch.int64) for p in parts])
     return header.to(device), payload.to(device)
 
 
+def image_embeds_payload(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
+    """The step's image embeddings as followers receive them (after the header and payload)."""
+    if inputs.image_embeds is None:
+        return None
+    return inputs.image_embeds.to(device=device, dtype=torch.float64)
+
+
 def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
-    _, num_tokens, num_seqs, max_blocks, num_logits, has_lora = header[:6]
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
-    ids, pos, slots, tables, qsl, lens, logits, *lora = torch.split(payload, sizes + [num_seqs] * has_lora)
+    _, num_tokens, num_seqs, max_blocks, num_logits, num_image_rows, _, has_lora = header
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits, num_image_rows]
+    ids, pos, slots, tables, qsl, lens, logits, image_rows, *lora = torch.split(payload, sizes + [num_seqs] * has_lora)
     return StepInputs(
         input_ids=ids,
         positions=pos,
@@ -137,13 +149,14 @@ def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
         query_start_loc=qsl.to(torch.int32),
         seq_lens=lens.to(torch.int32),
         logits_indices=logits,
+        image_rows=image_rows if num_image_rows else None,
         lora_ids=lora[0] if lora else None,
     )
 
 
 def payload_len(header: list[int]) -> int:
-    _, num_tokens, num_seqs, max_blocks, num_logits, has_lora = header[:6]
-    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits + has_lora * num_seqs
+    _, num_tokens, num_seqs, max_blocks, num_logits, num_image_rows, _, has_lora = header
+    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits + num_image_rows + has_lora * num_seqs
 
 
 def pack_lora_load(lora_id: int, path: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +219,12 @@ def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], No
             raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
         payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
         dist.broadcast(payload, src=0)
-        return _unpack(header, payload)
+        inputs = _unpack(header, payload)
+        if header[5]:
+            embeds = torch.empty(header[5], header[6], dtype=torch.float64, device=device)
+            dist.broadcast(embeds, src=0)
+            inputs.image_embeds = embeds
+        return inputs
 
 
 # --------------------------------------------------------------------------- rank 0's view of the group
@@ -296,7 +314,9 @@ class ParallelGroup:
     def broadcast_step(self, inputs: StepInputs) -> None:
         self.check_alive()
         header, payload = _pack(inputs, self.device)
-        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0)))
+        embeds = image_embeds_payload(inputs, self.device)
+        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(payload, src=0),
+                                 embeds is not None and dist.broadcast(embeds, src=0)))
 
     def broadcast_cross(self, update: CrossAttentionUpdate) -> None:
         self.check_alive()

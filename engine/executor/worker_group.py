@@ -98,8 +98,10 @@ class WorkerGroup:
             raise
         self.num_blocks = num_blocks
         # Llama 4 images: rank 0 encodes them (whole vision weights) and each step carries the rows
-        self.vision_args, self.image_encoder = _vision(spec, self._shard, mp_size)
+        self.vision_args, self.image_encoder = _vision(spec, self._shard)
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
+        if self.image_encoder is not None:  # rank 0's whole vision weights
+            self.weight_bytes += sum(t.numel() * t.element_size() for t in self.image_encoder.w.values())
         self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
         log.info(
@@ -159,16 +161,14 @@ class WorkerGroup:
             self._group = None
 
 
-def _vision(spec: CheckpointSpec, shard: Worker, mp_size: int) -> tuple[dict | None, Llama4VisionEncoder | None]:
+def _vision(spec: CheckpointSpec, shard: Worker) -> tuple[dict | None, Llama4VisionEncoder | None]:
     """(vision_args, encoder) of a Llama 4 checkpoint that ships vision weights, else (None, None).
-    Model parallel steps carry no image rows to the followers yet: such a model serves text only."""
+    Rank 0 holds the whole vision weights (gathered from every shard) and encodes; a model-parallel
+    step carries the image rows and embeddings to the followers (engine/executor/parallel.py)."""
     if spec.family != "llama4" or spec.format != "meta":
         return None, None
     vision_args = read_vision_args(spec.checkpoint_dir)
     if vision_args is None:
-        return None, None
-    if mp_size > 1:
-        log.info("%s: vision weights not loaded: images are served at model_parallel_size 1 only", spec.model_id)
         return None, None
     state = load_vision_state(spec.shard_paths, spec.allowed_roots, shard.dtype, shard.device)
     if not state:

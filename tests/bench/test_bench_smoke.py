@@ -240,3 +240,13 @@ def test_gguf_convert_q4_k_m_mixes_as_llama_cpp_does(tmp_path):
     write_gguf(tmp_path / "narrow.gguf", hf_weights(seed=1, tied=False))  # 64 columns: no K-quant fits
     convert(tmp_path / "narrow.gguf", tmp_path / "narrow_km.gguf", "Q4_K_M", progress=False)
     assert {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "narrow_km.gguf").tensors} == {"Q8_0", "F32"}
+
+
+def test_vision_smoke(tmp_path):
+    pytest.importorskip("llama_models")
+    out = tmp_path / "vision.json"
+    stdout = run_script("bench/vision.py", "--size", "tiny", "--images", "0,1", "--concurrency", "1,2",
+                        "--max-tokens", "3", "--json", str(out))
+    assert "1 image(s), 2 concurrent" in stdout
+    assert {r["images"] for r in rows(out, name="output_tok_s")} == {0, 1}
+    assert rows(out, name="memory_per_image_in_flight")[0]["chunks"] == 5

@@ -192,3 +192,26 @@ def test_chunked_generation_through_real_executor_equals_one_shot_prefills(real_
         out = step([(one_shot, one_shot.num_tokens)])
         assert out.sampled_token_ids == [generated[j]]
         assert logprobs_by_seq[100 + j][0] == pytest.approx(logprobs_by_seq[0][j], abs=1e-5)
+
+
+@pytest.mark.parametrize("images, lora", [(False, False), (True, False), (False, True), (True, True)])
+def test_step_protocol_round_trips_image_rows_and_lora_ids(images, lora):
+    """What rank 0 broadcasts is what followers rebuild, with image rows and adapter ids alone or together."""
+    from engine.executor.parallel import _pack, _unpack, payload_len
+
+    cpu = torch.device("cpu")
+    inputs = StepInputs(
+        input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 0]), slot_mapping=torch.tensor([0, 1, 2, 16]),
+        block_tables=torch.tensor([[0, -1], [1, -1]], dtype=torch.int32), query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 1], dtype=torch.int32), logits_indices=torch.tensor([2, 3]),
+        image_rows=torch.tensor([1, 2]) if images else None, image_embeds=torch.ones(2, 6) if images else None,
+        lora_ids=torch.tensor([0, 3]) if lora else None,
+    )
+    header, payload = _pack(inputs, cpu)
+    assert payload_len(header.tolist()) == payload.numel()
+    back = _unpack(header.tolist(), payload)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc", "seq_lens", "logits_indices",
+                 "image_rows", "lora_ids"):
+        want, got = getattr(inputs, name), getattr(back, name)
+        assert (want is None and got is None) or torch.equal(want.to(torch.int64), got.to(torch.int64)), name
+    assert header.tolist()[5:7] == ([2, 6] if images else [0, 0])

@@ -144,3 +144,26 @@ def test_prefix_caching_disabled():
 def test_rejects_empty_pool():
     with pytest.raises(ValueError):
         BlockPool(0, BS)
+
+
+def image_seq(seq_id: int, content_hash: bytes) -> Sequence:
+    """16 tokens whose [5, 11) are one image's span (the same ids whatever the image)."""
+    from engine.types import ImagePlacement, PreparedImage
+
+    image = PreparedImage(content_hash=content_hash, aspect_ratio=(1, 1), num_chunks=1, tokens_per_chunk=4, pixels=None)
+    seq = make_seq(list(range(16)), seq_id)
+    seq.images = (ImagePlacement(image, offset=5, length=6),)
+    return seq
+
+
+def test_prefix_hits_are_keyed_by_image_content():
+    pool = BlockPool(16, BS)
+    a = image_seq(0, b"cat" * 8)
+    assert pool.allocate(a, 16)
+    computed(pool, a, 16)
+    assert pool.find_cached_prefix(image_seq(1, b"cat" * 8)) == a.block_table[:3]  # the same image in the same place
+    # another image: the block before its span hits; the blocks holding its tokens (and all after) never do
+    assert pool.find_cached_prefix(image_seq(2, b"dog" * 8)) == a.block_table[:1]
+    assert pool.find_cached_prefix(make_seq(list(range(16)), 3)) == a.block_table[:1]  # the same ids, no image
+    pool.free(a)
+    assert pool.num_free == 16

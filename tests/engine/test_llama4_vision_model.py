@@ -61,3 +61,32 @@ def test_vision_rows_equal_the_reference(reference_embed, size):
     assert ours.shape == (tiles.shape[0] * 4, TEXT_DIM)
     assert ours.abs().max() > 0.1  # not a degenerate all-zero comparison
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-6)  # the reference's RoPE runs in float32
+
+
+def test_fp8_mixed_leaves_the_vision_weights_unquantized(tmp_path):
+    """llama-models' Llama 4 quantization (quantization/loader.py) converts the MoE experts only: under
+    fp8_mixed the vision encoder runs in bfloat16, and its rows stay close to float32's."""
+    import torch.nn.functional as F
+
+    from engine.config import EngineConfig
+    from engine.executor.worker_group import WorkerGroup
+    from engine.loading.checkpoint import resolve_checkpoint
+    from tests.engine.tokenizer_fixtures import llama_models_file
+    from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR
+    from tests.llama4_vision_fixtures import write_tiny_llama4_vision_checkpoint
+
+    ckpt = write_tiny_llama4_vision_checkpoint(tmp_path, tokenizer_path=llama_models_file("llama4/tokenizer.model"))
+    spec = resolve_checkpoint(ckpt, model_id="v", llama_model=TINY_LLAMA4_DESCRIPTOR)
+    image = Image.open(io.BytesIO(random_image(100, 30, seed=3))).convert("RGB")
+    tiles = Llama4ImagePreprocessor(tile_size=32, patch_size=8, pixel_shuffle_ratio=0.5).preprocess(image).pixels
+    rows = {}
+    for dtype, quantization in (("float32", None), ("bfloat16", "fp8_mixed")):
+        group = WorkerGroup(spec, EngineConfig(dtype=dtype, quantization=quantization, cpu_kv_cache_bytes=1 << 20,
+                                               max_batch_size=1), max_seq_len=64)
+        try:
+            weights = group.image_encoder.w
+            assert all(type(t) is torch.Tensor and t.dtype == getattr(torch, dtype) for t in weights.values())
+            rows[dtype] = group.image_encoder(tiles).double()
+        finally:
+            group.shutdown()
+    assert F.cosine_similarity(rows["bfloat16"], rows["float32"], dim=-1).min() > 0.99

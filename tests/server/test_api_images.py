@@ -6,20 +6,17 @@ bad input is a 400 naming its field while the server keeps serving."""
 from __future__ import annotations
 
 import base64
-import io
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from PIL import Image
 
-from engine.types import ImageLimits
 from engine.vision.llama4 import Llama4ImagePreprocessor
 from server.app import STATE_KEY, create_app
 from server.config import ServerConfig
 from server.registry import REGISTRY_KEY
 from tests.engine.tokenizer_fixtures import llama_models_file, real_llama4
-from tests.llama4_vision_fixtures import TINY_VISION_ARGS, random_image, reference_chat_format
+from tests.llama4_vision_fixtures import random_image, reference_chat_format
 from tests.server.fake_engine import fake_spec
 from tests.server.test_api_real_formats import Factory, ScriptedTokenEngine
 
@@ -250,16 +247,29 @@ async def test_allowed_image_urls_are_fetched_within_bounds(aiohttp_client, tmp_
 
 
 async def test_names_resolving_to_private_addresses_are_refused_at_connect():
-    from server.media import _GlobalOnlyResolver
-
-    with pytest.raises(OSError, match="non-global"):
-        await _GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
-    assert await _GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
-
-
-async def test_names_resolving_to_private_addresses_are_refused_at_connect():
     from server.media import GlobalOnlyResolver
 
     with pytest.raises(OSError, match="non-global"):
         await GlobalOnlyResolver(allow_private=False).resolve("localhost", 80)
     assert await GlobalOnlyResolver(allow_private=True).resolve("localhost", 80)
+
+
+async def test_batch_api_lines_take_images(aiohttp_client, tmp_path):
+    from tests.server.test_batch_api import batch_when, content_lines, create
+
+    engine = vision_engine()
+    client = await start(aiohttp_client, tmp_path, engine, batch_dir=tmp_path / "batches")
+
+    def line(custom_id: str, content: list) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "llama", "temperature": 0, "messages": [{"role": "user", "content": content}]}}
+
+    lines = [line("ok", openai_content(CONTENT)), line("bad", [image_part(b"not an image")])]
+    done = await batch_when(client, (await create(client, lines))["id"])
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}, done
+    [output] = await content_lines(client, done["output_file_id"])
+    assert output["custom_id"] == "ok" and output["response"]["body"]["choices"][0]["message"]["content"] == "A picture."
+    assert any(r.prompt_token_ids == reference_tokens(CONTENT) and len(r.images) == 2 for r in engine.requests)
+    [error] = await content_lines(client, done["error_file_id"])
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400, error
+    assert error["response"]["body"]["error"]["param"] == "messages[0].content[0]", error

@@ -46,6 +46,14 @@ def engine(checkpoint):
     engine.core.runner.shutdown()
 
 
+CASES = {
+    "one image": [IMAGES[0], "Describe the picture."],
+    "two images between text": ["Compare", IMAGES[1], "with", IMAGES[0], "please."],
+    "text only": ["Just text, no image."],
+}
+OTHER = [random_image(100, 30, seed=99), "Describe the picture."]  # another image, the same tokens as "one image"
+
+
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """(content items) -> (greedy tokens, their logprobs) from llama-models' Llama 4, float32."""
@@ -91,10 +99,12 @@ def reference(checkpoint):
                 tokens.append(token)
             return list(llm_input.tokens), out, logprobs
 
-        yield generate
+        # every answer up front, then the group of one is freed (a model-parallel engine needs its own)
+        answers = {repr(content): generate(content) for content in [*CASES.values(), OTHER]}
     finally:
         torch.Tensor.cuda = cuda
         destroy_group()
+    return lambda content: answers[repr(content)]
 
 
 async def start(aiohttp_client, tmp_path, engine):
@@ -119,13 +129,6 @@ async def served(client, content: list) -> tuple[list[int], list[float], list[in
     assert response.status == 200, body
     entries = body["choices"][0]["logprobs"]["content"]
     return [e["token"] for e in entries], [e["logprob"] for e in entries], body
-
-
-CASES = {
-    "one image": [IMAGES[0], "Describe the picture."],
-    "two images between text": ["Compare", IMAGES[1], "with", IMAGES[0], "please."],
-    "text only": ["Just text, no image."],
-}
 
 
 async def test_served_greedy_tokens_equal_llama_models(aiohttp_client, tmp_path, engine, reference):
@@ -183,10 +186,31 @@ async def test_batched_preempted_and_prefix_cached_requests_keep_their_tokens(ai
     image_start = prompt.index(engine.tokenizer.special_token_id("<|image_start|>"))
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > image_start + 8  # blocks holding the image hit
     assert again_texts == [engine.tokenizer.decode([t]) for t in expected["one image"][1]]
-    other = [random_image(100, 30, seed=99), content[1]]  # another image of the same size: the same tokens
+    other = OTHER
     other_prompt, other_tokens, _ = reference(other)
     assert other_prompt == prompt
     texts, _, body = await served(client, other)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] <= image_start  # nothing past the image's first block
     assert texts == [engine.tokenizer.decode([t]) for t in other_tokens]
     assert first["usage"]["prompt_tokens"] == len(prompt)
+
+
+async def test_model_parallel_2_serves_the_same_tokens(aiohttp_client, tmp_path, tmp_path_factory, reference):
+    """The same weights shipped for model-parallel size 2 (vision linears split as the reference's
+    fairscale layers hold them), served at model_parallel_size 2: rank 0 gathers and encodes the
+    images, and every rank fuses the rows the step carries."""
+    from types import SimpleNamespace
+
+    from engine.loader import load_engine
+
+    checkpoint = write_tiny_llama4_vision_checkpoint(tmp_path_factory.mktemp("llama4_vision_mp2"), num_shards=2,
+                                                     tokenizer_path=llama_models_file("llama4/tokenizer.model"))
+    spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
+    engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4, model_parallel_size=2,
+                                            cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16))
+    client = await start(aiohttp_client, tmp_path, engine)
+    for name in ("two images between text", "text only"):
+        _, expected, expected_logprobs = reference(CASES[name])
+        texts, logprobs, _ = await served(client, CASES[name])
+        assert texts == [engine.tokenizer.decode([t]) for t in expected], name
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-3, name
