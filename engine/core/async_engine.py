@@ -106,6 +106,7 @@ class AsyncEngine:
         detokenizer_factory: DetokenizerFactory | None = None,
         sampling_defaults: SamplingDefaults = SamplingDefaults(),
         weights: WeightsReport | None = None,
+        draft_runner: Executor | None = None,
     ) -> None:
         self.model_id = model_id
         self.sampling_defaults = sampling_defaults
@@ -114,7 +115,8 @@ class AsyncEngine:
         self.chat_format = chat_format
         self.config = config
         self.runner = runner
-        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
+        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory,
+                               draft_runner=draft_runner)
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
         # n x prompts of one request (compat checks it); a request whose sequences could not all wait in
         # either bound would be refused part way every time, so the cap is never more than the bounds.
@@ -167,6 +169,7 @@ class AsyncEngine:
         if not self._runner_shut_down:
             self._runner_shut_down = True
             await asyncio.to_thread(self.runner.shutdown)
+            await asyncio.to_thread(self.core.shutdown_speculator)  # the draft model's executor, if any
 
     # ------------------------------------------------------------------ LoRA adapters
     async def load_adapter(self, name: str, folder: Path, *, roots: tuple[Path, ...] = ()) -> int:

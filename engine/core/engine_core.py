@@ -108,7 +108,7 @@ class EngineCore:
         self._next_seq_id = 0
         self.adapters = AdapterTable()  # LoRA adapters loaded on this engine (engine/lora/table.py)
         # Speculative decoding (engine/spec/): None when config.speculative is off
-        self.speculator = new_speculator(config.speculative, self.max_seq_len, draft_runner, self.vocab_size)
+        self.speculator = new_speculator(config.speculative_config, self.max_seq_len, draft_runner, self.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> None:

@@ -51,7 +51,7 @@ def make_runner(spec, cfg: EngineConfig):
 def make_core(spec, cfg: EngineConfig, draft_spec=None) -> EngineCore:
     draft = None
     if draft_spec is not None:
-        draft = make_runner(draft_spec, dataclasses.replace(cfg, speculative=None))
+        draft = make_runner(draft_spec, dataclasses.replace(cfg, speculative_config=None))
     return EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN, draft_runner=draft)
 
 
@@ -100,7 +100,7 @@ def reference(spec):
 
 def test_ngram_greedy_identical_with_accepts_and_rejects(spec, reference):
     requests = repeating_requests(6)
-    core = make_core(spec, config(spec, speculative=NGRAM))
+    core = make_core(spec, config(spec, speculative_config=NGRAM))
     got = run(core, requests)
     for request in requests:
         assert got[request.request_id] == reference(request), request.request_id
@@ -119,7 +119,7 @@ def test_ngram_beside_non_speculating_sequences_with_preemption_and_prefix_cache
     requests[1] = dataclasses.replace(requests[1], params=dataclasses.replace(requests[1].params, logprobs=2))
     requests[3] = dataclasses.replace(requests[3], params=dataclasses.replace(requests[3].params, presence_penalty=0.5))
     requests.append(dataclasses.replace(requests[0], request_id="dup"))  # a prefix-cache hit on r0's prompt
-    cfg = config(spec, speculative=NGRAM, num_blocks=40, enable_prefix_caching=True)  # too few: preemption
+    cfg = config(spec, speculative_config=NGRAM, num_blocks=40, enable_prefix_caching=True)  # too few: preemption
     core = make_core(spec, cfg)
     got = run(core, requests)
     for request in requests:
@@ -132,7 +132,7 @@ def test_ngram_beside_non_speculating_sequences_with_preemption_and_prefix_cache
 
 def test_draft_model_same_checkpoint_accepts_everything(spec, reference):
     requests = repeating_requests(4, seed=3)
-    cfg = config(spec, speculative=SpeculativeConfig("draft_model", 3, model="tiny"))
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 3, model="tiny"))
     core = make_core(spec, cfg, draft_spec=spec)
     got = run(core, requests)
     for request in requests:
@@ -152,7 +152,7 @@ def test_draft_model_other_weights_mostly_rejected(spec, reference, tmp_path, ti
     other = write_random_checkpoint(tmp_path / "draft", tiny_model_args, num_shards=1, seed=99, dtype=torch.float32)
     draft_spec = resolve_checkpoint(other, model_id="draft", llama_model=TINY_DESCRIPTOR)
     requests = repeating_requests(4, seed=5)
-    cfg = config(spec, speculative=SpeculativeConfig("draft_model", 4, model="draft"))
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 4, model="draft"))
     core = make_core(spec, cfg, draft_spec=draft_spec)
     got = run(core, requests)
     for request in requests:
@@ -170,7 +170,7 @@ def test_draft_model_with_another_vocabulary_is_refused(spec, tmp_path, tiny_mod
     args = dataclasses.replace(tiny_model_args, vocab_size=320)
     other = write_random_checkpoint(tmp_path / "draft", args, num_shards=1, seed=1, dtype=torch.float32)
     draft_spec = resolve_checkpoint(other, model_id="draft", llama_model=TINY_DESCRIPTOR)
-    cfg = config(spec, speculative=SpeculativeConfig("draft_model", 2, model="draft"))
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 2, model="draft"))
     with pytest.raises(InvalidRequest, match="same tokenizer") as caught:
         make_core(spec, cfg, draft_spec=draft_spec)
     assert caught.value.param == "speculative_config.model"
@@ -184,7 +184,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     stop_at = full[5]
     stop = dataclasses.replace(base, request_id="stop", params=dataclasses.replace(base.params, stop_token_ids=frozenset({stop_at})))
     short = dataclasses.replace(base, request_id="short", params=dataclasses.replace(base.params, max_tokens=6))
-    cfg = config(spec, speculative=SpeculativeConfig("draft_model", 4, model="tiny"))
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 4, model="tiny"))
     core = make_core(spec, cfg, draft_spec=spec)
     got = run(core, [stop, short])
     assert got["stop"] == full[: full.index(stop_at) + 1]
