@@ -55,9 +55,9 @@ def make_core(spec, cfg: EngineConfig, draft_spec=None) -> EngineCore:
     return EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN, draft_runner=draft)
 
 
-def repeating_requests(n: int, *, seed: int = 7, **params) -> list[EngineRequest]:
+def repeating_requests(n: int, *, prompt_seed: int = 7, **params) -> list[EngineRequest]:
     """Prompts that quote themselves (a phrase repeated), so prompt lookup finds proposals."""
-    rng = random.Random(seed)
+    rng = random.Random(prompt_seed)
     requests = []
     for i in range(n):
         phrase = [rng.randrange(256) for _ in range(rng.randint(5, 9))]
@@ -115,7 +115,7 @@ def test_ngram_greedy_identical_with_accepts_and_rejects(spec, reference):
 
 def test_ngram_beside_non_speculating_sequences_with_preemption_and_prefix_cache(spec, reference):
     # logprobs and penalties skip speculation; they share every step with speculating sequences
-    requests = repeating_requests(6, seed=11)
+    requests = repeating_requests(6, prompt_seed=11)
     requests[1] = dataclasses.replace(requests[1], params=dataclasses.replace(requests[1].params, logprobs=2))
     requests[3] = dataclasses.replace(requests[3], params=dataclasses.replace(requests[3].params, presence_penalty=0.5))
     requests.append(dataclasses.replace(requests[0], request_id="dup"))  # a prefix-cache hit on r0's prompt
@@ -131,7 +131,7 @@ def test_ngram_beside_non_speculating_sequences_with_preemption_and_prefix_cache
 
 
 def test_draft_model_same_checkpoint_accepts_everything(spec, reference):
-    requests = repeating_requests(4, seed=3)
+    requests = repeating_requests(4, prompt_seed=3)
     cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 3, model="tiny"))
     core = make_core(spec, cfg, draft_spec=spec)
     got = run(core, requests)
@@ -151,7 +151,7 @@ def test_draft_model_other_weights_mostly_rejected(spec, reference, tmp_path, ti
 
     other = write_random_checkpoint(tmp_path / "draft", tiny_model_args, num_shards=1, seed=99, dtype=torch.float32)
     draft_spec = resolve_checkpoint(other, model_id="draft", llama_model=TINY_DESCRIPTOR)
-    requests = repeating_requests(4, seed=5)
+    requests = repeating_requests(4, prompt_seed=5)
     cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 4, model="draft"))
     core = make_core(spec, cfg, draft_spec=draft_spec)
     got = run(core, requests)
@@ -179,7 +179,7 @@ def test_draft_model_with_another_vocabulary_is_refused(spec, tmp_path, tiny_mod
 def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     """The draft model is the target: every draft is accepted, so a stop token or max_tokens falls
     inside an accepted run and the rest of it is dropped."""
-    base = repeating_requests(1, seed=3)[0]
+    base = repeating_requests(1, prompt_seed=3)[0]
     full = reference(base)
     stop_at = full[5]
     stop = dataclasses.replace(base, request_id="stop", params=dataclasses.replace(base.params, stop_token_ids=frozenset({stop_at})))
@@ -189,3 +189,28 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     got = run(core, [stop, short])
     assert got["stop"] == full[: full.index(stop_at) + 1]
     assert got["short"] == full[:6]
+
+
+def test_ngram_over_model_parallel_size_2(spec, reference):
+    requests = repeating_requests(2, prompt_seed=13)
+    core = make_core(spec, config(spec, speculative_config=NGRAM, model_parallel_size=2))
+    try:
+        got = run(core, requests)
+    finally:
+        core.runner.shutdown()
+    for request in requests:
+        assert got[request.request_id] == reference(request), request.request_id
+    assert core.stats().spec_decode_num_accepted_tokens_total > 0
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(spec):
+    """A seeded request speculates and its tokens depend only on its seed: the same alone and batched.
+    (That the accepted tokens follow the target distribution is tests/engine/test_spec_verify.py.)"""
+    requests = repeating_requests(4, prompt_seed=17, temperature=0.8, top_p=0.95, seed=1234)
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 3, model="tiny"))
+    core = make_core(spec, cfg, draft_spec=spec)
+    batched = run(core, requests)
+    assert core.stats().spec_decode_num_accepted_tokens_total > 0
+    for request in requests[:2]:
+        alone = run(core, [dataclasses.replace(request, request_id="alone")])["alone"]
+        assert alone == batched[request.request_id]
