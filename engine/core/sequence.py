@@ -87,7 +87,8 @@ class ScheduledBatch:
     """What the scheduler hands the runner for one step.
 
     For sequence i the runner computes tokens token_ids[c : c + n] with c = seqs[i].num_computed_tokens
-    and n = num_new_tokens[i], followed by its draft tokens seqs[i].spec_token_ids when it speculates (the scheduler advances num_computed_tokens only after the step).
+    and n = num_new_tokens[i] (the scheduler advances num_computed_tokens only after the step), then
+    its draft tokens seqs[i].spec_token_ids when it speculates (engine/spec/: more query rows).
     It samples a next token for sequence i iff c + n == seqs[i].num_tokens, i.e. the chunk reaches
     the last known token; a partial prefill chunk samples nothing."""
 

@@ -122,7 +122,8 @@ def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
     [c + 1, min(c + n + 1, num_prompt_tokens)); the row of the last prompt token is the sampling
     row, which build_step_inputs asks for already."""
     spans: list[PromptSpan] = []
-    row_starts = itertools.accumulate(batch.num_new_tokens, initial=0)
+    # a speculating sequence's draft rows follow its own (build_step_inputs)
+    row_starts = itertools.accumulate((n + len(s.spec_token_ids) for s, n in zip(batch.seqs, batch.num_new_tokens)), initial=0)
     for i, (seq, count, first_row) in enumerate(zip(batch.seqs, batch.num_new_tokens, row_starts)):
         if seq.wants_prompt_logprobs:
             start = seq.num_computed_tokens

@@ -214,3 +214,29 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(
     for request in requests[:2]:
         alone = run(core, [dataclasses.replace(request, request_id="alone")])["alone"]
         assert alone == batched[request.request_id]
+
+
+def test_prompt_logprobs_of_a_prefill_batched_behind_speculating_sequences(spec):
+    """Draft rows shift every later sequence's rows in the step: prompt logprobs read the right ones."""
+    scored = EngineRequest("scored", list(range(40, 70)), SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+
+    def prompt_logprobs(core: EngineCore, before: list[EngineRequest]) -> list:
+        for request in before:
+            core.add_request(request)
+        while before and core.speculator.stats.num_drafts == 0:  # until sequences speculate
+            core.step()
+        core.add_request(scored)
+        got = None
+        while core.has_unfinished:
+            for out in core.step():
+                got = out.prompt_logprobs if out.request_id == "scored" and out.prompt_logprobs else got
+        return got
+
+    alone = prompt_logprobs(make_core(spec, config(spec)), [])
+    # a draft model proposes at every step (prompt lookup only where the text repeats)
+    core = make_core(spec, config(spec, speculative_config=SpeculativeConfig("draft_model", 3, model="tiny")), draft_spec=spec)
+    batched = prompt_logprobs(core, repeating_requests(3, prompt_seed=21))
+    assert core.speculator.stats.num_draft_tokens > 0
+    assert len(batched) == len(alone) == 30
+    for a, b in zip(alone[1:], batched[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-9
