@@ -144,11 +144,16 @@ def load_draft(spec: Any, config: EngineConfig, tokenizer: Any, max_seq_len: int
     if reason is not None:
         raise InvalidRequest(f"draft model {spec_config.model!r} cannot draft for {spec.model_id!r}: {reason}; "
                              "a draft needs the same tokenizer", param="speculative_config.model")
-    draft_config = dataclasses.replace(config, speculative_config=None, model_parallel_size=1, quantization=None)
-    if max_seq_len_for(checkpoint.max_seq_len, draft_config) < max_seq_len:
+    if max_seq_len_for(checkpoint.max_seq_len, draft_config(config)) < max_seq_len:
         raise InvalidRequest(f"draft model {spec_config.model!r} has a shorter context ({checkpoint.max_seq_len}) "
                              f"than {spec.model_id!r} serves ({max_seq_len})", param="speculative_config.model")
-    return ModelExecutor(WorkerGroup(checkpoint, draft_config, max_seq_len=max_seq_len), seed=config.seed)
+    return ModelExecutor(WorkerGroup(checkpoint, draft_config(config), max_seq_len=max_seq_len), seed=config.seed)
+
+
+def draft_config(config: EngineConfig) -> EngineConfig:
+    """The draft model's settings: the target's dtype, KV block size and cache budget, on one rank
+    (rank 0 runs it beside the target's step), unquantized, not speculating itself."""
+    return dataclasses.replace(config, speculative_config=None, model_parallel_size=1, quantization=None)
 
 
 def tokenizer_difference(target: Any, draft: Any) -> str | None:
@@ -215,9 +220,11 @@ class LocalEngineFactory:
         weights = estimate_weight_bytes(checkpoint.model_args, resolve_dtype(config))
         kv = planned_kv_cache_bytes(checkpoint.model_args, config, max_seq_len_for(checkpoint.max_seq_len, config))
         draft_spec = getattr(spec, "draft", None)
-        if draft_spec is not None and config.speculative_config is not None:  # the draft's weights load too
+        if draft_spec is not None and config.speculative_config is not None:  # the draft's weights and KV load too
             draft = _resolve(draft_spec)
             weights += estimate_weight_bytes(draft.model_args, resolve_dtype(config))
+            kv += planned_kv_cache_bytes(draft.model_args, draft_config(config),
+                                         max_seq_len_for(checkpoint.max_seq_len, config))
         return weights + kv
 
     async def load(self, spec: Any) -> EngineClient:

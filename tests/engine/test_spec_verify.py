@@ -130,3 +130,23 @@ def test_bad_config_names_the_field(value, param, words):
         parse_speculative_config(value)
     assert caught.value.param == param
     assert words in str(caught.value)
+
+
+def test_tokenizer_difference_names_what_differs():
+    from engine.loader import tokenizer_difference
+    from tests.engine.fakes import ByteTokenizer
+
+    class Shifted(ByteTokenizer):
+        def token_bytes(self, token_id: int) -> bytes:
+            return super().token_bytes(token_id ^ 1 if token_id == 200 else token_id)
+
+    class Bigger(ByteTokenizer):
+        vocab_size = 300
+
+    class WithEos(ByteTokenizer):
+        stop_token_ids = frozenset({0})
+
+    assert tokenizer_difference(ByteTokenizer(), ByteTokenizer()) is None
+    assert tokenizer_difference(ByteTokenizer(), Shifted()) == "token 200 differs"
+    assert "300 tokens" in tokenizer_difference(ByteTokenizer(), Bigger())
+    assert tokenizer_difference(ByteTokenizer(), WithEos()) == "its stop tokens differ"

@@ -184,11 +184,18 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     stop_at = full[5]
     stop = dataclasses.replace(base, request_id="stop", params=dataclasses.replace(base.params, stop_token_ids=frozenset({stop_at})))
     short = dataclasses.replace(base, request_id="short", params=dataclasses.replace(base.params, max_tokens=6))
+    text = TOK.decode(full)
+    stop_string = TOK.decode(full[7:9])
+    assert stop_string and text.index(stop_string) > 0
+    stopped_by_text = dataclasses.replace(base, request_id="text", params=dataclasses.replace(base.params, stop=(stop_string,)))
     cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 4, model="tiny"))
     core = make_core(spec, cfg, draft_spec=spec)
-    got = run(core, [stop, short])
+    without = make_core(spec, config(spec))
+    got = run(core, [stop, short, stopped_by_text])  # run() checks usage counts every token delivered
     assert got["stop"] == full[: full.index(stop_at) + 1]
     assert got["short"] == full[:6]
+    assert got["text"] == run(without, [stopped_by_text])["text"]  # the tokens up to the stop string's, not the run's
+    assert core.stats().spec_decode_num_accepted_tokens_total > 0
 
 
 def test_ngram_over_model_parallel_size_2(spec, reference):
