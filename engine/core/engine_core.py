@@ -107,7 +107,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)  # llguidance loads on first use
         self._next_seq_id = 0
         self.adapters = AdapterTable()  # LoRA adapters loaded on this engine (engine/lora/table.py)
-        # Speculative decoding (engine/spec/): None when config.speculative is off
+        # Speculative decoding (engine/spec/): None when config.speculative_config is off
         self.speculator = new_speculator(config.speculative_config, self.max_seq_len, draft_runner, self.vocab_size)
 
     # ------------------------------------------------------------------ requests
