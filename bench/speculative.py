@@ -12,7 +12,8 @@ spell it differently, e.g. `--lookup-ngram-min` or a draft model `-md FILE --dra
 at a time, configurations alternate per round, and our acceptance rate is read from /metrics. The issue's
 target: ours with speculation >= 1.5x ours without, and ahead of llama-server with its lookup decoding.
 
---smoke runs EngineCore in-process over a tiny random checkpoint (random weights copy nothing, so
+--smoke runs EngineCore in-process over a tiny random checkpoint in float64 (so greedy tokens with and
+without speculation compare exactly; random weights copy nothing, so
 acceptance is low there: it shows the plumbing, not the gain). Figures from a busy machine are noise;
 take real ones on a quiet machine.
 """
@@ -161,22 +162,27 @@ def smoke(args: argparse.Namespace) -> None:
         spec = resolve_checkpoint(path, model_id="tiny", llama_model="Llama3.2-1B-Instruct")
         documents = [list(doc.encode())[:96] for doc in DOCUMENTS]
         results: dict[str, list[float]] = {"llamaserve": [], "llamaserve+ngram": []}
+        outputs: dict[str, list[int]] = {}
         for _ in range(args.rounds):
             for name in results:
                 speculative = SpeculativeConfig("ngram", args.k, prompt_lookup_max=4, prompt_lookup_min=2) if "ngram" in name else None
-                config = EngineConfig(dtype="float32", max_seq_len=512, kv_cache_bytes=16 << 20, speculative_config=speculative)
+                config = EngineConfig(dtype="float64", max_seq_len=512, kv_cache_bytes=16 << 20, speculative_config=speculative)
                 core = EngineCore(ModelExecutor(WorkerGroup(spec, config, max_seq_len=512)), ByteLevelTokenizer(256), config, 512)
                 tokens, started = 0, time.perf_counter()
                 for i, doc in enumerate(documents):
                     core.add_request(EngineRequest(f"r{i}", doc + doc[:8], SamplingParams(temperature=0.0, max_tokens=args.max_tokens)))
                     while core.has_unfinished:
-                        tokens += sum(len(out.new_token_ids) for out in core.step())
+                        for out in core.step():
+                            tokens += len(out.new_token_ids)
+                            outputs.setdefault(name, []).extend(out.new_token_ids)
                 results[name].append(tokens / (time.perf_counter() - started))
                 stats = core.stats()
                 core.runner.shutdown()
                 note = (f"acceptance {stats.spec_decode_num_accepted_tokens_total}/{stats.spec_decode_num_draft_tokens_total}"
                         if speculative else "")
                 print(f"{name:22s} {results[name][-1]:8.1f} out tok/s {note}", flush=True)
+        same = outputs["llamaserve"] == outputs["llamaserve+ngram"]
+        print(f"greedy tokens identical with and without speculation: {'yes' if same else 'NO'}")
     report(results)
 
 
