@@ -51,7 +51,9 @@ def make_runner(spec, cfg: EngineConfig):
 def make_core(spec, cfg: EngineConfig, draft_spec=None) -> EngineCore:
     draft = None
     if draft_spec is not None:
-        draft = make_runner(draft_spec, dataclasses.replace(cfg, speculative_config=None))
+        from engine.loader import draft_config
+
+        draft = make_runner(draft_spec, draft_config(cfg))  # as the loader builds it
     return EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN, draft_runner=draft)
 
 
@@ -247,3 +249,19 @@ def test_prompt_logprobs_of_a_prefill_batched_behind_speculating_sequences(spec)
     assert len(batched) == len(alone) == 30
     for a, b in zip(alone[1:], batched[1:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-9
+
+
+def test_draft_model_beside_a_model_parallel_target(spec, reference):
+    """The draft runs on one rank in rank 0's process, next to an MP=2 target."""
+    requests = repeating_requests(2, prompt_seed=13)
+    cfg = config(spec, speculative_config=SpeculativeConfig("draft_model", 3, model="tiny"), model_parallel_size=2)
+    core = make_core(spec, cfg, draft_spec=spec)
+    try:
+        got = run(core, requests)
+    finally:
+        core.runner.shutdown()
+        core.shutdown_speculator()
+    for request in requests:
+        assert got[request.request_id] == reference(request), request.request_id
+    stats = core.stats()
+    assert stats.spec_decode_num_accepted_tokens_total == stats.spec_decode_num_draft_tokens_total > 0
