@@ -226,6 +226,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "sampling_defaults": info.sampling_defaults,
         "weights": info.weights,
         "keep_alive_s": info.keep_alive_s,
+        "speculative_config": info.speculative_config,
         "identifier": info.id,
         "provider_id": info.owned_by,
         "provider_resource_id": info.llama_model or info.id,

@@ -90,6 +90,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     weights: dict[str, Any] | None = None  # engine.quant.policy.WeightsReport of the loaded engine
     keep_alive_s: float | None = None  # seconds it stays loaded while idle; None: always
     parent: str | None = None  # vLLM's `parent`: a LoRA adapter's base model id (server/adapters.py); None for a model
+    speculative_config: dict[str, Any] | None = None  # speculative decoding in force (its own, else the server's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,7 +620,7 @@ class ModelRegistry:
         entry = self._entries.get(model_id)
         if entry is None:
             raise _not_found(model_id)
-        return _info(entry, self.checkpoint_roots, self.keep_alive_s)
+        return _info(entry, self.checkpoint_roots, self.keep_alive_s, self.default_speculative_config)
 
     def load_progress(self, model_id: str) -> dict[str, Any] | None:
         """The factory's report on a load of `model_id` in progress (stage, bytes, rate), if it keeps one."""
@@ -627,7 +628,8 @@ class ModelRegistry:
         return report(model_id) if report is not None else None
 
     def list(self) -> list[ModelInfo]:
-        models = [_info(entry, self.checkpoint_roots, self.keep_alive_s) for entry in self._entries.values()]
+        models = [_info(entry, self.checkpoint_roots, self.keep_alive_s, self.default_speculative_config)
+                  for entry in self._entries.values()]
         return models + [_adapter_info(info) for info in self.adapters.infos()]
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -731,7 +733,8 @@ def _consume_exception(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> ModelInfo:
+def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float,
+          default_speculative: SpeculativeConfig | None = None) -> ModelInfo:
     slot = entry.active
     spec = slot.spec if slot is not None else entry.spec
     reserved = None
@@ -751,6 +754,8 @@ def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> Mode
         sampling_defaults=dataclasses.asdict(slot.engine.sampling_defaults) if slot is not None else None,
         weights=_weights_report(slot.engine) if slot is not None else None,
         keep_alive_s=None if math.isinf(keep_alive_s := _keep_alive(entry.spec, default_keep_alive_s)) else keep_alive_s,
+        speculative_config=None if (speculative := spec.speculative_config or default_speculative) is None
+        else speculative.as_dict(),
     )
 
 

@@ -68,6 +68,8 @@ async def test_registration_metadata(aiohttp_client, tmp_path: Path) -> None:
     response = await routes_client.post("/v1/models", json=body)
     assert response.status == 200, await response.text()
     assert registry._entries["m"].spec.speculative_config == SpeculativeConfig("ngram", 3)
+    shown = (await (await routes_client.get("/v1/models/m")).json())["speculative_config"]
+    assert shown == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     # a draft model: registered ones only; the model itself may be its own draft
     draft = {"model_id": "v2", "skip_initialize": True, "speculative_config": {"model": "m", "num_speculative_tokens": 2}}
     assert (await routes_client.post("/v1/models", json=draft)).status == 200
