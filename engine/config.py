@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.spec.config import SpeculativeConfig
 from engine.types import ONLINE_PRIORITY
 
 Device = Literal["cpu", "cuda"]
@@ -38,6 +39,7 @@ class EngineConfig:
     quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (engine/spec/), None: off
     seed: int = 0  # seed for random weights of test/demo checkpoints and unseeded sampling
     mp_step_timeout_s: float = 120.0  # model parallel: once loaded, rank 0's longest wait in one collective
 

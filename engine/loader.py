@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.loading.progress import ProgressCallback, ProgressEvent
-from engine.types import CheckpointError, EngineClient
+from engine.types import CheckpointError, EngineClient, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ UNQUANTIZED_SPELLINGS = {"bf16": "bfloat16"}
 def _effective_config(base: EngineConfig, spec: Any) -> EngineConfig:
     """Per-model overrides (model-parallel size, max_seq_len, quantization) on the server's defaults."""
     overrides: dict[str, Any] = {}
-    for name in ("model_parallel_size", "max_seq_len", "quantization"):
+    for name in ("model_parallel_size", "max_seq_len", "quantization", "speculative_config"):
         value = getattr(spec, name, None)
         if value is not None:
             overrides[name] = value
@@ -115,14 +115,23 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
-    workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
+    draft = load_draft(spec, config, tokenizer, max_seq_len) if config.speculative_config is not None else None
+    try:
+        workers = WorkerGroup(checkpoint, config, max_seq_len=max_seq_len, progress=progress)
+    except BaseException:
+        if draft is not None:
+            draft.shutdown()
+        raise
     try:
         image_rows, preprocessor = _vision(workers, tokenizer, checkpoint.model_args)
         executor = ModelExecutor(workers, seed=config.seed, image_rows=image_rows)
         engine = AsyncEngine(spec.model_id, executor, tokenizer, chat_format, config, max_seq_len=max_seq_len,
-                             sampling_defaults=sampling_defaults, weights=workers.weights, image_preprocessor=preprocessor)
+                             sampling_defaults=sampling_defaults, weights=workers.weights, image_preprocessor=preprocessor,
+                             draft_runner=draft)
     except BaseException:
         workers.shutdown()
+        if draft is not None:
+            draft.shutdown()
         raise
     log.info(
         "loaded %s from %s in %.1f s (%d KV blocks of %d tokens, max_seq_len %d)",
@@ -154,6 +163,50 @@ def _vision(workers: Any, tokenizer: Any, model_args: Any) -> tuple[Any, Any]:
                                            patch_size=int(args["patch_size"]["width"]),
                                            pixel_shuffle_ratio=float(args["pixel_shuffle_ratio"]))
     return ImageRows(workers.image_encoder, tokenizer.special_token_id("<|patch|>")), preprocessor
+
+
+def load_draft(spec: Any, config: EngineConfig, tokenizer: Any, max_seq_len: int) -> Any:
+    """The draft model's executor for draft-model speculation (None for prompt lookup): its checkpoint
+    is spec.draft (the registry resolves the registered id), its tokenizer must be the target's, and
+    it runs on one rank with the target's dtype and KV block size, without speculating itself."""
+    from engine.executor.executor import ModelExecutor
+    from engine.executor.worker_group import WorkerGroup
+
+    spec_config = config.speculative_config
+    if spec_config is None or spec_config.method != "draft_model":
+        return None
+    draft_spec = getattr(spec, "draft", None)
+    if draft_spec is None:
+        raise InvalidRequest(f"speculative_config.model {spec_config.model!r} is not a registered model",
+                             param="speculative_config.model", code="model_not_found")
+    checkpoint = _resolve(draft_spec)
+    draft_tokenizer, _ = load_tokenizer_and_chat_format(checkpoint, None)
+    reason = tokenizer_difference(tokenizer, draft_tokenizer)
+    if reason is not None:
+        raise InvalidRequest(f"draft model {spec_config.model!r} cannot draft for {spec.model_id!r}: {reason}; "
+                             "a draft needs the same tokenizer", param="speculative_config.model")
+    if max_seq_len_for(checkpoint.max_seq_len, draft_config(config)) < max_seq_len:
+        raise InvalidRequest(f"draft model {spec_config.model!r} has a shorter context ({checkpoint.max_seq_len}) "
+                             f"than {spec.model_id!r} serves ({max_seq_len})", param="speculative_config.model")
+    return ModelExecutor(WorkerGroup(checkpoint, draft_config(config), max_seq_len=max_seq_len), seed=config.seed)
+
+
+def draft_config(config: EngineConfig) -> EngineConfig:
+    """The draft model's settings: the target's dtype, KV block size and cache budget, on one rank
+    (rank 0 runs it beside the target's step), unquantized, not speculating itself."""
+    return dataclasses.replace(config, speculative_config=None, model_parallel_size=1, quantization=None)
+
+
+def tokenizer_difference(target: Any, draft: Any) -> str | None:
+    """Why two tokenizers differ (vocabulary size, stop tokens, any token's bytes), None if they agree."""
+    if target.vocab_size != draft.vocab_size:
+        return f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}"
+    if frozenset(getattr(target, "stop_token_ids", ())) != frozenset(getattr(draft, "stop_token_ids", ())):
+        return "its stop tokens differ"
+    for token_id in range(target.vocab_size):
+        if target.token_bytes(token_id) != draft.token_bytes(token_id):
+            return f"token {token_id} differs"
+    return None
 
 
 def load_tokenizer_and_chat_format(checkpoint: Any, chat_template_path: Path | None):
@@ -207,6 +260,12 @@ class LocalEngineFactory:
         config = _with_parallel_size(_effective_config(self._config, spec), num_shards, spec.checkpoint_dir)
         weights = estimate_weight_bytes(model_args, resolve_dtype(config), vision)
         kv = planned_kv_cache_bytes(model_args, config, max_seq_len_for(checkpoint_max_seq_len, config))
+        draft_spec = getattr(spec, "draft", None)
+        if draft_spec is not None and config.speculative_config is not None:  # the draft's weights and KV load too
+            draft = _resolve(draft_spec)
+            weights += estimate_weight_bytes(draft.model_args, resolve_dtype(config))
+            kv += planned_kv_cache_bytes(draft.model_args, draft_config(config),
+                                         max_seq_len_for(checkpoint_max_seq_len, config))
         return weights + kv
 
     async def load(self, spec: Any) -> EngineClient:

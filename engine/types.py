@@ -338,6 +338,11 @@ class EngineStats:
     observations_itl_s: list[float] = field(default_factory=list)  # between consecutive tokens of a request
     observations_step_s: list[float] = field(default_factory=list)
     observations_batch_size: list[int] = field(default_factory=list)
+    # speculative decoding (engine/spec/), vLLM's spec_decode counters; all 0 when it is off
+    spec_decode_num_drafts_total: int = 0  # sequence-steps that carried draft tokens
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [num_speculative_tokens]
 
 
 # --------------------------------------------------------------------------- the engine as the server sees it

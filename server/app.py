@@ -54,6 +54,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory) -> web.Appli
         evict_idle_lru=config.evict_idle_lru,
         load_wait_timeout_s=config.load_wait_timeout_s,
         keep_alive_s=config.keep_alive,
+        default_speculative_config=config.engine.speculative_config,
     )
     app[CONFIG_KEY] = config
     app[STATE_KEY] = ServerState()

@@ -21,6 +21,8 @@ import msgspec
 import yaml
 
 from engine.config import EngineConfig
+from engine.spec.config import SpeculativeConfig, parse_speculative_config
+from engine.types import InvalidRequest
 from server.errors import ApiError
 from server.model_spec import ModelSpec, parse_keep_alive
 from server.paths import find_checkpoint_dir
@@ -150,6 +152,15 @@ def _lora_modules(text: str | list[str]) -> tuple[LoraModule, ...]:
     return tuple(out)
 
 
+def parse_speculative(value: str | Mapping[str, Any], where: str = "speculative_config") -> SpeculativeConfig | None:
+    """vLLM's --speculative-config JSON (flag, env) or a run.yaml mapping -> SpeculativeConfig;
+    ValueError naming the field."""
+    try:
+        return parse_speculative_config(value, where=where)
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # ServerConfig / EngineConfig field; flag --name-with-dashes; env LLAMASERVE_NAME
@@ -249,6 +260,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),
+    Option("speculative_config", parse_speculative, "engine", "speculative decoding for every model, as vLLM "
+           "spells it: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+           "\"prompt_lookup_min\": 2}' or '{\"model\": \"<registered id>\", \"num_speculative_tokens\": 4}' "
+           "(a model's own speculative_config wins)"),
     Option("seed", int, "engine", "seed for random demo weights and unseeded sampling"),
     Option("mp_step_timeout_s", float, "engine", "model parallel: once loaded, the longest wait in one collective "
            "(a hung worker then fails the model instead of stalling it)"),
@@ -265,6 +280,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 _YAML_TYPES: dict[Callable[[str], Any], Any] = {
     int: int, float: float, _bool: bool, str: str, Path: str, parse_bytes: int | str, _paths: str | list[str],
     _names: str | list[str], parse_keep_alive: str | int | float, _lora_modules: str | list[str],
+    parse_speculative: str | dict[str, Any],
 }
 
 
@@ -290,6 +306,7 @@ class ModelMetadata(msgspec.Struct):
     max_seq_len: int | None = None
     quantization: str | None = None
     keep_alive: str | int | float | None = None
+    speculative_config: str | dict[str, Any] | None = None
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
@@ -300,6 +317,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True):
     max_seq_len: int | None = None
     quantization: str | None = None
     keep_alive: str | int | float | None = None  # as metadata.keep_alive
+    speculative_config: str | dict[str, Any] | None = None  # as metadata.speculative_config
     metadata: dict[str, Any] = {}
 
 
@@ -402,7 +420,7 @@ def _from_yaml(name: str, value: Any, source: str) -> Any:
     option = _BY_NAME[name]
     if option.parse is _names:
         return _names(value)
-    if option.parse is _lora_modules:
+    if option.parse in (_lora_modules, parse_speculative):
         return _parse(option, value, source)
     if isinstance(value, list):
         return [Path(v).expanduser() for v in value]
@@ -451,6 +469,11 @@ def _spec_from_entry(entry: ModelEntry, roots: Sequence[Path], source: str) -> M
         keep_alive_s = None if keep_alive is None else parse_keep_alive(keep_alive)
     except ValueError as exc:
         raise ConfigError(f"{source}: keep_alive: {exc}") from None
+    speculative = entry.speculative_config if entry.speculative_config is not None else known.speculative_config
+    try:
+        speculative_config = None if speculative is None else parse_speculative(speculative)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return ModelSpec(
         model_id=entry.model_id,
         checkpoint_dir=checkpoint_dir,
@@ -461,6 +484,7 @@ def _spec_from_entry(entry: ModelEntry, roots: Sequence[Path], source: str) -> M
         quantization=entry.quantization or known.quantization,
         trusted=True,  # named by the operator, not by an API caller
         keep_alive_s=keep_alive_s,
+        speculative_config=speculative_config,
     )
 
 

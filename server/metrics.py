@@ -96,8 +96,13 @@ class _EngineCollector(Collector):
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
                 ("prompt_tokens", "Prompt tokens processed."),
                 ("generation_tokens", "Tokens generated."),
+                ("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed and verified."),
+                ("spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted."),
             )
         }
+        acceptance = GaugeMetricFamily(f"{PREFIX}spec_decode_acceptance_rate",
+                                       "Speculative decoding: accepted over proposed draft tokens, since start.",
+                                       labels=["model_name"])
         success = CounterMetricFamily(f"{PREFIX}request_success", "Finished requests.", labels=["model_name", "finished_reason"])
         vllm = _VllmFamilies()
         for model_id, engine in self._engines():
@@ -117,6 +122,10 @@ class _EngineCollector(Collector):
             counters["prefix_cache_hits"].add_metric(labels, stats.prefix_cache_hits_total)
             counters["prompt_tokens"].add_metric(labels, stats.prompt_tokens_total)
             counters["generation_tokens"].add_metric(labels, stats.generation_tokens_total)
+            counters["spec_decode_draft_tokens"].add_metric(labels, stats.spec_decode_num_draft_tokens_total)
+            counters["spec_decode_accepted_tokens"].add_metric(labels, stats.spec_decode_num_accepted_tokens_total)
+            drafted = stats.spec_decode_num_draft_tokens_total
+            acceptance.add_metric(labels, stats.spec_decode_num_accepted_tokens_total / drafted if drafted else 0.0)
             for reason, count in sorted(stats.requests_finished_total.items()):
                 success.add_metric([model_id, reason], count)
             vllm.add(model_id, stats)
@@ -124,7 +133,7 @@ class _EngineCollector(Collector):
                 child = histogram.labels(model_id)
                 for value in getattr(stats, attribute):
                     child.observe(value)
-        yield from (running, waiting, kv_usage, kv_total, preemptions, *counters.values(), success)
+        yield from (running, waiting, kv_usage, kv_total, preemptions, *counters.values(), acceptance, success)
         yield from vllm.families()
         for histogram in [*self._histograms.values(), *(h for _, h in self._vllm_histograms)]:
             yield from histogram.collect()
@@ -155,6 +164,15 @@ class _VllmFamilies:
                                                "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
         self.success = CounterMetricFamily(f"{VLLM_PREFIX}request_success", "Count of successfully processed requests.",
                                            labels=["model_name", "finished_reason"])
+        # speculative decoding, as vLLM's SpecDecodingProm names them (per position: a `position` label)
+        self.spec_drafts = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                               labels=labels)
+        self.spec_draft_tokens = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                                     labels=labels)
+        self.spec_accepted = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_num_accepted_tokens",
+                                                 "Number of accepted tokens.", labels=labels)
+        self.spec_per_pos = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                                "Accepted tokens per draft position.", labels=["model_name", "position"])
 
     def add(self, model_id: str, stats: EngineStats) -> None:
         labels = [model_id]
@@ -170,10 +188,17 @@ class _VllmFamilies:
         self.prefix_hits.add_metric(labels, stats.prefix_cache_hits_total)
         for reason, count in sorted(stats.requests_finished_total.items()):
             self.success.add_metric([model_id, reason], count)
+        if stats.spec_decode_num_accepted_tokens_per_pos:  # only engines that speculate, as vLLM
+            self.spec_drafts.add_metric(labels, stats.spec_decode_num_drafts_total)
+            self.spec_draft_tokens.add_metric(labels, stats.spec_decode_num_draft_tokens_total)
+            self.spec_accepted.add_metric(labels, stats.spec_decode_num_accepted_tokens_total)
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                self.spec_per_pos.add_metric([model_id, str(position)], count)
 
     def families(self) -> tuple[Metric, ...]:
         return (self.running, self.waiting, self.kv_usage, self.gpu_kv_usage, self.preemptions, self.prompt_tokens,
-                self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success)
+                self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success, self.spec_drafts,
+                self.spec_draft_tokens, self.spec_accepted, self.spec_per_pos)
 class _LoraCollector(Collector):
     """LoRA adapters per engine: requests admitted per adapter, and vLLM's `vllm:lora_requests_info`
     (the running and waiting adapters as comma-separated labels, its value the scrape's unix time,

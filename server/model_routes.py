@@ -7,7 +7,7 @@ Model objects are OpenAI's (`id`, `object: "model"`, `created`, `owned_by`) plus
 
 POST accepts our body and the one `llama-stack-client models register` sends:
   {"model_id" | "model", "checkpoint_dir"?, "llama_model"?, "provider_model_id"?, "provider_id"?,
-   "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?, "keep_alive"?,
+   "model_type"? ("llm"), "model_parallel_size"?, "max_seq_len"?, "quantization"?, "keep_alive"?, "speculative_config"?,
    "skip_initialize"? | "skip_load"?, "metadata"?: {the same settings, plus anything else}}
 (`metadata` may also be that object as a JSON string, as the `models register --metadata` CLI sends it.)
 A setting may sit at the top level or in `metadata`; both with different values is a 400.
@@ -24,6 +24,7 @@ from aiohttp import web
 from compat import limits
 from compat.protocol import validation_param
 from engine.config import launched_by_torchrun
+from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.types import InvalidRequest
 from server.app_keys import CONFIG_KEY
 from server.errors import ApiError
@@ -59,6 +60,7 @@ class _Settings(msgspec.Struct, kw_only=True):
     max_seq_len: SeqLen | None = None
     quantization: Quantization | None = None
     keep_alive: str | int | float | None = None  # seconds, "5m", "never": how long it stays loaded while idle
+    speculative_config: dict[str, Any] | str | None = None  # vLLM's spelling (engine/spec/config.py)
 
 
 class RegisterModelRequest(_Settings, kw_only=True, forbid_unknown_fields=True):
@@ -224,6 +226,7 @@ def model_object(info: ModelInfo) -> dict[str, Any]:
         "sampling_defaults": info.sampling_defaults,
         "weights": info.weights,
         "keep_alive_s": info.keep_alive_s,
+        "speculative_config": info.speculative_config,
         "identifier": info.id,
         "provider_id": info.owned_by,
         "provider_resource_id": info.llama_model or info.id,
@@ -272,8 +275,25 @@ def _spec_from_request(body: RegisterModelRequest, registry: ModelRegistry) -> t
         trusted=False,
         keep_alive_s=_keep_alive(_one("keep_alive", body.keep_alive, "metadata.keep_alive", meta.keep_alive),
                                  "metadata.keep_alive" if meta.keep_alive is not None else "keep_alive"),
+        speculative_config=_speculative(body, meta, model_id, registry),
     )
     return spec, not skip
+
+
+def _speculative(body: RegisterModelRequest, meta: MetadataSettings, model_id: str,
+                 registry: ModelRegistry) -> SpeculativeConfig | None:
+    """The model's speculative_config (top level or in metadata), checked: a draft model must be registered
+    already (its tokenizer is compared when the target loads)."""
+    where = "metadata.speculative_config" if meta.speculative_config is not None else "speculative_config"
+    value = _one("speculative_config", body.speculative_config, "metadata.speculative_config", meta.speculative_config)
+    try:
+        config = parse_speculative_config(value, where=where)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if config is not None and config.method == "draft_model" and config.model != model_id and not registry.has_model(config.model or ""):
+        raise ApiError(400, f"{where}.model {config.model!r} is not a registered model; register the draft first",
+                       param=f"{where}.model", code="model_not_found")
+    return config
 
 
 def _keep_alive(value: str | int | float | None, param: str) -> float | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
+from engine.spec.config import SpeculativeConfig
 from engine.types import EngineClient
 
 
@@ -26,6 +27,10 @@ class ModelSpec:
     # seconds an idle loaded model stays loaded (math.inf: always); None: the server's --keep-alive.
     # Not part of the model's identity: changing it never reloads weights.
     keep_alive_s: float | None = field(default=None, compare=False)
+    # speculative decoding (engine/spec/config.py); None: the server's --speculative-config
+    speculative_config: SpeculativeConfig | None = None
+    # the draft model's own spec, filled in by the registry from speculative_config.model at load time
+    draft: ModelSpec | None = field(default=None, compare=False)
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")

@@ -55,6 +55,7 @@ from typing import Any, AsyncIterator, Callable, Literal
 import msgspec
 from aiohttp import web
 
+from engine.spec.config import SpeculativeConfig
 from engine.types import CheckpointError, EngineClient, InvalidRequest
 from server.adapters import AdapterInfo, AdapterSet
 from server.drain import shutting_down_error
@@ -91,6 +92,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     parent: str | None = None  # vLLM's `parent`: a LoRA adapter's base model id (server/adapters.py); None for a model
     # what a request may carry (vLLM's and llama.cpp's name), once loaded: ["text"] or ["text", "image"]
     input_modalities: list[str] | None = None
+    speculative_config: dict[str, Any] | None = None  # speculative decoding in force (its own, else the server's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class ModelRegistry:
         descriptor_resolver: DescriptorResolver | None = None,  # None: engine.loading.descriptors.resolve_descriptor
         keep_alive_s: float = math.inf,  # models whose spec says nothing: unloaded after this long idle
         clock: Callable[[], float] = time.monotonic,  # idle time is measured on it (tests pass their own)
+        default_speculative_config: SpeculativeConfig | None = None,  # --speculative-config; a model's own wins
     ) -> None:
         self._factory = factory
         self.checkpoint_roots = list(checkpoint_roots)
@@ -184,6 +187,7 @@ class ModelRegistry:
         self._load_wait_timeout_s = load_wait_timeout_s
         self._descriptor_resolver = descriptor_resolver
         self.keep_alive_s = keep_alive_s
+        self.default_speculative_config = default_speculative_config
         self._clock = clock
         self._idle_unloads_total = 0
         self._entries: dict[str, _Entry] = {}
@@ -336,10 +340,11 @@ class ModelRegistry:
         try:
             # Inline: the estimate reads metadata (params.json), not weights; on the loop, loads are
             # admitted in the order they were asked for.
-            need_bytes = self._factory.estimate_memory_bytes(spec)
+            load_spec = self._with_draft(spec)
+            need_bytes = self._factory.estimate_memory_bytes(load_spec)
             make_room = functools.partial(self._make_room, entry)
             reservation = await self._budget.admit(entry.model_id, need_bytes, make_room)
-            engine = await self._factory_load(spec, reservation)
+            engine = await self._factory_load(load_spec, reservation)
         except asyncio.CancelledError:
             if reservation is not None and not reservation.draining:
                 reservation.release()  # cancelled before the factory started; else the factory path owns it
@@ -373,6 +378,18 @@ class ModelRegistry:
             spec.checkpoint_dir,
             reservation.num_bytes,
         )
+
+    def _with_draft(self, spec: ModelSpec) -> ModelSpec:
+        """spec with its draft model's spec attached when it speculates with a draft model (its own
+        speculative_config, else the server's): the draft is a registered model, read when the target loads."""
+        config = spec.speculative_config or self.default_speculative_config
+        if config is None or config.method != "draft_model":
+            return spec
+        draft = self._entries.get(config.model or "")
+        if draft is None:
+            raise ApiError(400, f"speculative_config.model {config.model!r} is not a registered model",
+                           param="speculative_config.model", code="model_not_found")
+        return dataclasses.replace(spec, draft=draft.spec)
 
     async def _factory_load(self, spec: ModelSpec, reservation: Reservation) -> EngineClient:
         """The factory's load, shielded: if we stop waiting, whatever it builds is shut down later."""
@@ -595,13 +612,17 @@ class ModelRegistry:
         log.info("model %s unregistered; waiting for %d engine(s) to drain", model_id, len(entry.retiring))
         await _wait_drained(entry)
 
+    def has_model(self, model_id: str) -> bool:
+        """Whether model_id is registered (in any state)."""
+        return model_id in self._entries
+
     def get(self, model_id: str) -> ModelInfo:
         if self.adapters.has(model_id):
             return _adapter_info(self.adapters.info(model_id))
         entry = self._entries.get(model_id)
         if entry is None:
             raise _not_found(model_id)
-        return _info(entry, self.checkpoint_roots, self.keep_alive_s)
+        return _info(entry, self.checkpoint_roots, self.keep_alive_s, self.default_speculative_config)
 
     def load_progress(self, model_id: str) -> dict[str, Any] | None:
         """The factory's report on a load of `model_id` in progress (stage, bytes, rate), if it keeps one."""
@@ -609,7 +630,8 @@ class ModelRegistry:
         return report(model_id) if report is not None else None
 
     def list(self) -> list[ModelInfo]:
-        models = [_info(entry, self.checkpoint_roots, self.keep_alive_s) for entry in self._entries.values()]
+        models = [_info(entry, self.checkpoint_roots, self.keep_alive_s, self.default_speculative_config)
+                  for entry in self._entries.values()]
         return models + [_adapter_info(info) for info in self.adapters.infos()]
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -713,7 +735,8 @@ def _consume_exception(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> ModelInfo:
+def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float,
+          default_speculative: SpeculativeConfig | None = None) -> ModelInfo:
     slot = entry.active
     spec = slot.spec if slot is not None else entry.spec
     reserved = None
@@ -734,6 +757,8 @@ def _info(entry: _Entry, roots: list[Path], default_keep_alive_s: float) -> Mode
         weights=_weights_report(slot.engine) if slot is not None else None,
         keep_alive_s=None if math.isinf(keep_alive_s := _keep_alive(entry.spec, default_keep_alive_s)) else keep_alive_s,
         input_modalities=input_modalities(slot.engine) if slot is not None else None,
+        speculative_config=None if (speculative := spec.speculative_config or default_speculative) is None
+        else speculative.as_dict(),
     )
 
 

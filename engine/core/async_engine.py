@@ -108,6 +108,7 @@ class AsyncEngine:
         sampling_defaults: SamplingDefaults = SamplingDefaults(),
         weights: WeightsReport | None = None,
         image_preprocessor: ImagePreprocessor | None = None,
+        draft_runner: Executor | None = None,
     ) -> None:
         self.model_id = model_id
         self.image_preprocessor = image_preprocessor  # None: the model takes text only
@@ -117,7 +118,8 @@ class AsyncEngine:
         self.chat_format = chat_format
         self.config = config
         self.runner = runner
-        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory)
+        self.core = EngineCore(runner, tokenizer, config, max_seq_len, detokenizer_factory=detokenizer_factory,
+                               draft_runner=draft_runner)
         self.max_seq_len = self.core.max_seq_len  # never more than the KV pool can hold for one request
         # n x prompts of one request (compat checks it); a request whose sequences could not all wait in
         # either bound would be refused part way every time, so the cap is never more than the bounds.
@@ -170,6 +172,7 @@ class AsyncEngine:
         if not self._runner_shut_down:
             self._runner_shut_down = True
             await asyncio.to_thread(self.runner.shutdown)
+            await asyncio.to_thread(self.core.shutdown_speculator)  # the draft model's executor, if any
 
     # ------------------------------------------------------------------ LoRA adapters
     async def load_adapter(self, name: str, folder: Path, *, roots: tuple[Path, ...] = ()) -> int:

@@ -19,6 +19,9 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.structured import CompiledGrammar, GrammarCompiler
 from engine.lora.table import AdapterTable
+from engine.spec.config import SpeculativeConfig
+from engine.spec.draft import DraftProposer
+from engine.spec.speculator import Speculator
 from engine.types import (
     EngineDead, EngineRequest, EngineStats, InvalidRequest, RequestOutput, check_context_length,
     check_token_ids, request_id_in_use,
@@ -60,6 +63,22 @@ def check_request(request: EngineRequest, *, max_seq_len: int, vocab_size: int) 
             raise InvalidRequest("an image's tokens lie outside the prompt", param=placement.image.param)
 
 
+def new_speculator(config: SpeculativeConfig | None, max_seq_len: int, draft_runner: Executor | None,
+                   vocab_size: int) -> Speculator | None:
+    """The engine's speculator for its config: prompt lookup, or a draft model over draft_runner."""
+    if config is None:
+        return None
+    if config.method == "draft_model":
+        if draft_runner is None:
+            raise ValueError(f"speculative_config names draft model {config.model!r} but no draft runner was loaded")
+        if draft_runner.vocab_size != vocab_size:
+            raise InvalidRequest(f"draft model {config.model!r} has a vocabulary of {draft_runner.vocab_size} tokens, "
+                                 f"the target {vocab_size}: a draft needs the same tokenizer",
+                                 param="speculative_config.model")
+        return Speculator(config, max_seq_len=max_seq_len, draft=DraftProposer(draft_runner))
+    return Speculator(config, max_seq_len=max_seq_len)
+
+
 def adapter_not_loaded(name: str) -> InvalidRequest:
     return InvalidRequest(f"LoRA adapter {name!r} is not loaded on this engine", param="model", code="model_not_found")
 
@@ -73,6 +92,7 @@ class EngineCore:
         max_seq_len: int,
         *,
         detokenizer_factory: DetokenizerFactory | None = None,
+        draft_runner: Executor | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -90,6 +110,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)  # llguidance loads on first use
         self._next_seq_id = 0
         self.adapters = AdapterTable()  # LoRA adapters loaded on this engine (engine/lora/table.py)
+        # Speculative decoding (engine/spec/): None when config.speculative_config is off
+        self.speculator = new_speculator(config.speculative_config, self.max_seq_len, draft_runner, self.vocab_size)
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> None:
@@ -148,6 +170,8 @@ class EngineCore:
         """Remove a request in any phase and free its blocks; None if it already finished."""
         seq = self.scheduler.abort(request_id)
         self._release_finished()
+        if self.speculator is not None:
+            self.speculator.retain(self.scheduler.running)
         return None if seq is None else self._final(seq, "abort")
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -167,6 +191,8 @@ class EngineCore:
         if not self.scheduler.has_work:
             return []
         started_s = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -182,11 +208,15 @@ class EngineCore:
             events = self.scheduler.fail(batch, f"model step failed: {type(exc).__name__}: {exc}")
         else:
             executed_s = time.perf_counter()
+            if self.speculator is not None:
+                self.speculator.record(batch.seqs, out.accepted_token_ids)
             events = self.scheduler.update(batch, out)
         outputs, stopped = self.output.process(events)
         for seq in stopped:  # stop strings, found in the text
             self.scheduler.finish(seq)
         self._release_finished()
+        if self.speculator is not None:
+            self.speculator.retain(self.scheduler.running)
         done_s = time.perf_counter()
         self._record_timing(started_s, scheduled_s, executed_s, done_s, len(batch.seqs))
         return outputs
@@ -241,6 +271,11 @@ class EngineCore:
         waiting = {names[s.lora_id] for s in list(self.scheduler.waiting) if s.lora_id in names}
         return sorted(running), sorted(waiting - running)
 
+    def shutdown_speculator(self) -> None:
+        """Stop the draft model's executor, if any (the engine's own runner is the caller's)."""
+        if self.speculator is not None:
+            self.speculator.shutdown()
+
     # ------------------------------------------------------------------ stats and debugging
     def stats(self) -> EngineStats:
         pool, scheduler = self.pool, self.scheduler
@@ -254,4 +289,10 @@ class EngineCore:
             prefix_cache_queries_total=pool.prefix_queries_tokens,
             prefix_cache_hits_total=pool.prefix_hits_tokens,
         )
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats.spec_decode_num_drafts_total = spec.num_drafts
+            stats.spec_decode_num_draft_tokens_total = spec.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens_total = spec.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(spec.accepted_per_position)
         return self.output.stats.drain_into(stats)

@@ -174,6 +174,16 @@ class BlockPool:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens (speculative decoding allocated room
+        for drafts that were rejected). Such blocks hold no committed token, so none is registered."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free.appendleft(block_id)  # reused first: the next speculation will want it again
+
     def _touch(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
             del self._evictable[block_id]

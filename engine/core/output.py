@@ -179,6 +179,8 @@ class OutputProcessor:
         logprobs = [event.logprob] if seq.params.logprobs is not None and event.logprob is not None else None
         output = self._output(seq, [event.new_token_id], text, logprobs, finish_reason, stop_reason)
         output.prompt_logprobs = event.prompt_logprobs
+        if event.num_output_tokens is not None:  # one of several tokens of a speculative step
+            output.num_output_tokens = event.num_output_tokens
         return output
 
     @staticmethod

@@ -47,6 +47,7 @@ class SeqEvent:
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (or max_tokens=0 finish)
+    num_output_tokens: int | None = None  # the count with this token, when more than one came in a step
 
 
 def _order(seq: Sequence) -> tuple[int, int, float, int]:
@@ -164,13 +165,23 @@ class Scheduler:
                 if (seq.num_uncomputed_tokens == 1) != decodes:
                     continue
                 num_new = min(seq.num_uncomputed_tokens, budget)
+                num_spec = self._room_for_drafts(seq, budget - num_new) if decodes else 0
                 if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled):
                     continue
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 scheduled.add(seq.seq_id)
-                budget -= num_new
+                budget -= num_new + num_spec
         return budget
+
+    def _room_for_drafts(self, seq: Sequence, budget: int) -> int:
+        """Cut seq's draft tokens (speculative decoding) to the token budget and to the KV room there is
+        without preempting anyone for a guess; how many it keeps."""
+        num_spec = min(len(seq.spec_token_ids), budget)
+        if num_spec and not self.pool.allocate(seq, seq.num_tokens + num_spec):
+            num_spec = 0
+        del seq.spec_token_ids[num_spec:]
+        return num_spec
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Allocate blocks for seq, preempting from the back of the running queue until they fit.
@@ -187,6 +198,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0  # recomputed on resume (a prefix-cache hit may skip part of it)
         if seq.wants_prompt_logprobs:  # not delivered yet: the recompute starts them over
             seq.prompt_logprobs = None
@@ -288,6 +300,9 @@ class Scheduler:
                 self.finish(seq)
                 events.append(SeqEvent(seq, None, finish_reason="error", error=error))
                 continue
+            if seq.spec_token_ids:
+                events += self._commit_speculative(seq, batch.num_new_tokens[i], output, sampled)
+                continue
             seq.num_computed_tokens += batch.num_new_tokens[i]
             self.pool.cache_computed_blocks(seq)
             if not expects_token:
@@ -311,6 +326,27 @@ class Scheduler:
             if event.finish_reason is not None:
                 self.finish(seq)
             events.append(event)
+        return events
+
+    def _commit_speculative(self, seq: Sequence, num_new: int, output: StepOutput, sampled: dict[int, int]) -> list[SeqEvent]:
+        """A speculating sequence's step: its accepted drafts, then the sampled token, one event each,
+        up to the first that ends it (stop token, max_tokens, context end). Only the accepted drafts'
+        K/V counts as computed (the sampled token's is not written yet); blocks allocated for the
+        rejected ones go back, and the prefix cache hashes committed tokens only."""
+        tokens = [*output.accepted_token_ids.get(seq.seq_id, ()), output.sampled_token_ids[sampled[seq.seq_id]]]
+        seq.spec_token_ids = []
+        events: list[SeqEvent] = []
+        for token_id in tokens:
+            seq.token_ids.append(token_id)
+            event = SeqEvent(seq, token_id, num_output_tokens=seq.num_output_tokens)
+            self._check_stop(event)
+            events.append(event)
+            if event.finish_reason is not None:
+                self.finish(seq)
+                return events
+        seq.num_computed_tokens += num_new + len(tokens) - 1
+        self.pool.cache_computed_blocks(seq)
+        self.pool.trim(seq, seq.num_tokens)
         return events
 
     @staticmethod

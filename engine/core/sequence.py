@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from engine.types import ImagePlacement, SamplingParams, TokenLogprob
 
@@ -55,6 +55,9 @@ class Sequence:
     # (Llama 3.2 Vision, engine/executor/cross_attention.py); the block pool keys the prefix hashes of
     # those blocks by them
     images: tuple[ImagePlacement, ...] = ()
+    # Speculative decoding (engine/spec/): draft tokens proposed for this step, verified in the same
+    # forward as the last committed token. Never part of token_ids: only accepted ones are appended.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -89,7 +92,8 @@ class ScheduledBatch:
     """What the scheduler hands the runner for one step.
 
     For sequence i the runner computes tokens token_ids[c : c + n] with c = seqs[i].num_computed_tokens
-    and n = num_new_tokens[i] (the scheduler advances num_computed_tokens only after the step).
+    and n = num_new_tokens[i] (the scheduler advances num_computed_tokens only after the step), then
+    its draft tokens seqs[i].spec_token_ids when it speculates (engine/spec/: more query rows).
     It samples a next token for sequence i iff c + n == seqs[i].num_tokens, i.e. the chunk reaches
     the last known token; a partial prefill chunk samples nothing."""
 
@@ -116,3 +120,6 @@ class StepOutput:
     # seq_id -> logprobs of prompt tokens [c + 1, min(c + n + 1, num_prompt_tokens)): the rows of this chunk
     # (c, n as in ScheduledBatch), for sequences with wants_prompt_logprobs; empty when none asks.
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # seq_id -> the leading draft tokens (seq.spec_token_ids) verification accepted; the sampled token
+    # follows them (the correction at the first rejection, or the bonus token when all were accepted).
+    accepted_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -21,6 +21,7 @@ from engine.executor.cross_attention import CrossAttentionTracker
 from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
+from engine.spec.verify import Verifier
 from engine.types import TokenLogprob
 
 PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of rows) of prompt-scoring rows
@@ -49,22 +50,26 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
     for i, (seq, count) in enumerate(zip(seqs, counts)):
         start, table = seq.num_computed_tokens, seq.block_table
         end = start + count
-        if count <= 0 or end > seq.num_tokens or len(table) * block_size < end:
+        # a speculating sequence's draft tokens follow its last token, as more query rows (engine/spec/)
+        spec_end = end + len(seq.spec_token_ids)
+        if count <= 0 or end > seq.num_tokens or len(table) * block_size < spec_end:
             raise ValueError(
-                f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) of {seq.num_tokens} "
+                f"sequence {seq.seq_id}: cannot compute tokens [{start}, {spec_end}) of {seq.num_tokens} "
                 f"with {len(table)} blocks of {block_size}"
             )
         input_ids += seq.token_ids[start:end]
-        positions += range(start, end)
-        for block in range(start // block_size, (end - 1) // block_size + 1):  # slot = table[block] * bs + offset
-            first, last = max(start, block * block_size), min(end, (block + 1) * block_size)
+        if spec_end != end:
+            input_ids += seq.spec_token_ids
+        positions += range(start, spec_end)
+        for block in range(start // block_size, (spec_end - 1) // block_size + 1):  # slot = table[block] * bs + offset
+            first, last = max(start, block * block_size), min(spec_end, (block + 1) * block_size)
             shift = (table[block] - block) * block_size
             slots += range(first + shift, last + shift)
         block_rows += table
         if len(table) < max_blocks:
             block_rows += [0] * (max_blocks - len(table))
-        query_start_loc.append(query_start_loc[-1] + count)
-        seq_lens.append(end)
+        query_start_loc.append(query_start_loc[-1] + spec_end - start)
+        seq_lens.append(spec_end)
         if end == seq.num_tokens:
             sampling.append(i)
 
@@ -98,6 +103,20 @@ def grouped_by_adapter(batch: ScheduledBatch) -> ScheduledBatch:
     return ScheduledBatch([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order])
 
 
+def speculation_rows(batch: ScheduledBatch) -> list[PromptSpan]:
+    """(batch index, first flat row, k) of each speculating sequence: the rows of its last committed
+    token and its first k - 1 drafts, whose logits verify drafts 1..k; the row of draft k is its
+    sampling row already (the bonus token when every draft is accepted)."""
+    spans: list[PromptSpan] = []
+    first_row = 0
+    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        num_spec = len(seq.spec_token_ids)
+        if num_spec:
+            spans.append((i, first_row + count - 1, num_spec))
+        first_row += count + num_spec
+    return spans
+
+
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
     """The rows whose logits score a prompt token, for the sequences that want prompt logprobs.
 
@@ -105,7 +124,8 @@ def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
     [c + 1, min(c + n + 1, num_prompt_tokens)); the row of the last prompt token is the sampling
     row, which build_step_inputs asks for already."""
     spans: list[PromptSpan] = []
-    row_starts = itertools.accumulate(batch.num_new_tokens, initial=0)
+    # a speculating sequence's draft rows follow its own (build_step_inputs)
+    row_starts = itertools.accumulate((n + len(s.spec_token_ids) for s, n in zip(batch.seqs, batch.num_new_tokens)), initial=0)
     for i, (seq, count, first_row) in enumerate(zip(batch.seqs, batch.num_new_tokens, row_starts)):
         if seq.wants_prompt_logprobs:
             start = seq.num_computed_tokens
@@ -173,6 +193,7 @@ class ModelExecutor:
             args = cross.model.params
             self._cross = CrossAttentionTracker(vocab_size=args.vocab_size, max_tiles=args.vision_max_num_chunks,
                                                 chunk_size=args.vision_chunk_size)  # fmt: skip
+        self._verifier = Verifier(seed=seed)  # speculative decoding's draft tokens (engine/spec/verify.py)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step. Worker exceptions propagate (the core fails the batch's requests); a
@@ -190,21 +211,40 @@ class ModelExecutor:
                 inputs.image_rows, inputs.image_embeds = fused
         # Prompt-logprob rows go after the sampling rows; without them this step is untouched.
         spans = prompt_logprob_spans(batch) if any(seq.wants_prompt_logprobs for seq in batch.seqs) else []
-        if spans:
-            extra = [torch.arange(first, first + num, dtype=torch.int64) for _, first, num in spans]
+        spec = speculation_rows(batch) if any(seq.spec_token_ids for seq in batch.seqs) else []
+        if spans or spec:
+            extra = [torch.arange(first, first + num, dtype=torch.int64) for _, first, num in (*spans, *spec)]
             inputs.logits_indices = torch.cat([inputs.logits_indices, *extra])
         logits = self._workers.execute(inputs)  # partial chunks still run: they fill the cache
         seqs = [batch.seqs[i] for i in sampling]
-        result = self._sampler.sample(logits[: len(sampling)] if spans else logits, seqs)
+        result = self._sampler.sample(logits[: len(sampling)] if spans or spec else logits, seqs)
         out = StepOutput(seq_ids=[], sampled_token_ids=[], logprobs=[], errors=result.errors)
+        num_prompt_rows = sum(num for _, _, num in spans)
         if spans:
-            out.prompt_logprobs = prompt_logprobs(logits[len(sampling) :], batch, spans)
+            out.prompt_logprobs = prompt_logprobs(logits[len(sampling) : len(sampling) + num_prompt_rows], batch, spans)
+        corrections = self._verify(logits[len(sampling) + num_prompt_rows :], batch, spec, out) if spec else {}
         for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs):
             if seq.seq_id not in result.errors:
                 out.seq_ids.append(seq.seq_id)
-                out.sampled_token_ids.append(token)
+                out.sampled_token_ids.append(corrections.get(seq.seq_id, token))
                 out.logprobs.append(logprob)
         return out
+
+    def _verify(self, logits: torch.Tensor, batch: ScheduledBatch, spec: list[PromptSpan], out: StepOutput) -> dict[int, int]:
+        """Verify each speculating sequence's drafts over its rows of logits (in span order): its accepted
+        drafts go to out.accepted_token_ids; seq_id -> the correction token where a draft was rejected
+        (it replaces the sampled bonus token)."""
+        corrections: dict[int, int] = {}
+        row = 0
+        for i, _, num_spec in spec:
+            seq = batch.seqs[i]
+            verdict = self._verifier.verify(logits[row : row + num_spec], seq.spec_token_ids, seq.params,
+                                            seq.num_output_tokens)
+            row += num_spec
+            out.accepted_token_ids[seq.seq_id] = seq.spec_token_ids[: verdict.num_accepted]
+            if verdict.correction is not None:
+                corrections[seq.seq_id] = verdict.correction
+        return corrections
 
     def read_adapter(self, folder: Path, roots: tuple[Path, ...] = ()) -> Any:
         """An adapter folder read and checked against this model (engine.lora.adapters.read_adapter)."""
