@@ -1,0 +1,80 @@
+"""--batch-invariant (EngineConfig.batch_invariant): a request's greedy tokens and logprobs are bit
+for bit the same alone and batched with others (other lengths, its prefill beside their decodes),
+in float32 and bfloat16, on the fused-kernel backend and on the torch/oneDNN one."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.types import EngineRequest, SamplingParams
+from tests.engine.fakes import ByteTokenizer
+from tests.engine.test_engine_real import BLOCK_SIZE, MAX_SEQ_LEN, make_runner, spec  # noqa: F401 (fixture)
+
+TOK = ByteTokenizer()
+TARGET = [7, 99, 3, 250, 18, 64, 1, 200, 45, 45, 9, 130, 77]  # 13 tokens: a partial last block
+
+
+def engine(spec, dtype: str, cpu_kernels: bool, batch_invariant: bool = True) -> EngineCore:
+    # the prefix cache off and a budget that fits every prompt in one chunk: the target's prefill is
+    # the same one chunk alone and batched (a different chunking is a different computation)
+    cfg = EngineConfig(
+        dtype=dtype, block_size_tokens=BLOCK_SIZE, max_batch_size=16, max_num_batched_tokens=256, kv_cache_bytes=4 << 20,
+        enable_prefix_caching=False, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
+    )  # fmt: skip
+    return EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(temperature=0.0, logprobs=4, max_tokens=max_tokens))
+
+
+def run(core: EngineCore, early: list[EngineRequest], late: list[EngineRequest]) -> dict[str, list]:
+    """`early` requests start first and decode for two steps; `late` ones then join (their prefills
+    beside the others' decodes). Each request's (token, logprob, top-4) per generated token."""
+    got: dict[str, list] = {}
+
+    def step() -> None:
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or [])
+
+    for r in early:
+        core.add_request(r)
+    for _ in range(3 if early else 0):
+        step()
+    for r in late:
+        core.add_request(r)
+    while core.has_unfinished:
+        step()
+    return got
+
+
+def others() -> tuple[list[EngineRequest], list[EngineRequest]]:
+    early = [request("a", list(range(5, 28)), 12), request("b", [3, 4], 14), request("c", list(range(40, 47)), 10)]
+    late = [request("d", list(range(100, 131)), 6), request("e", [9], 9)]
+    return early, late
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch_ops"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_alone_and_batched_give_bit_identical_logprobs(spec, dtype, cpu_kernels):  # noqa: F811
+    target = request("t", TARGET, 10)
+    alone = run(engine(spec, dtype, cpu_kernels), [], [target])["t"]
+    early, late = others()
+    batched = run(engine(spec, dtype, cpu_kernels), early, [target, *late])["t"]
+    assert len(alone) == 10
+    assert batched == alone  # tokens, logprobs and top-4 alternatives, bit for bit
+
+
+def test_the_mode_builds_batch_invariant_paths(spec):  # noqa: F811
+    """What the mode changes, so the test above cannot pass by luck: no AMX tiles, every block
+    linear and the head on the one-row kernel (no oneDNN copy), the invariant decode attention."""
+    from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear
+
+    model = engine(spec, "float32", True).runner._workers._shard.model
+    if model.backend.name != "cpu_kernels":
+        pytest.skip("no fused CPU kernels here")
+    linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
+    assert linears and all(m.packed_weight is None and m._invariant for m in linears)
+    assert isinstance(model.output, InterleavedHeadLinear) and model.backend.amx is None
