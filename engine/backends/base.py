@@ -19,7 +19,8 @@ best implementation depends on the device and dtype goes through a Backend chose
 The Linear contract (what a quantized linear implements, see docs/backends.md): a module or
 callable mapping x [..., in_features] -> y [..., out_features] in x's dtype, over this rank's
 model-parallel shard only; collectives (all-reduce of row-parallel outputs, all-gather of the
-output head) are applied around it by the backend (ParallelLinear), never inside it.
+output head) are applied around it by the backend (ParallelLinear), never inside it. The output
+head is built by head_linear() instead: float32 logits whatever the model dtype.
 """
 
 from __future__ import annotations

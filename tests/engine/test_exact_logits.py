@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.backends.base import FloatHeadLinear
-from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, packing_available
+from engine.backends.cpu import CpuKernelBackend, OneDnnBackend
 from engine.backends.torch_ops import TorchBackend
 from engine.kernels import build
 from engine.kernels import cpu as ck
@@ -60,10 +60,9 @@ def kernels() -> ck.CpuKernels:
 
 
 def backends(kernels) -> list:
-    out = [TorchBackend(CPU, torch.bfloat16)]
-    if packing_available(torch.bfloat16):
-        out += [OneDnnBackend(CPU, torch.bfloat16), CpuKernelBackend(CPU, torch.bfloat16, kernels)]
-    return out
+    """Every backend's bfloat16 head; none needs oneDNN's bfloat16 (an AVX2 CPU has none): the
+    kernels' head is their interleaved copy, oneDNN's backend without kernels keeps torch's."""
+    return [TorchBackend(CPU, torch.bfloat16), OneDnnBackend(CPU, torch.bfloat16), CpuKernelBackend(CPU, torch.bfloat16, kernels)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
@@ -71,8 +70,9 @@ def test_every_backend_head_is_float32_within_f32_rounding(kernels, rows):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=g).bfloat16()
     x = torch.randn(rows, 80, generator=g).bfloat16()
-    for backend in backends(kernels):
-        head = backend.head_linear(backend.prepare_head(weight))
+    heads = [backend.head_linear(backend.prepare_head(weight)) for backend in backends(kernels)]
+    assert [type(head).__name__ for head in heads] == ["FloatHeadLinear", "FloatHeadLinear", "InterleavedHeadLinear"]
+    for head in heads:
         assert_within_f32_rounding(head(x), x, weight)
 
 
