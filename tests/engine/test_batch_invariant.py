@@ -90,3 +90,19 @@ def test_the_mode_builds_batch_invariant_paths(spec):  # noqa: F811
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
     assert linears and all(m.packed_weight is None and m._invariant for m in linears)
     assert isinstance(model.output, InterleavedHeadLinear) and model.backend.amx is None
+
+
+def test_flag_env_and_run_yaml_reach_the_engine_config(tmp_path):  # noqa: F811
+    from server.__main__ import make_parser
+    from server.config import build_config
+
+    def engine_config(argv: list[str], env: dict[str, str] | None = None) -> EngineConfig:
+        return build_config(make_parser().parse_args(argv), env=env or {}).engine
+
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("engine: {batch_invariant: true}\n")
+    assert not engine_config([]).batch_invariant
+    assert engine_config(["--batch-invariant"]).batch_invariant
+    assert engine_config([], {"LLAMASERVE_BATCH_INVARIANT": "1"}).batch_invariant
+    assert engine_config(["--config", str(run_yaml)]).batch_invariant
+    assert not engine_config(["--config", str(run_yaml), "--no-batch-invariant"]).batch_invariant
