@@ -9,7 +9,7 @@ Streams --requests completions one after another (batch 1: one step per token; 1
 characters, 64 tokens, greedy, end of sequence ignored) after one warm-up, and reads the server's
 own counters from /metrics before and after: llamaserve:engine_step_seconds (the step, inside the
 engine thread) and llamaserve:time_per_output_token_seconds (the gaps between a request's outputs,
-as the server's event loop receives them). Printed: the mean step, the server's inter-token mean
+as the server's event loop receives them). Printed: the mean decode step (a prefill step measured alone first is taken out once per request), the server's inter-token mean
 (its excess over the step: the engine-thread -> event-loop hand-off and anything else the engine
 thread does between steps) and the client's inter-token median and mean (its excess over the
 server's: detokenized chunk -> JSON -> SSE -> socket -> client parse). All three come from the
@@ -58,16 +58,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     stream_gaps_s(args.base_url, args.model, -1, 8)  # warm-up
+    # a prefill step alone (one token out: one step), to take each request's prefill out of the step mean
+    start = counters(args.base_url)
+    stream_gaps_s(args.base_url, args.model, -2, 1)
     before, gaps = counters(args.base_url), []
+    prefill_s = before["llamaserve:engine_step_seconds_sum"] - start["llamaserve:engine_step_seconds_sum"]
     for i in range(args.requests):
         gaps += stream_gaps_s(args.base_url, args.model, i, args.max_tokens)
     after = counters(args.base_url)
     delta = {key: after[key] - before[key] for key in after}
-    step_s = delta["llamaserve:engine_step_seconds_sum"] / max(1.0, delta["llamaserve:engine_step_seconds_count"])
+    decode_steps = delta["llamaserve:engine_step_seconds_count"] - args.requests
+    step_s = (delta["llamaserve:engine_step_seconds_sum"] - args.requests * prefill_s) / max(1.0, decode_steps)
     server_itl_s = delta["llamaserve:time_per_output_token_seconds_sum"] / max(1.0, delta["llamaserve:time_per_output_token_seconds_count"])
     client_mean_s = statistics.mean(gaps)
     print(f"{delta['llamaserve:engine_step_seconds_count']:.0f} steps, {len(gaps)} client gaps")
-    print(f"engine step           {step_s * 1e3:8.2f} ms")
+    print(f"engine step           {step_s * 1e3:8.2f} ms  (decode steps: each request's prefill step, {prefill_s * 1e3:.2f} ms "
+          "measured alone, taken out)")
     print(f"server inter-token    {server_itl_s * 1e3:8.2f} ms  (+{(server_itl_s - step_s) * 1e3:.2f} over the step)")
     print(f"client inter-token    {client_mean_s * 1e3:8.2f} ms mean, {statistics.median(gaps) * 1e3:.2f} median  "
           f"(+{(client_mean_s - server_itl_s) * 1e3:.2f} over the server's)")
