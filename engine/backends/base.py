@@ -255,6 +255,8 @@ class Backend:
     def linear(self, weight: Any, collective: Collective | None = None) -> Linear:
         """The Linear for one prepared weight, by its type; wrapped with its collective if any."""
         local = self.dense_linear(weight) if isinstance(weight, torch.Tensor) else self.special_linear(weight)
+        if self.batch_invariant and not getattr(local, "batch_invariant", False):  # a quantized linear, say
+            local = RowByRow(local)
         return local if collective is None else ParallelLinear(local, collective)
 
     def dense_linear(self, weight: torch.Tensor) -> Linear:
@@ -352,6 +354,8 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class RowwiseLinear(DenseLinear):
     """DenseLinear for the batch-invariant mode: each row in its own matmul (rowwise_linear)."""
 
+    batch_invariant = True  # Backend.linear wraps no RowByRow around it
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rowwise_linear(x, self.weight)
 
@@ -382,6 +386,32 @@ class FloatHeadLinear(nn.Module):
 
     def resident_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+class RowByRow(nn.Module):
+    """The batch-invariant mode's wrapper for a Linear whose kernel may depend on the row count (a
+    quantized format's): one call per row, each the same call alone or batched. At one row it is the
+    linear itself, so a compiled decode step may still call the linear's one-row form."""
+
+    batch_invariant = True
+
+    def __init__(self, local: Linear) -> None:
+        super().__init__()
+        self.local = local
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return self.local(x)
+        return torch.cat([self.local(rows[i : i + 1]) for i in range(rows.shape[0])]).view(*x.shape[:-1], self.out_features)
+
+    def one_row_descriptor(self, dtype: torch.dtype):
+        describe = getattr(self.local, "one_row_descriptor", None)
+        return describe(dtype) if describe is not None else None
+
+    def resident_bytes(self) -> int:
+        return self.local.resident_bytes()
 
 
 class FloatOutput(nn.Module):

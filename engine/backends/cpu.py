@@ -91,6 +91,7 @@ class PackedCpuLinear(nn.Module):
         # batch-invariant mode: every row count through the one-row kernel (one fixed order per row),
         # or without its copy, oneDNN one row per call (its kernel choice depends on the rows)
         self._invariant = invariant
+        self.batch_invariant = invariant  # Backend.linear wraps no RowByRow around it
         self.register_buffer("packed_weight", weight.packed, persistent=False)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)

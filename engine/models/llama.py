@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, FloatOutput, HeadLayout, KVCache, LinearNames, ParallelLinear, StepPlan
+from engine.backends.base import (
+    AttentionMetadata, Backend, FloatOutput, HeadLayout, KVCache, LinearNames, ParallelLinear, RowByRow, StepPlan,
+)  # fmt: skip
 from engine.executor.step_inputs import StepInputs
 from engine.models.args import ModelArgs
 from engine.models.weights import PreparedWeights
@@ -322,8 +324,8 @@ class Transformer(nn.Module):
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
         linear's resident_bytes() (a quantized linear's codes and scales are not parameters), plus
         every other parameter and buffer (embeddings, norms)."""
-        # modules reporting their own bytes: linears (not the ParallelLinear / FloatOutput wrappers), quantized embeddings
-        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, (ParallelLinear, FloatOutput))]
+        # modules reporting their own bytes: linears (not the ParallelLinear / FloatOutput / RowByRow wrappers), quantized embeddings
+        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, (ParallelLinear, FloatOutput, RowByRow))]
         in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
         rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
         # a quantized tied head and embedding share their codes: keyed by storage, counted once

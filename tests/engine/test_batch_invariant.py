@@ -16,12 +16,12 @@ TOK = ByteTokenizer()
 TARGET = [7, 99, 3, 250, 18, 64, 1, 200, 45, 45, 9, 130, 77]  # 13 tokens: a partial last block
 
 
-def engine(spec, dtype: str, cpu_kernels: bool, batch_invariant: bool = True) -> EngineCore:
+def engine(spec, dtype: str, cpu_kernels: bool, batch_invariant: bool = True, quantization: str | None = None) -> EngineCore:
     # the prefix cache off and a budget that fits every prompt in one chunk: the target's prefill is
     # the same one chunk alone and batched (a different chunking is a different computation)
     cfg = EngineConfig(
         dtype=dtype, block_size_tokens=BLOCK_SIZE, max_batch_size=16, max_num_batched_tokens=256, kv_cache_bytes=4 << 20,
-        enable_prefix_caching=False, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
+        enable_prefix_caching=False, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant, quantization=quantization,
     )  # fmt: skip
     return EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
 
@@ -77,6 +77,20 @@ def test_alone_and_batched_give_bit_identical_logprobs(spec, dtype, cpu_kernels,
     assert (model.backend.name == "cpu_kernels") == (cpu_kernels and load_cpu_kernels() is not None)
     assert len(alone) == 10
     assert batched == alone  # tokens, logprobs and top-4 alternatives, bit for bit
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4_mixed"])
+def test_quantized_linears_run_row_by_row(spec, quantization):  # noqa: F811
+    """A quantized linear's kernel may depend on the rows: the mode calls it one row at a time."""
+    from engine.backends.base import RowByRow
+
+    target = request("t", TARGET, 8)
+    alone = run(engine(spec, "float32", True, quantization=quantization), [], [target])["t"]
+    early, late = others()
+    core = engine(spec, "float32", True, quantization=quantization)
+    batched = run(core, early, [target, *late])["t"]
+    wqkv = core.runner._workers._shard.model.layers[0].attention.wqkv
+    assert isinstance(wqkv, RowByRow) and batched == alone
 
 
 def test_the_mode_builds_batch_invariant_paths(spec):  # noqa: F811
