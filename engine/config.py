@@ -37,6 +37,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     quantization: str | None = None  # QUANTIZATION_TYPE, e.g. "fp8_mixed"
+    # greedy tokens and logprobs independent of what else is batched (vLLM's and SGLang's
+    # --batch-invariant): linears row by row, decode attention split per sequence; docs/backends.md
+    batch_invariant: bool = False
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (engine/spec/), None: off

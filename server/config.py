@@ -257,6 +257,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_lora_rank", int, "engine", "the largest rank a LoRA adapter may have"),
     Option("lora_modules", _lora_modules, "server", "LoRA adapters to serve over the model, name=path[,name=path] "
            "(each loaded by its first request)"),
+    Option("batch_invariant", _bool, "engine", "greedy tokens and logprobs that do not depend on what else is "
+           "batched (linears row by row, decode attention split per sequence; slower at many rows)"),
     Option("cpu_kernels", _bool, "engine", "CPU: fused C kernels for norms, RoPE and paged attention (built once "
            "with the system C compiler; off: torch ops only)"),
     Option("debug_log_io", _bool, "engine", "log raw prompts and raw outputs", meta_env="LLAMA_MODELS_DEBUG"),

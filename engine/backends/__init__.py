@@ -43,10 +43,11 @@ def select_backend(config: "EngineConfig", device: torch.device) -> "Backend":
         if packing_available(dtype):
             kernels = load_cpu_kernels() if config.cpu_kernels and supports(dtype) else None
             if kernels is not None:
-                return CpuKernelBackend(device, dtype, kernels, quantization=config.quantization)
-            return OneDnnBackend(device, dtype, quantization=config.quantization)
+                return CpuKernelBackend(device, dtype, kernels, quantization=config.quantization, batch_invariant=config.batch_invariant)
+            return OneDnnBackend(device, dtype, quantization=config.quantization, batch_invariant=config.batch_invariant)
     if device.type == "cuda":
         from engine.backends.cuda import CudaBackend, device_capability
 
-        return CudaBackend(device, dtype, quantization=config.quantization, capability=device_capability(device))
-    return TorchBackend(device, dtype, quantization=config.quantization)
+        return CudaBackend(device, dtype, quantization=config.quantization, batch_invariant=config.batch_invariant,
+                           capability=device_capability(device))
+    return TorchBackend(device, dtype, quantization=config.quantization, batch_invariant=config.batch_invariant)

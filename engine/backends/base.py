@@ -19,7 +19,8 @@ best implementation depends on the device and dtype goes through a Backend chose
 The Linear contract (what a quantized linear implements, see docs/backends.md): a module or
 callable mapping x [..., in_features] -> y [..., out_features] in x's dtype, over this rank's
 model-parallel shard only; collectives (all-reduce of row-parallel outputs, all-gather of the
-output head) are applied around it by the backend (ParallelLinear), never inside it.
+output head) are applied around it by the backend (ParallelLinear), never inside it. The output
+head is built by head_linear() instead: float32 logits whatever the model dtype.
 """
 
 from __future__ import annotations
@@ -223,10 +224,13 @@ class Backend:
 
     name = "base"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, *, quantization: str | None = None) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, quantization: str | None = None, batch_invariant: bool = False) -> None:
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
+        # every row's result independent of the rest of the batch (EngineConfig.batch_invariant):
+        # linears row by row in one fixed order, decode attention per sequence (docs/backends.md)
+        self.batch_invariant = batch_invariant
 
     # ----------------------------------------------------------------- load time
     def prepare(self, weights: Mapping[str, torch.Tensor], linears: LinearNames) -> dict[str, Any]:
@@ -237,8 +241,12 @@ class Backend:
         out: dict[str, Any] = dict(weights)
         for name in linears.blocks:  # popped first: this dict holds no float copy once quantized
             out[name] = self.prepare_linear(quantize_weight(out.pop(name), self.quantization))
-        out[linears.head] = self.prepare_linear(out[linears.head])
+        out[linears.head] = self.prepare_head(out[linears.head])
         return out
+
+    def prepare_head(self, weight: Any) -> Any:
+        """The output head's weight in the form head_linear() takes (here: prepare_linear's)."""
+        return self.prepare_linear(weight)
 
     def prepare_linear(self, weight: Any) -> Any:
         """One linear weight in this backend's preferred form (identity: a dense tensor)."""
@@ -247,10 +255,25 @@ class Backend:
     def linear(self, weight: Any, collective: Collective | None = None) -> Linear:
         """The Linear for one prepared weight, by its type; wrapped with its collective if any."""
         local = self.dense_linear(weight) if isinstance(weight, torch.Tensor) else self.special_linear(weight)
+        if self.batch_invariant and not getattr(local, "batch_invariant", False):  # a quantized linear, say
+            local = RowByRow(local)
         return local if collective is None else ParallelLinear(local, collective)
 
     def dense_linear(self, weight: torch.Tensor) -> Linear:
-        return DenseLinear(weight)
+        return RowwiseLinear(weight) if self.batch_invariant else DenseLinear(weight)
+
+    def head_linear(self, weight: Any, collective: Collective | None = None) -> Linear:
+        """The output head: float32 logits (float64 in a float64 model) whatever the model dtype,
+        bfloat16 inputs and weights with float32 sums, as llama.cpp computes them; rounding the
+        logits to bfloat16 ties tokens that differ and makes greedy depend on the rest of the batch.
+        The vocab shards are gathered in float32 (the local outputs' dtype)."""
+        if isinstance(weight, torch.Tensor):
+            local: Linear = FloatHeadLinear(weight, rowwise=self.batch_invariant)
+        elif self.dtype in (torch.float32, torch.float64):  # its output is float32 (float64) already
+            local = self.linear(weight)
+        else:  # a prepared or quantized head: its linear, widened (its own sums set the precision)
+            local = FloatOutput(self.linear(weight))
+        return local if collective is None else ParallelLinear(local, collective)
 
     def special_linear(self, weight: Any) -> Linear:
         """A prepared weight (not a dense tensor): a backend overrides this for the formats it has
@@ -318,3 +341,90 @@ class DenseLinear(nn.Module):
 
     def resident_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear one row at a time: BLAS and oneDNN pick their kernel (and so the order of each dot
+    product's sums) by the number of rows; one row per call is the same call alone or batched."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([F.linear(rows[i : i + 1], weight) for i in range(rows.shape[0])]) if rows.shape[0] else F.linear(rows, weight)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class RowwiseLinear(DenseLinear):
+    """DenseLinear for the batch-invariant mode: each row in its own matmul (rowwise_linear)."""
+
+    batch_invariant = True  # Backend.linear wraps no RowByRow around it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rowwise_linear(x, self.weight)
+
+
+class FloatHeadLinear(nn.Module):
+    """The output head in torch ops with float32 logits: a float32 or float64 weight as F.linear;
+    a bfloat16 / float16 one multiplied in float32 a slab of CHUNK_ROWS vocab rows at a time,
+    widened as it is read (the products of two bfloat16 values are exact in float32, the sums are
+    float32), so no float32 copy of the whole head (vocab x dim) is ever resident."""
+
+    CHUNK_ROWS = 4096  # [4096, 4096] float32: 64 MiB at most of scratch for an 8B model's head
+
+    def __init__(self, weight: torch.Tensor, *, rowwise: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.rowwise = rowwise  # batch-invariant mode: one row per matmul (RowwiseLinear's why)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype in (torch.float32, torch.float64):
+            return rowwise_linear(x, self.weight) if self.rowwise else F.linear(x, self.weight)
+        xf = x.float()
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32, device=x.device)
+        for start in range(0, self.out_features, self.CHUNK_ROWS):
+            slab = self.weight[start : start + self.CHUNK_ROWS].float()
+            out[..., start : start + self.CHUNK_ROWS] = rowwise_linear(xf, slab) if self.rowwise else F.linear(xf, slab)
+        return out
+
+    def resident_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class RowByRow(nn.Module):
+    """The batch-invariant mode's wrapper for a Linear whose kernel may depend on the row count (a
+    quantized format's): one call per row, each the same call alone or batched. At one row it is the
+    linear itself, so a compiled decode step may still call the linear's one-row form."""
+
+    batch_invariant = True
+
+    def __init__(self, local: Linear) -> None:
+        super().__init__()
+        self.local = local
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return self.local(x)
+        return torch.cat([self.local(rows[i : i + 1]) for i in range(rows.shape[0])]).view(*x.shape[:-1], self.out_features)
+
+    def one_row_descriptor(self, dtype: torch.dtype):
+        describe = getattr(self.local, "one_row_descriptor", None)
+        return describe(dtype) if describe is not None else None
+
+    def resident_bytes(self) -> int:
+        return self.local.resident_bytes()
+
+
+class FloatOutput(nn.Module):
+    """A Linear whose output is widened to float32 (a quantized head: its kernel rounds to x's dtype)."""
+
+    def __init__(self, local: Linear) -> None:
+        super().__init__()
+        self.local = local
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        return y if y.dtype in (torch.float32, torch.float64) else y.float()
+
+    def resident_bytes(self) -> int:
+        return self.local.resident_bytes()

@@ -20,7 +20,8 @@ from torch import nn
 
 from engine.kernels.amx import AmxLinear, load_amx_linear
 from engine.backends.base import (
-    AttentionMetadata, AttentionPath, CompiledDecodeStep, HeadLayout, KVCache, Linear, PagedDecodes, PagedSequences, StepPlan,
+    AttentionMetadata, AttentionPath, CompiledDecodeStep, HeadLayout, KVCache, Linear, PagedDecodes, PagedSequences, ParallelLinear,
+    StepPlan,
 )  # fmt: skip
 from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
@@ -62,12 +63,14 @@ class PackedWeight:
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> PackedWeight:
     """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
     one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
     interleaved = None
+    if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
+        return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
             interleaved = kernels.interleave(weight)
@@ -83,8 +86,12 @@ class PackedCpuLinear(nn.Module):
     narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
     layout is the AMX weight-tile layout: no further copy)."""
 
-    def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None) -> None:
+    def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
         super().__init__()
+        # batch-invariant mode: every row count through the one-row kernel (one fixed order per row),
+        # or without its copy, oneDNN one row per call (its kernel choice depends on the rows)
+        self._invariant = invariant
+        self.batch_invariant = invariant  # Backend.linear wraps no RowByRow around it
         self.register_buffer("packed_weight", weight.packed, persistent=False)
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
@@ -92,8 +99,8 @@ class PackedCpuLinear(nn.Module):
         # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
         self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
-        if weight.packed is None and self._many_rows is None:
-            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel")
+        if weight.packed is None and self._many_rows is None and not (invariant and self._one_row is not None):
+            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel (or the invariant mode's row kernel)")
 
     def _bind(self, interleaved: torch.Tensor | None) -> None:
         """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
@@ -109,6 +116,10 @@ class PackedCpuLinear(nn.Module):
         linears see different row counts (the blocks all its tokens, the head its sampled rows,
         each expert its routed tokens)."""
         rows = x.shape[0]
+        if self._invariant:
+            if self._one_row is not None and x.dim() == 2:
+                return self._one_row(x.contiguous(), torch.get_num_threads())
+            return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if rows == 1 and self._one_row is not None:
             return self._one_row(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
@@ -162,6 +173,34 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class InterleavedHead:
+    """A bfloat16 output head in the one-row kernels' layout only (CpuKernels.interleave: no oneDNN
+    copy, so no more memory than before), for float32 logits (InterleavedHeadLinear)."""
+
+    interleaved: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+class InterleavedHeadLinear(nn.Module):
+    """The bfloat16 output head through interleaved_linear_f32_out: bfloat16 inputs and weights,
+    float32 sums kept as the logits (oneDNN's bfloat16 linear rounds them to bfloat16). Every row
+    is summed in one fixed order whatever the rows: the logits do not depend on the batch."""
+
+    def __init__(self, head: InterleavedHead, kernels: CpuKernels) -> None:
+        super().__init__()
+        self.register_buffer("interleaved", head.interleaved, persistent=False)
+        self.out_features, self.in_features = head.out_features, head.in_features
+        self._rows = kernels.bind_interleaved(head.interleaved, f32_out=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rows(x.contiguous(), torch.get_num_threads())
+
+    def resident_bytes(self) -> int:
+        return self.interleaved.numel() * self.interleaved.element_size()
+
+
 class OneDnnBackend(TorchBackend):
     """torch ops, with dense linears packed for oneDNN at load (quantized ones stay as they are)."""
 
@@ -170,11 +209,30 @@ class OneDnnBackend(TorchBackend):
     amx: AmxLinear | None = None
 
     def prepare_linear(self, weight):
-        return pack_weight(weight, self.kernels, self.amx) if isinstance(weight, torch.Tensor) else weight
+        if not isinstance(weight, torch.Tensor):
+            return weight
+        return pack_weight(weight, self.kernels, self.amx, invariant=self.batch_invariant)
+
+    def prepare_head(self, weight):
+        """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
+        else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
+        logits. float32 heads pack for oneDNN, whose sums are float32 already (in the batch-invariant
+        mode they take the row kernel too: oneDNN's sums depend on the rows)."""
+        if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):
+            return self.prepare_linear(weight)
+        if self.kernels is not None and weight.shape[0] % 16 == 0:
+            return InterleavedHead(self.kernels.interleave(weight), weight.shape[0], weight.shape[1])
+        return weight
+
+    def head_linear(self, weight, collective=None) -> Linear:
+        if isinstance(weight, InterleavedHead):
+            local = InterleavedHeadLinear(weight, self.kernels)
+            return local if collective is None else ParallelLinear(local, collective)
+        return super().head_linear(weight, collective)
 
     def special_linear(self, weight) -> Linear:
         if isinstance(weight, PackedWeight):
-            return PackedCpuLinear(weight, self.kernels, self.amx)
+            return PackedCpuLinear(weight, self.kernels, self.amx, invariant=self.batch_invariant)
         return super().special_linear(weight)
 
 
@@ -184,10 +242,12 @@ class CpuKernelBackend(OneDnnBackend):
 
     name = "cpu_kernels"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, kernels: CpuKernels, *, quantization: str | None = None) -> None:
-        super().__init__(device, dtype, quantization=quantization)
+    def __init__(self, device: torch.device, dtype: torch.dtype, kernels: CpuKernels, *, quantization: str | None = None,
+                 batch_invariant: bool = False) -> None:  # fmt: skip
+        super().__init__(device, dtype, quantization=quantization, batch_invariant=batch_invariant)
         self.kernels = kernels
-        self.amx = load_amx_linear() if dtype == torch.bfloat16 else None
+        # no AMX tiles in the batch-invariant mode: their row blocking would make a row's sums depend on the batch
+        self.amx = load_amx_linear() if dtype == torch.bfloat16 and not batch_invariant else None
 
     def plan_step(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, compiled: CompiledDecodeStep | None) -> StepPlan:
         """The compiled step where it serves the step: every sequence decodes one token (each
@@ -210,11 +270,13 @@ class CpuKernelBackend(OneDnnBackend):
         rope = torch.view_as_real(freqs_cis)  # [max_seq_len, head_dim // 2, 2] float32 (cos, sin)
         # a sequence with 2+ new tokens (each has at least one): a prefill chunk, which the tiles take too
         positions, slots = inputs.positions, inputs.slot_mapping
-        if chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_on_tiles(cache[0].dtype, head_dim, block_size):
+        # the batch-invariant mode: paged_decode_attention (split per sequence) for the decodes, SDPA per prefill chunk
+        varying = not self.batch_invariant
+        if varying and chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_on_tiles(cache[0].dtype, head_dim, block_size):
             meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, [], _all_sequences(inputs), rope)
         else:
             starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
-            if chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
+            if varying and chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads():
                 meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, prefills, _paged_decode_sequences(inputs, decodes, starts), rope)
             else:
                 paged = _paged_decodes(inputs, decodes, starts) if decodes else None
@@ -225,7 +287,7 @@ class CpuKernelBackend(OneDnnBackend):
         return meta
 
     def compiled_decode_step(self, model: nn.Module) -> DecodeStep | None:
-        return build_decode_step(model, self.kernels, self.amx)
+        return build_decode_step(model, self.kernels, self.amx, invariant=self.batch_invariant)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty_like(residual)
@@ -255,7 +317,7 @@ class CpuKernelBackend(OneDnnBackend):
         elif batched is not None:
             self.kernels.paged_decode_attention(
                 qkv, out, batched.rows, k_cache, v_cache, batched.block_tables, batched.seq_lens, heads.heads,
-                heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(),
+                heads.kv_heads, heads.head_dim**-0.5, torch.get_num_threads(), invariant=self.batch_invariant,
             )  # fmt: skip
         if meta.prefills:
             q, k, v = split_heads(qkv, heads)

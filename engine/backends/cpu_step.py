@@ -105,11 +105,11 @@ class DecodeStep:
         self._cache_ptrs = ptrs
 
 
-def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None) -> DecodeStep | None:
+def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None, *, invariant: bool = False) -> DecodeStep | None:
     """The compiled step for engine.models.llama.Transformer's blocks, or None (logged) where a block
     linear has no one-row form or the program cannot be built. With `amx`, and every block linear
     on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
-    size) are bound at the first step."""
+    size) are bound at the first step. invariant: the batch-invariant mode's decode attention."""
     dtype = model.backend.dtype
     if dtype not in DTYPE_CODES:
         return None
@@ -135,6 +135,8 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
+    if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
+        addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
     kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if max_rows > 1 else None)
     layer_array = (StepLayer * len(layers))(*layers)
     scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})

@@ -35,8 +35,8 @@ class CudaBackend(TorchBackend):
     name = "cuda"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, quantization: str | None = None,
-                 capability: Capability | None = None) -> None:  # fmt: skip
-        super().__init__(device, dtype, quantization=quantization)
+                 batch_invariant: bool = False, capability: Capability | None = None) -> None:  # fmt: skip
+        super().__init__(device, dtype, quantization=quantization, batch_invariant=batch_invariant)
         self.capability = capability
 
     def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -47,8 +47,11 @@ class TorchBackend(Backend):
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         block_size = cache[0].shape[1]
         starts, seq_lens, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
-        gathered = _gathered_decodes(inputs, decodes, starts, seq_lens, block_size, chunk_size) if decodes else None
         rope = freqs_cis.index_select(0, inputs.positions).unsqueeze(1)
+        if self.batch_invariant:  # each decode gathered alone: no padding to the batch's longest sequence
+            prefills += [_decode_as_chunk(inputs, i, starts[i], seq_lens[i], block_size, chunk_size) for i in decodes]
+            decodes = []
+        gathered = _gathered_decodes(inputs, decodes, starts, seq_lens, block_size, chunk_size) if decodes else None
         return AttentionMetadata(AttentionPath.GATHERED, inputs.positions, inputs.slot_mapping, prefills, gathered, rope)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,3 +118,13 @@ def _gathered_decodes(
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     rows_index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
     return GatheredDecodes(rows_index, block_ids, max_blocks, mask)
+
+
+def _decode_as_chunk(inputs: StepInputs, i: int, start: int, kv_len: int, block_size: int, chunk_size: int | None) -> PrefillChunk:
+    """Sequence i's decode token as a one-token chunk over its own cached keys only: its attention
+    then reads exactly its kv_len keys, whatever the longest sequence of the batch (the gathered
+    decodes are padded and masked to that one's length, which changes SDPA's sums)."""
+    key_pos = torch.arange(kv_len, device=inputs.block_tables.device)[None, :]
+    mask = key_pos >= (kv_len - 1) // chunk_size * chunk_size if chunk_size is not None else torch.ones_like(key_pos, dtype=torch.bool)
+    block_ids = inputs.block_tables[i, : -(-kv_len // block_size)].to(torch.int64)
+    return PrefillChunk(slice(start, start + 1), block_ids, kv_len, mask)

@@ -39,10 +39,16 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     # dtype, q, q_stride, out, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
     # heads, kv_heads, head_dim, block_size, scale, threads
     "paged_decode_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
+    # paged_decode_attention's arguments; each sequence split by its own length only (batch-invariant mode)
+    "paged_decode_attention_invariant": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
     # dtype, x, weight (interleaved), out, rows, n, k, threads
     "interleaved_linear": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # x, weight (bfloat16 pairs), out, rows, n, k, threads: only in builds for AVX512_BF16 (BF16_PAIRS)
     "interleaved_linear_bf16_pairs": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
+    # interleaved_linear with float32 out whatever the input dtype (the output head's logits)
+    "interleaved_linear_f32_out": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
+    # the pairs kernel with float32 out: only where BF16_PAIRS is
+    "interleaved_linear_bf16_pairs_f32_out": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
     # k_cache, v_cache, heads, kv_heads, head_dim, block_size, scale, threads
     "paged_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
@@ -55,6 +61,7 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
 }
 # built only for a CPU with AVX512_BF16 (-march=native there, the x86-64-v4-bf16 level)
 BF16_PAIRS = "interleaved_linear_bf16_pairs"
+BF16_PAIRS_F32_OUT = "interleaved_linear_bf16_pairs_f32_out"
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -79,12 +86,13 @@ class CpuKernels:
         """partial: bind only the entry points `lib` has (bench/elementwise_kernels.py's baseline, an
         older build); else one missing raises AttributeError (BF16_PAIRS may be missing)."""
         for name, (argtypes, restype) in SIGNATURES.items():
-            fn = getattr(lib, name, None) if partial or name == BF16_PAIRS else getattr(lib, name)
+            fn = getattr(lib, name, None) if partial or name in (BF16_PAIRS, BF16_PAIRS_F32_OUT) else getattr(lib, name)
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
         # built for a CPU with AVX512_BF16 (-march=native there): bfloat16 one-row linears in pairs
         self._bf16_pairs = getattr(lib, BF16_PAIRS, None)
+        self._bf16_pairs_f32_out = getattr(lib, BF16_PAIRS_F32_OUT, None)
 
     @property
     def has_bf16_pairs(self) -> bool:
@@ -139,11 +147,14 @@ class CpuKernels:
     def paged_decode_attention(
         self, qkv: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, heads: int, kv_heads: int, scale: float, threads: int,
+        *, invariant: bool = False,
     ) -> None:  # fmt: skip
         """out[rows[b]] = attention of qkv[rows[b]]'s query heads over sequence b's cached K/V
-        (block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32)."""
+        (block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32). invariant: each
+        sequence's blocks split by its length only, so its result does not depend on the others."""
         _, block_size, _, head_dim = k_cache.shape
-        code = self._lib.paged_decode_attention(
+        kernel = self._lib.paged_decode_attention_invariant if invariant else self._lib.paged_decode_attention
+        code = kernel(
             DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[1], out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows.shape[0],
             heads, kv_heads, head_dim, block_size, scale, threads,
@@ -183,21 +194,26 @@ class CpuKernels:
             return weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
 
-    def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
-        """x [rows, k] @ W^T with W as interleave() made it: [rows, n]."""
-        return self.bind_interleaved(weight)(x, threads)
+    def interleaved_linear(self, x: torch.Tensor, weight: torch.Tensor, threads: int, *, f32_out: bool = False) -> torch.Tensor:
+        """x [rows, k] @ W^T with W as interleave() made it: [rows, n] in x's dtype, or float32 (the
+        float32 sums unrounded) with f32_out."""
+        return self.bind_interleaved(weight, f32_out=f32_out)(x, threads)
 
-    def bind_interleaved(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def bind_interleaved(self, weight: torch.Tensor, *, f32_out: bool = False) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """interleaved_linear for one weight, its sizes and pointer looked up once: a decode step
-        makes four such calls per layer, and each Python-side lookup costs about a microsecond."""
+        makes four such calls per layer, and each Python-side lookup costs about a microsecond.
+        f32_out: float32 out (the output head: exact logits from bfloat16 weights). Each row's
+        result is the same whatever the number of rows (one fixed sum order per row)."""
         n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), DTYPE_CODES[weight.dtype]
-        pairs, lib_fn = weight.dim() == 4, self._lib.interleaved_linear  # 4-D: bfloat16 pairs
+        pairs = weight.dim() == 4  # 4-D: bfloat16 pairs
+        lib_fn = self._lib.interleaved_linear_f32_out if f32_out else self._lib.interleaved_linear
+        pairs_fn = self._bf16_pairs_f32_out if f32_out else self._bf16_pairs
 
         def one_row(x: torch.Tensor, threads: int) -> torch.Tensor:
             rows, k = x.shape
-            out = torch.empty(rows, n, dtype=x.dtype)
+            out = torch.empty(rows, n, dtype=torch.float32 if f32_out else x.dtype)
             if pairs:  # allocates nothing: no error to report
-                self._bf16_pairs(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
+                pairs_fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads)
             elif failed := lib_fn(code, x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
                 check_kernel(failed, "interleaved linear")
             return out

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache, LinearNames, ParallelLinear, StepPlan
+from engine.backends.base import (
+    AttentionMetadata, Backend, FloatOutput, HeadLayout, KVCache, LinearNames, ParallelLinear, RowByRow, StepPlan,
+)  # fmt: skip
 from engine.executor.step_inputs import StepInputs
 from engine.models.args import ModelArgs
 from engine.models.weights import PreparedWeights
@@ -253,7 +255,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = VocabParallelEmbedding(weights.take("tok_embeddings.weight"), mp, backend.dtype)
         self.layers = nn.ModuleList(self.block(i, args, weights, backend, mp) for i in range(args.n_layers))
         self.norm = RMSNorm(weights.take("norm.weight"), args.norm_eps, backend)
-        self.output = backend.linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered
+        self.output = backend.head_linear(weights.take("output.weight"), mp.gather)  # column-parallel, gathered, float32 logits
         weights.check_all_taken()
         # a decode step compiled by the backend (all blocks and the final norm in one call, for the
         # pure-decode steps its plan gives it), or None: forward's per-op loop only. Built for this
@@ -296,9 +298,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
-        """[num_logits, vocab_size] logits in the model dtype for inputs.logits_indices rows (the
-        sampler widens them where it must: a float32 copy of a bfloat16 batch costs more than the
-        greedy argmax reading it, bench/NOTES.md). How the step runs is the backend's plan, made
+        """[num_logits, vocab_size] float32 logits (float64 in a float64 model) for
+        inputs.logits_indices rows: a bfloat16 model's head sums in float32 and keeps them
+        (Backend.head_linear). How the step runs is the backend's plan, made
         once here: the compiled step, or the blocks op by op over the plan's attention layout."""
         # a step with LoRA rows runs the blocks op by op: the adapters wrap the per-op linears (engine/lora/)
         compiled = self.decode_step if inputs.lora_ids is None else None
@@ -324,8 +326,8 @@ class Transformer(nn.Module):
         """Bytes this rank's weights hold, packed copies included, shared tensors counted once: each
         linear's resident_bytes() (a quantized linear's codes and scales are not parameters), plus
         every other parameter and buffer (embeddings, norms)."""
-        # modules reporting their own bytes: linears (not the ParallelLinear wrappers), quantized embeddings
-        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, ParallelLinear)]
+        # modules reporting their own bytes: linears (not the ParallelLinear / FloatOutput / RowByRow wrappers), quantized embeddings
+        linears = [m for m in self.modules() if hasattr(m, "resident_bytes") and not isinstance(m, (ParallelLinear, FloatOutput, RowByRow))]
         in_linears = {_storage_key(t) for layer in linears for t in (*layer.parameters(), *layer.buffers())}
         rest = {_storage_key(t): t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())}
         # a quantized tied head and embedding share their codes: keyed by storage, counted once

@@ -203,7 +203,7 @@ def test_bfloat16_close_to_reference(tiny_checkpoint, full_state):
     finally:
         executor.shutdown()
     for logits, tokens in results.values():
-        assert logits.dtype == torch.bfloat16  # the model dtype: the sampler widens where it must
+        assert logits.dtype == torch.float32  # the head's float32 sums, not rounded to the model dtype
         ref = reference_logits(state, args, tokens[: logits.shape[0]]).float()
         assert F.cosine_similarity(logits.float(), ref, dim=-1).min() > 0.99
 

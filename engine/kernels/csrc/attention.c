@@ -102,11 +102,18 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
 }
 
-/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when its scratch cannot be allocated (out is then undefined). */
-int paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
-                           const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                           int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+/* The batch-invariant mode's split: a sequence's blocks in ranges of about this many, however many
+ * sequences the call has (the ranges' softmax merge then sums in the same order alone or batched). */
+#define INVARIANT_BLOCKS_PER_TASK 16
+
+/* invariant: split each sequence by its own length only (INVARIANT_BLOCKS_PER_TASK), not by how many
+ * sequences share the call. Returns KERNEL_OK, or KERNEL_NO_MEMORY when its scratch cannot be
+ * allocated (out is then undefined). */
+static int decode_attention_impl(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                                 const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                                 int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                                 int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads,
+                                 int invariant) {
     const size_t es = elem_size(bf16);
     const int64_t D = head_dim;
     /* tasks: sequence b owns tasks [task_begin[b], task_begin[b + 1]), each a range of its blocks */
@@ -118,7 +125,9 @@ int paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out,
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
         const int64_t most = (blocks + MIN_BLOCKS_PER_TASK - 1) / MIN_BLOCKS_PER_TASK;
-        task_begin[b + 1] = task_begin[b] + (want_splits < most ? want_splits : most);
+        const int64_t splits = invariant ? (blocks + INVARIANT_BLOCKS_PER_TASK - 1) / INVARIANT_BLOCKS_PER_TASK
+                                         : (want_splits < most ? want_splits : most);
+        task_begin[b + 1] = task_begin[b] + (splits > 0 ? splits : 1);
         total_keys += seq_lens[b];
     }
     const int64_t tasks = task_begin[num_seqs], part = heads * (D + 2); /* per task: max, sum, acc */
@@ -189,6 +198,26 @@ int paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out,
     free(parts);
     free(task_begin);
     return KERNEL_OK;
+}
+
+
+int paged_decode_attention(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                           const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                           int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    return decode_attention_impl(bf16, q, q_stride, out, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                                 num_seqs, heads, kv_heads, head_dim, block_size, scale, num_threads, 0);
+}
+
+/* paged_decode_attention for the batch-invariant mode: the same signature (the compiled decode step
+ * calls either by address), each sequence's result independent of the others in the call. */
+int paged_decode_attention_invariant(int bf16, const void *q, int64_t q_stride, void *out, const int64_t *rows,
+                                     const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                                     int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,
+                                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                     int num_threads) {
+    return decode_attention_impl(bf16, q, q_stride, out, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                                 num_seqs, heads, kv_heads, head_dim, block_size, scale, num_threads, 1);
 }
 
 /* ------------------------------------------------------------------------------------------ paged attention

@@ -22,9 +22,11 @@ static inline v16f load16(const char *p, int bf16) {
     return f;
 }
 
-/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's float32 copy cannot be allocated. */
-int interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
-                       int num_threads) {
+/* out_f32: the float32 sums stored as they are (the output head's exact logits) instead of rounded
+ * to x's dtype. Each row's sums are the same whatever `rows` is (one fixed order over k per row):
+ * batch-invariant by construction. */
+static int interleaved_linear_impl(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n,
+                                   int64_t k, int num_threads, int out_f32) {
     const size_t es = elem_size(bf16), step = 16 * es;
     float *xf = kernel_malloc((size_t)(rows * k) * sizeof(float));
     if (!xf) return KERNEL_NO_MEMORY;
@@ -46,11 +48,26 @@ int interleaved_linear(int bf16, const void *x, const void *weight, void *out, i
             float sums[16];
             v16f s = (a0 + a1) + (a2 + a3);
             memcpy(sums, &s, sizeof(sums));
-            store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
+            if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
+            else store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
         }
     }
     free(xf);
     return KERNEL_OK;
+}
+
+/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's float32 copy cannot be allocated. */
+int interleaved_linear(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                       int num_threads) {
+    return interleaved_linear_impl(bf16, x, weight, out, rows, n, k, num_threads, 0);
+}
+
+/* interleaved_linear with float32 out whatever x's dtype: bfloat16 inputs and weights, float32
+ * accumulation and output, as llama.cpp computes its output head (bfloat16 rounding of logits ties
+ * tokens that differ, and makes greedy depend on what else is batched). */
+int interleaved_linear_f32_out(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n,
+                               int64_t k, int num_threads) {
+    return interleaved_linear_impl(bf16, x, weight, out, rows, n, k, num_threads, 1);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -67,8 +84,8 @@ static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 
     return pair;
 }
 
-void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
-                                   int num_threads) {
+static inline void pairs_linear_impl(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                                     int num_threads, int out_f32) {
     const int64_t pairs = k / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t b = 0; b < n / 16; b++) {
@@ -96,8 +113,20 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
             a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
             float sums[16];
             _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-            store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
+            if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
+            else store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
         }
     }
+}
+
+void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
+                                   int num_threads) {
+    pairs_linear_impl(x, weight, out, rows, n, k, num_threads, 0);
+}
+
+/* the pairs kernel with float32 out (interleaved_linear_f32_out's, for the pairs layout) */
+void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, void *out, int64_t rows, int64_t n,
+                                           int64_t k, int num_threads) {
+    pairs_linear_impl(x, weight, out, rows, n, k, num_threads, 1);
 }
 #endif

@@ -1,0 +1,83 @@
+"""Where one stream's time per token goes between the engine and the client, from one run: the
+engine's own step time against the inter-token time the server records and the one a client sees
+(a script, not a test; issue #35's lead: a 12.0 ms in-process step served at 16.7-17.1 ms a token).
+
+    python -m server --demo &
+    python bench/served_itl.py [--base-url http://127.0.0.1:8000] [--model SmolLM2-135M-Instruct] [--requests 4]
+
+Streams --requests completions one after another (batch 1: one step per token; 128 prompt-ish
+characters, 64 tokens, greedy, end of sequence ignored) after one warm-up, and reads the server's
+own counters from /metrics before and after: llamaserve:engine_step_seconds (the step, inside the
+engine thread) and llamaserve:time_per_output_token_seconds (the gaps between a request's outputs,
+as the server's event loop receives them). Printed: the mean decode step (a prefill step measured alone first is taken out once per request), the server's inter-token mean
+(its excess over the step: the engine-thread -> event-loop hand-off and anything else the engine
+thread does between steps) and the client's inter-token median and mean (its excess over the
+server's: detokenized chunk -> JSON -> SSE -> socket -> client parse). All three come from the
+same run, so a busy machine inflates them alike and the differences stay comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+
+COUNTERS = ("llamaserve:engine_step_seconds", "llamaserve:time_per_output_token_seconds")
+
+
+def counters(base_url: str) -> dict[str, float]:
+    """Each counter's _sum and _count over every model (one model served: that model's)."""
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=30).read().decode()
+    out = {}
+    for name in COUNTERS:
+        for kind in ("sum", "count"):
+            out[f"{name}_{kind}"] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name}_{kind}"))
+    return out
+
+
+def stream_gaps_s(base_url: str, model: str, i: int, max_tokens: int) -> list[float]:
+    """The client's gaps between consecutive text chunks of one streamed completion."""
+    body = {"model": model, "prompt": f"Request {i}: once upon a time, in a land far away, there lived", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    arrivals = []
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        for line in response:
+            if line.startswith(b"data: ") and b'"text"' in line:
+                arrivals.append(time.perf_counter())
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    stream_gaps_s(args.base_url, args.model, -1, 8)  # warm-up
+    # a prefill step alone (one token out: one step), to take each request's prefill out of the step mean
+    start = counters(args.base_url)
+    stream_gaps_s(args.base_url, args.model, -2, 1)
+    before, gaps = counters(args.base_url), []
+    prefill_s = before["llamaserve:engine_step_seconds_sum"] - start["llamaserve:engine_step_seconds_sum"]
+    for i in range(args.requests):
+        gaps += stream_gaps_s(args.base_url, args.model, i, args.max_tokens)
+    after = counters(args.base_url)
+    delta = {key: after[key] - before[key] for key in after}
+    decode_steps = delta["llamaserve:engine_step_seconds_count"] - args.requests
+    step_s = (delta["llamaserve:engine_step_seconds_sum"] - args.requests * prefill_s) / max(1.0, decode_steps)
+    server_itl_s = delta["llamaserve:time_per_output_token_seconds_sum"] / max(1.0, delta["llamaserve:time_per_output_token_seconds_count"])
+    client_mean_s = statistics.mean(gaps)
+    print(f"{delta['llamaserve:engine_step_seconds_count']:.0f} steps, {len(gaps)} client gaps")
+    print(f"engine step           {step_s * 1e3:8.2f} ms  (decode steps: each request's prefill step, {prefill_s * 1e3:.2f} ms "
+          "measured alone, taken out)")
+    print(f"server inter-token    {server_itl_s * 1e3:8.2f} ms  (+{(server_itl_s - step_s) * 1e3:.2f} over the step)")
+    print(f"client inter-token    {client_mean_s * 1e3:8.2f} ms mean, {statistics.median(gaps) * 1e3:.2f} median  "
+          f"(+{(client_mean_s - server_itl_s) * 1e3:.2f} over the server's)")
+
+
+if __name__ == "__main__":
+    main()
