@@ -19,7 +19,7 @@ from PIL import Image
 
 from engine.models.args import ModelArgs
 from engine.vision import Preprocessed
-from engine.vision.llama4 import split_tiles
+from engine.vision.llama4 import fit_without_distortion, split_tiles
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's, as the reference normalises
 STD = (0.26862954, 0.26130258, 0.27577711)
@@ -51,15 +51,8 @@ def best_fit(image_size: tuple[int, int], resolutions: list[tuple[int, int]]) ->
 
 
 def resize_without_distortion(image: Image.Image, canvas: tuple[int, int], max_upscaling_size: int) -> Image.Image:
-    width, height = image.size
-    target_w = min(max(width, max_upscaling_size), canvas[0])
-    target_h = min(max(height, max_upscaling_size), canvas[1])
-    scale_w, scale_h = target_w / width, target_h / height
-    if scale_w < scale_h:
-        new_w, new_h = target_w, min(math.floor(height * scale_w), target_h)
-    else:
-        new_w, new_h = min(math.floor(width * scale_h), target_w), target_h
-    return image.resize((new_w, new_h), Image.BILINEAR)
+    """The reference's resize_without_distortion: the size Llama 4 computes too, bilinear in Pillow."""
+    return image.resize(fit_without_distortion(image.size, canvas, max_upscaling_size), Image.BILINEAR)
 
 
 def clip_normalized_tensor(image: Image.Image) -> torch.Tensor:
