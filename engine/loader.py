@@ -48,6 +48,11 @@ def _with_parallel_size(config: EngineConfig, num_shards: int, source: Any) -> E
     return dataclasses.replace(config, model_parallel_size=num_shards)
 
 
+def _config_for(base: EngineConfig, spec: Any, checkpoint: Any) -> EngineConfig:
+    """The settings a resolved checkpoint loads with, the same on rank 0 and on torchrun's followers."""
+    return _with_parallel_size(_effective_config(base, spec), len(checkpoint.shard_paths), checkpoint.checkpoint_dir)
+
+
 def _resolve(spec: Any, progress: ProgressCallback | None = None):
     """The checkpoint a spec names; a `.gguf` file is converted first (once: engine/loading/gguf_cache.py)."""
     from engine.loading.checkpoint import resolve_checkpoint
@@ -111,7 +116,7 @@ def load_engine(spec: Any, config: EngineConfig, *, chat_template_path: Path | N
 
     started_s = time.monotonic()
     checkpoint = _resolve(spec, progress)
-    config = _with_parallel_size(_effective_config(config, spec), len(checkpoint.shard_paths), checkpoint.checkpoint_dir)
+    config = _config_for(config, spec, checkpoint)
     tokenizer, chat_format = load_tokenizer_and_chat_format(checkpoint, chat_template_path)
     max_seq_len = max_seq_len_for(checkpoint.max_seq_len, config)
     sampling_defaults = read_sampling_defaults(checkpoint.checkpoint_dir)
@@ -235,7 +240,7 @@ def follow_torchrun(spec: Any, config: EngineConfig) -> None:
     from engine.executor.parallel import follow
 
     checkpoint = _resolve(spec)
-    config = _with_parallel_size(_effective_config(config, spec), checkpoint)
+    config = _config_for(config, spec, checkpoint)
     follow(checkpoint, config, max_seq_len=max_seq_len_for(checkpoint.max_seq_len, config))
 
 
