@@ -47,3 +47,15 @@ def tiny_checkpoint(tmp_path_factory, tiny_model_args) -> Path:
 def tiny_checkpoint_2shards(tmp_path_factory, tiny_model_args) -> Path:
     """The same weights as tiny_checkpoint, saved as Meta shards them for model-parallel size 2."""
     return _write(tmp_path_factory, tiny_model_args, 2)
+
+
+@pytest.fixture(autouse=True)
+def _pillow_refuses_truncated_images(monkeypatch):
+    """llama-models' Llama 4 preprocess.py (imported by reference tests) sets Pillow's process-wide
+    LOAD_TRUNCATED_IMAGES at import; the server never imports it, so every test runs with Pillow's
+    default (a truncated image is an error) whatever ran before it."""
+    try:
+        from PIL import ImageFile
+    except ImportError:
+        return
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", False)
