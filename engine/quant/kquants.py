@@ -87,6 +87,14 @@ def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+def _scales_and_offsets(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's shared head: per sub-block scale d*sc and offset dmin*m, [n, 8, 1] each."""
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mins = _scale_min(blocks[:, 4:16])
+    return (d * sc.float()).reshape(n, -1, 1), (dmin * mins.float()).reshape(n, -1, 1)
+
+
 @dataclass(frozen=True)
 class Q4KWeight(KQuantWeight):
     format: ClassVar[str] = "q4_k"
@@ -95,10 +103,7 @@ class Q4KWeight(KQuantWeight):
 
     def _dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         n = blocks.shape[0]
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mins = _scale_min(blocks[:, 4:16])
-        scale = (d * sc.float()).reshape(n, -1, 1)
-        offset = (dmin * mins.float()).reshape(n, -1, 1)
+        scale, offset = _scales_and_offsets(blocks)
         q = _shifted(blocks[:, 16:].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32).float()
         return (scale * q - offset).reshape(n, QK_K)
 
@@ -111,10 +116,7 @@ class Q5KWeight(KQuantWeight):
 
     def _dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         n = blocks.shape[0]
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mins = _scale_min(blocks[:, 4:16])
-        scale = (d * sc.float()).reshape(n, -1, 1)
-        offset = (dmin * mins.float()).reshape(n, -1, 1)
+        scale, offset = _scales_and_offsets(blocks)
         low = _shifted(blocks[:, 48:].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
         high = _shifted(blocks[:, 16:48].reshape(n, 1, 32), list(range(8)), 0x01).reshape(n, 8, 32)
         q = (low | (high << 4)).float()
