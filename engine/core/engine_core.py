@@ -170,8 +170,6 @@ class EngineCore:
         """Remove a request in any phase and free its blocks; None if it already finished."""
         seq = self.scheduler.abort(request_id)
         self._release_finished()
-        if self.speculator is not None:
-            self.speculator.retain(self.scheduler.running)
         return None if seq is None else self._final(seq, "abort")
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -215,20 +213,20 @@ class EngineCore:
         for seq in stopped:  # stop strings, found in the text
             self.scheduler.finish(seq)
         self._release_finished()
-        if self.speculator is not None:
-            self.speculator.retain(self.scheduler.running)
         done_s = time.perf_counter()
         self._record_timing(started_s, scheduled_s, executed_s, done_s, len(batch.seqs))
         return outputs
 
     def _release_finished(self) -> None:
-        """Per-sequence state the executor keeps beside the KV blocks (Llama 3.2 Vision's
-        cross-attention states), dropped as soon as its sequence is finished, aborted or preempted,
-        not at the next step (which may not come). Executors without such state (text models'
-        fakes included) have no release_finished."""
+        """Per-sequence state kept beside the KV blocks (Llama 3.2 Vision's cross-attention states in
+        the executor, a draft model's copies of the sequences), dropped as soon as its sequence is
+        finished, aborted or preempted, not at the next step (which may not come). Executors without
+        such state (text models' fakes included) have no release_finished."""
         release = getattr(self.runner, "release_finished", None)
         if release is not None:
             release()
+        if self.speculator is not None:
+            self.speculator.retain(self.scheduler.running)
 
     def _record_timing(self, started_s: float, scheduled_s: float, executed_s: float, done_s: float, size: int) -> None:
         timing = self.timing
