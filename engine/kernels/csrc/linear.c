@@ -8,6 +8,13 @@
  * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
  * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
  * oneDNN wins from a few rows up. */
+/* One 16-output block of one row: sums[j] = x . W[block row j] over k, W's block as [k, 16].
+ * AVX-512 builds: one 16-lane vector per step of k. Narrower builds: two 8-lane halves. GCC lowers a
+ * 64-byte generic vector poorly where the widest register is 32 bytes (the accumulators went
+ * through the stack each step: on an AVX2 Zen 2 this kernel ran at 0.4 GB/s, 8x slower than torch's
+ * float32 gemv, bench/NOTES.md 'AVX2 one-row linear'), so there the halves are spelled out as
+ * native 8-lane vectors, each lane summed in the same order as the 16-lane code. */
+#if defined(__AVX512F__)
 static inline v16f load16(const char *p, int bf16) {
     if (bf16) {
         v16h h;
@@ -22,36 +29,86 @@ static inline v16f load16(const char *p, int bf16) {
     return f;
 }
 
+static inline void block_dot16(const char *w, const float *xm, int64_t k, int bf16, float *sums) {
+    const size_t step = 16 * elem_size(bf16);
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4) {
+        a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+        a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
+        a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
+        a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
+    }
+    for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
+    v16f s = (a0 + a1) + (a2 + a3);
+    memcpy(sums, &s, 16 * sizeof(float));
+}
+#else
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load8(const char *p, int bf16) {
+    v8f f;
+    if (bf16) {
+        v8h h;
+        memcpy(&h, p, sizeof(h));
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &u, sizeof(f));
+    } else {
+        memcpy(&f, p, sizeof(f));
+    }
+    return f;
+}
+
+static inline void block_dot16(const char *w, const float *xm, int64_t k, int bf16, float *sums) {
+    const size_t es = elem_size(bf16), step = 16 * es, half = 8 * es;
+    v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0}; /* a: lanes 0-7, b: 8-15 */
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4) {
+        const char *p = w + (size_t)i * step;
+        a0 += load8(p, bf16) * xm[i], b0 += load8(p + half, bf16) * xm[i];
+        a1 += load8(p + step, bf16) * xm[i + 1], b1 += load8(p + step + half, bf16) * xm[i + 1];
+        a2 += load8(p + 2 * step, bf16) * xm[i + 2], b2 += load8(p + 2 * step + half, bf16) * xm[i + 2];
+        a3 += load8(p + 3 * step, bf16) * xm[i + 3], b3 += load8(p + 3 * step + half, bf16) * xm[i + 3];
+    }
+    for (; i < k; i++) {
+        const char *p = w + (size_t)i * step;
+        a0 += load8(p, bf16) * xm[i], b0 += load8(p + half, bf16) * xm[i];
+    }
+    const v8f lo = (a0 + a1) + (a2 + a3), hi = (b0 + b1) + (b2 + b3);
+    memcpy(sums, &lo, sizeof(lo));
+    memcpy(sums + 8, &hi, sizeof(hi));
+}
+#endif
+
 /* out_f32: the float32 sums stored as they are (the output head's exact logits) instead of rounded
  * to x's dtype. Each row's sums are the same whatever `rows` is (one fixed order over k per row):
- * batch-invariant by construction. */
-static int interleaved_linear_impl(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n,
-                                   int64_t k, int num_threads, int out_f32) {
-    const size_t es = elem_size(bf16), step = 16 * es;
-    float *xf = kernel_malloc((size_t)(rows * k) * sizeof(float));
-    if (!xf) return KERNEL_NO_MEMORY;
-    for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
+ * batch-invariant by construction. bf16 is a literal at both call sites' instantiations (the
+ * dispatch below), so the element type is not tested per load. */
+static inline void interleaved_rows(int bf16, const float *xf, const void *weight, void *out, int64_t rows, int64_t n,
+                                    int64_t k, int num_threads, int out_f32) {
+    const size_t step = 16 * elem_size(bf16);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t b = 0; b < n / 16; b++) {
         const char *w = (const char *)weight + (size_t)(b * k) * step;
         for (int64_t m = 0; m < rows; m++) {
-            const float *xm = xf + m * k;
-            v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
-            int64_t i = 0;
-            for (; i + 4 <= k; i += 4) {
-                a0 += load16(w + (size_t)i * step, bf16) * xm[i];
-                a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
-                a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
-                a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
-            }
-            for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
             float sums[16];
-            v16f s = (a0 + a1) + (a2 + a3);
-            memcpy(sums, &s, sizeof(sums));
+            block_dot16(w, xf + m * k, k, bf16, sums);
             if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
-            else store_row((char *)out + (size_t)(m * n + b * 16) * es, sums, 16, bf16);
+            else store_row((char *)out + (size_t)(m * n + b * 16) * elem_size(bf16), sums, 16, bf16);
         }
     }
+}
+
+static int interleaved_linear_impl(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n,
+                                   int64_t k, int num_threads, int out_f32) {
+    const size_t es = elem_size(bf16);
+    float *xf = kernel_malloc((size_t)(rows * k) * sizeof(float));
+    if (!xf) return KERNEL_NO_MEMORY;
+    for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
+    if (bf16) interleaved_rows(1, xf, weight, out, rows, n, k, num_threads, out_f32);
+    else interleaved_rows(0, xf, weight, out, rows, n, k, num_threads, out_f32);
     free(xf);
     return KERNEL_OK;
 }
