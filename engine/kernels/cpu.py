@@ -54,6 +54,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "paged_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
     # dtype, head_dim, block_size -> 1 where paged_attention runs them on AMX tiles
     "paged_attention_on_tiles": ((_i32, _i64, _i64), ctypes.c_int),
+    # -> 1 where paged_attention beats paged_decode_attention on a step's decodes (512-bit builds)
+    "paged_attention_takes_decodes": ((), ctypes.c_int),
     # dtype, x, rows, cols, row_stride, ids (int64), values (float32), threads
     "argmax_rows": ((_i32, _p, _i64, _i64, _i64, _p, _p, _i32), None),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
@@ -178,6 +180,11 @@ class CpuKernels:
             v_cache.data_ptr(), heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
         check_kernel(code, "paged attention")
+
+    def paged_attention_takes_decodes(self) -> bool:
+        """Whether paged_attention is the faster kernel for a step's many decodes in this build (its
+        16-lane add tree needs 512-bit vectors; below them paged_decode_attention is)."""
+        return bool(self._lib.paged_attention_takes_decodes())
 
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether paged_attention runs on AMX tiles for caches of this dtype, head_dim and block size

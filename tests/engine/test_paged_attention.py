@@ -147,6 +147,8 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     calls = []
     kernels = fused_model[0].backend.kernels
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    # the route under test on every build (below AVX-512 the backend keeps decodes on paged_decode_attention)
+    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda: True)
     # the per-op path under test: the compiled step (which calls the kernel from C, where the
     # counter cannot see it) would take the all-decode step; tests/engine/test_decode_step.py has it
     monkeypatch.setattr(fused_model[0], "decode_step", None)
@@ -212,6 +214,15 @@ def test_paged_attention_on_tiles_shapes(kernels):
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 32, 16)
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 8)
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 24)
+
+
+def test_many_decodes_take_paged_attention_only_with_512_bit_vectors(kernels):
+    """This machine's build (-march=native) routes a step's decodes to paged_attention exactly where
+    the CPU has AVX-512: below it the kernel's 16-lane shuffles compile to scalar code and
+    paged_decode_attention is the faster (engine/kernels/csrc/attention.c)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    assert kernels.paged_attention_takes_decodes() == ("avx512f" in flags)
 
 
 def test_the_plain_x86_64_v2_build_runs_attention_on_tiles(kernels, tmp_path):

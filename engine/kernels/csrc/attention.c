@@ -782,3 +782,16 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
     return 0;
 #endif
 }
+
+/* 1 where paged_attention should take a step's decodes (two or more per thread) instead of
+ * paged_decode_attention: builds with 512-bit vectors, where its 16-lane add tree is one register
+ * per level. Below AVX-512 GCC lowers those 64-byte shuffles lane by lane through the stack (scalar
+ * inserts and spills): on an AVX2 Zen 2, 32 decodes over 192 keys took 2x paged_decode_attention's
+ * time, 8 over 512 keys 2.5x (bench/NOTES.md 'AVX2 one-row linear'). */
+int paged_attention_takes_decodes(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
