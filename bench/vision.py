@@ -126,7 +126,7 @@ async def main_async(opts) -> None:
                 tokens = len(request(engine, prepared[:1], "x", "count", 1).prompt_token_ids) - \
                     len(request(engine, [], "x", "count", 1).prompt_token_ids)
                 rows = img.num_chunks * img.tokens_per_chunk
-                dim = engine.core.runner._workers.image_encoder.w["vision_projection.weight"].shape[0]
+                dim = engine.core.runner._workers.model_args.dim  # the projected rows' width
                 elem = torch.empty((), dtype=getattr(torch, opts.dtype)).element_size()
                 kv_per_token = engine.core.runner._workers._shard.bytes_per_block / engine.core.runner.block_size
                 memory = img.pixels.numel() * 4 + rows * dim * elem + tokens * kv_per_token

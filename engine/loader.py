@@ -163,10 +163,9 @@ def _vision(workers: Any, tokenizer: Any, model_args: Any) -> tuple[Any, Any]:
     from engine.executor.images import ImageRows
     from engine.vision.llama4 import Llama4ImagePreprocessor
 
-    args = workers.vision_args
-    preprocessor = Llama4ImagePreprocessor(tile_size=int(args["image_size"]["width"]),
-                                           patch_size=int(args["patch_size"]["width"]),
-                                           pixel_shuffle_ratio=float(args["pixel_shuffle_ratio"]))
+    vision = workers.vision  # params.json's vision_args
+    preprocessor = Llama4ImagePreprocessor(tile_size=vision.image_size, patch_size=vision.patch_size,
+                                           pixel_shuffle_ratio=vision.pixel_shuffle_ratio)
     return ImageRows(workers.image_encoder, tokenizer.special_token_id("<|patch|>")), preprocessor
 
 

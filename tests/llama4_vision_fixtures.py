@@ -140,11 +140,15 @@ def write_tiny_llama4_vision_checkpoint(out_dir, *, tokenizer_path, seed: int = 
 
 
 def _vision_shard(key: str, tensor: torch.Tensor, rank: int, num_shards: int) -> torch.Tensor:
-    """Rank `rank`'s part as llama-models' fairscale layers hold it: column-parallel weights and
-    biases split along dim 0, row-parallel weights along dim 1, the rest whole."""
-    column = ("conv1._linear.weight", "attn.wq.", "attn.wk.", "attn.wv.", "mlp.c_fc.", "vision_projection.weight")
-    row = ("attn.wo.weight", "mlp.c_proj.weight")
-    if num_shards == 1 or not any(name in key for name in column + row):
+    """Rank `rank`'s part as llama-models' fairscale layers hold it (engine/loading/layout.py's
+    llama4_vision_layouts: column-parallel weights and biases split along dim 0, row-parallel
+    weights along dim 1, the rest whole)."""
+    from engine.loading.layout import llama4_vision_layouts, rank_range
+    from engine.models.llama4.vision import VisionConfig
+    from tests.llama4_fixtures import TINY_LLAMA4_PARAMS
+
+    layout = llama4_vision_layouts(VisionConfig.from_params(TINY_VISION_ARGS), TINY_LLAMA4_PARAMS["dim"])[key]
+    if layout.parallel_dim is None:
         return tensor
-    dim = 1 if any(name in key for name in row) else 0
-    return tensor.chunk(num_shards, dim=dim)[rank].clone()
+    start, end = rank_range(layout, rank, num_shards)
+    return tensor.narrow(layout.parallel_dim, start, end - start).clone()

@@ -57,6 +57,7 @@ OP_STOP = 2
 OP_LORA_LOAD = 3  # [op, lora id, path bytes, 0...], then the adapter folder's path as int64 bytes
 OP_LORA_UNLOAD = 4  # [op, lora id, 0...]
 OP_CROSS = 5  # Llama 3.2 Vision: a CrossAttentionUpdate, ahead of the step that reads it
+OP_IMAGE = 6  # Llama 4: [op, chunks, channels, height, width, 0, 0, 0], then the pixels as float32: encode them
 # OP_STEP: [op, num_tokens, num_seqs, max_blocks_per_seq, num_logits, num_image_rows, image_dim, has lora ids];
 # with image rows, a third broadcast carries their embeddings as float64 (any model dtype round-trips exactly)
 # OP_CROSS: [op, num_free, num_images, num_step_seqs, max_tiles, chunk_size, 0, 0]
@@ -194,9 +195,24 @@ def _recv_cross(header: list[int], device: torch.device) -> CrossAttentionUpdate
     return CrossAttentionUpdate(free, meta.view(-1, 5), pixels, step)
 
 
+@dataclass(frozen=True, slots=True)
+class ImageToEncode:
+    """OP_IMAGE: one image every rank encodes with its slice of the vision encoder, between steps.
+    Followers drop their (identical) rows: the step that fuses them carries rank 0's, so followers
+    keep no per-image state."""
+
+    pixels: torch.Tensor  # [chunks, 3, tile, tile] float32
+
+
+def _pack_image(pixels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:5] = torch.tensor([OP_IMAGE, *pixels.shape])
+    return header.to(device), pixels.to(device=device, dtype=torch.float32)
+
+
 def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], None] | None = None,
-              ) -> StepInputs | CrossAttentionUpdate | None:
-    """Followers: the next step's inputs (or a cross-attention update ahead of it), or None when
+              ) -> StepInputs | CrossAttentionUpdate | ImageToEncode | None:
+    """Followers: the next step's inputs (or a cross-attention update or an image to encode ahead of it), or None when
     rank 0 says stop. Adapter loads and unloads between steps go to on_lora(op, lora_id, path or
     None), in the order rank 0 sent them."""
     while True:
@@ -215,6 +231,10 @@ def recv_step(device: torch.device, on_lora: Callable[[int, int, str | None], No
             continue
         if header[0] == OP_CROSS:
             return _recv_cross(header, device)
+        if header[0] == OP_IMAGE:
+            pixels = torch.empty(header[1:5], dtype=torch.float32, device=device)
+            dist.broadcast(pixels, src=0)
+            return ImageToEncode(pixels)
         if header[0] != OP_STEP:
             raise RuntimeError(f"model-parallel protocol error: op code {header[0]}")
         payload = torch.empty(payload_len(header), dtype=torch.int64, device=device)
@@ -329,6 +349,11 @@ class ParallelGroup:
                 dist.broadcast(pixels, src=0)
 
         self.collective(send)
+
+    def broadcast_image(self, pixels: torch.Tensor) -> None:
+        self.check_alive()
+        header, data = _pack_image(pixels, self.device)
+        self.collective(lambda: (dist.broadcast(header, src=0), dist.broadcast(data, src=0)))
 
     def collective(self, fn):
         """Run rank 0's part of a collective; a broken group becomes EngineDead."""
@@ -491,6 +516,8 @@ def _serve(spec: Any, config: EngineConfig, *, rank: int, device: torch.device, 
     while (message := recv_step(device, on_lora)) is not None:
         if isinstance(message, CrossAttentionUpdate):
             shard.update_cross_attention(message)  # collectives inside (the image encoder): in step with rank 0
+        elif isinstance(message, ImageToEncode):
+            shard.encode_image(message.pixels)  # collectives inside; the rows are rank 0's to send
         else:
             shard.forward(message)
     log.info("model-parallel rank %d stopping", rank)

@@ -22,6 +22,8 @@ from engine.config import EngineConfig
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models import model_class
 from engine.models.llama import KVCache, Transformer, allocate_kv_caches, kv_cache_bytes_per_block
+from engine.models.llama4.model import Llama4Transformer
+from engine.models.llama4.vision import Llama4VisionEncoder
 from engine.models.mllama.cache import CrossAttentionCache, state_bytes_per_image
 from engine.models.mllama.model import MllamaTransformer
 from engine.quant.cuda import to_device
@@ -180,6 +182,17 @@ class Worker:
     def unload_adapter(self, lora_id: int) -> None:
         if self.lora is not None:
             self.lora.remove(lora_id)
+
+    @property
+    def image_encoder(self) -> Llama4VisionEncoder | None:
+        """Llama 4's vision encoder (this rank's slice of its weights); None for other models."""
+        return self.model.image_encoder if isinstance(self.model, Llama4Transformer) else None
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image's tiles [chunks, 3, tile, tile] -> its rows [image tokens, dim], the same on every
+        rank: every rank runs this at once (the encoder's collectives pair them up)."""
+        assert self.image_encoder is not None, "a model without a vision encoder"
+        return self.image_encoder(pixels.to(self.device))
 
     def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
         """Drop and add sequences' cross-attention states, and set the next step's (rank 0's

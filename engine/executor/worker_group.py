@@ -17,11 +17,10 @@ from engine.config import EngineConfig, launched_by_torchrun
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.quant.policy import WeightsReport, check_formats, check_quantization
 from engine.executor.worker import Worker, without_omp_team
-from engine.loading.llama4 import load_vision_state, read_vision_args
 from engine.loading.progress import ProgressCallback
 from engine.executor.step_inputs import StepInputs
 from engine.executor.cross_attention import CrossAttentionUpdate
-from engine.models.llama4.vision import Llama4VisionEncoder, VisionConfig
+from engine.models.llama4.args import VisionConfig
 from engine.types import EngineDead, InvalidRequest
 from engine.executor.parallel import ParallelGroup, group_in_use, rank_device
 
@@ -97,11 +96,11 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.num_blocks = num_blocks
-        # Llama 4 images: rank 0 encodes them (whole vision weights) and each step carries the rows
-        self.vision_args, self.image_encoder = _vision(spec, self._shard)
+        # Llama 4 images: every rank encodes each image with its slice of the vision encoder (encode_image)
+        encoder = self._shard.image_encoder
+        self.vision: VisionConfig | None = encoder.config if encoder is not None else None
+        self.image_encoder = self.encode_image if encoder is not None else None
         self.weight_bytes = self._shard.weight_bytes * mp_size  # all ranks (norms are replicated: close enough)
-        if self.image_encoder is not None:  # rank 0's whole vision weights
-            self.weight_bytes += sum(t.numel() * t.element_size() for t in self.image_encoder.w.values())
         self.weights = WeightsReport(config.quantization, self._shard.model.weight_formats(), self.weight_bytes)
         self.kv_cache_bytes = num_blocks * self._shard.bytes_per_block * mp_size
         log.info(
@@ -135,6 +134,18 @@ class WorkerGroup:
         if self._group is not None:
             self._group.broadcast_lora_unload(lora_id)
 
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Llama 4: one image's tiles [chunks, 3, tile, tile] -> its rows [image tokens, dim], run by
+        every rank on its slice of the vision encoder (the pixels go to the followers first, as float32,
+        which is what the preprocessor makes); rank 0's rows, which the step then carries."""
+        if self._closed:
+            raise EngineDead("the model executor was shut down")
+        pixels = pixels.to(torch.float32)  # what the followers receive: every rank encodes the same values
+        if self._group is None:
+            return self._shard.encode_image(pixels)
+        self._group.broadcast_image(pixels)
+        return self._group.collective(lambda: self._shard.encode_image(pixels))
+
     def update_cross_attention(self, update: CrossAttentionUpdate) -> None:
         """Llama 3.2 Vision: apply a cross-attention update on every rank (rank 0 encodes its share
         of the new images while the followers encode theirs)."""
@@ -159,19 +170,3 @@ class WorkerGroup:
         if self._group is not None:
             self._group.shutdown()
             self._group = None
-
-
-def _vision(spec: CheckpointSpec, shard: Worker) -> tuple[dict | None, Llama4VisionEncoder | None]:
-    """(vision_args, encoder) of a Llama 4 checkpoint that ships vision weights, else (None, None).
-    Rank 0 holds the whole vision weights (gathered from every shard) and encodes; a model-parallel
-    step carries the image rows and embeddings to the followers (engine/executor/parallel.py)."""
-    if spec.family != "llama4" or spec.format != "meta":
-        return None, None
-    vision_args = read_vision_args(spec.checkpoint_dir)
-    if vision_args is None:
-        return None, None
-    state = load_vision_state(spec.shard_paths, spec.allowed_roots, shard.dtype, shard.device)
-    if not state:
-        log.info("%s: params.json has vision_args but the shards hold no vision weights: text only", spec.model_id)
-        return None, None
-    return vision_args, Llama4VisionEncoder(VisionConfig.from_params(vision_args), state)

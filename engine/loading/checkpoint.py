@@ -35,6 +35,7 @@ from engine.loading.layout import ParamLayout, local_shape, param_layouts, rank_
 from engine.loading.llama4 import normalize_shard, parallel_size_problems, to_meta_layout
 from engine.loading.mllama import TEXT_PREFIX, normalize_shard as normalize_mllama_shard, vision_dims
 from engine.models.mllama.args import IMAGE_TOKEN_ROWS, VISION_HEADS, VisionDims
+from engine.models.llama4.args import VISION_PREFIXES as LLAMA4_VISION_PREFIXES, VisionConfig, vision_config
 from engine.loading.progress import Progress, ProgressCallback
 from engine.models.args import ModelArgs
 from engine.types import CheckpointError, Family, InvalidRequest
@@ -192,8 +193,9 @@ def check_tokenizer_vocab(spec: CheckpointSpec, tokenizer_vocab_size: int) -> No
 
 
 # --------------------------------------------------------------------------- parallel layout
-def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
-    """Raise CheckpointError when the model cannot be cut into mp_size ranks."""
+def check_parallel_size(args: ModelArgs, mp_size: int, vision: VisionDims | VisionConfig | None = None) -> None:
+    """Raise CheckpointError when the model cannot be cut into mp_size ranks (with a Llama 4
+    checkpoint's vision encoder, `vision`, when it ships one)."""
     kv = args.kv_heads
     problems = []
     if args.n_heads % mp_size:
@@ -211,6 +213,8 @@ def check_parallel_size(args: ModelArgs, mp_size: int) -> None:
             problems.append(f"the image encoder's {VISION_HEADS} heads")
         if IMAGE_TOKEN_ROWS % mp_size:
             problems.append(f"the {IMAGE_TOKEN_ROWS} image-token embedding rows")
+    if isinstance(vision, VisionConfig):
+        problems += vision.parallel_size_problems(mp_size)
     if problems:
         raise CheckpointError(f"model-parallel size {mp_size} does not divide {', '.join(problems)}")
 
@@ -223,6 +227,8 @@ class _Shards:
         self._spec = spec
         self._layouts = layouts
         self._open: dict[int, dict[str, torch.Tensor]] = {}
+        # Llama 4: the vision weights are kept when the model loads them (checkpoint_vision_dims)
+        self._llama4_vision = any(key.startswith(LLAMA4_VISION_PREFIXES) for key in layouts)
 
     @property
     def num_opened(self) -> int:
@@ -235,7 +241,8 @@ class _Shards:
             # Meta's pre-quantized releases, FP8 and int4 (engine/loading/meta_quantized.py); others pass through
             state = as_shipped(self._spec.checkpoint_dir, self._spec.model_args, path, state, old_rank, self._spec.allowed_roots)
             if self._spec.model_args.is_llama4:  # Meta's shipped Llama 4 keys -> the reference's names
-                state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths))
+                state = normalize_shard(self._spec.model_args, state, old_rank, len(self._spec.shard_paths),
+                                        vision=self._llama4_vision)
             if self._spec.model_args.is_mllama:  # Llama 3.2 Vision's text_model. prefix dropped
                 state = normalize_mllama_shard(state)
             self._validate(path, state, old_rank)
@@ -365,11 +372,12 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     Tensors are views of the mmapped shards where no merge was needed (no copy until the caller
     converts dtype or device)."""
     args = spec.model_args
-    check_parallel_size(args, mp_size)
+    vision = checkpoint_vision_dims(spec)
+    check_parallel_size(args, mp_size, vision)
     old_size = len(spec.shard_paths)
     if old_size > 1:
-        check_parallel_size(args, old_size)
-    layouts = param_layouts(args, checkpoint_vision_dims(spec))
+        check_parallel_size(args, old_size, vision)
+    layouts = param_layouts(args, vision)
     shards = _Shards(spec, layouts)
     started_s = time.monotonic()
     out: dict[str, torch.Tensor] = {}
@@ -391,14 +399,28 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
     return out
 
 
-def checkpoint_vision_dims(spec: CheckpointSpec) -> VisionDims | None:
+def checkpoint_vision_dims(spec: CheckpointSpec) -> VisionDims | VisionConfig | None:
     """A Llama 3.2 Vision checkpoint's image encoder sizes, from its first shard's shapes (mmapped:
-    no weight is read); None for a text model."""
+    no weight is read); a Llama 4 checkpoint's vision_args when its Meta shards ship the vision
+    weights (params.json with vision_args over text-only shards loads as text); None for a text model."""
+    if spec.model_args.is_llama4:
+        return _llama4_vision(spec)
     if not spec.model_args.is_mllama:
         return None
     path = guarded(spec.shard_paths[0], spec.allowed_roots)
     state = normalize_mllama_shard(reader_for(spec.format).read_shard(path, spec.model_args, spec.allowed_roots))
     return vision_dims(state, spec.model_args, source=str(path))
+
+
+def _llama4_vision(spec: CheckpointSpec) -> VisionConfig | None:
+    if spec.format != "meta" or "vision_args" not in dict(spec.model_args.extra):
+        return None
+    path = guarded(spec.shard_paths[0], spec.allowed_roots)
+    state = reader_for(spec.format).read_shard(path, spec.model_args, spec.allowed_roots)  # mmapped: keys only
+    if not any(key.startswith(LLAMA4_VISION_PREFIXES) for key in state):
+        log.info("%s: params.json has vision_args but the shards hold no vision weights: text only", spec.checkpoint_dir)
+        return None
+    return vision_config(dict(spec.model_args.extra), source=str(spec.checkpoint_dir / PARAMS_FILE))
 
 
 # --------------------------------------------------------------------------- writing (tests, demos)

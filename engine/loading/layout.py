@@ -1,6 +1,7 @@
 """How a checkpoint's weights are cut over model-parallel ranks: each weight's full shape and
 parallel dimension (column-parallel: output rows; row-parallel: input columns; the vocab-parallel
-embedding: vocab rows; Llama 4's experts: their hidden size F), and the slice a rank holds.
+embedding: vocab rows; Llama 4's experts: their hidden size F), and the slice a rank holds. The
+vision encoders (Llama 3.2 Vision's, Llama 4's) are cut as llama-models' fairscale layers cut them.
 
 What the loader reshards by (engine/loading/checkpoint.py) and what Meta's Llama 4 key mapping
 (engine/loading/llama4.py) splits fused shards by; it reads only the architecture (ModelArgs).
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.models.args import ModelArgs
-from engine.models.llama4.args import is_moe_layer, moe_hidden_dim
+from engine.models.llama4.args import VisionConfig, is_moe_layer, moe_hidden_dim
 from engine.models.mllama.args import ENCODER, IMAGE_TOKEN_ROWS, VisionDims
 
 
@@ -22,9 +23,10 @@ class ParamLayout:
     kv_heads: int = 0  # > 0 for wk/wv: ranks past n_kv_heads repeat heads (Meta's MP > n_kv_heads rule)
 
 
-def param_layouts(args: ModelArgs, vision: VisionDims | None = None) -> dict[str, ParamLayout]:
+def param_layouts(args: ModelArgs, vision: VisionDims | VisionConfig | None = None) -> dict[str, ParamLayout]:
     """Every weight the model holds, with its full (unsharded) shape and parallel dimension; a Llama
-    3.2 Vision model's image encoder sizes come from its weights (`vision`, engine/loading/mllama.py)."""
+    3.2 Vision model's image encoder sizes come from its weights (`vision`, engine/loading/mllama.py),
+    a Llama 4 model's from its vision_args (`vision`, for a checkpoint that ships vision weights)."""
     ffn_layouts = llama4_ffn_layouts if args.is_llama4 else dense_ffn_layouts
     d = args.dim
     out = {"tok_embeddings.weight": ParamLayout((args.vocab_size, d), 0)}  # VocabParallelEmbedding
@@ -39,7 +41,10 @@ def param_layouts(args: ModelArgs, vision: VisionDims | None = None) -> dict[str
         out["output.weight"] = ParamLayout((args.vocab_size, d), 0)
     if args.is_mllama:  # without `vision`: the released encoder's sizes (estimates before loading)
         assert args.vision_chunk_size is not None
+        assert not isinstance(vision, VisionConfig)
         out.update(mllama_layouts(args, vision or VisionDims.release(args.vision_chunk_size)))
+    if isinstance(vision, VisionConfig):
+        out.update(llama4_vision_layouts(vision, d))
     return out
 
 
@@ -151,4 +156,35 @@ def vision_layouts(v: VisionDims) -> dict[str, ParamLayout]:
             if gated:
                 out[p + "gate_attn"] = ParamLayout((1,), None)
                 out[p + "gate_ffn"] = ParamLayout((1,), None)
+    return out
+
+
+def llama4_vision_layouts(v: VisionConfig, text_dim: int) -> dict[str, ParamLayout]:
+    """Llama 4's vision encoder, pixel-shuffle adapter and projection, as llama-models' llama4
+    vision/encoder.py, embedding.py and model.py shard them: ColumnParallelLinear weights (and
+    biases) split along their output rows (conv1's patch linear, wq/wk/wv, the MLPs' c_fc, the
+    projection), RowParallelLinear weights along their input columns (wo, c_proj; their biases,
+    added after the all-reduce, whole), the embeddings and layer norms whole on every rank."""
+    e = "vision_embeddings.vision_encoder."
+    d, hidden, grid = v.dim, v.mlp_hidden_dim, v.image_size // v.patch_size
+    out = {
+        e + "conv1._linear.weight": ParamLayout((d, 3 * v.patch_size * v.patch_size), 0),
+        e + "class_embedding": ParamLayout((d,), None),
+        e + "positional_embedding_vlm": ParamLayout((grid * grid + 1, d), None),
+    }
+    for norm in ("ln_pre.", "ln_post."):
+        out[e + norm + "weight"], out[e + norm + "bias"] = ParamLayout((d,), None), ParamLayout((d,), None)
+    for i in range(v.n_layers):
+        p = f"{e}transformer.resblocks.{i}."
+        for name in ("wq", "wk", "wv"):
+            out[f"{p}attn.{name}.weight"], out[f"{p}attn.{name}.bias"] = ParamLayout((d, d), 0), ParamLayout((d,), 0)
+        out[p + "attn.wo.weight"], out[p + "attn.wo.bias"] = ParamLayout((d, d), 1), ParamLayout((d,), None)
+        for norm in ("ln_1.", "ln_2."):
+            out[p + norm + "weight"], out[p + norm + "bias"] = ParamLayout((d,), None), ParamLayout((d,), None)
+        out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = ParamLayout((hidden, d), 0), ParamLayout((hidden,), 0)
+        out[p + "mlp.c_proj.weight"], out[p + "mlp.c_proj.bias"] = ParamLayout((d, hidden), 1), ParamLayout((d,), None)
+    adapter = "vision_embeddings.vision_adapter.mlp."  # SimpleMLP, bias-free
+    out[adapter + "c_fc.weight"] = ParamLayout((v.output_dim, v.shuffled_dim), 0)
+    out[adapter + "c_proj.weight"] = ParamLayout((v.output_dim, v.output_dim), 1)
+    out["vision_projection.weight"] = ParamLayout((text_dim, v.output_dim), 0)
     return out

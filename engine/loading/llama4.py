@@ -14,29 +14,22 @@ hooks (llama4 model.py, moe.py, ffn.py) turn back into the module parameters:
 
 normalize_shard() applies them to each shard as it is opened, so resharding (engine/loading/checkpoint.py)
 works on the reference names: experts split along F on every rank (Meta's MP split), the router
-replicated. Vision weights are left out of the text model's shards; load_vision_state reads them
-whole for the vision encoder (engine/models/llama4/vision.py).
+replicated. The vision weights keep their names (llama-models' modules load them as shipped) and
+are resharded like the text weights, by their layouts (engine/loading/layout.py,
+llama4_vision_layouts), when the checkpoint ships them; each rank holds its slice.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, Sequence
 
 import torch
 
-from engine.loading.file_guard import guarded
-from engine.loading.formats import torch_load
-from engine.loading.json_file import read_json_object
-
 from engine.loading.layout import local_shape, param_layouts
 from engine.models.args import ModelArgs
-from engine.models.llama4.args import is_moe_layer, moe_hidden_dim
+from engine.models.llama4.args import VISION_PREFIXES, is_moe_layer, moe_hidden_dim
 
 log = logging.getLogger(__name__)
-
-_VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 
 def parallel_size_problems(args: ModelArgs, mp_size: int) -> list[str]:
@@ -62,13 +55,15 @@ _EXPERTS = {  # shipped -> (reference name, 3-D view of the 2-D [e*D, F] / [e*F,
 }
 
 
-def normalize_shard(args: ModelArgs, state: dict[str, torch.Tensor], old_rank: int, old_size: int) -> dict[str, torch.Tensor]:
+def normalize_shard(args: ModelArgs, state: dict[str, torch.Tensor], old_rank: int, old_size: int, *,
+                    vision: bool = False) -> dict[str, torch.Tensor]:
     """One opened shard (rank old_rank of old_size) with Meta's shipped keys turned into the
-    reference's module names and shapes (the load hooks' work); vision weights left out (load_vision_state)."""
+    reference's module names and shapes (the load hooks' work); the vision weights kept as shipped
+    when `vision` (the model loads them), else left out (a text-only load)."""
     out: dict[str, torch.Tensor] = {}
     layouts = param_layouts(args)
     for key, tensor in state.items():
-        if key.startswith(_VISION_PREFIXES) or key.endswith("._extra_state"):
+        if (key.startswith(VISION_PREFIXES) and not vision) or key.endswith("._extra_state"):
             continue
         if not key.startswith("layers."):
             out[key] = tensor
@@ -119,42 +114,4 @@ def to_meta_layout(shard: dict[str, torch.Tensor], args: ModelArgs) -> dict[str,
             out[p + "feed_forward.mlp.layer_norm_weight"] = out.pop(p + "ffn_norm.weight")
             out[p + "feed_forward.mlp.fc1_weight"] = torch.cat([out.pop(p + "feed_forward.w1.weight"), out.pop(p + "feed_forward.w3.weight")])
             out[p + "feed_forward.mlp.fc2_weight"] = out.pop(p + "feed_forward.w2.weight")
-    return out
-
-
-# --------------------------------------------------------------------------- vision weights
-# How the reference shards each vision linear over model-parallel ranks (fairscale layers): a
-# column-parallel weight (and its bias) is split along dim 0, a row-parallel weight along dim 1
-# (its bias whole on every rank); everything else is whole on every rank.
-_VISION_COLUMN = ("conv1._linear.weight", "attn.wq.", "attn.wk.", "attn.wv.", "mlp.c_fc.", "vision_projection.weight")
-_VISION_ROW = ("attn.wo.weight", "mlp.c_proj.weight")
-
-
-def read_vision_args(checkpoint_dir: Path) -> dict[str, Any] | None:
-    """params.json's vision_args (beside the shards, or in original/ as Hugging Face repos keep it),
-    or None for a text-only checkpoint."""
-    for path in (Path(checkpoint_dir) / "params.json", Path(checkpoint_dir) / "original" / "params.json"):
-        if path.is_file():
-            vision = (read_json_object(path) or {}).get("vision_args")
-            return vision if isinstance(vision, dict) else None
-    return None
-
-
-def load_vision_state(shard_paths: Sequence[Path], allowed_roots: Sequence[Path], dtype: torch.dtype,
-                      device: torch.device) -> dict[str, torch.Tensor]:
-    """The vision encoder, adapter and projection weights, whole: each shard's part gathered as the
-    reference's column- and row-parallel layers split them (rank 0 encodes images for every rank)."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for path in shard_paths:
-        state = torch_load(guarded(path, allowed_roots))
-        for key, tensor in state.items():
-            if key.startswith(_VISION_PREFIXES) and not key.endswith("._extra_state"):
-                parts.setdefault(key, []).append(tensor)
-    out = {}
-    for key, tensors in parts.items():
-        if len(tensors) == 1 or not any(name in key for name in _VISION_COLUMN + _VISION_ROW):
-            whole = tensors[0]
-        else:
-            whole = torch.cat(tensors, dim=1 if any(name in key for name in _VISION_ROW) else 0)
-        out[key] = whole.to(device=device, dtype=dtype)
     return out

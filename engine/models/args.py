@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _INCOMPATIBLE_FIELDS = {
     "vision_args": "vision checkpoints are not supported",
 }
-# Llama 4's params.json has vision_args: its text weights load, the vision weights are skipped.
+# Llama 4's params.json has vision_args (kept in `extra`; engine/models/llama4/args.py, vision_config).
 _LLAMA4_ALLOWED = frozenset({"vision_args"})
 
 

@@ -47,24 +47,52 @@ def test_expert_shards_split_hidden_size(llama4_checkpoint_2shards):
     assert kv_cache_shape(args, 2, 3, 4) == (3, 4, 1, 16)
 
 
-def test_vision_weights_stay_out_of_the_text_model(tmp_path):
-    """A Llama 4 checkpoint as Meta ships it carries vision_args and vision weights: the text model
-    loads without them (engine/loading/llama4.load_vision_state reads them for the vision encoder)."""
+def test_vision_weights_load_as_each_rank_slice(tmp_path):
+    """A Llama 4 checkpoint as Meta ships it (vision linears split as llama-models' fairscale layers
+    hold them): each rank of model-parallel size 2 loads only its slice of the vision weights, the
+    same from a 1-shard and a 2-shard release; the slices put back together are the whole weights."""
+    from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
+    from engine.loading.layout import llama4_vision_layouts
+    from engine.models.llama4.args import VISION_PREFIXES, VisionConfig
+    from tests.engine.tokenizer_fixtures import llama_models_file
+    from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR, TINY_LLAMA4_PARAMS
+    from tests.llama4_vision_fixtures import TINY_VISION_ARGS, write_tiny_llama4_vision_checkpoint
+
+    tokenizer = llama_models_file("llama4/tokenizer.model")
+    specs = [resolve_checkpoint(write_tiny_llama4_vision_checkpoint(tmp_path / f"mp{n}", tokenizer_path=tokenizer, num_shards=n),
+                                model_id="v", llama_model=TINY_LLAMA4_DESCRIPTOR) for n in (1, 2)]
+
+    def vision(state):
+        return {k: v for k, v in state.items() if k.startswith(VISION_PREFIXES)}
+
+    whole = vision(load_rank_state_dict(specs[0], 0, 1))
+    layouts = llama4_vision_layouts(VisionConfig.from_params(TINY_VISION_ARGS), TINY_LLAMA4_PARAMS["dim"])
+    assert set(whole) == set(layouts) and all(tuple(whole[k].shape) == layouts[k].full_shape for k in whole)
+    whole_bytes = sum(t.numel() * t.element_size() for t in whole.values())
+    for spec in specs:
+        ranks = [vision(load_rank_state_dict(spec, rank, 2)) for rank in range(2)]
+        for key, layout in layouts.items():
+            if layout.parallel_dim is None:
+                assert all(torch.equal(r[key], whole[key]) for r in ranks), key
+            else:
+                assert all(r[key].shape[layout.parallel_dim] * 2 == whole[key].shape[layout.parallel_dim] for r in ranks), key
+                assert torch.equal(torch.cat([r[key] for r in ranks], layout.parallel_dim), whole[key]), key
+        for r in ranks:  # about half: only the embeddings, norms and row-parallel biases are whole on both
+            assert sum(t.numel() * t.element_size() for t in r.values()) < 0.55 * whole_bytes
+
+
+def test_vision_args_over_text_only_shards_load_the_text_model(tmp_path):
+    """params.json with vision_args over shards without vision weights: the text model loads alone."""
     import json
 
     from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
     from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR
+    from tests.llama4_vision_fixtures import TINY_VISION_ARGS
 
     ckpt = write_tiny_llama4_checkpoint(tmp_path, num_shards=2)
     params = json.loads((ckpt / "params.json").read_text())
-    params["vision_args"] = {"image_size": {"height": 336, "width": 336}, "patch_size": {"height": 14, "width": 14}}
+    params["vision_args"] = TINY_VISION_ARGS
     (ckpt / "params.json").write_text(json.dumps(params))
-    for rank in range(2):
-        path = ckpt / f"consolidated.{rank:02d}.pth"
-        shard = torch.load(path, weights_only=True)
-        shard["vision_embeddings.patch_embedding.weight"] = torch.zeros(8, 4)
-        shard["vision_projection.weight"] = torch.zeros(4, 8)
-        torch.save(shard, path)
     spec = resolve_checkpoint(ckpt, model_id="x", llama_model=TINY_LLAMA4_DESCRIPTOR)
     state = load_rank_state_dict(spec, 0, 1)
-    assert not any(k.startswith("vision") for k in state)
+    assert not any(k.startswith("vision") for k in state) and "tok_embeddings.weight" in state

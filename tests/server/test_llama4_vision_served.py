@@ -195,22 +195,44 @@ async def test_batched_preempted_and_prefix_cached_requests_keep_their_tokens(ai
     assert first["usage"]["prompt_tokens"] == len(prompt)
 
 
-async def test_model_parallel_2_serves_the_same_tokens(aiohttp_client, tmp_path, tmp_path_factory, reference):
-    """The same weights shipped for model-parallel size 2 (vision linears split as the reference's
-    fairscale layers hold them), served at model_parallel_size 2: rank 0 gathers and encodes the
-    images, and every rank fuses the rows the step carries."""
+async def serve_cases(aiohttp_client, tmp_path, checkpoint, mp_size: int, names) -> tuple[dict, int, object]:
+    """({case: (tokens, logprobs)} served at temperature 0 by a fresh engine at mp_size, rank 0's
+    vision weight bytes, the tokenizer); the client is closed at the end, which shuts the engine (its group) down."""
     from types import SimpleNamespace
 
     from engine.loader import load_engine
 
-    checkpoint = write_tiny_llama4_vision_checkpoint(tmp_path_factory.mktemp("llama4_vision_mp2"), num_shards=2,
-                                                     tokenizer_path=llama_models_file("llama4/tokenizer.model"))
     spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
-    engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4, model_parallel_size=2,
+    engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4, model_parallel_size=mp_size,
                                             cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16))
+    vision_bytes = engine.core.runner._workers._shard.image_encoder.nbytes
     client = await start(aiohttp_client, tmp_path, engine)
-    for name in ("two images between text", "text only"):
-        _, expected, expected_logprobs = reference(CASES[name])
-        texts, logprobs, _ = await served(client, CASES[name])
-        assert texts == [engine.tokenizer.decode([t]) for t in expected], name
-        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-3, name
+    try:
+        answers = {}
+        for name in names:
+            texts, logprobs, _ = await served(client, CASES[name])
+            answers[name] = texts, logprobs
+        return answers, vision_bytes, engine.tokenizer
+    finally:
+        await client.close()
+
+
+async def test_model_parallel_2_serves_the_same_tokens(aiohttp_client, tmp_path, tmp_path_factory, checkpoint, reference):
+    """The vision encoder sharded as llama-models' fairscale layers shard it: at model_parallel_size 2
+    each rank holds about half the vision weights and encodes its part of each image, and image and
+    text requests get model_parallel_size 1's tokens (logprobs within 2e-3) and the reference's;
+    from weights shipped for model-parallel size 2 (vision linears split as the reference holds
+    them) and from a 1-shard release resharded at load."""
+    names = ("two images between text", "one image", "text only")
+    at_mp1, mp1_bytes, tokenizer = await serve_cases(aiohttp_client, tmp_path, checkpoint, 1, names)
+    checkpoint_2shards = write_tiny_llama4_vision_checkpoint(tmp_path_factory.mktemp("llama4_vision_mp2"), num_shards=2,
+                                                             tokenizer_path=llama_models_file("llama4/tokenizer.model"))
+    for ckpt in (checkpoint_2shards, checkpoint):
+        at_mp2, mp2_bytes, _ = await serve_cases(aiohttp_client, tmp_path, ckpt, 2, names)
+        assert mp2_bytes < 0.55 * mp1_bytes  # rank 0's slice (the norms, embeddings, row biases whole)
+        for name in names:
+            (texts, logprobs), (texts1, logprobs1) = at_mp2[name], at_mp1[name]
+            _, expected, expected_logprobs = reference(CASES[name])
+            assert texts == texts1 == [tokenizer.decode([t]) for t in expected], name
+            assert max(abs(a - b) for a, b in zip(logprobs, logprobs1)) < 2e-3, name
+            assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 2e-3, name

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,60 @@ def validate_llama4_args(args: "ModelArgs", extra: dict[str, Any], bad: Callable
         value = getattr(args, name)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
             raise bad(f"a mixture-of-experts params.json needs {name} > 0, found {value!r}")
+
+
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")  # the vision weights' names in Meta's shards
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """params.json's vision_args (llama-models' llama4 VisionArgs), the fields the encoder and its
+    weights' shapes read (engine/models/llama4/vision.py, engine/loading/layout.py)."""
+
+    image_size: int  # tile side, pixels
+    patch_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    pixel_shuffle_ratio: float
+    mlp_ratio: float = 4.0  # the encoder MLP's hidden size: int(mlp_ratio * dim), as the reference
+    output_dim: int = 4096  # the adapter's width (VisionArgs' defaults)
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return int(self.mlp_ratio * self.dim)
+
+    @property
+    def shuffled_dim(self) -> int:
+        """The adapter's input width: PixelShuffleMLP's int(input_dim // ps_ratio ** 2)."""
+        return int(self.dim // (self.pixel_shuffle_ratio**2))
+
+    @classmethod
+    def from_params(cls, vision_args: Mapping, *, source: str = "params.json") -> "VisionConfig":
+        try:
+            size, patch = vision_args["image_size"], vision_args["patch_size"]
+            if size["height"] != size["width"] or patch["height"] != patch["width"]:
+                raise CheckpointError(f"{source}: only square tiles and patches are served (as every Llama 4 release ships)")
+            optional = {name: vision_args[name] for name in ("mlp_ratio", "output_dim") if name in vision_args}
+            return cls(image_size=int(size["width"]), patch_size=int(patch["width"]), dim=int(vision_args["dim"]),
+                       n_layers=int(vision_args["n_layers"]), n_heads=int(vision_args["n_heads"]),
+                       pixel_shuffle_ratio=float(vision_args["pixel_shuffle_ratio"]),
+                       **{k: (float if k == "mlp_ratio" else int)(v) for k, v in optional.items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{source}: vision_args is not llama-models' VisionArgs ({type(exc).__name__}: {exc})") from None
+
+    def parallel_size_problems(self, mp_size: int) -> list[str]:
+        """What model-parallel size mp_size does not divide: the reference's fairscale layers split
+        the encoder's heads, widths and the adapter's width."""
+        sizes = {"heads": self.n_heads, "width": self.dim, "MLP hidden size": self.mlp_hidden_dim,
+                 "adapter width": self.output_dim}
+        return [f"the vision encoder's {name} {value}" for name, value in sizes.items() if value % mp_size]
+
+
+def vision_config(extra: Mapping[str, Any], *, source: str = "params.json") -> VisionConfig | None:
+    """A Llama 4 params.json's vision_args (kept in ModelArgs.extra), or None for a text-only one."""
+    vision_args = extra.get("vision_args")
+    return None if vision_args is None else VisionConfig.from_params(vision_args, source=source)
 
 
 def is_moe_layer(args: "ModelArgs", layer_id: int) -> bool:

@@ -14,7 +14,9 @@ their own layers:
 - dense layers (interleave_moe_layer_step > 1) are engine.models.llama.FeedForward.
 
 Each expert's w1|w3 and w2 are linears like any other (engine/backends/: packed, or quantized by
-fp8_mixed), prepared once at load.
+fp8_mixed), prepared once at load. A checkpoint that ships vision weights also gets its vision
+encoder (engine/models/llama4/vision.py: this rank's slice, `image_encoder`), which the executor
+runs on every rank for each image (engine/executor/images.py) before the step that fuses its rows.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from engine.backends.base import AttentionMetadata, Backend, HeadLayout, KVCache
 from engine.executor.step_inputs import StepInputs
 from engine.models.args import ModelArgs
 from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, apply_rotary_emb, fuse_linears
-from engine.models.llama4.args import is_moe_layer, is_nope_layer, precompute_freqs_cis
+from engine.models.llama4.args import VISION_PREFIXES, is_moe_layer, is_nope_layer, precompute_freqs_cis, vision_config
+from engine.models.llama4.vision import Llama4VisionEncoder
 from engine.models.weights import PreparedWeights
+from engine.types import CheckpointError
 
 
 @dataclass(slots=True)
@@ -180,6 +184,21 @@ class Llama4Transformer(Transformer):
     data (step_data: the chunked layout beside the plan's)."""
 
     block = Llama4Block
+
+    def __init__(self, args: ModelArgs, weights: PreparedWeights, backend: Backend, *, mp_size: int, max_seq_len: int) -> None:
+        vision = {name: w for prefix in VISION_PREFIXES for name, w in weights.take_prefixed(prefix).items()}
+        super().__init__(args, weights, backend, mp_size=mp_size, max_seq_len=max_seq_len)
+        self.image_encoder: Llama4VisionEncoder | None = None  # a text-only checkpoint (or load) has none
+        if vision:
+            config = vision_config(dict(args.extra))
+            if config is None:
+                raise CheckpointError("vision weights without params.json vision_args")
+            mp = Collectives(mp_size)
+            self.image_encoder = Llama4VisionEncoder(config, vision, mp_size=mp_size, reduce=mp.reduce, gather=mp.gather)
+
+    def weight_bytes(self) -> int:
+        """The text model's bytes, plus this rank's vision weights (plain tensors, not parameters)."""
+        return super().weight_bytes() + (self.image_encoder.nbytes if self.image_encoder is not None else 0)
 
     @staticmethod
     def _rope_table(args: ModelArgs, max_seq_len: int, real: torch.dtype) -> torch.Tensor:

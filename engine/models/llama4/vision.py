@@ -15,65 +15,67 @@ token), full (non-causal) attention, GELU MLPs; then the class token is dropped,
 pixel-shuffled (ratio r: r^2 as many tokens, 1/r^2 as wide), a bias-free GELU MLP (GELU after both
 of its linears, as the reference's SimpleMLP), and the projection to the text width.
 
-Sizes come from the tensors and `vision_args` (params.json). Runs on one rank, in the model dtype:
-every rank adds the same rows to its embeddings, so rank 0 encodes and the step carries the rows.
+Model parallel as the reference's fairscale layers (engine/loading/layout.py, llama4_vision_layouts,
+cuts the weights; each rank holds its slice): conv1's patch linear column-parallel and gathered;
+wq/wk/wv and the MLPs' c_fc column-parallel (this rank's heads and hidden units), wo and c_proj
+row-parallel, all-reduced, their biases added after; the adapter's c_fc / c_proj the same pair; the
+projection column-parallel and gathered; embeddings and layer norms whole. Every rank runs its part
+of each image (engine/executor/worker_group.py sends the pixels to every rank) and ends with the
+same rows. Sizes come from `vision_args` (params.json, VisionConfig).
+
+Quantization: the vision weights stay in the model dtype under fp8_mixed and int4_mixed, as in
+llama-models' Llama 4 quantization (llama4/quantization/loader.py, should_quantize_block, line 65:
+`if not isinstance(block, TransformerBlock): return False`; only the text TransformerBlocks' MoE
+experts are converted, never the vision encoder's _TransformerBlocks or the adapter and projection).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
+from engine.models.llama4.args import VISION_PREFIXES, VisionConfig
+from engine.models.mllama.vision import Collective, apply_collective
+
+__all__ = ["VISION_PREFIXES", "Llama4VisionEncoder", "VisionConfig", "random_vision_state"]
+
 _ENCODER = "vision_embeddings.vision_encoder."
 
 
-@dataclass(frozen=True, slots=True)
-class VisionConfig:
-    """params.json's vision_args, the fields the encoder reads."""
-
-    image_size: int  # tile side, pixels
-    patch_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    pixel_shuffle_ratio: float
-
-    @classmethod
-    def from_params(cls, vision_args: Mapping) -> "VisionConfig":
-        size, patch = vision_args["image_size"], vision_args["patch_size"]
-        if size["height"] != size["width"] or patch["height"] != patch["width"]:
-            raise ValueError("only square tiles and patches are served (as every Llama 4 release ships)")
-        return cls(image_size=int(size["width"]), patch_size=int(patch["width"]), dim=int(vision_args["dim"]),
-                   n_layers=int(vision_args["n_layers"]), n_heads=int(vision_args["n_heads"]),
-                   pixel_shuffle_ratio=float(vision_args["pixel_shuffle_ratio"]))
-
-
 class Llama4VisionEncoder:
-    """Pixels of one image's chunks -> its <|patch|> rows in the text model's embedding space."""
+    """Pixels of one image's chunks -> its <|patch|> rows in the text model's embedding space, over
+    this rank's slice of the weights (all of them at model-parallel size 1)."""
 
-    def __init__(self, config: VisionConfig, state: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: VisionConfig, state: Mapping[str, torch.Tensor], *, mp_size: int = 1,
+                 reduce: Collective = None, gather: Collective = None) -> None:  # fmt: skip
         self.config = config
         self.w = {k: v for k, v in state.items() if k.startswith(VISION_PREFIXES)}
         self.grid = config.image_size // config.patch_size
-        self.freqs_cis = _patch_rope(self.grid, config.dim // config.n_heads).to(self.w["vision_projection.weight"].device)
+        self.n_local_heads = config.n_heads // mp_size
+        self.head_dim = config.dim // config.n_heads
+        self.reduce, self.gather = reduce, gather
+        self.freqs_cis = _patch_rope(self.grid, self.head_dim).to(self.w["vision_projection.weight"].device)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.w["vision_projection.weight"].dtype
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's vision weights."""
+        return sum(t.numel() * t.element_size() for t in self.w.values())
+
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[chunks, 3, tile, tile] -> [chunks * tokens_per_chunk, text dim]."""
+        """[chunks, 3, tile, tile] -> [chunks * tokens_per_chunk, text dim] (on every rank)."""
         w, c = self.w, self.config
         x = pixels.to(self.dtype)
         patch = c.patch_size
         x = F.unfold(x, kernel_size=(patch, patch), stride=(patch, patch)).permute(0, 2, 1)
-        x = F.linear(x, w[_ENCODER + "conv1._linear.weight"])  # [chunks, grid^2, dim]
+        x = apply_collective(self.gather, F.linear(x, w[_ENCODER + "conv1._linear.weight"]))  # [chunks, grid^2, dim]
         cls = w[_ENCODER + "class_embedding"].to(x.dtype) + torch.zeros(x.shape[0], 1, x.shape[-1], dtype=x.dtype, device=x.device)
         x = torch.cat([x, cls], dim=1) + w[_ENCODER + "positional_embedding_vlm"].to(x.dtype)
         x = _layer_norm(x, w, _ENCODER + "ln_pre.")
@@ -81,21 +83,25 @@ class Llama4VisionEncoder:
             p = f"{_ENCODER}transformer.resblocks.{i}."
             x = x + self._attention(_layer_norm(x, w, p + "ln_1."), p + "attn.")
             hidden = F.gelu(F.linear(_layer_norm(x, w, p + "ln_2."), w[p + "mlp.c_fc.weight"], w[p + "mlp.c_fc.bias"]))
-            x = x + F.linear(hidden, w[p + "mlp.c_proj.weight"], w[p + "mlp.c_proj.bias"])
+            x = x + self._row_parallel(hidden, p + "mlp.c_proj.weight") + w[p + "mlp.c_proj.bias"]
         x = _layer_norm(x, w, _ENCODER + "ln_post.")[:, :-1, :]  # the class token dropped
         x = _pixel_shuffle(x, c.pixel_shuffle_ratio)
         adapter = "vision_embeddings.vision_adapter.mlp."
-        x = F.gelu(F.linear(F.gelu(F.linear(x, w[adapter + "c_fc.weight"])), w[adapter + "c_proj.weight"]))
-        return F.linear(x.reshape(-1, x.shape[-1]), w["vision_projection.weight"])
+        x = F.gelu(self._row_parallel(F.gelu(F.linear(x, w[adapter + "c_fc.weight"])), adapter + "c_proj.weight"))
+        return apply_collective(self.gather, F.linear(x.reshape(-1, x.shape[-1]), w["vision_projection.weight"]))
+
+    def _row_parallel(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RowParallelLinear without its bias: this rank's input columns, summed over the ranks."""
+        return apply_collective(self.reduce, F.linear(x, self.w[name]))
 
     def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w, heads = self.w, self.config.n_heads
-        bsz, seqlen, dim = x.shape
-        q, k, v = (F.linear(x, w[f"{p}w{n}.weight"], w[f"{p}w{n}.bias"]).view(bsz, seqlen, heads, dim // heads)
-                   for n in "qkv")
+        w, heads, head_dim = self.w, self.n_local_heads, self.head_dim
+        bsz, seqlen, _ = x.shape
+        q, k, v = (F.linear(x, w[f"{p}w{n}.weight"], w[f"{p}w{n}.bias"]).view(bsz, seqlen, heads, head_dim)
+                   for n in "qkv")  # fmt: skip
         q, k = _rotate(q, self.freqs_cis), _rotate(k, self.freqs_cis)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return F.linear(out.transpose(1, 2).reshape(bsz, seqlen, dim), w[p + "wo.weight"], w[p + "wo.bias"])
+        return self._row_parallel(out.transpose(1, 2).reshape(bsz, seqlen, heads * head_dim), p + "wo.weight") + w[p + "wo.bias"]
 
 
 def _layer_norm(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str) -> torch.Tensor:

@@ -25,7 +25,8 @@ from engine.models.mllama.args import ENCODER, VISION_HEADS, VisionDims
 Collective = Callable[[torch.Tensor], torch.Tensor] | None
 
 
-def _apply(collective: Collective, x: torch.Tensor) -> torch.Tensor:
+def apply_collective(collective: Collective, x: torch.Tensor) -> torch.Tensor:
+    """A fairscale mapping on x (an all-reduce, an all-gather), or x at model-parallel size 1."""
     return x if collective is None else collective(x)
 
 
@@ -50,11 +51,11 @@ class VisionModel:
                    for n in ("wq", "wk", "wv"))  # fmt: skip
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
         out = out.transpose(1, 2).contiguous().reshape(bs, slen, -1)
-        return _apply(self.reduce, F.linear(out, self._p(p + "attn.wo.weight")))
+        return apply_collective(self.reduce, F.linear(out, self._p(p + "attn.wo.weight")))
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(F.linear(x, self._p(p + "mlp.c_fc.weight"), self._p(p + "mlp.c_fc.bias")))
-        hidden = _apply(self.reduce, F.linear(hidden, self._p(p + "mlp.c_proj.weight")))
+        hidden = apply_collective(self.reduce, F.linear(hidden, self._p(p + "mlp.c_proj.weight")))
         return hidden + self._p(p + "mlp.c_proj.bias")
 
     def _layer_norm(self, p: str, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ class VisionModel:
         n, tiles, nch, size, _ = images.shape
         dims = self.dims
         x = F.unfold(images.reshape(n * tiles, nch, size, size), kernel_size=dims.patch_size, stride=dims.patch_size)
-        x = _apply(self.gather, F.linear(x.permute(0, 2, 1), self._p("conv1._linear.weight")))
+        x = apply_collective(self.gather, F.linear(x.permute(0, 2, 1), self._p("conv1._linear.weight")))
         _, ntok, dim = x.shape
         x = self._tile_embed("pre_tile_pos_embed", x.reshape(n, tiles, ntok, dim), ar).reshape(n * tiles, ntok, dim)
         cls = self._p("class_embedding").to(x.dtype) + torch.zeros(x.shape[0], 1, dim, dtype=x.dtype, device=x.device)
@@ -119,7 +120,7 @@ class VisionModel:
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """CrossAttentionTransformerVision's projection into the text width (column-parallel, gathered)."""
         w, b = self.w["vision_model.vision_projection.weight"], self.w["vision_model.vision_projection.bias"]
-        return _apply(self.gather, F.linear(states, w, b))
+        return apply_collective(self.gather, F.linear(states, w, b))
 
 
 def _encoder_mask(x: torch.Tensor, ar: list[tuple[int, int]], ntok: int, tiles: int) -> torch.Tensor:
