@@ -186,7 +186,8 @@ def llama4_config_params(config: dict[str, Any], source: Path) -> dict[str, Any]
     if not isinstance(no_rope, list) or len(no_rope) < n_layers:
         raise CheckpointError(f"{source}: no_rope_layers must list at least num_hidden_layers ({n_layers}) entries")
     nope_interval = every_nth({i for i in range(n_layers) if not no_rope[i]}, n_layers, "no_rope_layers (0: NoPE)", source)
-    chunk = _get(text, "attention_chunk_size")
+    # null: no chunked attention (only a missing key takes transformers' default)
+    chunk = text["attention_chunk_size"] if "attention_chunk_size" in text else _DEFAULTS["attention_chunk_size"]
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
         raise CheckpointError(f"{source}: attention_chunk_size must be a positive integer or null, found {chunk!r}")
     expected_types = ["chunked_attention" if no_rope[i] and chunk is not None else "full_attention" for i in range(n_layers)]

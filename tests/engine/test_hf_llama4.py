@@ -83,11 +83,21 @@ def expected(hf_model):
 
 
 def test_config_maps_to_llama4_params(causal_folder):
-    params = llama4_config_params(json.loads((causal_folder / "config.json").read_text()), causal_folder / "config.json")
+    source = causal_folder / "config.json"
+    config = json.loads(source.read_text())
+    params = llama4_config_params(config, source)
     assert params["nope_layer_interval"] == 3 and params["attention_chunk_size"] == 8
     assert params["moe_args"]["interleave_moe_layer_step"] == 2 and params["moe_args"]["top_k"] == 2
     assert params["use_scaled_rope"] and params["rope_scaling_factor"] == 8.0 and params["rope_high_freq_factor"] == 4.0
     assert params["floor_scale"] == 4.0 and params["use_qk_norm"] and params["attn_temperature_tuning"]
+    # an explicit null chunk is no chunking; a missing one is transformers' default, 8192
+    unchunked = {**config, "attention_chunk_size": None, "layer_types": None}
+    assert llama4_config_params(unchunked, source)["attention_chunk_size"] is None
+    missing = {k: v for k, v in config.items() if k not in ("attention_chunk_size", "layer_types")}
+    assert llama4_config_params(missing, source)["attention_chunk_size"] == 8192
+    # transformers 4.x wrote rope_scaling beside rope_theta (Maverick's: null, no scaling)
+    old = {**config, "rope_parameters": None, "rope_scaling": None, "rope_theta": 10000.0}
+    assert llama4_config_params(old, source)["use_scaled_rope"] is False and llama4_config_params(old, source)["rope_theta"] == 10000.0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -193,3 +203,38 @@ def test_configs_it_cannot_run_are_refused_naming_the_field(causal_folder, tmp_p
     add_tokenizer(folder)
     with pytest.raises(CheckpointError, match=message):
         resolve_checkpoint(folder, model_id="tiny")
+
+
+def test_mapped_weights_in_llama_models_reference_match_transformers(causal_folder, hf_model):
+    """The mapping itself against both references: the folder's tensors under our names, written in
+    Meta's shipped layout, run by llama-models' own llama4 Transformer (its load hooks), give
+    transformers' logits at every position."""
+    reference = pytest.importorskip("llama_models.llama4.model")
+    from llama_models.llama4.args import ModelArgs as MetaArgs
+    from llama_models.llama4.datatypes import TransformerInput
+
+    from engine.executor.parallel import destroy_group, init_group
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.loading.detect import reader_for
+    from engine.loading.llama4 import to_meta_layout
+
+    spec = resolve_checkpoint(causal_folder, model_id="tiny")
+    state = reader_for(spec.format).read_shard(spec.shard_paths[0], spec.model_args, ())
+    shipped = to_meta_layout({k: v.contiguous() for k, v in state.items()}, spec.model_args)
+    prompt = PROMPT + [7, 200, 33, 91, 150, 2]
+    init_group(torch.device("cpu"), rank=0, world_size=1, init_method="tcp://127.0.0.1:0", timeout_s=60)
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the reference's KV caches call .cuda()
+    try:
+        params = {k: v for k, v in spec.model_args.to_params().items() if k != "max_seq_len"}  # config.json's, kept in extra
+        model = reference.Transformer(MetaArgs(**params, max_batch_size=1, max_seq_len=64))
+        missing, unexpected = model.load_state_dict(shipped, strict=False)
+        assert not unexpected and not missing, (missing, unexpected)
+        with torch.inference_mode():
+            meta = model(TransformerInput(tokens=torch.tensor([prompt]), tokens_position=0)).logits[0].float()
+    finally:
+        torch.Tensor.cuda = cuda
+        destroy_group()
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt]), use_cache=False).logits[0]
+    torch.testing.assert_close(meta, theirs.float(), atol=1e-4, rtol=1e-4)
