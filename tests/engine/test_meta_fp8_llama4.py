@@ -232,3 +232,29 @@ def test_mp2_release_whose_w2_shards_have_no_common_group_is_refused_at_mp1(tmp_
     assert load_rank_state_dict(spec, 0, 2)["layers.1.feed_forward.experts.w2"].shape == (4, 56, 64)
     with pytest.raises(CheckpointError, match=r"layers.1.feed_forward.experts.w2 .*cannot reshard these quantized experts"):
         load_rank_state_dict(spec, 0, 1)
+
+
+def test_expert_weights_cut_and_merge_exactly_like_the_dequantized_tensor():
+    """ExpertWeights along the reference's dims: narrow and cat give the dequantized 3-D tensor's
+    slices and concatenation, bit for bit (w2's columns from two shards scaled on their own merge
+    into one group per shard)."""
+    from engine.quant.formats import quantize_fp8
+
+    g = torch.Generator().manual_seed(0)
+
+    def experts(e: int, cols: int, rows: int) -> tuple[ExpertWeights, torch.Tensor]:
+        parts = tuple(quantize_fp8(torch.randn(rows, cols, generator=g)) for _ in range(e))
+        return ExpertWeights(parts), torch.stack([p.dequantize().t() for p in parts])  # [e, in, out]
+
+    w1, dense = experts(3, 64, 96)
+    assert w1.shape == tuple(dense.shape) == (3, 64, 96)
+    rows = w1.narrow(2, 32, 32)
+    assert torch.equal(torch.stack([p.dequantize().t() for p in rows.parts]), dense[:, :, 32:64])
+    a, dense_a = experts(3, 32, 48)
+    b, dense_b = experts(3, 32, 48)
+    merged = ExpertWeights.cat([a, b], dim=1)
+    assert merged.expert(0).scales.shape == (48, 2)
+    assert torch.equal(torch.stack([p.dequantize().t() for p in merged.parts]), torch.cat([dense_a, dense_b], dim=1))
+    assert torch.equal(torch.stack([p.dequantize().t() for p in merged.narrow(1, 32, 32).parts]), dense_b)
+    with pytest.raises(ValueError, match="not dim 0"):
+        merged.narrow(0, 0, 1)
