@@ -182,7 +182,10 @@ def llama4_config_params(config: dict[str, Any], source: Path) -> dict[str, Any]
     if dim % n_heads or _get(text, "head_dim") != dim // n_heads:
         raise CheckpointError(f"{source}: head_dim {_get(text, 'head_dim')!r} differs from hidden_size / "
                               f"num_attention_heads = {dim / n_heads:g}; not supported")  # fmt: skip
-    no_rope = text.get("no_rope_layers") or [int((i + 1) % _positive_int(text, "no_rope_layer_interval", source) != 0) for i in range(n_layers)]
+    no_rope = text.get("no_rope_layers")
+    if not no_rope:  # transformers builds it from no_rope_layer_interval (an empty list too)
+        interval = _positive_int(text, "no_rope_layer_interval", source)
+        no_rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
     if not isinstance(no_rope, list) or len(no_rope) < n_layers:
         raise CheckpointError(f"{source}: no_rope_layers must list at least num_hidden_layers ({n_layers}) entries")
     nope_interval = every_nth({i for i in range(n_layers) if not no_rope[i]}, n_layers, "no_rope_layers (0: NoPE)", source)
