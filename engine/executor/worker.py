@@ -27,7 +27,7 @@ from engine.models.llama4.vision import Llama4VisionEncoder
 from engine.models.mllama.cache import CrossAttentionCache, state_bytes_per_image
 from engine.models.mllama.model import MllamaTransformer
 from engine.quant.cuda import to_device
-from engine.quant.formats import QuantizedWeight
+from engine.quant.formats import ExpertWeights, QuantizedWeight
 from engine.executor.step_inputs import StepInputs
 from engine.executor.cross_attention import CrossAttentionUpdate
 from engine.lora.adapters import LoraAdapter, read_adapter, shard_adapter
@@ -231,7 +231,7 @@ def _materialise(state: dict[str, torch.Tensor], device: torch.device, dtype: to
         for key, value in state.items():
             # quantized weights (a quantized checkpoint) stay in their format; on CUDA their codes
             # move to the device (kernels per device: engine.quant.policy.check_formats)
-            if isinstance(value, QuantizedWeight):
+            if isinstance(value, (QuantizedWeight, ExpertWeights)):
                 out[key] = (value if device.type == "cpu" else to_device(value, device)).contiguous()
             else:
                 out[key] = value.to(device=device, dtype=dtype).contiguous()

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from engine.loading.meta_quantized import as_shipped, release_formats
-from engine.quant.formats import QuantizedWeight, cat_rows, concat_cols
+from engine.quant.formats import ExpertWeights, QuantizedWeight, cat_rows, concat_cols
 from engine.loading.descriptors import LLAMA2_VOCAB_SIZE, LLAMA3_VOCAB_SIZE, Descriptor, find_descriptor, resolve_descriptor
 from engine.loading.detect import detect_format, reader_for
 from engine.loading.file_guard import guard_tree, guarded
@@ -272,7 +272,7 @@ class _Shards:
             raise CheckpointError(f"{path}: unexpected key {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
         for key, layout in self._layouts.items():
             tensor = state[key]
-            if not isinstance(tensor, (torch.Tensor, QuantizedWeight)):
+            if not isinstance(tensor, (torch.Tensor, QuantizedWeight, ExpertWeights)):
                 raise CheckpointError(f"{path}: key {key!r} holds {type(tensor).__name__}, not a tensor")
             expected = local_shape(layout, old_rank, size)
             if key == "tok_embeddings.weight" and size > 1 and tuple(tensor.shape) == (layout.full_shape[0], layout.full_shape[1] // size):
@@ -311,12 +311,15 @@ def quantized_formats(spec: CheckpointSpec) -> set[str]:
     return formats
 
 
-def _narrow(weight: torch.Tensor | QuantizedWeight, dim: int, start: int, length: int) -> torch.Tensor | QuantizedWeight:
+def _narrow(weight: torch.Tensor | QuantizedWeight | ExpertWeights, dim: int, start: int, length: int) -> torch.Tensor | QuantizedWeight | ExpertWeights:
     """A slice along dim 0 (output rows) or 1 (input columns); a quantized weight is sliced in its
-    codes (rows() / cols(), at group boundaries), never requantized."""
+    codes (rows() / cols(), at group boundaries), never requantized; quantized experts along the
+    reference's dims like a tensor (ExpertWeights.narrow)."""
     if isinstance(weight, torch.Tensor):
         return weight.narrow(dim, start, length)
     try:
+        if isinstance(weight, ExpertWeights):
+            return weight.narrow(dim, start, length)
         return weight.rows(start, start + length) if dim == 0 else weight.cols(start, start + length)
     except ValueError as exc:  # a row-parallel cut inside a quantization group
         raise CheckpointError(f"cannot shard this quantized weight for this model-parallel size: {exc}") from None
@@ -325,6 +328,12 @@ def _narrow(weight: torch.Tensor | QuantizedWeight, dim: int, start: int, length
 def _cat(pieces: list, dim: int) -> torch.Tensor | QuantizedWeight:
     if all(isinstance(p, torch.Tensor) for p in pieces):
         return torch.cat(pieces, dim=dim)
+    if isinstance(pieces[0], ExpertWeights):
+        try:  # a Meta Llama 4 FP8 release's experts at another model-parallel size: exact, or refused
+            return ExpertWeights.cat(pieces, dim)
+        except ValueError as exc:
+            raise CheckpointError(f"cannot reshard these quantized experts to this model-parallel size: {exc}; "
+                                  f"serve it at the model-parallel size it was saved with") from None
     if dim == 0:
         return cat_rows(pieces)
     try:  # row-parallel shards merged (resharding to fewer ranks): exact, or refused
@@ -334,8 +343,8 @@ def _cat(pieces: list, dim: int) -> torch.Tensor | QuantizedWeight:
                               f"serve it at the model-parallel size it was saved with") from None
 
 
-def nbytes_of(weight: torch.Tensor | QuantizedWeight) -> int:
-    return weight.nbytes() if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
+def nbytes_of(weight: torch.Tensor | QuantizedWeight | ExpertWeights) -> int:
+    return weight.nbytes() if isinstance(weight, (QuantizedWeight, ExpertWeights)) else weight.numel() * weight.element_size()
 
 
 def _old_ranks(layout: ParamLayout, new_rank: int, new_size: int, old_size: int) -> Iterator[tuple[int, int, int]]:
@@ -387,7 +396,7 @@ def load_rank_state_dict(spec: CheckpointSpec, mp_rank: int, mp_size: int, *, pr
             try:
                 out[key] = _slice_for_rank(shards, key, layout, mp_rank, mp_size, old_size)
             except CheckpointError as exc:
-                if not isinstance(shards.get(0)[key], QuantizedWeight):
+                if not isinstance(shards.get(0)[key], (QuantizedWeight, ExpertWeights)):
                     raise
                 raise CheckpointError(f"{spec.checkpoint_dir}: {key} (saved in {old_size} shard(s)), loading at model-parallel size {mp_size}: {exc}") from None
             mapping.update(1)

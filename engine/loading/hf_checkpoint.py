@@ -14,6 +14,9 @@ reader (engine/loading/formats.py has the interface) maps:
   w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim);
   this undoes it exactly (a reshape and a transpose: no arithmetic).
 
+Llama 4 folders (`Llama4ForCausalLM`, `Llama4ForConditionalGeneration`) are engine/loading/hf_llama4.py's
+mapping: its config fields, MoE tensors, and no q/k un-permute (its RoPE pairs are Meta's).
+
 The result is one unsharded state dict, which the loader reshards to any model-parallel size.
 safetensors files are mapped copy-on-write (engine/quant/shard_file.py's reader), so only the
 un-permuted q/k rows are copied; .bin files go through torch.load(mmap=True, weights_only=True).
@@ -21,12 +24,15 @@ un-permuted q/k rows are copied; .bin files go through torch.load(mmap=True, wei
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.loading.file_guard import guarded
 from engine.loading.formats import Found, numbered_set, safetensors_load, torch_load
+from engine.loading.hf_llama4 import ARCHITECTURES as LLAMA4_ARCHITECTURES
+from engine.loading.hf_llama4 import is_llama4_config, is_vision_tensor, llama4_config_params, llama4_tensors
 from engine.loading.json_file import read_json_object
 from engine.types import CheckpointError
 
@@ -34,6 +40,8 @@ if TYPE_CHECKING:
     import torch
 
     from engine.models.args import ModelArgs
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 # Weight layouts in the order they are looked for: (index file, single file).
@@ -95,17 +103,16 @@ def config_params(config: dict[str, Any], source: Path) -> dict[str, Any]:
     from engine.loading.gguf_import import ffn_params
 
     architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if not any(a in _ARCHITECTURES for a in architectures):
-        if any(str(a).startswith("Llama4") for a in architectures) or "text_config" in config:
-            raise CheckpointError(
-                f"{source}: Llama 4 Hugging Face folders ({', '.join(architectures)}) are not supported yet; serve "
-                "Meta's download of the same model (its original/ folder: params.json + consolidated.NN.pth)"
-            )
-        raise CheckpointError(f"{source}: architectures {architectures} is not a Llama text model (LlamaForCausalLM)")
+    llama4 = is_llama4_config(config)
+    if not llama4 and not any(a in _ARCHITECTURES for a in architectures):
+        raise CheckpointError(f"{source}: architectures {architectures} is not a Llama text model "
+                              f"(LlamaForCausalLM, {', '.join(sorted(LLAMA4_ARCHITECTURES))})")  # fmt: skip
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
         raise CheckpointError(f"{source}: pre-quantized Hugging Face weights (quantization_config {method!r}) are not "
                               "supported; serve the unquantized folder, with QUANTIZATION_TYPE to quantize at load")
+    if llama4:
+        return llama4_config_params(config, source)
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise CheckpointError(f"{source}: {flag} is true; Llama has no biases")
@@ -206,21 +213,29 @@ class HFReader:
 
     def read_shard(self, path: Path, args: ModelArgs, allowed_roots: tuple[Path, ...]) -> dict[str, Any]:
         state: dict[str, Any] = {}
+        skipped_vision = 0
         for file in _weight_files(path):
             file = guarded(file, allowed_roots)
             part = safetensors_load(file) if file.suffix == ".safetensors" else torch_load(file)
             for hf_name, tensor in part.items():
                 try:
-                    key = meta_name(hf_name)
+                    named = list(llama4_tensors(hf_name, tensor)) if args.is_llama4 else [(meta_name(hf_name), tensor)]
                 except KeyError:
                     raise CheckpointError(f"{file}: unexpected tensor {hf_name!r} (not a Llama weight)") from None
-                if key is None:
-                    continue
-                if key in state:
-                    raise CheckpointError(f"{file}: tensor {hf_name!r} is also in an earlier weight file")
-                state[key] = tensor
+                skipped_vision += args.is_llama4 and is_vision_tensor(hf_name)
+                for key, value in named:
+                    if key is None:
+                        continue
+                    if key in state:
+                        raise CheckpointError(f"{file}: tensor {hf_name!r} is also in an earlier weight file")
+                    state[key] = value
+        if skipped_vision:
+            log.info("%s: skipped %d vision encoder / projector tensors: a Llama 4 Hugging Face folder serves text "
+                     "(Meta's download of the same model serves images)", path.parent, skipped_vision)  # fmt: skip
         if args.tie_word_embeddings:
             state.pop("output.weight", None)  # some exporters save the tied head too: the same tensor
+        if args.is_llama4:  # q/k already in Meta's adjacent-pair order (engine/loading/hf_llama4.py)
+            return state
         for i in range(args.n_layers):
             for key, heads in ((f"layers.{i}.attention.wq.weight", args.n_heads), (f"layers.{i}.attention.wk.weight", args.kv_heads)):
                 weight = state.get(key)

@@ -48,10 +48,11 @@ _RENAMES = {
     "feed_forward.w_swiglu_FD.weight": "feed_forward.shared_expert.w3.weight",
     "feed_forward.w_out_shared_DF.weight": "feed_forward.shared_expert.w2.weight",
 }
+# reference expert weight -> its shipped name under feed_forward.experts. (also what a Meta FP8
+# release quantizes, engine/loading/meta_quantized.py)
+SHIPPED_EXPERT_NAMES = {"w1": "moe_w_in_eD_F", "w3": "moe_w_swiglu_eD_F", "w2": "moe_w_out_eF_D"}
 _EXPERTS = {  # shipped -> (reference name, 3-D view of the 2-D [e*D, F] / [e*F, D] tensor)
-    "feed_forward.experts.moe_w_in_eD_F": ("feed_forward.experts.w1", "eD_F"),
-    "feed_forward.experts.moe_w_swiglu_eD_F": ("feed_forward.experts.w3", "eD_F"),
-    "feed_forward.experts.moe_w_out_eF_D": ("feed_forward.experts.w2", "eF_D"),
+    f"feed_forward.experts.{shipped}": (f"feed_forward.experts.{w}", shipped[-4:]) for w, shipped in SHIPPED_EXPERT_NAMES.items()
 }
 
 

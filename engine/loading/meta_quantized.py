@@ -27,8 +27,19 @@ F.linear(dq(x), dq(W)) up to summation order; a QLoRA adaptor adds B(A(x)) * sca
 input (engine.quant.lora). SpinQuant's rotations are folded into its released weights (its
 params.json says nothing more), so it loads the same way without adaptors.
 
-Llama 4 Maverick's FP8 release (MoE experts) is not read here: such a shard's fp8 tensors without
-this file's scales are refused by name.
+FP8 Llama 4 (Llama-4-Maverick-17B-128E-Instruct-fp8), as llama-models' llama4/scripts/quantize.py
+writes it and llama4/quantization/loader.py reads it: in every MoE layer but the first and the last,
+the routed experts' `feed_forward.experts.moe_w_in_eD_F` / `moe_w_swiglu_eD_F` [e*D, F] and
+`moe_w_out_eF_D` [e*F, D] hold float8_e4m3fn codes in the bf16 layout (F this shard's), each expert's
+weight quantized per output row by fbgemm's quantize_fp8_per_row on the [e, out, in] transpose;
+`fp8_scales_N.pt` maps `layers.{layer}.feed_forward.experts.{w1|w3|w2}` to float32 scales [e, out]
+(out: F for w1 / w3, D for w2; value = code * scale). The shared expert, router, attention and the
+dense layers stay bfloat16. The reference multiplies them with fbgemm's batched fp8 x fp8 row-wise
+kernel (bmm_nt), each expert's input rows quantized to e4m3 with amax capped at 1200 as above. Here
+each such tensor becomes an engine.quant ExpertWeights: one Fp8Weight [out, in] per expert with its
+row scales and the 1200 bound, so each expert's linear computes as the Llama 3 FP8 linears do; the
+experts shard along F with their rows (w1 / w3) and columns (w2: per-row scales of each saved
+shard, group-wise at another model-parallel size, as for Llama 3's w2).
 """
 
 from __future__ import annotations
@@ -40,14 +51,16 @@ from typing import Any, Mapping
 import torch
 
 from engine.loading.file_guard import guarded
+from engine.loading.llama4 import SHIPPED_EXPERT_NAMES
 from engine.models.args import ModelArgs
-from engine.quant.formats import FP8_DTYPE, Fp8Weight, Int8Weight
+from engine.quant.formats import FP8_DTYPE, ExpertWeights, Fp8Weight, Int8Weight
 from engine.quant.lora import LoraInt8Weight
 from engine.types import CheckpointError
 
 FP8_SCALES_FILE = "fp8_scales_{rank}.pt"
 FP8_ACTIVATION_SCALE_UB = 1200.0  # llama-models' fp8_activation_scale_ub default (convert_to_quantized_model)
-_SCALE_KEY = re.compile(r"^(\d+)_feed_forward\.(w[123])_(\d+)$")
+_SCALE_KEY = re.compile(r"^(\d+)_feed_forward\.(w[123])_(\d+)$")  # Llama 3: "<layer>_feed_forward.<w>_<rank>"
+_EXPERT_SCALE_KEY = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")  # Llama 4's routed experts
 
 
 def fp8_scales_paths(checkpoint_dir: Path) -> list[Path]:
@@ -75,7 +88,7 @@ def as_shipped(checkpoint_dir: Path, args: ModelArgs, shard_path: Path, state: M
                allowed_roots: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Shard `rank`'s state with a pre-quantized release's weights as engine.quant weights (FP8:
     fp8_scales_N.pt; int4: params.json's quantization_args); unchanged for any other checkpoint."""
-    state = attach_fp8_scales(checkpoint_dir, shard_path, state, rank, allowed_roots)
+    state = attach_fp8_scales(checkpoint_dir, args, shard_path, state, rank, allowed_roots)
     return attach_int4_release(args, shard_path, state)
 
 
@@ -152,11 +165,36 @@ def _load_scales(path: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
-def attach_fp8_scales(checkpoint_dir: Path, shard_path: Path, state: Mapping[str, Any], rank: int,
+def _fp8_experts(args: ModelArgs, weight: torch.Tensor, which: str, scale: torch.Tensor, where: str) -> ExpertWeights:
+    """A Llama 4 FP8 release's routed-expert tensor (the shipped 2-D layout, module docstring) and its
+    scales [e, out] as one Fp8Weight [out, in] per expert; CheckpointError (prefixed `where`) for
+    shapes that disagree."""
+    if args.moe_args is None:
+        raise CheckpointError(f"{where}: expert scales, but params.json has no moe_args")
+    experts, dim = args.moe_args.num_experts, args.dim
+    rows, cols = weight.shape
+    # [e, in, out] as the reference's experts.w1 / w3 [e, D, F] and w2 [e, F, D]
+    if which == "w2" and cols == dim and rows % experts == 0:
+        codes = weight.view(experts, rows // experts, dim)
+    elif which != "w2" and rows == experts * dim:
+        codes = weight.view(experts, dim, cols)
+    else:
+        raise CheckpointError(f"{where}: weight of shape {[rows, cols]} is not {experts} experts' {which} (dim {dim})")
+    out_features = codes.shape[2]
+    if scale.numel() != experts * out_features:
+        raise CheckpointError(f"{where}: {scale.numel()} scales for {experts} experts x {out_features} rows")
+    scale = scale.reshape(experts, out_features, 1).float()
+    codes = codes if codes.dtype == FP8_DTYPE else codes.to(FP8_DTYPE)  # as load_fp8's .to(float8_e4m3fn)
+    return ExpertWeights(tuple(Fp8Weight(codes[e].t(), scale[e], codes.shape[1], FP8_ACTIVATION_SCALE_UB) for e in range(experts)))
+
+
+def attach_fp8_scales(checkpoint_dir: Path, args: ModelArgs, shard_path: Path, state: Mapping[str, Any], rank: int,
                       allowed_roots: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Shard `rank`'s state with its fp8 weights as Fp8Weight (codes, per-row scales, the activation
-    bound); unchanged when the dir holds no fp8 scales. CheckpointError naming the file and key for a
-    scale without its weight, a weight without its scale, or shapes that disagree."""
+    bound), a Llama 4 release's routed experts as ExpertWeights under the reference's names
+    (`layers.N.feed_forward.experts.w1`); unchanged when the dir holds no fp8 scales.
+    CheckpointError naming the file and key for a scale without its weight, a weight without its
+    scale, or shapes that disagree."""
     out = dict(state)
     fp8_keys = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype == FP8_DTYPE}
     scales_path = checkpoint_dir / FP8_SCALES_FILE.format(rank=rank)
@@ -166,9 +204,19 @@ def attach_fp8_scales(checkpoint_dir: Path, shard_path: Path, state: Mapping[str
         return out
     scales = _load_scales(guarded(scales_path, allowed_roots))
     for name, scale in scales.items():
+        expert = _EXPERT_SCALE_KEY.match(name)
+        if expert is not None:
+            shipped = f"layers.{expert.group(1)}.feed_forward.experts.{SHIPPED_EXPERT_NAMES[expert.group(2)]}"
+            weight = out.pop(shipped, None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                raise CheckpointError(f"{scales_path}: scale {name!r} has no weight {shipped!r} in {shard_path.name}")
+            out[name] = _fp8_experts(args, weight, expert.group(2), scale, f"{scales_path}: {name!r} ({shard_path.name}: {shipped!r})")
+            fp8_keys.discard(shipped)
+            continue
         match = _SCALE_KEY.match(name)
         if match is None or int(match.group(3)) != rank:
-            raise CheckpointError(f"{scales_path}: unexpected key {name!r} (expected '<layer>_feed_forward.w1|w2|w3_{rank}')")
+            raise CheckpointError(f"{scales_path}: unexpected key {name!r} (expected '<layer>_feed_forward.w1|w2|w3_{rank}', "
+                                  "or Llama 4's 'layers.<layer>.feed_forward.experts.w1|w2|w3')")  # fmt: skip
         key = f"layers.{match.group(1)}.feed_forward.{match.group(2)}.weight"
         weight = state.get(key)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from engine.quant.formats import Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.quant.formats import ExpertWeights, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 from engine.quant.kquants import K_FORMATS, KQuantWeight
 from engine.quant.lora import LoraInt8Weight, LoraLinear
 from engine.quant.linear import activation_rounding, quantize_activation_rows_fp8, tiled_dequant_mm
@@ -78,8 +78,10 @@ def tinygemm_fits(weight: Int4Weight) -> bool:
     return weight.group_size in TINYGEMM_GROUP_SIZES and n % 8 == 0 and k % 32 == 0
 
 
-def to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+def to_device(weight: QuantizedWeight | ExpertWeights, device: torch.device) -> QuantizedWeight | ExpertWeights:
     """The same weight with its tensors on `device` (a checkpoint's codes are mapped on the CPU)."""
+    if isinstance(weight, ExpertWeights):  # each expert's own weight
+        return replace(weight, parts=tuple(to_device(p, device) for p in weight.parts))
     return replace(weight, **{role: t.to(device) for role, t in weight.tensors().items()})
 
 

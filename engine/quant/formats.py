@@ -16,7 +16,8 @@ linears in engine.quant.linear compute x @ dequantize()^T up to summation order.
 in_features must be a multiple of group_size for group-wise formats (int4 always): a shape that is
 not raises ValueError naming the group sizes that fit; weights are never padded. MP shards: `rows()`
 takes output rows (column-parallel shards), `cols()` takes input columns at group boundaries
-(row-parallel shards); both are views of the codes, no requantization.
+(row-parallel shards); both are views of the codes, no requantization. A mixture-of-experts weight
+kept quantized is an ExpertWeights: one weight per expert, cut along the reference's 3-D dims.
 """
 
 from __future__ import annotations
@@ -256,6 +257,49 @@ def cat_rows(parts: list) -> "torch.Tensor | QuantizedWeight | RowStack":
     if stacked and len({p.in_features for p in parts}) == 1:
         return RowStack(tuple(parts))
     return concat_rows(parts)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A mixture-of-experts layer's stacked weight kept quantized: one QuantizedWeight [out, in] per
+    expert, shaped as the reference's 3-D parameter [experts, in, out] (llama4's experts.w1 / w3
+    [e, D, F], w2 [e, F, D]; a Meta Llama 4 FP8 release, engine/loading/meta_quantized.py). The loader
+    cuts and merges it along the reference's dims like a tensor (narrow / cat): dim 2 (out) is each
+    expert's rows, dim 1 (in) its columns, so model-parallel shards are the experts' own row and
+    column shards; the model takes each expert's weight as its linear (expert())."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        out, cols = self.parts[0].shape
+        return (len(self.parts), cols, out)
+
+    def expert(self, index: int) -> QuantizedWeight:
+        return self.parts[index]
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def contiguous(self) -> "ExpertWeights":
+        return replace(self, parts=tuple(p.contiguous() for p in self.parts))
+
+    def narrow(self, dim: int, start: int, length: int) -> "ExpertWeights":
+        """[start, start + length) along the reference's dim 1 (in: each expert's columns, at group
+        boundaries, else ValueError) or 2 (out: each expert's rows)."""
+        if dim == 2:
+            return replace(self, parts=tuple(p.rows(start, start + length) for p in self.parts))
+        if dim == 1:
+            return replace(self, parts=tuple(p.cols(start, start + length) for p in self.parts))
+        raise ValueError(f"expert weights are cut along in (1) or out (2), not dim {dim}")
+
+    @staticmethod
+    def cat(pieces: list["ExpertWeights"], dim: int) -> "ExpertWeights":
+        """Shards merged along dim 2 (rows: concat_rows) or 1 (columns: concat_cols, exact or ValueError)."""
+        merge = concat_rows if dim == 2 else concat_cols if dim == 1 else None
+        if merge is None or len({len(p.parts) for p in pieces}) != 1:
+            raise ValueError(f"cannot merge expert weights along dim {dim} ({[p.shape for p in pieces]})")
+        return ExpertWeights(tuple(merge([p.parts[e] for p in pieces]) for e in range(len(pieces[0].parts))))
 
 
 FORMATS: dict[str, type[QuantizedWeight]] = {cls.format: cls for cls in (Int8Weight, Int4Weight, Fp8Weight)}

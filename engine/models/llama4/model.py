@@ -13,10 +13,11 @@ their own layers:
   across model-parallel ranks (Meta's split); one all-reduce for shared + routed outputs.
 - dense layers (interleave_moe_layer_step > 1) are engine.models.llama.FeedForward.
 
-Each expert's w1|w3 and w2 are linears like any other (engine/backends/: packed, or quantized by
-fp8_mixed), prepared once at load. A checkpoint that ships vision weights also gets its vision
-encoder (engine/models/llama4/vision.py: this rank's slice, `image_encoder`), which the executor
-runs on every rank for each image (engine/executor/images.py) before the step that fuses its rows.
+Each expert's w1|w3 and w2 are linears like any other (engine/backends/: packed, quantized by
+fp8_mixed, or fp8 as Meta's Maverick FP8 release ships them: ExpertWeights), prepared once at load.
+A checkpoint that ships vision weights also gets its vision encoder (engine/models/llama4/vision.py:
+this rank's slice, `image_encoder`), which the executor runs on every rank for each image
+(engine/executor/images.py) before the step that fuses its rows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.models.llama import Collectives, FeedForward, RMSNorm, Transformer, 
 from engine.models.llama4.args import VISION_PREFIXES, is_moe_layer, is_nope_layer, precompute_freqs_cis, vision_config
 from engine.models.llama4.vision import Llama4VisionEncoder
 from engine.models.weights import PreparedWeights
+from engine.quant.formats import ExpertWeights, cat_rows
 from engine.types import CheckpointError
 
 
@@ -163,7 +165,8 @@ def llama4_linear_names(args: ModelArgs) -> LinearNames:
 
 def split_experts(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """The MoE layers' [e, D, F] / [e, F, D] expert tensors as one linear weight per expert
-    (w1|w3 -> [2F, D], w2 -> [D, F], as F.linear reads them) and the shared expert's w1|w3 fused."""
+    (w1|w3 -> [2F, D], w2 -> [D, F], as F.linear reads them) and the shared expert's w1|w3 fused.
+    Experts kept quantized (ExpertWeights: a Meta FP8 release) already hold one [out, in] weight each."""
     out = dict(state)
     for i in range(args.n_layers):
         ff = f"layers.{i}.feed_forward."
@@ -171,6 +174,10 @@ def split_experts(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[st
             continue
         w1, w3, w2 = (out.pop(ff + f"experts.{w}") for w in ("w1", "w3", "w2"))
         for e in range(args.moe_args.num_experts):
+            if isinstance(w1, ExpertWeights):
+                out[f"{ff}experts.{e}.w13.weight"] = cat_rows([w1.expert(e), w3.expert(e)])
+                out[f"{ff}experts.{e}.w2.weight"] = w2.expert(e)
+                continue
             out[f"{ff}experts.{e}.w13.weight"] = torch.cat([w1[e].t(), w3[e].t()]).contiguous()
             out[f"{ff}experts.{e}.w2.weight"] = w2[e].t().contiguous()
         shared = [out.pop(ff + f"shared_expert.{w}.weight") for w in ("w1", "w3")]
