@@ -335,6 +335,12 @@ class Backend:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- load time, optional
+    def captures_decode_steps(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a pure-decode step of a model in `dtype` with heads of head_dim runs without
+        reading a device tensor on the host (no .tolist(), no shape from data), so a CUDA graph may
+        capture it (engine/executor/cuda_graphs.py). False here: the torch layouts read the lengths."""
+        return False
+
     def compiled_decode_step(self, model: nn.Module) -> CompiledDecodeStep | None:
         """A compiled pure-decode step (one token of each of 1..max_rows sequences) through all of
         `model`'s blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once

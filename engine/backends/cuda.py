@@ -60,6 +60,10 @@ class CudaBackend(TorchBackend):
         rope = freqs_cis.index_select(0, inputs.positions).unsqueeze(1)  # torch's rope_and_cache_write
         return AttentionMetadata(AttentionPath.PAGED_TILES, inputs.positions, inputs.slot_mapping, [], paged_tiles(inputs), rope)
 
+    def captures_decode_steps(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """On the Triton path: a pure-decode step's tiles come from the shapes (paged_tiles)."""
+        return self.paged_kernel and triton_attention.supports(dtype, head_dim)
+
     def attention(self, qkv: torch.Tensor, heads: HeadLayout, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.path is AttentionPath.PAGED_TILES:
             tiles = meta.batched
