@@ -30,7 +30,7 @@ from engine.models.llama import precompute_freqs_cis
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not triton_attention.triton_available(), reason="triton is not installed (pip install '.[cuda]')")
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1 by test_kernel_under_the_interpreter")
-NUM_KERNEL_TESTS = 9  # the @interpreted cases below, parametrizations counted
+NUM_KERNEL_TESTS = 10  # the @interpreted cases below, parametrizations counted
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter's run")
@@ -170,3 +170,55 @@ def test_cuda_backend_attends_through_the_kernel(seqs):
     assert backend.attention_metadata(inputs, freqs, double).path is AttentionPath.GATHERED
     invariant = CudaBackend(torch.device("cpu"), torch.float32, paged_kernel=True, batch_invariant=True)
     assert invariant.attention_metadata(inputs, freqs, cache).path is AttentionPath.GATHERED
+
+
+@interpreted
+def test_a_model_on_the_cuda_backend_equals_it_on_the_torch_backend(tiny_checkpoint, monkeypatch):
+    """The tiny model's forward with the CUDA backend's Triton attention (here on CPU tensors) against
+    the torch backend's, over a prefill, a pure-decode step and a step mixing a chunk over a cached
+    prefix with decodes. The pure-decode step's plan reads no tensor on the host (what lets a CUDA
+    graph capture it: tolist and item raise while it is planned)."""
+    from engine.backends.cuda import CudaBackend
+    from engine.core.sequence import ScheduledBatch, Sequence
+    from engine.executor.executor import build_step_inputs
+    from engine.loading.checkpoint import load_rank_state_dict, resolve_checkpoint
+    from engine.models.llama import Transformer, allocate_kv_caches
+    from engine.types import SamplingParams
+    from tests.conftest import TINY_DESCRIPTOR
+    from tests.engine.test_model import random_prompts
+
+    spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
+    args = spec.model_args
+    state = {k: v.float() for k, v in load_rank_state_dict(spec, 0, 1).items()}
+    cpu = torch.device("cpu")
+    models = [Transformer.from_state_dict(args, dict(state), backend, max_seq_len=MAX_SEQ_LEN)
+              for backend in (CudaBackend(cpu, torch.float32, paged_kernel=True), TorchBackend(cpu, torch.float32))]  # fmt: skip
+    caches = [allocate_kv_caches(args, 1, NUM_BLOCKS, BLOCK_SIZE, dtype=torch.float32, device=cpu) for _ in models]
+    free = list(range(NUM_BLOCKS))
+    random.Random(0).shuffle(free)
+    prompts = random_prompts(args.vocab_size, [9, 5, 14], seed=3)
+    seqs = [Sequence(i, f"m{i}", p, len(p), SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]
+
+    def step(counts: list[int], *, no_host_reads: bool = False) -> None:
+        for seq, count in zip(seqs, counts):
+            while len(seq.block_table) * BLOCK_SIZE < seq.num_computed_tokens + count:
+                seq.block_table.append(free.pop())
+        running = [(s, c) for s, c in zip(seqs, counts) if c]
+        inputs, sampling = build_step_inputs(ScheduledBatch([s for s, _ in running], [c for _, c in running]), BLOCK_SIZE)
+        if no_host_reads:
+            plan = models[0].backend.plan_step
+            with monkeypatch.context() as patch:
+                for name in ("tolist", "item"):
+                    patch.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"{name}() while planning a decode step"))
+                assert plan(inputs, models[0].freqs_cis, caches[0][0], None).attention.path is AttentionPath.PAGED_TILES
+        triton_logits, torch_logits = (model(inputs, cache) for model, cache in zip(models, caches))
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
+        for seq, count in running:
+            seq.num_computed_tokens += count
+        for row, i in enumerate(sampling):  # the greedy token of each sequence that reached its end
+            running[i][0].token_ids.append(int(torch_logits[row].argmax()))
+
+    step([9, 5, 6])  # two prompts whole, the third's first 6 tokens
+    step([1, 1, 0], no_host_reads=True)  # decodes only
+    step([1, 1, 8])  # the third's remaining 8 tokens over its 6 cached ones, beside two decodes
+    step([1, 1, 1], no_host_reads=True)
