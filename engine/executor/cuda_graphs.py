@@ -141,20 +141,21 @@ class DecodeGraphs:
 
 
 def capture_cuda_graph(pool: object) -> Capture:
-    """The CUDA capture: two warm-up runs on a side stream (Triton compiles its kernels, cuBLAS sets
-    up its workspaces, the caching allocator grows: none of it may happen under capture), then the
-    capture into the shared memory pool. The replay returns the captured run's output tensor,
-    which each replay overwrites."""
+    """The CUDA capture: two warm-up runs first (Triton compiles its kernels, cuBLAS sets up its
+    workspace, the caching allocator grows: none of it may happen under capture), then the capture
+    into the shared memory pool. The warm-up runs on the current stream and the capture on
+    torch.cuda.graph's one capture stream: a new side stream per load would get cuBLAS workspaces
+    of its own, kept for the process, and load/unload cycles would not return to the same memory.
+    thread_local: another model serving on another thread during a load (a hot-switch) is not an
+    error of this capture. The replay returns the captured run's output tensor, which each replay
+    overwrites."""
 
     def capture(step: Callable[[], torch.Tensor]) -> Replay:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = step()
 
         def replay() -> torch.Tensor:

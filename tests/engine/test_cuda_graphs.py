@@ -219,7 +219,7 @@ def test_graphs_equal_eager_decodes_at_every_batch_size(tiny_checkpoint, tiny_mo
     the eager run's greedy tokens, so a near-tie decided differently by a padded batch's GEMM
     cannot derail the rest; a token must match wherever its margin over the runner-up exceeds the
     tolerance."""
-    tolerance = 1e-4 if dtype == "float32" else 3e-2
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
     eager, graphs = gpu_executor(tiny_checkpoint, dtype=dtype, cuda_graphs=False), gpu_executor(tiny_checkpoint, dtype=dtype)
     assert eager.decode_graph_sizes == [] and graphs.decode_graph_sizes == capture_sizes(GPU_MAX_BATCH)
     try:
