@@ -44,6 +44,7 @@ def test_kernel_under_the_interpreter():
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed is not None and int(passed.group(1)) == NUM_KERNEL_TESTS + 1, report  # + test_tile_map_and_rows
 
+
 BLOCK_SIZE = 4
 HEAD_DIM = 16
 NUM_BLOCKS = 64
