@@ -39,6 +39,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "demo": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, multiple_of=256, rope_theta=100000.0, tie_word_embeddings=True),
     # ../shared/peers/make_big_gguf.py's 1.1B Llama (FFN 8192, tied head), random weights
     "big1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=49152, multiple_of=4096, rope_theta=100000.0, tie_word_embeddings=True),
+    # Llama 3 8B's shape (Meta's params.json: FFN 14336, 128K vocab, untied head), random weights: 16 GB in bf16
+    "llama3_8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
 }
 
 

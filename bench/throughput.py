@@ -1,7 +1,7 @@
 """Offline engine throughput (a script, not a test).
 
     python bench/throughput.py [--config small] [--concurrency 1,8,32] [--checkpoint-dir DIR] [--threads N] [--json PATH]
-                               [--device cuda] [--dtype bfloat16]
+                               [--device cuda] [--dtype bfloat16] [--no-cuda-graphs]
 
 Writes a random Meta checkpoint of the chosen config once (reused when --checkpoint-dir already
 holds one), then drives EngineCore directly (no HTTP, no event loop):
@@ -89,9 +89,12 @@ def checkpoint_dir(config_name: str, given: str | None) -> Path:
     return directory
 
 
-def make_core(spec, tokenizer, *, max_batch_size: int, device: str, dtype: str) -> EngineCore:
+def make_core(spec, tokenizer, *, max_batch_size: int, device: str, dtype: str, cuda_graphs: bool = True) -> EngineCore:
+    # a GPU's KV cache holds 128 streams of the 1.1B model's 192 tokens (~0.8 GB); the CPU's stays small
+    kv_cache_bytes = (4 << 30) if device == "cuda" else 768 << 20
     config = EngineConfig(
-        device=device, dtype=dtype, max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=768 << 20
+        device=device, dtype=dtype, max_batch_size=max_batch_size, max_num_batched_tokens=512, kv_cache_bytes=kv_cache_bytes,
+        cuda_graphs=cuda_graphs,
     )
     runner = ModelExecutor(WorkerGroup(spec, config, max_seq_len=MAX_SEQ_LEN))
     return EngineCore(runner, tokenizer, config, MAX_SEQ_LEN)
@@ -139,12 +142,12 @@ def cuda_roofline(dtype: torch.dtype, *, smoke: bool) -> tuple[float, float]:
 
 
 def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, bandwidth: float, flops: float, out: Results,
-               *, device: str, dtype: str) -> None:  # fmt: skip
+               *, device: str, dtype: str, cuda_graphs: bool = True) -> None:  # fmt: skip
     vocab = spec.model_args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     base_rate = None
     for c in concurrencies:
-        core = make_core(spec, tokenizer, max_batch_size=c, device=device, dtype=dtype)
+        core = make_core(spec, tokenizer, max_batch_size=c, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         rng = random.Random(c)
         warm = [EngineRequest(f"warm{i}", random_prompt(rng, 16, vocab), SamplingParams(max_tokens=2)) for i in range(2)]
         run_offline(core, warm)
@@ -156,6 +159,14 @@ def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, ban
         timing = core.timing
         streamed = timing.num_steps * weight_bytes / elapsed_s
         achieved = workload_flops(spec.model_args, len(requests) * PROMPT_TOKENS, num_output) / elapsed_s
+        # the decode floor: each step reads the weights once (KV reads and prefill steps left out)
+        floor_rate = c * bandwidth / weight_bytes
+        print(
+            f"concurrency {c:3d}: {elapsed_s / num_output * 1e3:7.3f} ms per output token (a stream: "
+            f"{elapsed_s / num_output * c * 1e3:7.3f} ms); floor {floor_rate:9.1f} tok/s "
+            f"({weight_bytes / bandwidth * 1e3:6.3f} ms a step) -> {rate / floor_rate:6.1%} of it",
+            flush=True,
+        )
         print(
             f"concurrency {c:3d}: {len(requests):3d} requests, {num_output:5d} output tokens in {elapsed_s:7.2f} s = "
             f"{rate:8.1f} tok/s ({rate / base_rate:5.2f}x of concurrency 1); {timing.num_steps} steps, "
@@ -165,7 +176,7 @@ def throughput(spec, tokenizer, concurrencies: list[int], weight_bytes: int, ban
         )
         out.add("output throughput", rate, "tok/s", concurrency=c, requests=len(requests), output_tokens=num_output,
                 elapsed_s=elapsed_s, steps=timing.num_steps, weights_streamed_of_bandwidth=streamed / bandwidth,
-                matmul_of_peak=achieved / flops)
+                matmul_of_peak=achieved / flops, floor_tok_s=floor_rate, cuda_graphs=cuda_graphs)
         if c == max(concurrencies):
             total = timing.schedule_s + timing.execute_s + timing.update_s
             print(
@@ -225,6 +236,7 @@ def main() -> None:
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, help="the model dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="cuda: every step eager (graphs off, to compare)")
     parser.add_argument("--smoke", action="store_true", help="a tiny roofline sample and one prefix repeat: checks the script runs (tests)")
     add_results_arguments(parser)
     opts = parser.parse_args()
@@ -256,7 +268,7 @@ def main() -> None:
     out.add("matmul", flops, "FLOP/s", dtype=dtype)
     if opts.concurrency:
         throughput(spec, tokenizer, [int(c) for c in opts.concurrency.split(",")], weight_bytes, bandwidth, flops, out,
-                   device=opts.device, dtype=dtype)  # fmt: skip
+                   device=opts.device, dtype=dtype, cuda_graphs=not opts.no_cuda_graphs)  # fmt: skip
     if not opts.skip_prefix:
         prefix_ttft(spec, tokenizer, out, device=opts.device, dtype=dtype, repeats=1 if opts.smoke else 5)
     out.write(opts.json, **torch_machine(), tokenizer=tokenizer_name)

@@ -40,6 +40,9 @@ class EngineConfig:
     # greedy tokens and logprobs independent of what else is batched (vLLM's and SGLang's
     # --batch-invariant): linears row by row, decode attention split per sequence; docs/backends.md
     batch_invariant: bool = False
+    # CUDA: pure-decode steps replayed from graphs captured at load for batch sizes up to max_batch_size
+    # (engine/executor/cuda_graphs.py), where the backend's decode step allows it; False: every step eager
+    cuda_graphs: bool = True
     cpu_kernels: bool = True  # CPU: fused C kernels (engine/kernels/cpu.py) where they build; False: torch ops only
     debug_log_io: bool = False  # LLAMA_MODELS_DEBUG: log raw prompts and raw outputs
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (engine/spec/), None: off

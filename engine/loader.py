@@ -258,6 +258,7 @@ class LocalEngineFactory:
 
     def estimate_memory_bytes(self, spec: Any) -> int:
         from engine.backends import resolve_dtype
+        from engine.executor.cuda_graphs import planned_graph_bytes
         from engine.loading.checkpoint import estimate_weight_bytes
 
         model_args, checkpoint_max_seq_len, num_shards, vision = _architecture(spec)
@@ -270,7 +271,7 @@ class LocalEngineFactory:
             weights += estimate_weight_bytes(draft.model_args, resolve_dtype(config))
             kv += planned_kv_cache_bytes(draft.model_args, draft_config(config),
                                          max_seq_len_for(checkpoint_max_seq_len, config))
-        return weights + kv
+        return weights + kv + planned_graph_bytes(model_args, config, resolve_dtype(config))
 
     async def load(self, spec: Any) -> EngineClient:
         config = _effective_config(self._config, spec)

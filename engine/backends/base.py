@@ -112,6 +112,7 @@ class AttentionPath(Enum):
     GATHERED = "gathered"  # torch SDPA over the decodes' blocks gathered into one padded batch (GatheredDecodes)
     PAGED_DECODES = "paged decodes"  # paged_decode_attention: the decodes in place through their block tables (PagedDecodes)
     PAGED = "paged"  # one paged_attention call (PagedSequences): the decodes, or on AMX tiles every sequence
+    PAGED_TILES = "paged tiles"  # CUDA: every sequence in one Triton kernel (PagedTiles), no prefills left for SDPA
 
 
 @dataclass(slots=True)
@@ -146,6 +147,19 @@ class PagedSequences:
 
 
 @dataclass(slots=True)
+class PagedTiles:
+    """Every sequence of the step as engine/kernels/triton_attention.py reads them, in place through
+    the block tables: each sequence's new tokens cut into tiles of at most tile_tokens (its tile_map)."""
+
+    block_tables: torch.Tensor  # [sequences, max_blocks] int32
+    seq_lens: torch.Tensor  # [sequences] int32, K/V length including this step's tokens
+    query_start_loc: torch.Tensor  # [sequences + 1] int32, flat-batch row of each sequence's first new token
+    tile_seq: torch.Tensor  # [tiles] int32, the sequence of each tile
+    tile_first: torch.Tensor  # [tiles] int32, the tile's first new token within its sequence
+    tile_tokens: int  # new tokens per tile at most (1: a pure-decode step, one tile per sequence)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's batch, built once per step for all layers by
     the backend (Backend.attention_metadata). Prefill chunks in `prefills` are attended one at a
@@ -155,7 +169,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token's K/V
     prefills: list[PrefillChunk]
-    batched: GatheredDecodes | PagedDecodes | PagedSequences | None  # None: no sequence attended together
+    batched: GatheredDecodes | PagedDecodes | PagedSequences | PagedTiles | None  # None: no sequence attended together
     rope: torch.Tensor  # torch: [num_tokens, 1, head_dim // 2] complex rotations; kernels: the whole table
 
     @staticmethod
@@ -321,6 +335,12 @@ class Backend:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- load time, optional
+    def captures_decode_steps(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a pure-decode step of a model in `dtype` with heads of head_dim runs without
+        reading a device tensor on the host (no .tolist(), no shape from data), so a CUDA graph may
+        capture it (engine/executor/cuda_graphs.py). False here: the torch layouts read the lengths."""
+        return False
+
     def compiled_decode_step(self, model: nn.Module) -> CompiledDecodeStep | None:
         """A compiled pure-decode step (one token of each of 1..max_rows sequences) through all of
         `model`'s blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once

@@ -30,6 +30,7 @@ from engine.quant.cuda import to_device
 from engine.quant.formats import ExpertWeights, QuantizedWeight
 from engine.executor.step_inputs import StepInputs
 from engine.executor.cross_attention import CrossAttentionUpdate
+from engine.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs, planned_graph_bytes
 from engine.lora.adapters import LoraAdapter, read_adapter, shard_adapter
 from engine.lora.layers import LoraSlots, attach_lora
 from engine.types import CheckpointError, InvalidRequest
@@ -75,6 +76,10 @@ class Worker:
     # Llama 3.2 Vision: each sequence's cross-attention state, apart from the paged KV; None for text models
     cross_attention: CrossAttentionCache | None = None
     max_batch_size: int = 1
+    # CUDA graphs for pure-decode steps (engine/executor/cuda_graphs.py): whether this rank captures
+    # them once its KV cache is allocated (then one scratch block past the pool's), and the graphs
+    cuda_graphs: bool = False
+    decode_graphs: DecodeGraphs | None = None
 
     @classmethod
     def load(cls, spec: CheckpointSpec, config: EngineConfig, *, rank: int, device: torch.device, max_seq_len: int,
@@ -104,8 +109,14 @@ class Worker:
         )  # fmt: skip
         serves_lora = config.max_loras > 0 and type(model) is Transformer
         cross = CrossAttentionCache(model) if isinstance(model, MllamaTransformer) else None
+        # a Llama 2/3 model alone on a GPU whose backend's decode step reads no device tensor on the host,
+        # its weights dense (the quantized CUDA linears are not checked under capture yet: issue #33)
+        dense = len(model.weight_formats()) == 1
+        graphs = (config.cuda_graphs and mp_size == 1 and type(model) is Transformer and dense
+                  and backend.captures_decode_steps(dtype, spec.model_args.head_dim))  # fmt: skip
         return cls(model, mp_size, device, dtype, config.block_size_tokens, max_seq_len, weight_bytes, rank=rank,
-                   serves_lora=serves_lora, cross_attention=cross, max_batch_size=config.max_batch_size)
+                   serves_lora=serves_lora, cross_attention=cross, max_batch_size=config.max_batch_size,
+                   cuda_graphs=graphs)  # fmt: skip
 
     def cross_attention_reserve_bytes(self, budget_bytes: int) -> int:
         """Bytes of the KV budget left to cross-attention states (Llama 3.2 Vision; 0 otherwise): one
@@ -126,9 +137,11 @@ class Worker:
         """KV blocks this rank can hold: the configured bytes (split over the ranks), or a fraction
         of free accelerator memory, never more than a full batch of full-length sequences uses."""
         budget = configured_kv_bytes_per_rank(config, self.mp_size)
-        if budget is None:  # CUDA: a fraction of what the weights left free
+        if budget is None:  # CUDA: a fraction of what the weights left free, less what the decode graphs will take
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * config.kv_cache_memory_fraction)
+            if self.cuda_graphs:
+                budget -= planned_graph_bytes(self.model.params, config, self.dtype)
         budget -= self.cross_attention_reserve_bytes(budget)
         num_blocks = plan_num_blocks(config, bytes_per_block=self.bytes_per_block, budget_bytes=budget,
                                      max_seq_len=self.max_seq_len)
@@ -140,9 +153,18 @@ class Worker:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks for the block pool; with decode graphs one more, their padding rows' scratch
+        block (never handed out), and the graphs captured over the allocated cache."""
+        scratch = 1 if self.cuda_graphs else 0
         self.kv_caches = allocate_kv_caches(
-            self.model.params, self.mp_size, num_blocks, self.block_size, dtype=self.dtype, device=self.device
+            self.model.params, self.mp_size, num_blocks + scratch, self.block_size, dtype=self.dtype, device=self.device
         )
+        if self.cuda_graphs:
+            self.decode_graphs = capture_decode_graphs(
+                lambda inputs: self.model(inputs, self.kv_caches), max_batch_size=self.max_batch_size,
+                max_blocks_per_seq=math.ceil(self.max_seq_len / self.block_size), scratch_block=num_blocks,
+                block_size=self.block_size, device=self.device,
+            )  # fmt: skip
         blocks_per_seq = math.ceil(self.max_seq_len / self.block_size)
         if num_blocks < blocks_per_seq:
             log.warning(
@@ -152,6 +174,8 @@ class Worker:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.kv_caches is not None, "allocate_kv_cache first"
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(inputs)) is not None:
+            return logits
         cross = () if self.cross_attention is None else (self.cross_attention.for_step(),)
         if self.lora is None or inputs.lora_ids is None:
             return self.model(inputs.to(self.device), self.kv_caches, *cross)

@@ -43,6 +43,12 @@ class Workers(Protocol):
     block_size: int
     argmax_kernels: CpuKernels | None  # the fused CPU kernels for the sampler's greedy rows; None: numpy
 
+    @property
+    def decode_graph_sizes(self) -> list[int]:
+        """The batch sizes whose pure-decode steps replay a captured CUDA graph (empty: every step eager)."""
+        graphs = self._shard.decode_graphs
+        return [] if graphs is None else list(graphs.sizes)
+
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """[num_logits, vocab] logits (in the model dtype) of the rows inputs.logits_indices names, in order."""
         ...

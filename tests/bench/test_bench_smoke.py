@@ -51,6 +51,7 @@ def test_throughput_smoke(tmp_path):
     tput = rows(out, name="output throughput", config="tiny")
     assert [r["concurrency"] for r in tput] == [1, 2]
     assert all(r["output_tokens"] == r["requests"] * 64 for r in tput)  # ignore_eos: every request ran to max_tokens
+    assert tput[1]["floor_tok_s"] == pytest.approx(2 * tput[0]["floor_tok_s"])  # the weights read once a step, for every stream
     assert len(rows(out, name="prefix cache TTFT cached")) == 1
 
 
