@@ -91,18 +91,24 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _uniform_table(states: list[int], count: int) -> np.ndarray:
-    """[len(states), count] float64: column j holds the (j + 1)-th next_uniform of each row's stream,
-    the same numbers bit for bit (numpy's uint64 arithmetic wraps as _splitmix64 masks)."""
-    z = np.array(states, dtype=np.uint64).reshape(len(states))
-    out = np.empty((len(states), count), dtype=np.float64)
-    for j in range(count):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
+class UniformStreams:
+    """Many rows' random streams advanced together in numpy: each call of next() gives every row
+    its next_uniform, the same numbers bit for bit (numpy's uint64 arithmetic wraps as
+    _splitmix64 masks), as a float64 tensor on `device`."""
+
+    __slots__ = ("_state", "_device")
+
+    def __init__(self, states: list[int], device: torch.device) -> None:
+        self._state = np.array(states, dtype=np.uint64).reshape(len(states))
+        self._device = device
+
+    def next(self) -> torch.Tensor:
+        z = self._state + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-        out[:, j] = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-    return out
+        self._state = z ^ (z >> np.uint64(31))
+        u = (self._state >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        return torch.from_numpy(u).to(self._device)
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -265,7 +271,7 @@ class Sampler:
     def _draw_on_device(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """_pick_sampled on the device: (token per row, row max after processing), both [len(rows)]
         tensors. The rows' uniforms are those _pick_sampled draws, from the same streams, computed on
-        the host in one table."""
+        the host for all rows of a group at once and sent as one tensor per draw."""
         device, vocab = x.device, x.shape[1]
         params = [seqs[row].params for row in rows]
         table = torch.tensor([[p.temperature, p.min_p, p.top_p] for p in params], dtype=torch.float64, device=device)
@@ -277,20 +283,22 @@ class Sampler:
             for row, p in zip(rows, params)
         ]
         has_k = [0 < p.top_k < vocab for p in params]
-        rejection = [i for i, p in enumerate(params) if not has_k[i] and p.top_p < 1]
-        u = torch.from_numpy(_uniform_table(states, _MAX_TOP_P_ROUNDS + 1 if rejection else 1)).to(device)
         picked = torch.empty(len(rows), dtype=torch.int64, device=device)
         full = [i for i, p in enumerate(params) if not has_k[i] and p.top_p >= 1]
         if full:
             index = torch.tensor(full, device=device)
-            picked[index] = _draw_from_weights(_take(weights, full), u[index, 0])
+            u = UniformStreams([states[i] for i in full], device).next()
+            picked[index] = _draw_from_weights(_take(weights, full), u)
         top_k = [i for i in range(len(rows)) if has_k[i]]
         if top_k:
             index = torch.tensor(top_k, device=device)
-            picked[index] = _top_k_draw(_take(weights, top_k), [params[i].top_k for i in top_k], table[index, 2], u[index, 0])
+            u = UniformStreams([states[i] for i in top_k], device).next()
+            picked[index] = _top_k_draw(_take(weights, top_k), [params[i].top_k for i in top_k], table[index, 2], u)
+        rejection = [i for i, p in enumerate(params) if not has_k[i] and p.top_p < 1]
         if rejection:
             index = torch.tensor(rejection, device=device)
-            picked[index] = _top_p_rounds(_take(weights, rejection), table[index, 2], u[index])
+            streams = UniformStreams([states[i] for i in rejection], device)
+            picked[index] = _top_p_rounds(_take(weights, rejection), table[index, 2], streams)
         return picked, row_max.squeeze(1)
 
 
@@ -672,11 +680,11 @@ def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
     return picked
 
 
-def _top_p_rounds(weights: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """_sample_top_p on the device: the same rounds over every row at once, round r of a row using
-    u[:, r] ([rows, _MAX_TOP_P_ROUNDS + 1] float64, the draws _sample_top_p takes in turn); a row
-    keeps the token it accepted, later rounds leave it be. One bool per round tells the host
-    whether any row is still drawing; rows past the last round take the sort on u[:, -1]."""
+def _top_p_rounds(weights: torch.Tensor, top_p: torch.Tensor, streams: UniformStreams) -> torch.Tensor:
+    """_sample_top_p on the device: the same rounds over every row at once, each round on every
+    row's next uniform (the draw _sample_top_p takes in that round); a row keeps the token it
+    accepted, later rounds leave it be. One bool per round tells the host whether any row is
+    still drawing; rows past the last round take the sort on their next uniform."""
     threshold = top_p * weights.sum(dim=1).double()
     pivot = torch.full((weights.shape[0], 1), -1.0, device=weights.device)
     picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=weights.device)
@@ -684,7 +692,7 @@ def _top_p_rounds(weights: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -
     for round_index in range(_MAX_TOP_P_ROUNDS):
         # a row that accepted draws from its whole row again (never from nothing), then keeps its token
         allowed = weights if round_index == 0 else torch.where((weights > pivot) | ~active.unsqueeze(1), weights, 0.0)
-        token = _draw_from_weights(allowed, u[:, round_index]).unsqueeze(1)
+        token = _draw_from_weights(allowed, streams.next()).unsqueeze(1)
         value = weights.gather(1, token)
         heavier = torch.where(weights > value, weights, 0.0).sum(dim=1).double()
         picked = torch.where(active, token.squeeze(1), picked)
@@ -692,7 +700,7 @@ def _top_p_rounds(weights: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -
         active &= heavier >= threshold
         if not active.any():  # the host's only read besides the result
             return picked
-    fallback = _top_k_draw(weights, [0] * weights.shape[0], top_p, u[:, _MAX_TOP_P_ROUNDS])
+    fallback = _top_k_draw(weights, [0] * weights.shape[0], top_p, streams.next())
     return torch.where(active, fallback, picked)
 
 

@@ -148,15 +148,17 @@ def test_known_top_p_support_on_the_device_path():
     assert set(picks) == {1, 3}  # the smallest set reaching 0.75: 0.5 + 0.3
 
 
-def test_uniform_table_is_next_uniform_bit_for_bit():
+def test_uniform_streams_are_next_uniform_bit_for_bit():
     states = [0, 1, 2**64 - 1, 2**63, seeded_state(-1, 0), seeded_state(7, 1000)] + [random.Random(3).getrandbits(64) for _ in range(20)]
-    table = sampler_mod._uniform_table(states, 5)
+    streams = sampler_mod.UniformStreams(states, torch.device("cpu"))
+    drawn = [streams.next() for _ in range(5)]
+    assert all(u.dtype == torch.float64 for u in drawn)
     for row, state in enumerate(states):
         expected = []
         for _ in range(5):
             u, state = next_uniform(state)
             expected.append(u)
-        assert table[row].tolist() == expected
+        assert [u[row].item() for u in drawn] == expected
 
 
 def test_dense_penalties_equal_sparse_ones_bit_for_bit():
