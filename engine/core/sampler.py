@@ -38,9 +38,9 @@ tensors, as the tests and bench/sampler.py run it): the same steps with every vo
 tensor left on the logits' device. The host sends small tensors (per-row parameters, the rows'
 uniforms computed from the same splitmix64 streams, token ids for penalties and masks, grammar
 bitmasks packed 32 tokens to a word) and reads back one packed tensor: the chosen ids, row maxima
-for the error checks and the requested logprobs. Rows with top_p and no top_k also read one bool
-per rejection round (expected < 1/top_p rounds). Both paths give the same tokens and logprobs
-(tests/engine/test_sampler_device.py).
+for the error checks and the requested logprobs. Rows with top_p and no top_k also read, each
+rejection round, which of them are still drawing (expected < 1/top_p rounds, as on the host).
+Both paths give the same tokens and logprobs (tests/engine/test_sampler_device.py).
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """sample()'s result with every vocabulary-sized tensor left on the logits' device: what
         sample() runs for logits off the CPU, callable on CPU tensors too. One device-to-host copy
-        (a packed float64 tensor), plus one bool per top_p rejection round; never modifies logits."""
+        (a packed float64 tensor), plus a bool per row still drawing per top_p rejection round;
+        never modifies logits."""
         _check_shape(logits, seqs)
         if not seqs:
             return SampleResult([], [], {})
@@ -298,7 +299,7 @@ class Sampler:
         if rejection:
             index = torch.tensor(rejection, device=device)
             streams = UniformStreams([states[i] for i in rejection], device)
-            picked[index] = _top_p_rounds(_take(weights, rejection), table[index, 2], streams)
+            picked[index] = _top_p_draw(_take(weights, rejection), table[index, 2], streams)
         return picked, row_max.squeeze(1)
 
 
@@ -650,19 +651,25 @@ def _top_k_draw(weights: torch.Tensor, top_k: list[int], top_p_t: torch.Tensor, 
 
 
 def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
-    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
-    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot."""
+    """top_p by rejection, without sorting (_top_p_draw) on the rows' streams."""
     device = weights.device
-    threshold = torch.tensor(top_p, dtype=torch.float64, device=device) * weights.sum(dim=1).double()
+    return _top_p_draw(weights, torch.tensor(top_p, dtype=torch.float64, device=device), UniformStreams(states, device))
+
+
+def _top_p_draw(weights: torch.Tensor, top_p: torch.Tensor, streams: UniformStreams) -> torch.Tensor:
+    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
+    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot.
+    Round r draws with each row's r-th uniform; after round 0 only the rows still drawing are
+    touched, the host learning which from one [rows still drawing] bool read per round."""
+    device = weights.device
+    threshold = top_p * weights.sum(dim=1).double()
     pivot = torch.full((weights.shape[0], 1), -1.0, device=device)
     picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=device)
     active = list(range(weights.shape[0]))
     for round_index in range(_MAX_TOP_P_ROUNDS):
         idx = torch.tensor(active, device=device)
         sub = _take(weights, active)
-        u, new_states = _uniforms([states[i] for i in active], device)
-        for i, state in zip(active, new_states):
-            states[i] = state
+        u = _take(streams.next(), active)  # every row's next draw: a row's r-th is the same either way
         allowed = sub if round_index == 0 else torch.where(sub > pivot[idx], sub, 0.0)
         token = _draw_from_weights(allowed, u).unsqueeze(1)
         value = sub.gather(1, token)
@@ -675,33 +682,8 @@ def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
             return picked
     # pathological rows (many near-equal tokens around the cut): sort them
     idx = torch.tensor(active, device=device)
-    rest_top_p, rest_states = [top_p[i] for i in active], [states[i] for i in active]
-    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), rest_top_p, rest_states)
+    picked[idx] = _top_k_draw(weights[idx], [0] * len(active), top_p[idx], _take(streams.next(), active))
     return picked
-
-
-def _top_p_rounds(weights: torch.Tensor, top_p: torch.Tensor, streams: UniformStreams) -> torch.Tensor:
-    """_sample_top_p on the device: the same rounds over every row at once, each round on every
-    row's next uniform (the draw _sample_top_p takes in that round); a row keeps the token it
-    accepted, later rounds leave it be. One bool per round tells the host whether any row is
-    still drawing; rows past the last round take the sort on their next uniform."""
-    threshold = top_p * weights.sum(dim=1).double()
-    pivot = torch.full((weights.shape[0], 1), -1.0, device=weights.device)
-    picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=weights.device)
-    active = torch.ones(weights.shape[0], dtype=torch.bool, device=weights.device)
-    for round_index in range(_MAX_TOP_P_ROUNDS):
-        # a row that accepted draws from its whole row again (never from nothing), then keeps its token
-        allowed = weights if round_index == 0 else torch.where((weights > pivot) | ~active.unsqueeze(1), weights, 0.0)
-        token = _draw_from_weights(allowed, streams.next()).unsqueeze(1)
-        value = weights.gather(1, token)
-        heavier = torch.where(weights > value, weights, 0.0).sum(dim=1).double()
-        picked = torch.where(active, token.squeeze(1), picked)
-        pivot = torch.where(active.unsqueeze(1), value, pivot)
-        active &= heavier >= threshold
-        if not active.any():  # the host's only read besides the result
-            return picked
-    fallback = _top_k_draw(weights, [0] * weights.shape[0], top_p, streams.next())
-    return torch.where(active, fallback, picked)
 
 
 def _logprob_tensors(logits: torch.Tensor, rows: list[int], token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
