@@ -301,15 +301,18 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("mix", MIXES)
 def test_cuda_device_path_gives_the_cpu_tokens(mix, dtype):
     """Seeded rows, greedy rows and unseeded rows draw the same tokens from the same logits on the
-    GPU as on the CPU (float32 sums round differently on the GPU: a uniform within an ULP of a
-    boundary could flip a draw; none do at these seeds), logprobs close."""
+    GPU as on the CPU (float32 sums and exp round differently on the GPU: a uniform within an ULP
+    of a boundary could flip a draw; none do at these seeds), logprobs close. bfloat16 logits tie
+    often, and top_k orders tied tokens as each device's topk does: there greedy rows only."""
     seqs = sequences(MIXES[mix])
+    compared = [i for i, s in enumerate(seqs) if dtype == torch.float32 or s.params.temperature == 0]
     for step in range(4):
         logits = logits_for(len(seqs), seed=200 + step).to(dtype)
         host = Sampler(seed=step).sample(logits, seqs)
         device = Sampler(seed=step).sample(logits.cuda(), seqs)
-        assert device.token_ids == host.token_ids and device.errors == host.errors
-        for got, want in zip(device.logprobs, host.logprobs):
+        assert [device.token_ids[i] for i in compared] == [host.token_ids[i] for i in compared]
+        assert device.errors == host.errors
+        for got, want in zip([device.logprobs[i] for i in compared], [host.logprobs[i] for i in compared]):
             assert (got is None) == (want is None)
             if want is not None:
                 assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-4)
