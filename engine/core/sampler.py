@@ -30,6 +30,17 @@ tokens, best first.
 
 Ties: truncation keeps every token whose value equals the cut, so exact ties at the top_k or
 top_p boundary can keep a few extra tokens.
+
+Two paths, chosen by the logits' device alone (issue 33). Logits on the CPU take the host path
+(the fused kernels' argmax for plain greedy batches, sparse penalties, numpy where it is faster).
+Logits anywhere else take the device path (`Sampler.sample_on_device`, which also runs on CPU
+tensors, as the tests and bench/sampler.py run it): the same steps with every vocabulary-sized
+tensor left on the logits' device. The host sends small tensors (per-row parameters, the rows'
+uniforms computed from the same splitmix64 streams, token ids for penalties and masks, grammar
+bitmasks packed 32 tokens to a word) and reads back one packed tensor: the chosen ids, row maxima
+for the error checks and the requested logprobs. Rows with top_p and no top_k also read, each
+rejection round, which of them are still drawing (expected < 1/top_p rounds, as on the host).
+Both paths give the same tokens and logprobs (tests/engine/test_sampler_device.py).
 """
 
 from __future__ import annotations
@@ -80,6 +91,26 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+class UniformStreams:
+    """Many rows' random streams advanced together in numpy: each call of next() gives every row
+    its next_uniform, the same numbers bit for bit (numpy's uint64 arithmetic wraps as
+    _splitmix64 masks), as a float64 tensor on `device`."""
+
+    __slots__ = ("_state", "_device")
+
+    def __init__(self, states: list[int], device: torch.device) -> None:
+        self._state = np.array(states, dtype=np.uint64).reshape(len(states))
+        self._device = device
+
+    def next(self) -> torch.Tensor:
+        z = self._state + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        self._state = z ^ (z >> np.uint64(31))
+        u = (self._state >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        return torch.from_numpy(u).to(self._device)
+
+
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _MIN_TEMPERATURE
 
@@ -98,10 +129,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [num_seqs, vocab] (float32, or the model dtype: widened to float32 here), row i
         belongs to seqs[i]. Never modifies logits."""
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):  # an executor bug: fail the batch
-            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
+        _check_shape(logits, seqs)
         if not seqs:
             return SampleResult([], [], {})
+        if not logits.is_cpu:
+            return self.sample_on_device(logits, seqs)
         if all(self._is_plain_greedy(seq) for seq in seqs):
             return _argmax_only(logits, seqs, self._kernels)
         if logits.dtype != torch.float32:
@@ -146,8 +178,7 @@ class Sampler:
                 if math.isfinite(value):
                     tokens[row] = token
                 else:  # bias, min_tokens or the grammar masked every token, or a bias was infinite
-                    errors[seqs[row].seq_id] = ("no token left to sample: logit_bias, min_tokens, allowed_token_ids, bad_words "
-                                                          "or the grammar masked them all")
+                    errors[seqs[row].seq_id] = _NOTHING_LEFT
         want = [row for row in range(len(seqs)) if tokens[row] >= 0 and seqs[row].params.logprobs is not None]
         return SampleResult(tokens, _logprobs(logits, seqs, tokens, want), errors)
 
@@ -189,6 +220,88 @@ class Sampler:
                     chosen[i] = token
         return rows, chosen, row_max
 
+    # ------------------------------------------------------------------ device path
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """sample()'s result with every vocabulary-sized tensor left on the logits' device: what
+        sample() runs for logits off the CPU, callable on CPU tensors too. One device-to-host copy
+        (a packed float64 tensor), plus a bool per row still drawing per top_p rejection round;
+        never modifies logits."""
+        _check_shape(logits, seqs)
+        if not seqs:
+            return SampleResult([], [], {})
+        if all(self._is_plain_greedy(seq) for seq in seqs):  # the argmax alone; bfloat16 needs no copy
+            values, ids = logits.max(dim=1)
+            return _unpack(torch.cat([ids.double(), values.double(), values.double()]).tolist(), seqs, {}, [], 0)
+        raw = logits if logits.dtype == torch.float32 else logits.float()
+        vocab = raw.shape[1]
+        bad_bias = _bias_errors(seqs, vocab)
+        live = [row for row, seq in enumerate(seqs) if seq.seq_id not in bad_bias]
+        x = raw
+        if any(self._modifies_logits(seqs[row]) for row in live):
+            x = raw.clone(memory_format=torch.contiguous_format)  # raw stays for logprobs
+            _apply_penalties_dense(x, [(row, seqs[row]) for row in live if _has_penalties(seqs[row].params)])
+            _apply_logit_bias(x, [(row, seqs[row].params) for row in live if seqs[row].params.logit_bias])
+            self._mask_stop_tokens(x, [(row, seqs[row]) for row in live if self._stops_masked(seqs[row])])
+            _apply_token_masks(x, [(row, seqs[row]) for row in live if _masks_tokens(seqs[row].params)])
+            constrained = [row for row in live if seqs[row].grammar is not None]
+            _apply_grammar_masks(x, constrained, [seqs[row].grammar for row in constrained], unpack_on_device=True)
+
+        device = x.device
+        tokens = torch.full((len(seqs),), -1, dtype=torch.int64, device=device)
+        best = torch.full((len(seqs),), math.nan, device=device)  # row max after processing; not finite: no token left
+        greedy = [row for row in live if _is_greedy(seqs[row].params)]
+        if greedy:
+            values, ids = _take(x, greedy).max(dim=1)  # the first best id, as _row_max
+            index = torch.tensor(greedy, device=device)
+            tokens[index], best[index] = ids, values
+        sampled = [row for row in live if not _is_greedy(seqs[row].params)]
+        if sampled:
+            ids, row_max = self._draw_on_device(x, sampled, seqs)
+            index = torch.tensor(sampled, device=device)
+            tokens[index], best[index] = ids, row_max
+
+        pieces = [tokens.double(), raw.amax(dim=1).double(), best.double()]
+        want = [row for row in live if seqs[row].params.logprobs is not None]
+        k = min(max((seqs[row].params.logprobs or 0 for row in want), default=0), vocab)
+        if want:  # failed rows' logprobs are computed too (the host learns of failures last) and dropped
+            chosen_ids = tokens[torch.tensor(want, device=device)].clamp(min=0)
+            chosen, top_values, top_ids = _logprob_tensors(raw, want, chosen_ids, k)
+            pieces += [chosen.double(), top_ids.double().flatten(), top_values.double().flatten()]
+        return _unpack(torch.cat(pieces).tolist(), seqs, bad_bias, want, k)  # the one device-to-host copy
+
+    def _draw_on_device(self, x: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """_pick_sampled on the device: (token per row, row max after processing), both [len(rows)]
+        tensors. The rows' uniforms are those _pick_sampled draws, from the same streams, computed on
+        the host for all rows of a group at once and sent as one tensor per draw."""
+        device, vocab = x.device, x.shape[1]
+        params = [seqs[row].params for row in rows]
+        table = torch.tensor([[p.temperature, p.min_p, p.top_p] for p in params], dtype=torch.float64, device=device)
+        min_p = table[:, 1].float() if any(p.min_p > 0 for p in params) else None
+        weights, row_max = _weights_tensor(_take(x, rows), table[:, 0].float(), min_p)
+        weights.masked_fill_(~torch.isfinite(row_max), 1.0)  # as _weights: the caller reports these rows
+        states = [  # drawn in _pick_sampled's order, so unseeded rows get the same streams
+            seeded_state(p.seed, seqs[row].num_output_tokens) if p.seed is not None else self._rng.getrandbits(64)
+            for row, p in zip(rows, params)
+        ]
+        has_k = [0 < p.top_k < vocab for p in params]
+        picked = torch.empty(len(rows), dtype=torch.int64, device=device)
+        full = [i for i, p in enumerate(params) if not has_k[i] and p.top_p >= 1]
+        if full:
+            index = torch.tensor(full, device=device)
+            u = UniformStreams([states[i] for i in full], device).next()
+            picked[index] = _draw_from_weights(_take(weights, full), u)
+        top_k = [i for i in range(len(rows)) if has_k[i]]
+        if top_k:
+            index = torch.tensor(top_k, device=device)
+            u = UniformStreams([states[i] for i in top_k], device).next()
+            picked[index] = _top_k_draw(_take(weights, top_k), [params[i].top_k for i in top_k], table[index, 2], u)
+        rejection = [i for i, p in enumerate(params) if not has_k[i] and p.top_p < 1]
+        if rejection:
+            index = torch.tensor(rejection, device=device)
+            streams = UniformStreams([states[i] for i in rejection], device)
+            picked[index] = _top_p_draw(_take(weights, rejection), table[index, 2], streams)
+        return picked, row_max.squeeze(1)
+
 
 # ---------------------------------------------------------------------- pieces (pure functions)
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -227,23 +340,73 @@ def _argmax_only(logits: torch.Tensor, seqs: list[Sequence], kernels: CpuKernels
     errors: dict[int, str] = {}
     for row, value in enumerate(values):
         if not math.isfinite(value):  # NaN or +inf anywhere, or a row of -inf
-            errors[seqs[row].seq_id] = f"the model produced non-finite logits (row max {value})"
+            errors[seqs[row].seq_id] = _non_finite(value)
             tokens[row] = -1
     return SampleResult(tokens, [None] * len(seqs), errors)
 
 
+def _check_shape(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(seqs):  # an executor bug: fail the batch
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
+
+
+def _non_finite(value: float) -> str:
+    return f"the model produced non-finite logits (row max {value})"
+
+
+_NOTHING_LEFT = "no token left to sample: logit_bias, min_tokens, allowed_token_ids, bad_words or the grammar masked them all"
+
+
 def _row_errors(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
     """Rows that cannot be sampled at all: non-finite model output or a bias id out of range."""
-    vocab = logits.shape[1]
+    bad_bias = _bias_errors(seqs, logits.shape[1])
     errors: dict[int, str] = {}
     for seq, value in zip(seqs, logits.amax(dim=1).tolist()):  # NaN or +inf anywhere shows in the max
         if not math.isfinite(value):
-            errors[seq.seq_id] = f"the model produced non-finite logits (row max {value})"
-            continue
+            errors[seq.seq_id] = _non_finite(value)
+        elif seq.seq_id in bad_bias:
+            errors[seq.seq_id] = bad_bias[seq.seq_id]
+    return errors
+
+
+def _bias_errors(seqs: list[Sequence], vocab: int) -> dict[int, str]:
+    """seq_id -> why, for rows whose logit_bias names a token outside the vocabulary."""
+    errors: dict[int, str] = {}
+    for seq in seqs:
         bad = [t for t, _ in seq.params.logit_bias if not 0 <= t < vocab]
         if bad:
             errors[seq.seq_id] = f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})"
     return errors
+
+
+def _unpack(flat: list[float], seqs: list[Sequence], bad_bias: dict[int, str], want: list[int], k: int) -> SampleResult:
+    """The device path's one copy back, read: [tokens, raw row max, row max after processing] per
+    row, then for the `want` rows the chosen logprob, k top ids and k top logprobs (row-major).
+    Errors in _row_errors' order: non-finite logits, then a bad bias, then nothing left."""
+    n = len(seqs)
+    tokens = [int(t) for t in flat[:n]]
+    errors: dict[int, str] = {}
+    for row, seq in enumerate(seqs):
+        raw_max, best = flat[n + row], flat[2 * n + row]
+        if not math.isfinite(raw_max):
+            errors[seq.seq_id] = _non_finite(raw_max)
+        elif seq.seq_id in bad_bias:
+            errors[seq.seq_id] = bad_bias[seq.seq_id]
+        elif not math.isfinite(best):  # bias, min_tokens or the grammar masked every token, or a bias was infinite
+            errors[seq.seq_id] = _NOTHING_LEFT
+        if seq.seq_id in errors:
+            tokens[row] = -1
+    logprobs: list[TokenLogprob | None] = [None] * n
+    start = 3 * n
+    top_ids, top_values = start + len(want), start + len(want) * (1 + k)
+    for i, row in enumerate(want):
+        if tokens[row] >= 0:
+            ids = flat[top_ids + i * k : top_ids + (i + 1) * k]
+            values = flat[top_values + i * k : top_values + (i + 1) * k]
+            count = min(seqs[row].params.logprobs or 0, k)
+            top = [(int(t), v) for t, v in zip(ids[:count], values[:count])]
+            logprobs[row] = TokenLogprob(token_id=tokens[row], logprob=flat[start + i], top=top)
+    return SampleResult(tokens, logprobs, errors)
 
 
 def _apply_penalties(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
@@ -286,6 +449,39 @@ def _per_row(x: torch.Tensor, values: list[tuple[int, float]]) -> torch.Tensor:
     return out
 
 
+def _apply_penalties_dense(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+    """_apply_penalties' arithmetic, element for element, over dense [rows, vocab] token counts:
+    the sparse form's torch.unique makes the host wait for the device to learn how many keys."""
+    rep = [(row, seq) for row, seq in rows if seq.params.repetition_penalty != 1]
+    if rep:
+        index = torch.tensor([row for row, _ in rep], device=x.device)
+        seen = _dense_counts([seq.token_ids for _, seq in rep], x.shape[1], x.device) > 0
+        penalty = torch.tensor([seq.params.repetition_penalty for _, seq in rep], device=x.device).unsqueeze(1)
+        sub = x.index_select(0, index)
+        x.index_copy_(0, index, torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub))
+    additive = [(row, seq) for row, seq in rows if seq.params.presence_penalty or seq.params.frequency_penalty]
+    if additive:
+        index = torch.tensor([row for row, _ in additive], device=x.device)
+        counts = _dense_counts([seq.output_token_ids for _, seq in additive], x.shape[1], x.device)
+        frequency = torch.tensor([seq.params.frequency_penalty for _, seq in additive], device=x.device).unsqueeze(1)
+        presence = torch.tensor([seq.params.presence_penalty for _, seq in additive], device=x.device).unsqueeze(1)
+        sub = x.index_select(0, index)
+        x.index_copy_(0, index, torch.where(counts > 0, sub - (counts * frequency + presence), sub))
+
+
+def _dense_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each row's list holds each token (ids the
+    model cannot emit are not counted). The lists go over padded into one int64 tensor."""
+    ids = np.full((len(token_lists), max(map(len, token_lists), default=0) or 1), vocab, dtype=np.int64)
+    for i, tokens in enumerate(token_lists):
+        ids[i, : len(tokens)] = tokens
+    index = torch.from_numpy(ids).to(device)
+    index = torch.where((index >= 0) & (index < vocab), index, vocab)  # vocab: the padding column
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab]
+
+
 def _apply_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -> None:
     if not rows:
         return
@@ -301,26 +497,34 @@ def _masks_tokens(params: SamplingParams) -> bool:
 
 
 def _apply_token_masks(x: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
-    """allowed_token_ids and bad words: -inf, in x, for every token a row may not take next."""
-    vocab = x.shape[1]
+    """allowed_token_ids and bad words: -inf, in x, for every token a row may not take next. The
+    host lists (row, token) pairs; the masks are built and applied on x's device in one go each."""
+    vocab, device = x.shape[1], x.device
+    allowed = [(row, seq.params.allowed_token_ids) for row, seq in rows if seq.params.allowed_token_ids is not None]
+    if allowed:
+        pairs = [(i, t) for i, (_, ids) in enumerate(allowed) for t in ids if 0 <= t < vocab]
+        blocked = torch.ones(len(allowed), vocab, dtype=torch.bool, device=device)
+        if pairs:
+            blocked[torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)] = False
+        index = torch.tensor([row for row, _ in allowed], device=device)
+        x.index_copy_(0, index, x.index_select(0, index).masked_fill_(blocked, -torch.inf))
+    banned: list[tuple[int, int]] = []
     for row, seq in rows:
-        params = seq.params
-        if params.allowed_token_ids is not None:
-            blocked = torch.ones(vocab, dtype=torch.bool, device=x.device)
-            blocked[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=x.device)] = False
-            x[row].masked_fill_(blocked, -torch.inf)
-        if params.bad_words_token_ids:
-            output = seq.output_token_ids
-            banned = [word[-1] for word in params.bad_words_token_ids
-                      if len(word) == 1 or (len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1])]
-            banned = [t for t in banned if 0 <= t < vocab]
-            if banned:
-                x[row, torch.tensor(banned, dtype=torch.long, device=x.device)] = -torch.inf
+        output = seq.output_token_ids
+        banned += [(row, word[-1]) for word in seq.params.bad_words_token_ids
+                   if (len(word) == 1 or (len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1]))
+                   and 0 <= word[-1] < vocab]
+    if banned:
+        x.index_put_(torch.tensor(banned, dtype=torch.long, device=device).unbind(1), torch.tensor(-math.inf, device=device))
 
 
-def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState], *,
+                         unpack_on_device: bool | None = None) -> None:
     """Set to -inf, in x (float32 [num_rows, vocab], modified in place), every token that rows[i]'s
-    grammar does not allow next. All masks are computed in one call into one bitmask."""
+    grammar does not allow next. All masks are computed in one call into one bitmask (bit t % 32
+    of word t // 32: token t allowed). unpack_on_device (default: x off the CPU) sends the packed
+    words to x's device and unpacks them there, 32 times less to copy than the bool mask; on the
+    CPU numpy's unpackbits is the faster."""
     if not rows:
         return
     vocab = x.shape[1]
@@ -328,13 +532,24 @@ def _apply_grammar_masks(x: torch.Tensor, rows: list[int], states: list[GrammarS
     bitmask = np.zeros((len(rows), words), dtype=np.int32)
     states[0].executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.ctypes.data,
                                                words * 4, len(rows))
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
-    blocked = torch.from_numpy(~allowed)
+    if unpack_on_device if unpack_on_device is not None else not x.is_cpu:
+        blocked = _blocked_from_bitmask(torch.from_numpy(bitmask).to(x.device), vocab)
+    else:
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
+        blocked = torch.from_numpy(~allowed)
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         x.masked_fill_(blocked.to(x.device), -torch.inf)
         return
     index = torch.tensor(rows, device=x.device)
     x[index] = x[index].masked_fill_(blocked.to(x.device), -torch.inf)
+
+
+def _blocked_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 allow-bits -> [rows, vocab] bool, True where the token is not allowed
+    (on the bitmask's device; an arithmetic shift still leaves bit 31 in the low bit)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(2) >> shifts).bitwise_and_(1)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] == 0
 
 
 def _pick_greedy(x: torch.Tensor, rows: list[int]) -> _Picks:
@@ -349,16 +564,24 @@ def _weights(xs: torch.Tensor, temperature: list[float], min_p: list[float]) -> 
     and each row's max logit (not finite: nothing left to sample, the row then weighs uniformly).
     min_p: prob < min_p * max_prob  <=>  weight < min_p, as the best token weighs 1."""
     device = xs.device
-    row_max = xs.amax(dim=1, keepdim=True)
+    min_p_t = torch.tensor(min_p, device=device) if any(p > 0 for p in min_p) else None
+    weights, row_max = _weights_tensor(xs, torch.tensor(temperature, device=device), min_p_t)
     row_max_list = row_max.squeeze(1).tolist()
-    weights = xs - row_max  # a new tensor: xs may be the caller's logits
-    weights.div_(torch.tensor(temperature, device=device).unsqueeze(1)).exp_()
     dead = [i for i, value in enumerate(row_max_list) if not math.isfinite(value)]
     if dead:  # the caller reports these rows; keep the arithmetic finite meanwhile
         weights[torch.tensor(dead, device=device)] = 1.0
-    if any(p > 0 for p in min_p):  # one in-place pass; rows without min_p have floor 0
-        weights.masked_fill_(weights < torch.tensor(min_p, device=device).unsqueeze(1), 0.0)
     return weights, row_max_list
+
+
+def _weights_tensor(xs: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_weights' arithmetic with [rows] float32 parameters (min_p None: no row has one): the
+    weights (dead rows not yet reset) and the [rows, 1] row max."""
+    row_max = xs.amax(dim=1, keepdim=True)
+    weights = xs - row_max  # a new tensor: xs may be the caller's logits
+    weights.div_(temperature.unsqueeze(1)).exp_()
+    if min_p is not None:  # one in-place pass; rows without min_p have floor 0
+        weights.masked_fill_(weights < min_p.unsqueeze(1), 0.0)
+    return weights, row_max
 
 
 def _uniforms(states: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -408,14 +631,18 @@ def _sample_full(weights: torch.Tensor, top_k: list[int], top_p: list[float], st
 def _sample_top_k(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
     """top_k, then top_p within it, then inverse CDF over the kept tokens best first.
     top_k >= vocab (or 0) means the whole row, sorted."""
+    u, _ = _uniforms(states, weights.device)
+    return _top_k_draw(weights, top_k, torch.tensor(top_p, dtype=torch.float64, device=weights.device), u)
+
+
+def _top_k_draw(weights: torch.Tensor, top_k: list[int], top_p_t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """_sample_top_k with top_p as a [rows] float64 tensor and the rows' uniforms u [rows] float64."""
     vocab, device = weights.shape[1], weights.device
     top_k = [k if 0 < k < vocab else vocab for k in top_k]
-    u, _ = _uniforms(states, device)
     values, ids = torch.topk(weights, max(top_k), dim=1)  # best first
     beyond_k = torch.arange(values.shape[1], device=device) >= torch.tensor(top_k, device=device).unsqueeze(1)
     values.masked_fill_(beyond_k, 0.0)
     cumulative = torch.cumsum(values, dim=1, dtype=torch.float64)
-    top_p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
     before = cumulative - values.double()  # mass strictly better than each token
     # a best-first prefix of each row; its first token always stays (before == 0, weight == 1)
     keep = (before < (top_p_t * cumulative[:, -1]).unsqueeze(1)) & (values > 0)
@@ -424,19 +651,25 @@ def _sample_top_k(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
 
 
 def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], states: list[int]) -> torch.Tensor:
-    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
-    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot."""
+    """top_p by rejection, without sorting (_top_p_draw) on the rows' streams."""
     device = weights.device
-    threshold = torch.tensor(top_p, dtype=torch.float64, device=device) * weights.sum(dim=1).double()
+    return _top_p_draw(weights, torch.tensor(top_p, dtype=torch.float64, device=device), UniformStreams(states, device))
+
+
+def _top_p_draw(weights: torch.Tensor, top_p: torch.Tensor, streams: UniformStreams) -> torch.Tensor:
+    """top_p by rejection, without sorting: draw among tokens heavier than the row's pivot; accept
+    if the mass strictly heavier than the token is < top_p; else the token becomes the pivot.
+    Round r draws with each row's r-th uniform; after round 0 only the rows still drawing are
+    touched, the host learning which from one [rows still drawing] bool read per round."""
+    device = weights.device
+    threshold = top_p * weights.sum(dim=1).double()
     pivot = torch.full((weights.shape[0], 1), -1.0, device=device)
     picked = torch.zeros(weights.shape[0], dtype=torch.int64, device=device)
     active = list(range(weights.shape[0]))
     for round_index in range(_MAX_TOP_P_ROUNDS):
         idx = torch.tensor(active, device=device)
         sub = _take(weights, active)
-        u, new_states = _uniforms([states[i] for i in active], device)
-        for i, state in zip(active, new_states):
-            states[i] = state
+        u = _take(streams.next(), active)  # every row's next draw: a row's r-th is the same either way
         allowed = sub if round_index == 0 else torch.where(sub > pivot[idx], sub, 0.0)
         token = _draw_from_weights(allowed, u).unsqueeze(1)
         value = sub.gather(1, token)
@@ -449,9 +682,19 @@ def _sample_top_p(weights: torch.Tensor, top_k: list[int], top_p: list[float], s
             return picked
     # pathological rows (many near-equal tokens around the cut): sort them
     idx = torch.tensor(active, device=device)
-    rest_top_p, rest_states = [top_p[i] for i in active], [states[i] for i in active]
-    picked[idx] = _sample_top_k(weights[idx], [0] * len(active), rest_top_p, rest_states)
+    picked[idx] = _top_k_draw(weights[idx], [0] * len(active), top_p[idx], _take(streams.next(), active))
     return picked
+
+
+def _logprob_tensors(logits: torch.Tensor, rows: list[int], token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """For logits[rows]: the raw log-softmax of token_ids [len(rows)], and the k best (values, ids)."""
+    logprobs = torch.log_softmax(_take(logits, rows), dim=1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    if k > 0:
+        values, ids = torch.topk(logprobs, k, dim=1)
+    else:
+        values, ids = logprobs[:, :0], torch.zeros_like(logprobs[:, :0], dtype=torch.int64)
+    return chosen, values, ids
 
 
 def _logprobs(
@@ -461,16 +704,10 @@ def _logprobs(
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if not rows:
         return out
-    device = logits.device
-    logprobs = torch.log_softmax(_take(logits, rows), dim=1)
-    chosen_ids = torch.tensor([tokens[row] for row in rows], device=device)
-    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
     ks = [min(seqs[row].params.logprobs or 0, logits.shape[1]) for row in rows]
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
-    if max(ks) > 0:
-        values, ids = torch.topk(logprobs, max(ks), dim=1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+    chosen_ids = torch.tensor([tokens[row] for row in rows], device=logits.device)
+    chosen_t, values, ids = _logprob_tensors(logits, rows, chosen_ids, max(ks))
+    chosen, top_values, top_ids = chosen_t.tolist(), values.tolist(), ids.tolist()
     for i, row in enumerate(rows):
         top = list(zip(top_ids[i][: ks[i]], top_values[i][: ks[i]]))
         out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[i], top=top)
