@@ -115,13 +115,14 @@ class WorkerGroup:
         )  # fmt: skip
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """[num_logits, vocab] logits in the model dtype on the CPU, for inputs.logits_indices rows."""
+        """[num_logits, vocab] logits for inputs.logits_indices rows, left on the model's device: the
+        sampler picks on the device there and copies back only ids and logprobs (Sampler.sample)."""
         if self._closed:
             raise EngineDead("the model executor was shut down")
         if self._group is None:
-            return self._shard.forward(inputs).cpu()
+            return self._shard.forward(inputs)
         self._group.broadcast_step(inputs)
-        return self._group.collective(lambda: self._shard.forward(inputs)).cpu()
+        return self._group.collective(lambda: self._shard.forward(inputs))
 
     def load_adapter(self, lora_id: int, adapter: Any, path: str) -> int:
         """Install an adapter (engine.lora.adapters.LoraAdapter, read and checked from `path`) on

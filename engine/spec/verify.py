@@ -61,7 +61,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def _draw(weights: torch.Tensor, u: float) -> int:
     cumulative = torch.cumsum(weights, dim=0)
     total = float(cumulative[-1])
-    index = int(torch.searchsorted(cumulative, torch.tensor([u * total], dtype=cumulative.dtype), right=True))
+    index = int(torch.searchsorted(cumulative, torch.tensor([u * total], dtype=cumulative.dtype, device=cumulative.device), right=True))
     index = min(index, weights.shape[0] - 1)
     while weights[index] <= 0 and index > 0:  # rounding at the top end: step back onto mass
         index -= 1
