@@ -3,8 +3,8 @@
  *
  * y[m, r] = sum_j x[m, j] * W[r, j], where W is stored as codes plus scales (engine/quant/formats.py
  * defines the numbers; these kernels compute the same dot products up to summation order). Each
- * 32-column block of a weight row is dequantized in registers (16-float vectors: AVX-512 zmm, or
- * AVX2 and others through the compiler's vectorization of portable loops) and multiplied into up to TILE input rows at once,
+ * 32-column block of a weight row is dequantized in registers (AVX-512: two zmm; AVX2: four ymm, in
+ * intrinsics; other builds: portable loops over 16-float vectors) and multiplied into up to TILE input rows at once,
  * so a decode step streams the low-bit bytes once and larger batches re-read each row from L1.
  * OpenMP over output rows, with the caller's thread count (the libgomp torch already loaded).
  *
@@ -26,6 +26,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QK_AVX512 1 /* the conversions below in intrinsics: GCC lowers vector-extension casts badly */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* x86-64-v3 (AVX2, FMA, F16C; Zen 2 here): the int8 / int4 / fp8 linears and dequantizers in 8-lane
+ * intrinsics. The portable code's 16-lane vectors are two ymm registers here, and GCC lowered them
+ * through the stack each step (accumulators stored and reloaded, lanes moved through general
+ * registers): that code ran 5-10x slower than the float linear (bench/NOTES.md 'AVX2 quantized
+ * linears'). */
+#define QK_AVX2 1
 #endif
 
 #define AI inline __attribute__((always_inline))
@@ -54,10 +62,20 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
 #endif
 }
 
-/* fp8 e4m3fn -> float32, exact. AVX-512: the code's bits are moved into a binary16 whose value
- * is exactly value / 256 (same mantissa, exponent bias 15 vs 7, subnormals to subnormals), converted
- * by vcvtph2ps, and the 256 is folded into the row scale. Elsewhere: a 256-entry table. */
-#ifdef QK_AVX512
+#ifdef __AVX2__
+#include <immintrin.h>
+static AI float hsum8(__m256 v) { /* the 8 lanes' sum (the AVX2 linears' last step per row) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* fp8 e4m3fn -> float32, exact. AVX-512 and AVX2 (F16C): the code's bits are moved into a binary16
+ * whose value is exactly value / 256 (same mantissa, exponent bias 15 vs 7, subnormals to
+ * subnormals), converted by vcvtph2ps, and the 256 is folded into the row scale. Elsewhere: a
+ * 256-entry table. */
+#if defined(QK_AVX512) || defined(QK_AVX2)
 #define FP8_UNSCALE 256.0f
 #else
 #define FP8_UNSCALE 1.0f
@@ -93,6 +111,7 @@ static AI void group_params(const qmat *q, const int fmt, int64_t row, int64_t g
     if (fmt == FMT_FP8) *d *= FP8_UNSCALE;
 }
 
+#ifndef QK_AVX2 /* AVX2: dequant_block8 below */
 /* Dequantize the 32 columns of `row` starting at j (cnt < 32 only at an int8/fp8 row's end:
  * the missing columns come out as 0). Exact: each value is q * d + m rounded once, and q * d is
  * exact for 4- and 8-bit codes times a float16 scale, so the FMA rounds where the reference does. */
@@ -143,6 +162,53 @@ static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t 
     memcpy(hi, vals + 16, sizeof(*hi));
 #endif
 }
+#endif
+
+#ifdef QK_AVX2
+/* ------------------------------------------------------------------------------------------ AVX2 blocks
+ * A 32-column block as four 8-lane vectors (columns 8i..8i+7 in v[i]), value = q * d + m as
+ * dequant_block computes it (one FMA per value from exact q * d: the same bits). */
+/* 16 fp8 codes (as 16-bit lanes) -> the binary16 bits whose values are theirs / 256 (see FP8_UNSCALE) */
+static AI __m256i fp8x16_as_half(__m256i u) {
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                           _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), 7));
+}
+
+/* The block's codes at src (int4: 16 bytes; int8, fp8: 32) as four vectors of q * d + m. */
+static AI void dequant_block8(const uint8_t *src, const int fmt, float d, float m, __m256 *v) {
+    const __m256 vd = _mm256_set1_ps(d);
+    if (fmt == FMT_INT4) { /* byte j: column j low nibble, column j + 16 high nibble */
+        const __m256 vm = _mm256_set1_ps(m);
+        const __m256i nib = _mm256_set1_epi32(15);
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));       /* bytes 0..7 */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))); /* bytes 8..15 */
+        v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, nib)), vd, vm);
+        v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), vd, vm);
+        v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), vd, vm);
+        v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), vd, vm);
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * i)))), vd);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = fp8x16_as_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + 16 * h))));
+            v[2 * h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), vd);
+            v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), vd);
+        }
+    }
+}
+
+/* The codes of the block of `row` at column j; an int8 / fp8 row's last block shorter than 32
+ * columns (cnt < 32) is copied into `tail` with zero codes after it. */
+static AI const uint8_t *block_codes(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t cnt, uint8_t *tail) {
+    if (fmt == FMT_INT4) return q->w + (size_t)(row * (q->k / 2) + j / 2); /* int4 rows are whole blocks */
+    const uint8_t *src = q->w + (size_t)(row * q->k + j);
+    if (cnt == BLOCK) return src;
+    memset(tail, 0, BLOCK);
+    memcpy(tail, src, (size_t)cnt);
+    return tail;
+}
+#endif
 
 static AI float hsum(v16f v) {
 #ifdef QK_AVX512
@@ -170,6 +236,38 @@ static AI void enter_block(const qmat *q, const int fmt, int64_t row, int64_t j,
     }
 }
 
+#ifdef QK_AVX2
+/* res[t] = x[t] . W[row] for T input rows (x rows zero-padded to kp, a multiple of 32): each block
+ * dequantized once into four vectors, multiplied into every row. A row's four quarters go to
+ * `chains` accumulators (4 for one or two rows, 2 for three or four, 1 above): enough independent
+ * FMA chains to hide their latency, at most 8 accumulators and the block's 4 vectors in the 16 ymm
+ * registers. */
+static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, const int T, float *res) {
+    const int chains = T <= 2 ? 4 : T <= 4 ? 2 : 1;
+    __m256 acc[4][TILE]; /* [chain][input row] */
+    for (int c = 0; c < chains; c++)
+        for (int t = 0; t < T; t++) acc[c][t] = _mm256_setzero_ps();
+    const int64_t k = q->k;
+    int64_t g = -1, group_end = 0;
+    float d = 0.0f, m = 0.0f;
+    uint8_t tail[BLOCK];
+    for (int64_t j = 0; j < k; j += BLOCK) {
+        enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+        __m256 v[4];
+        dequant_block8(block_codes(q, fmt, row, j, k - j < BLOCK ? k - j : BLOCK, tail), fmt, d, m, v);
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + t * kp + j;
+            for (int i = 0; i < 4; i++) acc[i % chains][t] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xt + 8 * i), acc[i % chains][t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        __m256 s = acc[0][t];
+        if (chains == 4) s = _mm256_add_ps(_mm256_add_ps(acc[0][t], acc[1][t]), _mm256_add_ps(acc[2][t], acc[3][t]));
+        else if (chains == 2) s = _mm256_add_ps(acc[0][t], acc[1][t]);
+        res[t] = hsum8(s);
+    }
+}
+#else
 /* res[t] = x[t] . W[row] for T input rows (x rows zero-padded to kp, a multiple of 32). With one
  * or two rows, two blocks per step feed four accumulator chains (FMA latency, not the work, would
  * bound a single chain). */
@@ -206,6 +304,7 @@ static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x
     }
     for (int t = 0; t < T; t++) res[t] = hsum((acc[0][0][t] + acc[0][1][t]) + (acc[1][0][t] + acc[1][1][t]));
 }
+#endif
 
 static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, int T, float *res) {
     switch (T) { /* constant T per case: the accumulators stay in registers */
@@ -224,15 +323,7 @@ static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float 
 static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int64_t kp) {
     float *xf = kernel_calloc((size_t)(rows * kp), sizeof(float));
     if (!xf) return NULL;
-    for (int64_t m = 0; m < rows; m++) {
-        float *dst = xf + m * kp;
-        if (bf16) {
-            const bf16_t *src = (const bf16_t *)x + m * k;
-            for (int64_t i = 0; i < k; i++) dst[i] = bf16_to_f32(src[i]);
-        } else {
-            memcpy(dst, (const float *)x + m * k, (size_t)k * sizeof(float));
-        }
-    }
+    for (int64_t m = 0; m < rows; m++) load_row(xf + m * kp, (const char *)x + (size_t)(m * k) * elem_size(bf16), k, bf16);
     return xf;
 }
 
@@ -414,8 +505,45 @@ static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, cons
     return 0;
 }
 
+#ifdef QK_AVX2
+/* f32_to_bf16 on 8 lanes (round to nearest even, NaNs quieted), as 8 words */
+static AI __m128i bf16x8_round(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); /* words <= 0xffff: no saturation */
+}
+#endif
+
 static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
     const int64_t k = q->k;
+#ifdef QK_AVX2
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = row0; r < row1; r++) {
+        int64_t g = -1, group_end = 0;
+        float d = 0.0f, m = 0.0f;
+        uint8_t tail[BLOCK];
+        for (int64_t j = 0; j < k; j += BLOCK) {
+            enter_block(q, fmt, r, j, &g, &group_end, &d, &m);
+            const int64_t cnt = k - j < BLOCK ? k - j : BLOCK;
+            __m256 v[4];
+            dequant_block8(block_codes(q, fmt, r, j, cnt, tail), fmt, d, m, v);
+            const size_t at = (size_t)((r - row0) * k + j);
+            if (cnt == BLOCK) {
+                for (int i = 0; i < 4; i++) {
+                    if (bf16) _mm_storeu_si128((__m128i *)((bf16_t *)out + at + 8 * i), bf16x8_round(v[i]));
+                    else _mm256_storeu_ps((float *)out + at + 8 * i, v[i]);
+                }
+                continue;
+            }
+            float vals[BLOCK];
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(vals + 8 * i, v[i]);
+            store_row(bf16 ? (void *)((bf16_t *)out + at) : (void *)((float *)out + at), vals, cnt, bf16);
+        }
+    }
+#else
 #pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
     for (int64_t r = row0; r < row1; r++) {
         float vals[BLOCK];
@@ -444,6 +572,7 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
             }
         }
     }
+#endif
 }
 
 /* ------------------------------------------------------------------------------------------ K-quants
@@ -595,12 +724,6 @@ static AI __m256i kq_codes32(const int fmt, const uint8_t *b, int c) {
     return q;
 }
 
-static AI float kq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* res[i] = dot(weight row w, x row i) for i < t; xsums [t, k / 32]: x's sums over 32-value chunks. */
 static AI void kq_row_dot_avx2(const int fmt, const uint8_t *w, int64_t k, const float *x, const float *xsums, int t, float *res) {
     const int64_t size = kq_type_size(fmt), chunks = k / 32;
@@ -647,7 +770,7 @@ static AI void kq_row_dot_avx2(const int fmt, const uint8_t *w, int64_t k, const
             }
         }
     }
-    for (int i = 0; i < t; i++) res[i] = kq_hsum8(tot[i]) - off[i];
+    for (int i = 0; i < t; i++) res[i] = hsum8(tot[i]) - off[i];
 }
 #endif
 
@@ -717,6 +840,19 @@ void kquant_dequantize(const void *w, int fmt, int64_t n, int64_t k, int64_t row
 static qmat make_qmat(const void *w, const void *scales, int scales_f16, const uint16_t *mins, int64_t n, int64_t k, int64_t group) {
     qmat q = {(const uint8_t *)w, scales, mins, n, k, group, (k + group - 1) / group, scales_f16};
     return q;
+}
+
+/* The vector width in bits the int8 / int4 / fp8 code of this build is written for: 512 (AVX-512
+ * intrinsics), 256 (AVX2 intrinsics) or 128 (the portable loops). engine.quant.linear picks its
+ * kernel / dequant_mm cutoffs from it: they differ by build (bench/NOTES.md 'AVX2 quantized linears'). */
+int quant_kernels_simd_bits(void) {
+#if defined(QK_AVX512)
+    return 512;
+#elif defined(QK_AVX2)
+    return 256;
+#else
+    return 128;
+#endif
 }
 
 /* Entry point of the linears: one weight described once (engine.kernels.quant.QuantKernels.bind
