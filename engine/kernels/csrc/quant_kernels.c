@@ -111,6 +111,34 @@ static AI void group_params(const qmat *q, const int fmt, int64_t row, int64_t g
     if (fmt == FMT_FP8) *d *= FP8_UNSCALE;
 }
 
+#if !defined(QK_AVX512) && !defined(QK_AVX2)
+/* The block's codes at src (int4: 16 bytes; int8, fp8: 32) as 32 floats q * d + m, in portable
+ * loops the compiler vectorizes at the build's width. */
+static AI void dequant_vals(const uint8_t *src, const int fmt, float d, float m, float *vals) {
+    if (fmt == FMT_INT4) {
+        for (int i = 0; i < 16; i++) {
+            vals[i] = (float)(src[i] & 15) * d + m;
+            vals[i + 16] = (float)(src[i] >> 4) * d + m;
+        }
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < BLOCK; i++) vals[i] = (float)(int8_t)src[i] * d;
+    } else {
+        for (int i = 0; i < BLOCK; i++) vals[i] = fp8_table[src[i]] * d;
+    }
+}
+#endif
+
+/* The codes of the block of `row` at column j; an int8 / fp8 row's last block shorter than 32
+ * columns (cnt < 32) is copied into `tail` with zero codes after it. */
+static AI const uint8_t *block_codes(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t cnt, uint8_t *tail) {
+    if (fmt == FMT_INT4) return q->w + (size_t)(row * (q->k / 2) + j / 2); /* int4 rows are whole blocks */
+    const uint8_t *src = q->w + (size_t)(row * q->k + j);
+    if (cnt == BLOCK) return src;
+    memset(tail, 0, BLOCK);
+    memcpy(tail, src, (size_t)cnt);
+    return tail;
+}
+
 #ifndef QK_AVX2 /* AVX2: dequant_block8 below */
 /* Dequantize the 32 columns of `row` starting at j (cnt < 32 only at an int8/fp8 row's end:
  * the missing columns come out as 0). Exact: each value is q * d + m rounded once, and q * d is
@@ -146,18 +174,9 @@ static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t 
             else *hi = f;
         }
     }
-#else /* portable loops (the compiler vectorizes them for AVX2 and others) */
+#else /* portable loops (the compiler vectorizes them) */
     float vals[BLOCK];
-    if (fmt == FMT_INT4) {
-        for (int i = 0; i < 16; i++) {
-            vals[i] = (float)(src[i] & 15) * d + m;
-            vals[i + 16] = (float)(src[i] >> 4) * d + m;
-        }
-    } else if (fmt == FMT_INT8) {
-        for (int i = 0; i < BLOCK; i++) vals[i] = (float)(int8_t)src[i] * d;
-    } else {
-        for (int i = 0; i < BLOCK; i++) vals[i] = fp8_table[src[i]] * d;
-    }
+    dequant_vals(src, fmt, d, m, vals);
     memcpy(lo, vals, sizeof(*lo));
     memcpy(hi, vals + 16, sizeof(*hi));
 #endif
@@ -198,16 +217,6 @@ static AI void dequant_block8(const uint8_t *src, const int fmt, float d, float 
     }
 }
 
-/* The codes of the block of `row` at column j; an int8 / fp8 row's last block shorter than 32
- * columns (cnt < 32) is copied into `tail` with zero codes after it. */
-static AI const uint8_t *block_codes(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t cnt, uint8_t *tail) {
-    if (fmt == FMT_INT4) return q->w + (size_t)(row * (q->k / 2) + j / 2); /* int4 rows are whole blocks */
-    const uint8_t *src = q->w + (size_t)(row * q->k + j);
-    if (cnt == BLOCK) return src;
-    memset(tail, 0, BLOCK);
-    memcpy(tail, src, (size_t)cnt);
-    return tail;
-}
 #endif
 
 static AI float hsum(v16f v) {
@@ -265,6 +274,43 @@ static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x
         if (chains == 4) s = _mm256_add_ps(_mm256_add_ps(acc[0][t], acc[1][t]), _mm256_add_ps(acc[2][t], acc[3][t]));
         else if (chains == 2) s = _mm256_add_ps(acc[0][t], acc[1][t]);
         res[t] = hsum8(s);
+    }
+}
+#elif !defined(QK_AVX512)
+/* The portable build (x86-64-v2, other architectures): as the AVX2 row_dot above, in 4-lane
+ * vectors (SSE, NEON: one register each; 16-lane generic vectors went through the stack on these
+ * too), each block dequantized by the portable loops into 32 floats first. */
+typedef float v4f __attribute__((vector_size(16)));
+
+static AI v4f load4(const float *p) {
+    v4f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, const int T, float *res) {
+    const int chains = T <= 2 ? 4 : T <= 4 ? 2 : 1;
+    v4f acc[4][TILE]; /* [chain][input row] */
+    for (int c = 0; c < chains; c++)
+        for (int t = 0; t < T; t++) acc[c][t] = (v4f){0};
+    const int64_t k = q->k;
+    int64_t g = -1, group_end = 0;
+    float d = 0.0f, m = 0.0f;
+    uint8_t tail[BLOCK];
+    for (int64_t j = 0; j < k; j += BLOCK) {
+        enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+        float vals[BLOCK];
+        dequant_vals(block_codes(q, fmt, row, j, k - j < BLOCK ? k - j : BLOCK, tail), fmt, d, m, vals);
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + t * kp + j;
+            for (int i = 0; i < 8; i++) acc[i % chains][t] += load4(vals + 4 * i) * load4(xt + 4 * i);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        v4f s = acc[0][t];
+        if (chains == 4) s = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
+        else if (chains == 2) s = acc[0][t] + acc[1][t];
+        res[t] = (s[0] + s[1]) + (s[2] + s[3]);
     }
 }
 #else
