@@ -14,10 +14,10 @@ resident) and picks a path per call from the number of input rows and the activa
 - `torch`: no C kernels (no compiler): the same tiles dequantized by formats.py in torch.
 
 The thresholds come from bench/quant_linear.py on the 2-core development machines (docs/quantization.md
-has the numbers) and depend on the loaded kernels' build (policy_for: AVX-512 or narrower). The module computes over its local model-parallel shard only: collectives belong to
-the caller (the backend seam). Weights are told apart by their `format` name: formats.py names
-QuantLinear as its weights' Linear (QuantizedWeight.make_linear), so this module imports it for type
-hints only.
+has the numbers) and depend on the loaded kernels' build (policy_for: AVX-512 or narrower). The
+module computes over its local model-parallel shard only: collectives belong to the caller (the
+backend seam). Weights are told apart by their `format` name: formats.py names QuantLinear as its
+weights' Linear (QuantizedWeight.make_linear), so this module imports it for type hints only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Quantized CPU linears (engine/quant/linear.py, engine/kernels/csrc/quant_kernels.c): every format and
 path against x @ dequantize(W)^T in float64 (float32: equal up to summation order; bfloat16:
-within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, path
-choice, model-parallel shards and resident bytes."""
+within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, the
+builds of each x86-64 level this CPU runs (AVX2 intrinsics, portable loops), path choice by build,
+model-parallel shards and resident bytes."""
 
 from __future__ import annotations
 
