@@ -219,15 +219,9 @@ static AI void dequant_block8(const uint8_t *src, const int fmt, float d, float 
 
 #endif
 
+#ifdef QK_AVX512 /* the 16-lane tile kernel's helpers (narrower builds: the AVX2 and 4-lane code) */
 static AI float hsum(v16f v) {
-#ifdef QK_AVX512
     return _mm512_reduce_add_ps((__m512)v); /* a shuffle tree: a scalar chain of 16 adds per row cost ~40% at k = 576 */
-#endif
-    float lanes[16];
-    memcpy(lanes, &v, sizeof(lanes));
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += lanes[i];
-    return s;
 }
 
 static AI v16f loadf(const float *p) {
@@ -235,6 +229,7 @@ static AI v16f loadf(const float *p) {
     memcpy(&v, p, sizeof(v));
     return v;
 }
+#endif
 
 /* Move to the group holding column j (blocks never straddle groups: group is k or a multiple of 32). */
 static AI void enter_block(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t *g, int64_t *group_end, float *d, float *m) {
@@ -845,21 +840,31 @@ static AI void kq_dequant_block(const int fmt, const uint8_t *b, float *out) {
     }
 }
 
-/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k). */
+#ifndef __AVX2__
+/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k): each
+ * super-block's 256 values times a row in four 4-lane chains (SSE / NEON registers; a 16-lane
+ * accumulator per row went through the stack there), summed into the row's total per super-block. */
 static AI void kq_row_dot_n(const int fmt, const uint8_t *w, int64_t k, const float *x, int t, float *res) {
     const int64_t size = kq_type_size(fmt);
     float vals[QK_K] __attribute__((aligned(64)));
-    v16f acc[TILE];
-    for (int i = 0; i < t; i++) acc[i] = (v16f){0};
+    for (int i = 0; i < t; i++) res[i] = 0.0f;
     for (int64_t sb = 0; sb < k / QK_K; sb++) {
         kq_dequant_block(fmt, w + sb * size, vals);
         for (int i = 0; i < t; i++) {
             const float *xb = x + i * k + sb * QK_K;
-            for (int c = 0; c < QK_K; c += 16) acc[i] += loadf(vals + c) * loadf(xb + c);
+            v4f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int c = 0; c < QK_K; c += 16) {
+                a0 += load4(vals + c) * load4(xb + c);
+                a1 += load4(vals + c + 4) * load4(xb + c + 4);
+                a2 += load4(vals + c + 8) * load4(xb + c + 8);
+                a3 += load4(vals + c + 12) * load4(xb + c + 12);
+            }
+            const v4f s = (a0 + a1) + (a2 + a3);
+            res[i] += (s[0] + s[1]) + (s[2] + s[3]);
         }
     }
-    for (int i = 0; i < t; i++) res[i] = hsum(acc[i]);
 }
+#endif
 
 #ifdef __AVX2__
 /* The linear's AVX2 path, factored: per 32-value chunk (one scale; Q6_K: two, one per 16) the codes
