@@ -13,11 +13,13 @@ but still noisy there: say so when quoting them.
 
     python bench/quant_linear.py                      # demo-model shapes + 2048x8192, float32 and bfloat16
     python bench/quant_linear.py --shapes 1536x576 --dtypes bfloat16 --batches 1 8 --threads 1
+    python bench/quant_linear.py --library /tmp/old/quant_kernels.so ...   # another build of quant_kernels.c
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.quant.formats import Int4Weight, quantize
-from engine.kernels.quant import load_quant_kernels
+from engine.kernels.quant import QuantKernels, load_quant_kernels
 from engine.quant.linear import QuantLinear
 
 # SmolLM2-135M (the demo): wq/wo 576x576, wk/wv 192x576, w1/w3 1536x576, w2 576x1536, fused wqkv 960x576
@@ -63,7 +65,10 @@ def bench_shape(out_features: int, in_features: int, dtype: torch.dtype, batches
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features) * 0.02
     dense = weight.to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(dense, 16) if torch.backends.mkldnn.is_available() else None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, 16) if torch.backends.mkldnn.is_available() else None
+    except RuntimeError:  # bfloat16 on CPUs without AVX-512 or AVX-NE-CONVERT (Zen 2): oneDNN has no packed bf16 path
+        packed = None
     layers = {fmt: QuantLinear(quantize(weight, fmt), kernels) for fmt in ("int8", "int4", "fp8")}
     aten_int4 = _aten_int4(layers["int4"].weight_q, dtype)
     float_bytes = dense.numel() * dense.element_size()
@@ -95,9 +100,10 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32], help="input rows per call")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch / OpenMP threads")
+    parser.add_argument("--library", help="load the quant kernels from this shared object (a before/after comparison of a kernel change)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = load_quant_kernels()
+    kernels = QuantKernels(ctypes.CDLL(args.library)) if args.library else load_quant_kernels()
     print(f"threads {args.threads}; C kernels: {'built' if kernels else 'unavailable (torch path)'}; "
           f"times: 10th percentile of single calls, microseconds")  # fmt: skip
     for dtype_name in args.dtypes:

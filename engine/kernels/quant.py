@@ -52,6 +52,8 @@ SIGNATURES = {
     "kquant_dequantize": ((_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i32), None),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
     "llamaserve_fail_allocs_after": ((_i64,), None),
+    # the vector width the build's int8 / int4 / fp8 code uses: 512 (AVX-512), 256 (AVX2) or 128 (portable)
+    "quant_kernels_simd_bits": ((), _i32),
 }
 
 
@@ -67,6 +69,12 @@ class QuantKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
+
+    @property
+    def simd_bits(self) -> int:
+        """The vector width of this build's int8 / int4 / fp8 code: 512 (AVX-512 intrinsics), 256 (AVX2)
+        or 128 (portable loops); engine.quant.linear's path cutoffs depend on it."""
+        return self._lib.quant_kernels_simd_bits()
 
     def fail_allocs_after(self, num_allocs: int) -> None:
         """Test hook: the library's next num_allocs allocations succeed and every later one fails

@@ -13,11 +13,11 @@ resident) and picks a path per call from the number of input rows and the activa
   efficiency outweighs dequantizing every weight once per call.
 - `torch`: no C kernels (no compiler): the same tiles dequantized by formats.py in torch.
 
-The thresholds come from bench/quant_linear.py on the 2-core development machine (docs/quantization.md
-has the numbers). The module computes over its local model-parallel shard only: collectives belong to
-the caller (the backend seam). Weights are told apart by their `format` name: formats.py names
-QuantLinear as its weights' Linear (QuantizedWeight.make_linear), so this module imports it for type
-hints only.
+The thresholds come from bench/quant_linear.py on the 2-core development machines (docs/quantization.md
+has the numbers) and depend on the loaded kernels' build (policy_for: AVX-512 or narrower). The
+module computes over its local model-parallel shard only: collectives belong to the caller (the
+backend seam). Weights are told apart by their `format` name: formats.py names QuantLinear as its
+weights' Linear (QuantizedWeight.make_linear), so this module imports it for type hints only.
 """
 
 from __future__ import annotations
@@ -41,26 +41,46 @@ TILE_ELEMS = 1 << 18
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """From how many input rows each path takes over (measured: bench/quant_linear.py)."""
+    """From how many input rows each path takes over (measured: bench/quant_linear.py). The defaults
+    are the AVX-512 builds' (Xeon with AMX, Zen 4); policy_for picks by the loaded build."""
 
     dequant_min_rows_f32: int = 16  # float32: kernel ~= dequant+sgemm at 16 rows, 2.3x slower at 32, 2x faster at 8
     dequant_min_rows_bf16: int = 16  # bfloat16: kernel 1.3x faster at 8 rows, dequant+AMX GEMM 3.5x faster at 32
-    aten_int8_bf16: bool = True  # bfloat16 int8 per-row below dequant_min_rows_bf16: torch's op beats our kernel (1.4x at 1 row)
+    # bfloat16 int8 per-row up to this many rows (0: never): torch's op beats our kernel (1.4x at 1 row)
+    aten_int8_max_rows_bf16: int = 15
+    # dequant_mm multiplies bfloat16 inputs in bfloat16 (AMX / AVX512_BF16 GEMMs); False: dequantizes to
+    # float32 and runs an sgemm, where torch's bfloat16 matmul has no native instructions (emulated)
+    bf16_matmul: bool = True
+
+
+# Builds below AVX-512 (the AVX2 intrinsics, x86-64-v3; the portable loops), measured on Zen 2
+# (bench/NOTES.md 'AVX2 quantized linears'): the kernel beats dequantize + sgemm up to 16 rows
+# (1.5x there, 1.1x slower at 32); torch's bfloat16 matmul is emulated (10x slower than the kernel at
+# 8-64 rows), so bfloat16 inputs go through the float32 sgemm; aten's int8 op wins at one row only.
+NARROW_SIMD_POLICY = Policy(dequant_min_rows_f32=32, dequant_min_rows_bf16=32, aten_int8_max_rows_bf16=1, bf16_matmul=False)
+
+
+def policy_for(kernels: QuantKernels | None) -> Policy:
+    """The path cutoffs for the loaded kernels' build (QuantKernels.simd_bits): AVX-512's defaults, or
+    NARROW_SIMD_POLICY below it; the defaults where no kernels load (the torch path)."""
+    if kernels is None or kernels.simd_bits >= 512:
+        return Policy()
+    return NARROW_SIMD_POLICY
 
 
 class QuantLinear(nn.Module):
     """x [..., in_features] -> [..., out_features] in x's dtype (float32 or bfloat16), over a
     QuantizedWeight. `kernels` None runs the torch path."""
 
-    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels | None, policy: Policy = Policy()) -> None:
+    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels | None, policy: Policy | None = None) -> None:
         super().__init__()
         # a plain attribute, not buffers: a later model.to(dtype) must not convert codes or float16 scales
         self.weight_q = weight.contiguous()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._kernels = kernels
         self._kernel = kernels.bind(self.weight_q) if kernels is not None else None  # pointers fixed once
-        self._policy = policy
-        self._aten_scales = _aten_int8_scales(self.weight_q) if policy.aten_int8_bf16 else None
+        self._policy = policy or policy_for(kernels)
+        self._aten_scales = _aten_int8_scales(self.weight_q) if self._policy.aten_int8_max_rows_bf16 > 0 else None
         # Meta's pre-quantized releases: inputs rounded first (fp8 rows, int8 tokens), as their reference computes
         self._round_input = activation_rounding(weight)
 
@@ -84,7 +104,7 @@ class QuantLinear(nn.Module):
     def path(self, rows: int, dtype: torch.dtype) -> str:
         """Which path a call with `rows` input rows of `dtype` takes."""
         bf16 = dtype == torch.bfloat16
-        if bf16 and self._aten_scales is not None and rows < self._policy.dequant_min_rows_bf16:
+        if bf16 and self._aten_scales is not None and rows <= self._policy.aten_int8_max_rows_bf16:
             return "aten_int8"
         if self._kernels is None or not supports(dtype):
             return "torch"
@@ -123,7 +143,8 @@ class QuantLinear(nn.Module):
         raise ValueError(f"path {path!r} is not available for this {self.weight_q.format} linear")
 
     def _dequant_mm(self, x: torch.Tensor, *, use_kernels: bool) -> torch.Tensor:
-        compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        native = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self._policy.bf16_matmul)
+        compute = x.dtype if native else torch.float32
         fill = None
         if use_kernels and self._kernels is not None:
             kernels, threads = self._kernels, torch.get_num_threads()

@@ -6,17 +6,14 @@ super-block boundaries."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 
-from engine.kernels import build
 from engine.kernels import quant as qk
 from engine.quant import kquants
 from engine.quant.linear import QuantLinear
+from tests.engine.kernel_levels import quant_kernels_for_level
 
 gguf = pytest.importorskip("gguf")
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -39,20 +36,6 @@ def reference(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> np.nda
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(shape)
 
 
-def level_kernels(tmp_path, level: str) -> qk.QuantKernels:
-    """The quant kernels compiled for one x86-64 level (skipped where this CPU cannot run it)."""
-    levels = list(build.X86_LEVELS)
-    here = build.cpu_level()
-    if here is None or levels.index(here) < levels.index(level):
-        pytest.skip(f"this CPU cannot run {level} code")
-    target = tmp_path / f"quant_kernels_{level}.so"
-    try:
-        build.compile_library(build.QUANT_KERNELS, target, [*build.compiler_flags([f"-march={level}"]), "-Wno-psabi"])
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot build a {level} variant here: {str(exc)[-300:]}")
-    return qk.QuantKernels(ctypes.CDLL(str(target)))
-
-
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("shape", [(3, 256), (17, 512)])
 def test_dequantize_bit_exact_in_torch(type_name, shape):
@@ -67,7 +50,7 @@ def test_dequantize_bit_exact_in_torch(type_name, shape):
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequantize_bit_exact_in_c(tmp_path, level, type_name):
     """native: the build the server uses; x86-64-v3: the AVX2 intrinsics; x86-64-v2: the portable loops."""
-    kernels = qk.load_quant_kernels() if level == "native" else level_kernels(tmp_path, level)
+    kernels = qk.load_quant_kernels() if level == "native" else quant_kernels_for_level(tmp_path, level)
     if kernels is None:
         pytest.skip("no C compiler")
     shape = (9, 768)
@@ -85,7 +68,7 @@ def test_dequantize_bit_exact_in_c(tmp_path, level, type_name):
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 11])
 def test_linear_matches_torch_on_the_dequantized_weight(tmp_path, level, type_name, rows):
-    kernels = qk.load_quant_kernels() if level == "native" else level_kernels(tmp_path, level)
+    kernels = qk.load_quant_kernels() if level == "native" else quant_kernels_for_level(tmp_path, level)
     if kernels is None:
         pytest.skip("no C compiler")
     shape = (40, 512)

@@ -1,7 +1,8 @@
 """Quantized CPU linears (engine/quant/linear.py, engine/kernels/csrc/quant_kernels.c): every format and
 path against x @ dequantize(W)^T in float64 (float32: equal up to summation order; bfloat16:
-within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, path
-choice, model-parallel shards and resident bytes."""
+within its rounding), the C kernels against the torch fallback, odd widths, batch shapes, the
+builds of each x86-64 level this CPU runs (AVX2 intrinsics, portable loops), path choice by build,
+model-parallel shards and resident bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from engine.quant.formats import quantize, quantize_int4, quantize_int8
 from engine.kernels.quant import load_quant_kernels
-from engine.quant.linear import QuantLinear
+from engine.quant.linear import NARROW_SIMD_POLICY, QuantLinear, policy_for
+from tests.engine.kernel_levels import quant_kernels_for_level
 
 FORMATS = ["int8", "int4", "fp8"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -198,33 +200,68 @@ def test_kernel_same_bits_for_any_thread_count(kernels) -> None:
     assert torch.equal(kernels.linear(x, layer.weight_q, 1), kernels.linear(x, layer.weight_q, 2))
 
 
-def test_portable_build_without_avx512(kernels, tmp_path) -> None:
-    """The non-AVX-512 code (portable loops; what AVX2 machines run) computes the same numbers:
-    built here with AVX-512 switched off, and checked against the dequantized reference."""
-    import ctypes
-    import subprocess
+LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256}  # the portable loops; the AVX2 intrinsics
 
-    from engine.kernels import build
-    from engine.kernels import quant as qk
 
-    if " avx2 " not in f" {build.cpu_flags()} ":
-        pytest.skip("this CPU has no AVX2 to run the variant on")
-    target = tmp_path / "quant_kernels_portable.so"
-    try:
-        build.compile_library(build.QUANT_KERNELS, target, build.compiler_flags(["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]))
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot build an AVX2-only variant here: {str(exc)[-300:]}")
-    portable = qk.QuantKernels(ctypes.CDLL(str(target)))
-    for fmt in FORMATS:
-        for cols in (96, 100) if fmt != "int4" else (96,):
-            layer = QuantLinear(quantize(torch.randn(40, cols, generator=gen(cols)), fmt), portable)
-            for dtype in DTYPES:
-                x = torch.randn(5, cols, generator=gen(1)).to(dtype)
+@pytest.mark.parametrize("level", ["native", "x86-64-v3", "x86-64-v2"])
+def test_every_build_level_against_the_reference(kernels, tmp_path, level: str) -> None:
+    """native: the build the server loads; x86-64-v3: the AVX2 intrinsics (Zen 2); x86-64-v2: the
+    portable loops. Every format and group layout, row counts that take each accumulator layout
+    (1-2 rows: four chains, 3-4: two, 5-8: one; 9 and 13: a full tile and a partial one), widths
+    with a short last block (int8 / fp8), an odd number of output rows, both dtypes; kernel and
+    dequant_mm against the float64 reference, the dequantizer bit for bit against torch's."""
+    built = kernels if level == "native" else quant_kernels_for_level(tmp_path, level)
+    if level != "native":
+        assert built.simd_bits == LEVEL_SIMD_BITS[level]
+    w = lambda cols, seed: torch.randn(37, cols, generator=gen(seed)) * 0.05  # noqa: E731
+    weights = [quantize_int8(w(100, 1)), quantize_int8(w(17 * 32 + 5, 2)), quantize_int8(w(192, 3), group_size=64),
+               quantize(w(100, 4), "fp8"), quantize(w(17 * 32 + 5, 5), "fp8"), quantize_int4(w(576, 6)),
+               quantize_int4(w(192, 7), mins=False), quantize_int4(w(256, 8), 64)]  # fmt: skip
+    for q in weights:
+        layer = QuantLinear(q, built)
+        for dtype in DTYPES:
+            for rows in (1, 2, 3, 4, 5, 8, 9, 13):
+                x = torch.randn(rows, q.in_features, generator=gen(rows)).to(dtype)
                 assert_matches(layer.run(x, "kernel"), x, layer)
-                tile = torch.empty(40, cols, dtype=dtype)
-                portable.dequantize(layer.weight_q, 0, 40, tile, 1)
-                assert torch.equal(tile, layer.weight_q.dequantize(dtype))
+            assert_matches(layer.run(x, "dequant_mm"), x, layer)
+            tile = torch.empty(37, q.in_features, dtype=dtype)
+            built.dequantize(q, 0, 37, tile, 1)
+            assert torch.equal(tile, q.dequantize(dtype)), (q.format, q.in_features, dtype)
 
+
+class _Build:
+    """Stands in for QuantKernels where only its vector width matters (the path choice)."""
+
+    def __init__(self, simd_bits: int) -> None:
+        self.simd_bits = simd_bits
+
+    def bind(self, weight):
+        return None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_path_cutoffs_follow_the_loaded_build(fmt: str) -> None:
+    """AVX-512 builds: dequant_mm from 16 rows, bfloat16 multiplied in bfloat16; narrower builds
+    (AVX2, portable): the kernel up to 31 rows, bfloat16 dequantized to float32 for the matmul."""
+    q = quantize(torch.randn(64, 128, generator=gen(3)), fmt)
+    wide, narrow = QuantLinear(q, _Build(512)), QuantLinear(q, _Build(256))
+    assert policy_for(_Build(128)) == policy_for(_Build(256)) == NARROW_SIMD_POLICY != policy_for(_Build(512))
+    assert [wide.path(r, torch.float32) for r in (8, 15, 16, 32)] == ["kernel"] * 2 + ["dequant_mm"] * 2
+    assert [narrow.path(r, torch.float32) for r in (2, 8, 16, 31, 32, 64)] == ["kernel"] * 4 + ["dequant_mm"] * 2
+    small_bf16 = "aten_int8" if fmt == "int8" else "kernel"  # torch's int8 op: per-row int8 with bf16-exact scales
+    assert [wide.path(r, torch.bfloat16) for r in (1, 15, 16)] == [small_bf16] * 2 + ["dequant_mm"]
+    assert [narrow.path(r, torch.bfloat16) for r in (1, 2, 31, 32)] == [small_bf16, "kernel", "kernel", "dequant_mm"]
+    assert wide._policy.bf16_matmul and not narrow._policy.bf16_matmul
+
+
+def test_narrow_build_multiplies_bfloat16_in_float32(kernels) -> None:
+    """Without bf16_matmul, dequant_mm's bfloat16 result is the float32 product rounded once: the
+    same as running float32 inputs (bf16 values) through the float32 path and rounding."""
+    layer = layer_for("int4", 40, 256, kernels, seed=9)
+    narrow = QuantLinear(layer.weight_q, kernels, NARROW_SIMD_POLICY)
+    x = torch.randn(33, 256, generator=gen(9)).to(torch.bfloat16)
+    assert torch.equal(narrow.run(x, "dequant_mm"), narrow.run(x.float(), "dequant_mm").to(torch.bfloat16))
+    assert_matches(narrow.run(x, "dequant_mm"), x, layer)
 
 
 def test_avx512_build_without_bf16(kernels, tmp_path) -> None:

@@ -3,8 +3,8 @@
  *
  * y[m, r] = sum_j x[m, j] * W[r, j], where W is stored as codes plus scales (engine/quant/formats.py
  * defines the numbers; these kernels compute the same dot products up to summation order). Each
- * 32-column block of a weight row is dequantized in registers (16-float vectors: AVX-512 zmm, or
- * AVX2 and others through the compiler's vectorization of portable loops) and multiplied into up to TILE input rows at once,
+ * 32-column block of a weight row is dequantized in registers (AVX-512: two zmm; AVX2: four ymm, in
+ * intrinsics; other builds: portable loops over 16-float vectors) and multiplied into up to TILE input rows at once,
  * so a decode step streams the low-bit bytes once and larger batches re-read each row from L1.
  * OpenMP over output rows, with the caller's thread count (the libgomp torch already loaded).
  *
@@ -26,6 +26,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QK_AVX512 1 /* the conversions below in intrinsics: GCC lowers vector-extension casts badly */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* x86-64-v3 (AVX2, FMA, F16C; Zen 2 here): the int8 / int4 / fp8 linears and dequantizers in 8-lane
+ * intrinsics. The portable code's 16-lane vectors are two ymm registers here, and GCC lowered them
+ * through the stack each step (accumulators stored and reloaded, lanes moved through general
+ * registers): that code ran 5-10x slower than the float linear (bench/NOTES.md 'AVX2 quantized
+ * linears'). */
+#define QK_AVX2 1
 #endif
 
 #define AI inline __attribute__((always_inline))
@@ -54,10 +62,20 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
 #endif
 }
 
-/* fp8 e4m3fn -> float32, exact. AVX-512: the code's bits are moved into a binary16 whose value
- * is exactly value / 256 (same mantissa, exponent bias 15 vs 7, subnormals to subnormals), converted
- * by vcvtph2ps, and the 256 is folded into the row scale. Elsewhere: a 256-entry table. */
-#ifdef QK_AVX512
+#ifdef __AVX2__
+#include <immintrin.h>
+static AI float hsum8(__m256 v) { /* the 8 lanes' sum (the AVX2 linears' last step per row) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* fp8 e4m3fn -> float32, exact. AVX-512 and AVX2 (F16C): the code's bits are moved into a binary16
+ * whose value is exactly value / 256 (same mantissa, exponent bias 15 vs 7, subnormals to
+ * subnormals), converted by vcvtph2ps, and the 256 is folded into the row scale. Elsewhere: a
+ * 256-entry table. */
+#if defined(QK_AVX512) || defined(QK_AVX2)
 #define FP8_UNSCALE 256.0f
 #else
 #define FP8_UNSCALE 1.0f
@@ -93,6 +111,35 @@ static AI void group_params(const qmat *q, const int fmt, int64_t row, int64_t g
     if (fmt == FMT_FP8) *d *= FP8_UNSCALE;
 }
 
+#if !defined(QK_AVX512) && !defined(QK_AVX2)
+/* The block's codes at src (int4: 16 bytes; int8, fp8: 32) as 32 floats q * d + m, in portable
+ * loops the compiler vectorizes at the build's width. */
+static AI void dequant_vals(const uint8_t *src, const int fmt, float d, float m, float *vals) {
+    if (fmt == FMT_INT4) {
+        for (int i = 0; i < 16; i++) {
+            vals[i] = (float)(src[i] & 15) * d + m;
+            vals[i + 16] = (float)(src[i] >> 4) * d + m;
+        }
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < BLOCK; i++) vals[i] = (float)(int8_t)src[i] * d;
+    } else {
+        for (int i = 0; i < BLOCK; i++) vals[i] = fp8_table[src[i]] * d;
+    }
+}
+#endif
+
+/* The codes of the block of `row` at column j; an int8 / fp8 row's last block shorter than 32
+ * columns (cnt < 32) is copied into `tail` with zero codes after it. */
+static AI const uint8_t *block_codes(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t cnt, uint8_t *tail) {
+    if (fmt == FMT_INT4) return q->w + (size_t)(row * (q->k / 2) + j / 2); /* int4 rows are whole blocks */
+    const uint8_t *src = q->w + (size_t)(row * q->k + j);
+    if (cnt == BLOCK) return src;
+    memset(tail, 0, BLOCK);
+    memcpy(tail, src, (size_t)cnt);
+    return tail;
+}
+
+#ifndef QK_AVX2 /* AVX2: dequant_block8 below */
 /* Dequantize the 32 columns of `row` starting at j (cnt < 32 only at an int8/fp8 row's end:
  * the missing columns come out as 0). Exact: each value is q * d + m rounded once, and q * d is
  * exact for 4- and 8-bit codes times a float16 scale, so the FMA rounds where the reference does. */
@@ -127,32 +174,54 @@ static AI void dequant_block(const qmat *q, const int fmt, int64_t row, int64_t 
             else *hi = f;
         }
     }
-#else /* portable loops (the compiler vectorizes them for AVX2 and others) */
+#else /* portable loops (the compiler vectorizes them) */
     float vals[BLOCK];
-    if (fmt == FMT_INT4) {
-        for (int i = 0; i < 16; i++) {
-            vals[i] = (float)(src[i] & 15) * d + m;
-            vals[i + 16] = (float)(src[i] >> 4) * d + m;
-        }
-    } else if (fmt == FMT_INT8) {
-        for (int i = 0; i < BLOCK; i++) vals[i] = (float)(int8_t)src[i] * d;
-    } else {
-        for (int i = 0; i < BLOCK; i++) vals[i] = fp8_table[src[i]] * d;
-    }
+    dequant_vals(src, fmt, d, m, vals);
     memcpy(lo, vals, sizeof(*lo));
     memcpy(hi, vals + 16, sizeof(*hi));
 #endif
 }
-
-static AI float hsum(v16f v) {
-#ifdef QK_AVX512
-    return _mm512_reduce_add_ps((__m512)v); /* a shuffle tree: a scalar chain of 16 adds per row cost ~40% at k = 576 */
 #endif
-    float lanes[16];
-    memcpy(lanes, &v, sizeof(lanes));
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += lanes[i];
-    return s;
+
+#ifdef QK_AVX2
+/* ------------------------------------------------------------------------------------------ AVX2 blocks
+ * A 32-column block as four 8-lane vectors (columns 8i..8i+7 in v[i]), value = q * d + m as
+ * dequant_block computes it (one FMA per value from exact q * d: the same bits). */
+/* 16 fp8 codes (as 16-bit lanes) -> the binary16 bits whose values are theirs / 256 (see FP8_UNSCALE) */
+static AI __m256i fp8x16_as_half(__m256i u) {
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                           _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), 7));
+}
+
+/* The block's codes at src (int4: 16 bytes; int8, fp8: 32) as four vectors of q * d + m. */
+static AI void dequant_block8(const uint8_t *src, const int fmt, float d, float m, __m256 *v) {
+    const __m256 vd = _mm256_set1_ps(d);
+    if (fmt == FMT_INT4) { /* byte j: column j low nibble, column j + 16 high nibble */
+        const __m256 vm = _mm256_set1_ps(m);
+        const __m256i nib = _mm256_set1_epi32(15);
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));       /* bytes 0..7 */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))); /* bytes 8..15 */
+        v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, nib)), vd, vm);
+        v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), vd, vm);
+        v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), vd, vm);
+        v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), vd, vm);
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * i)))), vd);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = fp8x16_as_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + 16 * h))));
+            v[2 * h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), vd);
+            v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), vd);
+        }
+    }
+}
+
+#endif
+
+#ifdef QK_AVX512 /* the 16-lane tile kernel's helpers (narrower builds: the AVX2 and 4-lane code) */
+static AI float hsum(v16f v) {
+    return _mm512_reduce_add_ps((__m512)v); /* a shuffle tree: a scalar chain of 16 adds per row cost ~40% at k = 576 */
 }
 
 static AI v16f loadf(const float *p) {
@@ -160,6 +229,7 @@ static AI v16f loadf(const float *p) {
     memcpy(&v, p, sizeof(v));
     return v;
 }
+#endif
 
 /* Move to the group holding column j (blocks never straddle groups: group is k or a multiple of 32). */
 static AI void enter_block(const qmat *q, const int fmt, int64_t row, int64_t j, int64_t *g, int64_t *group_end, float *d, float *m) {
@@ -170,6 +240,75 @@ static AI void enter_block(const qmat *q, const int fmt, int64_t row, int64_t j,
     }
 }
 
+#ifdef QK_AVX2
+/* res[t] = x[t] . W[row] for T input rows (x rows zero-padded to kp, a multiple of 32): each block
+ * dequantized once into four vectors, multiplied into every row. A row's four quarters go to
+ * `chains` accumulators (4 for one or two rows, 2 for three or four, 1 above): enough independent
+ * FMA chains to hide their latency, at most 8 accumulators and the block's 4 vectors in the 16 ymm
+ * registers. */
+static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, const int T, float *res) {
+    const int chains = T <= 2 ? 4 : T <= 4 ? 2 : 1;
+    __m256 acc[4][TILE]; /* [chain][input row] */
+    for (int c = 0; c < chains; c++)
+        for (int t = 0; t < T; t++) acc[c][t] = _mm256_setzero_ps();
+    const int64_t k = q->k;
+    int64_t g = -1, group_end = 0;
+    float d = 0.0f, m = 0.0f;
+    uint8_t tail[BLOCK];
+    for (int64_t j = 0; j < k; j += BLOCK) {
+        enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+        __m256 v[4];
+        dequant_block8(block_codes(q, fmt, row, j, k - j < BLOCK ? k - j : BLOCK, tail), fmt, d, m, v);
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + t * kp + j;
+            for (int i = 0; i < 4; i++) acc[i % chains][t] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xt + 8 * i), acc[i % chains][t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        __m256 s = acc[0][t];
+        if (chains == 4) s = _mm256_add_ps(_mm256_add_ps(acc[0][t], acc[1][t]), _mm256_add_ps(acc[2][t], acc[3][t]));
+        else if (chains == 2) s = _mm256_add_ps(acc[0][t], acc[1][t]);
+        res[t] = hsum8(s);
+    }
+}
+#elif !defined(QK_AVX512)
+/* The portable build (x86-64-v2, other architectures): as the AVX2 row_dot above, in 4-lane
+ * vectors (SSE, NEON: one register each; 16-lane generic vectors went through the stack on these
+ * too), each block dequantized by the portable loops into 32 floats first. */
+typedef float v4f __attribute__((vector_size(16)));
+
+static AI v4f load4(const float *p) {
+    v4f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, const int T, float *res) {
+    const int chains = T <= 2 ? 4 : T <= 4 ? 2 : 1;
+    v4f acc[4][TILE]; /* [chain][input row] */
+    for (int c = 0; c < chains; c++)
+        for (int t = 0; t < T; t++) acc[c][t] = (v4f){0};
+    const int64_t k = q->k;
+    int64_t g = -1, group_end = 0;
+    float d = 0.0f, m = 0.0f;
+    uint8_t tail[BLOCK];
+    for (int64_t j = 0; j < k; j += BLOCK) {
+        enter_block(q, fmt, row, j, &g, &group_end, &d, &m);
+        float vals[BLOCK];
+        dequant_vals(block_codes(q, fmt, row, j, k - j < BLOCK ? k - j : BLOCK, tail), fmt, d, m, vals);
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + t * kp + j;
+            for (int i = 0; i < 8; i++) acc[i % chains][t] += load4(vals + 4 * i) * load4(xt + 4 * i);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        v4f s = acc[0][t];
+        if (chains == 4) s = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
+        else if (chains == 2) s = acc[0][t] + acc[1][t];
+        res[t] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+}
+#else
 /* res[t] = x[t] . W[row] for T input rows (x rows zero-padded to kp, a multiple of 32). With one
  * or two rows, two blocks per step feed four accumulator chains (FMA latency, not the work, would
  * bound a single chain). */
@@ -206,6 +345,7 @@ static AI void row_dot(const qmat *q, const int fmt, int64_t row, const float *x
     }
     for (int t = 0; t < T; t++) res[t] = hsum((acc[0][0][t] + acc[0][1][t]) + (acc[1][0][t] + acc[1][1][t]));
 }
+#endif
 
 static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float *x, int64_t kp, int T, float *res) {
     switch (T) { /* constant T per case: the accumulators stay in registers */
@@ -224,18 +364,25 @@ static AI void row_dot_n(const qmat *q, const int fmt, int64_t row, const float 
 static float *padded_input(const void *x, int bf16, int64_t rows, int64_t k, int64_t kp) {
     float *xf = kernel_calloc((size_t)(rows * kp), sizeof(float));
     if (!xf) return NULL;
-    for (int64_t m = 0; m < rows; m++) {
-        float *dst = xf + m * kp;
-        if (bf16) {
-            const bf16_t *src = (const bf16_t *)x + m * k;
-            for (int64_t i = 0; i < k; i++) dst[i] = bf16_to_f32(src[i]);
-        } else {
-            memcpy(dst, (const float *)x + m * k, (size_t)k * sizeof(float));
-        }
-    }
+    for (int64_t m = 0; m < rows; m++) load_row(xf + m * kp, (const char *)x + (size_t)(m * k) * elem_size(bf16), k, bf16);
     return xf;
 }
 
+
+#if defined(QK_AVX512) || defined(QK_AVX2)
+/* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
+ * step reads every layer once, far more than the caches hold), and three streams per row (codes,
+ * scales, mins) are more than the hardware prefetcher runs ahead on. */
+#define GEMV_PREFETCH_ROWS 4
+static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
+    const int64_t row_bytes = fmt == FMT_INT4 ? q->k / 2 : q->k, scale_bytes = q->scales_f16 ? 2 : 4;
+    const char *w = (const char *)q->w + (size_t)row * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)q->scales + (size_t)(row * q->groups) * scale_bytes, _MM_HINT_T0);
+    if (q->mins) _mm_prefetch((const char *)(q->mins + row * q->groups), _MM_HINT_T0);
+}
+
+#endif
 
 #ifdef QK_AVX512
 /* ------------------------------------------------------------------------------------------ one input row
@@ -342,18 +489,6 @@ static AI float row_dot_one(const int kind, const qmat *q, int64_t row, const vo
     return _mm512_reduce_add_ps(total);
 }
 
-/* The codes, scales and mins of a row a few rows ahead: the weight streams from memory (a decode
- * step reads every layer once, far more than the caches hold), and three streams per row (codes,
- * scales, mins) are more than the hardware prefetcher runs ahead on. */
-#define GEMV_PREFETCH_ROWS 4
-static AI void prefetch_row(const int fmt, const qmat *q, int64_t row) {
-    const int64_t row_bytes = fmt == FMT_INT4 ? q->k / 2 : q->k, scale_bytes = q->scales_f16 ? 2 : 4;
-    const char *w = (const char *)q->w + (size_t)row * row_bytes;
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
-    _mm_prefetch((const char *)q->scales + (size_t)(row * q->groups) * scale_bytes, _MM_HINT_T0);
-    if (q->mins) _mm_prefetch((const char *)(q->mins + row * q->groups), _MM_HINT_T0);
-}
-
 /* out [1, n] = x [1, k] @ W^T for int8 / int4 weights with k and the group a multiple of 32. */
 static AI int qgemv_kind(const int kind, const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
     const int64_t n = q->n, k = q->k, groups = q->groups;
@@ -390,9 +525,124 @@ static int qgemv(const int fmt, int bf16, const void *x, const qmat *q, void *ou
 }
 #endif
 
+#ifdef QK_AVX2
+/* ------------------------------------------------------------------------------------------ one input row, AVX2
+ * As the AVX-512 one-row path above, in 8-lane vectors: per 32-column block the codes as they are
+ * times x, summed unscaled, then scaled once by the block's d (with wider groups, once per group);
+ * int4's offsets, the sum over groups of m * (sum of x over the group), one scalar product per
+ * group with x's group sums computed once per call. The same dot products as sum((q * d + m) * x),
+ * reassociated; it saves the tile kernel's q * d + m per value (an FMA per 8 values), and four
+ * chains hide the FMA latency. Used for int8, int4 and fp8 rows of whole blocks. */
+
+/* The unscaled dot product of block b's 32 codes (row codes w) with x's 32 columns there. */
+static AI __m256 block_dot8(const int fmt, const uint8_t *w, int64_t b, const float *x) {
+    const float *xb = x + b * BLOCK;
+    __m256 f[4];
+    if (fmt == FMT_INT4) { /* byte j: column j low nibble, column j + 16 high nibble */
+        const uint8_t *src = w + b * (BLOCK / 2);
+        const __m256i nib = _mm256_set1_epi32(15);
+        const __m256i lo8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+        const __m256i hi8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8)));
+        f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo8, nib));
+        f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi8, nib));
+        f[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo8, 4));
+        f[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi8, 4));
+    } else if (fmt == FMT_INT8) {
+        for (int i = 0; i < 4; i++) f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + b * BLOCK + 8 * i))));
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = fp8x16_as_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + b * BLOCK + 16 * h))));
+            f[2 * h] = _mm256_cvtph_ps(_mm256_castsi256_si128(bits));
+            f[2 * h + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+        }
+    }
+    const __m256 a = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+    return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), a));
+}
+
+/* sum over blocks of d(block) * block_dot8 for `row`, d [groups] its group scales */
+static AI float row_dot_one8(const int fmt, const qmat *q, int64_t row, const float *x, const float *d) {
+    const int64_t nb = q->k / BLOCK, per_group = q->group / BLOCK;
+    const uint8_t *w = q->w + (size_t)row * (fmt == FMT_INT4 ? q->k / 2 : q->k);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (per_group == 1) {
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4)
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(block_dot8(fmt, w, b + c, x), _mm256_set1_ps(d[b + c]), acc[c]);
+        for (; b < nb; b++) acc[0] = _mm256_fmadd_ps(block_dot8(fmt, w, b, x), _mm256_set1_ps(d[b]), acc[0]);
+        return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    }
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t g = 0; g < q->groups; g++) {
+        const int64_t last = (g + 1) * per_group;
+        int64_t b = g * per_group;
+        for (; b + 4 <= last; b += 4)
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_add_ps(acc[c], block_dot8(fmt, w, b + c, x));
+        for (; b < last; b++) acc[0] = _mm256_add_ps(acc[0], block_dot8(fmt, w, b, x));
+        total = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])), _mm256_set1_ps(d[g]), total);
+        for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+    }
+    return hsum8(total);
+}
+
+/* d [groups] = `row`'s group scales as float32 (fp8: times FP8_UNSCALE, as group_params); returns
+ * int4's offsets, the sum over groups of m * group_sums (0 for int8, fp8). Eight groups a step: per
+ * group in scalar code this cost as much as the blocks' dot products at group 32. */
+static AI float row_scales_offsets8(const int fmt, const qmat *q, int64_t row, const float *group_sums, float *d) {
+    const int64_t groups = q->groups, base = row * groups;
+    const __m256 unscale = _mm256_set1_ps(fmt == FMT_FP8 ? FP8_UNSCALE : 1.0f);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        const __m256 sc = q->scales_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)q->scales + base + g)))
+                                        : _mm256_loadu_ps((const float *)q->scales + base + g);
+        _mm256_storeu_ps(d + g, _mm256_mul_ps(sc, unscale));
+        if (fmt == FMT_INT4) {
+            const __m256 m = q->mins ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q->mins + base + g))) : _mm256_mul_ps(sc, _mm256_set1_ps(-8.0f));
+            acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(group_sums + g), acc);
+        }
+    }
+    float offsets = hsum8(acc);
+    for (; g < groups; g++) {
+        float m;
+        group_params(q, fmt, row, g, &d[g], &m);
+        if (fmt == FMT_INT4) offsets += m * group_sums[g];
+    }
+    return offsets;
+}
+
+/* out [1, n] = x [1, k] @ W^T for weights whose k and group are a multiple of 32. */
+static AI int qgemv8(const int fmt, int bf16, const void *x, const qmat *q, void *out, int num_threads) {
+    const int64_t n = q->n, k = q->k, groups = q->groups;
+    float *xf = kernel_malloc((size_t)(k + groups) * sizeof(float));
+    if (!xf) return KERNEL_NO_MEMORY;
+    float *group_sums = xf + k;
+    load_row(xf, x, k, bf16);
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.0f;
+        for (int64_t i = g * q->group; i < (g + 1) * q->group; i++) sum += xf[i];
+        group_sums[g] = sum;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < n; r++) {
+        if (r + GEMV_PREFETCH_ROWS < n) prefetch_row(fmt, q, r + GEMV_PREFETCH_ROWS);
+        float d[groups];
+        const float offsets = row_scales_offsets8(fmt, q, r, group_sums, d);
+        const float res = row_dot_one8(fmt, q, r, xf, d) + offsets;
+        if (bf16) ((bf16_t *)out)[r] = f32_to_bf16(res);
+        else ((float *)out)[r] = res;
+    }
+    free(xf);
+    return 0;
+}
+#endif
+
 static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, const qmat *q, void *out, int num_threads) {
 #ifdef QK_AVX512
     if (rows == 1 && fmt != FMT_FP8 && q->k % BLOCK == 0 && q->group % BLOCK == 0) return qgemv(fmt, bf16, x, q, out, num_threads);
+#endif
+#ifdef QK_AVX2
+    if (rows == 1 && q->k % BLOCK == 0 && q->group % BLOCK == 0) return qgemv8(fmt, bf16, x, q, out, num_threads);
 #endif
     const int64_t n = q->n, kp = (q->k + BLOCK - 1) / BLOCK * BLOCK;
     float *xf = padded_input(x, bf16, rows, q->k, kp);
@@ -414,8 +664,45 @@ static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, cons
     return 0;
 }
 
+#ifdef QK_AVX2
+/* f32_to_bf16 on 8 lanes (round to nearest even, NaNs quieted), as 8 words */
+static AI __m128i bf16x8_round(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); /* words <= 0xffff: no saturation */
+}
+#endif
+
 static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
     const int64_t k = q->k;
+#ifdef QK_AVX2
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = row0; r < row1; r++) {
+        int64_t g = -1, group_end = 0;
+        float d = 0.0f, m = 0.0f;
+        uint8_t tail[BLOCK];
+        for (int64_t j = 0; j < k; j += BLOCK) {
+            enter_block(q, fmt, r, j, &g, &group_end, &d, &m);
+            const int64_t cnt = k - j < BLOCK ? k - j : BLOCK;
+            __m256 v[4];
+            dequant_block8(block_codes(q, fmt, r, j, cnt, tail), fmt, d, m, v);
+            const size_t at = (size_t)((r - row0) * k + j);
+            if (cnt == BLOCK) {
+                for (int i = 0; i < 4; i++) {
+                    if (bf16) _mm_storeu_si128((__m128i *)((bf16_t *)out + at + 8 * i), bf16x8_round(v[i]));
+                    else _mm256_storeu_ps((float *)out + at + 8 * i, v[i]);
+                }
+                continue;
+            }
+            float vals[BLOCK];
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(vals + 8 * i, v[i]);
+            store_row(bf16 ? (void *)((bf16_t *)out + at) : (void *)((float *)out + at), vals, cnt, bf16);
+        }
+    }
+#else
 #pragma omp parallel for num_threads(num_threads) schedule(static) if ((row1 - row0) * k >= PARALLEL_MIN_ELEMS)
     for (int64_t r = row0; r < row1; r++) {
         float vals[BLOCK];
@@ -444,6 +731,7 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
             }
         }
     }
+#endif
 }
 
 /* ------------------------------------------------------------------------------------------ K-quants
@@ -552,21 +840,31 @@ static AI void kq_dequant_block(const int fmt, const uint8_t *b, float *out) {
     }
 }
 
-/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k). */
+#ifndef __AVX2__
+/* res[i] = dot(row `row` of the weight, x row i) for i < t, x float32 [t, k] (row stride k): each
+ * super-block's 256 values times a row in four 4-lane chains (SSE / NEON registers; a 16-lane
+ * accumulator per row went through the stack there), summed into the row's total per super-block. */
 static AI void kq_row_dot_n(const int fmt, const uint8_t *w, int64_t k, const float *x, int t, float *res) {
     const int64_t size = kq_type_size(fmt);
     float vals[QK_K] __attribute__((aligned(64)));
-    v16f acc[TILE];
-    for (int i = 0; i < t; i++) acc[i] = (v16f){0};
+    for (int i = 0; i < t; i++) res[i] = 0.0f;
     for (int64_t sb = 0; sb < k / QK_K; sb++) {
         kq_dequant_block(fmt, w + sb * size, vals);
         for (int i = 0; i < t; i++) {
             const float *xb = x + i * k + sb * QK_K;
-            for (int c = 0; c < QK_K; c += 16) acc[i] += loadf(vals + c) * loadf(xb + c);
+            v4f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int c = 0; c < QK_K; c += 16) {
+                a0 += load4(vals + c) * load4(xb + c);
+                a1 += load4(vals + c + 4) * load4(xb + c + 4);
+                a2 += load4(vals + c + 8) * load4(xb + c + 8);
+                a3 += load4(vals + c + 12) * load4(xb + c + 12);
+            }
+            const v4f s = (a0 + a1) + (a2 + a3);
+            res[i] += (s[0] + s[1]) + (s[2] + s[3]);
         }
     }
-    for (int i = 0; i < t; i++) res[i] = hsum(acc[i]);
 }
+#endif
 
 #ifdef __AVX2__
 /* The linear's AVX2 path, factored: per 32-value chunk (one scale; Q6_K: two, one per 16) the codes
@@ -593,12 +891,6 @@ static AI __m256i kq_codes32(const int fmt, const uint8_t *b, int c) {
         q = _mm256_or_si256(q, _mm256_and_si256(_mm256_sll_epi16(_mm256_srl_epi16(h, _mm_cvtsi32_si128(c)), _mm_cvtsi32_si128(4)), _mm256_set1_epi8(0x10)));
     }
     return q;
-}
-
-static AI float kq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* res[i] = dot(weight row w, x row i) for i < t; xsums [t, k / 32]: x's sums over 32-value chunks. */
@@ -647,7 +939,7 @@ static AI void kq_row_dot_avx2(const int fmt, const uint8_t *w, int64_t k, const
             }
         }
     }
-    for (int i = 0; i < t; i++) res[i] = kq_hsum8(tot[i]) - off[i];
+    for (int i = 0; i < t; i++) res[i] = hsum8(tot[i]) - off[i];
 }
 #endif
 
@@ -717,6 +1009,19 @@ void kquant_dequantize(const void *w, int fmt, int64_t n, int64_t k, int64_t row
 static qmat make_qmat(const void *w, const void *scales, int scales_f16, const uint16_t *mins, int64_t n, int64_t k, int64_t group) {
     qmat q = {(const uint8_t *)w, scales, mins, n, k, group, (k + group - 1) / group, scales_f16};
     return q;
+}
+
+/* The vector width in bits the int8 / int4 / fp8 code of this build is written for: 512 (AVX-512
+ * intrinsics), 256 (AVX2 intrinsics) or 128 (the portable loops). engine.quant.linear picks its
+ * kernel / dequant_mm cutoffs from it: they differ by build (bench/NOTES.md 'AVX2 quantized linears'). */
+int quant_kernels_simd_bits(void) {
+#if defined(QK_AVX512)
+    return 512;
+#elif defined(QK_AVX2)
+    return 256;
+#else
+    return 128;
+#endif
 }
 
 /* Entry point of the linears: one weight described once (engine.kernels.quant.QuantKernels.bind
