@@ -91,12 +91,12 @@ class Run:
 
 
 # --------------------------------------------------------------------------- roofline
-def model_counts(checkpoint_dir: Path) -> dict[str, float]:
+def model_counts(checkpoint_dir: Path, llama_model: str | None = None) -> dict[str, float]:
     """The demo's matmul parameter counts: body (every token) and output head (sampled tokens)."""
     from bench.forward import weight_counts
     from engine.loading.checkpoint import resolve_checkpoint
 
-    body, head = weight_counts(resolve_checkpoint(checkpoint_dir, model_id="demo").model_args)
+    body, head = weight_counts(resolve_checkpoint(checkpoint_dir, model_id="demo", llama_model=llama_model).model_args)
     return {"body_params": body, "head_params": head}
 
 

@@ -252,7 +252,7 @@ def main_parent(args: argparse.Namespace) -> int:
         return 1
     levels = [int(n) for n in args.streams.split(",")]
     checkpoint_dir, llama_model = our_checkpoint(args)
-    counts = model_counts(checkpoint_dir)
+    counts = model_counts(checkpoint_dir, llama_model)
     base_job = {"checkpoint_dir": str(checkpoint_dir), "llama_model": llama_model, "ov_model": str(args.ov_model),
                 "ov_kv_precision": args.ov_kv_precision, "threads": args.threads, "dtype": args.dtype, "levels": levels,
                 "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}  # fmt: skip
