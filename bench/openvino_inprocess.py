@@ -9,11 +9,12 @@ OpenVINO GenAI has no server here), same weights, same workload (a script, not a
 
 Workload (bench/demo_vs_llamacpp.py's, without the HTTP): at each N, N sequences of --prompt-tokens
 random token ids (fresh every round and every N, the same for both engines within a round) submitted
-at once, --output-tokens tokens each, greedy, end of sequence ignored (OpenVINO: ignore_eos and
-min_new_tokens); both engines take the prompts as token ids. Reported per engine and N: output tok/s,
-TPOT p50 (per sequence, first to last token over tokens - 1) and TTFT p50 (submission to first
-token), beside the roofline of the moment (bench/demo_vs_llamacpp.py's, measured by this process
-right before each engine's round), and the ratio ours / OpenVINO within each round.
+at once, --output-tokens tokens each, greedy, end of sequence ignored (OpenVINO: ignore_eos, not
+min_new_tokens, which masks the end-of-sequence token instead); both engines take the prompts as
+token ids. Reported per engine and N: output tok/s, TPOT p50 (per sequence, first to last token over
+tokens - 1) and TTFT p50 (submission to first token), beside the roofline of the moment
+(bench/demo_vs_llamacpp.py's, measured by this process right before each engine's round; the bf16
+matmul rate only for a bfloat16 run), and the ratio ours / OpenVINO within each round.
 
 Each engine runs in a worker process of its own, one at a time, alternating for --rounds rounds:
 ours with this python (EngineCore driven step by step, as bench/streams_inprocess.py does), OpenVINO
@@ -55,7 +56,7 @@ DEFAULT_OV_MODEL = Path("/tmp/smollm2-ov/fp32")  # bench/openvino_setup.sh's OV_
 OV_PRECISIONS = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> OpenVINO's element type names
 OV_CACHE_GB = 2  # its KV cache, as our CPU default (EngineConfig.cpu_kv_cache_bytes)
 MAX_SEQ_LEN = 1024
-CHECK_TOKENS = 8  # greedy tokens compared per prompt: "the first few"
+CHECK_TOKENS = 16  # greedy tokens compared per prompt: the first few, past the first answer's end-of-sequence token (ignored)
 WORKER_TIMEOUT_S = 3600
 
 
@@ -66,10 +67,12 @@ def sequence_times(submitted_s: float, stamps: list[float], output_tokens: int) 
     return stamps[0] - submitted_s, (stamps[-1] - stamps[0]) / max(output_tokens - 1, 1)
 
 
-def level_result(submitted_s: float, stamps: dict[Any, list[float]], counts: dict[Any, int], output_tokens: int) -> dict[str, Any]:
+def level_result(submitted_s: float, stamps: dict[Any, list[float]], counts: dict[Any, int], num_sequences: int,
+                 output_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """One level's figures; every sequence must have given exactly output_tokens (end of sequence ignored)."""
     ends = [s[-1] for s in stamps.values()]
-    if any(n != output_tokens for n in counts.values()):
-        raise RuntimeError(f"expected {output_tokens} tokens per sequence, got {sorted(set(counts.values()))}")
+    if len(counts) != num_sequences or any(n != output_tokens for n in counts.values()):
+        raise RuntimeError(f"expected {num_sequences} sequences of {output_tokens} tokens, got {len(counts)} of {sorted(set(counts.values()))}")
     times = [sequence_times(submitted_s, s, output_tokens) for s in stamps.values()]
     return {"wall_s": max(ends) - submitted_s, "output_tokens": sum(counts.values()),
             "ttft_s": [t[0] for t in times], "tpot_s": [t[1] for t in times]}  # fmt: skip
@@ -112,7 +115,7 @@ def ours_worker(job: dict[str, Any]) -> dict[str, Any]:
                     stamps.setdefault(out.request_id, []).append(now)
                     counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return level_result(submitted, stamps, counts, output_tokens), tokens
+        return level_result(submitted, stamps, counts, len(prompts), output_tokens), tokens
 
     try:
         if job["mode"] == "check":
@@ -137,6 +140,10 @@ def openvino_worker(job: dict[str, Any]) -> dict[str, Any]:
     import openvino as ov
     import openvino_genai as ov_genai
 
+    capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if job["dtype"] == "bfloat16" and "BF16" not in capabilities:
+        # its CPU plugin then computes in f32 whatever the hint says, and refuses a bf16 KV cache
+        raise SystemExit(f"OpenVINO has no bf16 path on this CPU (capabilities {capabilities}): compare in float32 here")
     started = time.perf_counter()
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = OV_CACHE_GB
@@ -151,7 +158,9 @@ def openvino_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     def run(prompts: list[list[int]], output_tokens: int) -> tuple[dict[str, Any], dict[int, list[int]]]:
         config = ov_genai.GenerationConfig()
-        config.max_new_tokens = config.min_new_tokens = output_tokens
+        # ignore_eos alone, as ours: min_new_tokens would also mask the end-of-sequence token's logit,
+        # so greedy would pick another token where ours picks it and goes on
+        config.max_new_tokens = output_tokens
         config.ignore_eos = True
         config.do_sample = False
         stamps: dict[int, list[float]] = {}
@@ -172,7 +181,7 @@ def openvino_worker(job: dict[str, Any]) -> dict[str, Any]:
                             stamps.setdefault(request_id, []).append(now)
                             counts[request_id] = counts.get(request_id, 0) + len(out.generated_ids)
                             tokens.setdefault(request_id, []).extend(out.generated_ids)
-        return level_result(submitted, stamps, counts, output_tokens), {i: tokens[r] for i, r in enumerate(handles)}
+        return level_result(submitted, stamps, counts, len(prompts), output_tokens), {i: tokens[r] for i, r in enumerate(handles)}
 
     if job["mode"] == "check":
         return {"tokens": [run([p], job["output_tokens"])[1][0] for p in job["prompts"]], "load_s": load_s}
@@ -192,8 +201,12 @@ def worker_main(engine: str, job_path: Path, out_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the parent
+class WorkerFailed(RuntimeError):
+    """A worker process exited with an error (its output's tail is printed already)."""
+
+
 def run_worker(python: str, engine: str, job: dict[str, Any], *, verbose: bool) -> dict[str, Any]:
-    """Run one worker process to the end; its result (a JSON file), or RuntimeError with its output's tail."""
+    """Run one worker process to the end: its result (a JSON file), or WorkerFailed after its output's tail."""
     with tempfile.TemporaryDirectory(prefix=f"ov-bench-{engine}-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
@@ -202,7 +215,7 @@ def run_worker(python: str, engine: str, job: dict[str, Any], *, verbose: bool) 
         if verbose or done.returncode != 0:
             sys.stdout.write(done.stdout[-4000:] + done.stderr[-4000:])
         if done.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"{engine} worker ({python}) exited {done.returncode}")
+            raise WorkerFailed(f"{engine} worker ({python}) exited {done.returncode}")
         return json.loads(out_path.read_text())
 
 
@@ -265,7 +278,7 @@ def main_parent(args: argparse.Namespace) -> int:
     described: dict[str, str] = {}
     for round_index in range(args.rounds):
         for engine in engines:  # one at a time
-            moment = measure_moment(smoke=args.smoke)
+            moment = measure_moment(smoke=args.smoke, dtype=args.dtype)
             result = run_worker(pythons[engine], engine, {**base_job, "mode": "levels", "round": round_index}, verbose=args.verbose)
             described[engine] = result["engine"]
             results[engine].append(as_runs(result, moment))
@@ -324,7 +337,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.streams, args.prompt_tokens, args.output_tokens, args.rounds, args.check_tokens = "1,2", 16, 8, 1, 4
-    sys.exit(main_parent(args))
+    try:
+        sys.exit(main_parent(args))
+    except WorkerFailed as exc:
+        print(exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

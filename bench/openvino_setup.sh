@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# OpenVINO GenAI beside llamaserve, idempotently (bench/openvino_inprocess.py runs it; issue 35):
+# OpenVINO GenAI beside llamaserve, idempotently: what bench/openvino_inprocess.py needs (issue 35):
 #   1. its OWN venv $VENV with openvino-genai==$OV_GENAI_VERSION, optimum-intel[openvino] and
 #      transformers (+ gguf, accelerate: only to build the HF folder). Never the system python:
 #      optimum-intel pulls torch and other pins that could replace the torch our engine runs on.
@@ -9,11 +9,12 @@
 #      peer's is (transformers dequantizes it to the same fp32 values our importer produces); the vLLM
 #      setup's /tmp/smollm2-hf is reused when present.
 #   3. `optimum-cli export openvino` of that folder into $OV_DIR/<format> for each of $FORMATS
-#      (fp32: the exact-weights one; int8: OpenVINO's usual 8-bit weight compression; fp16 also works).
+#      (fp32: the exact weights; int8: 8-bit weights, OpenVINO's usual CPU choice; any other optimum-cli format by name).
 #   4. with BIG=1, the same for ../shared/peers/make_big_gguf.py's random 1.1B Llama (BIG1B.gguf, HF
 #      folder $BIG_HF_DIR, export $BIG_OV_DIR/<format>): 4.4 GB of f32 per copy, tens of minutes on 2 cores.
 # Everything comes from local files once the packages are installed: no model hub.
-# Usage: bench/openvino_setup.sh        (env: VENV, OV_GENAI_VERSION, TORCH_SPEC, GGUF_DIR, HF_DIR, OV_DIR, FORMATS, BIG)
+# Usage: bench/openvino_setup.sh        (env: VENV, OV_GENAI_VERSION, TORCH_SPEC, GGUF_DIR, HF_DIR, OV_DIR, FORMATS,
+#                                     BIG, BIG_GGUF, BIG_ARGS, BIG_HF_DIR, BIG_OV_DIR)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
@@ -25,6 +26,8 @@ HF_DIR="${HF_DIR:-/tmp/smollm2-hf}"
 OV_DIR="${OV_DIR:-/tmp/smollm2-ov}"
 FORMATS="${FORMATS:-fp32 int8}"
 BIG="${BIG:-0}"
+BIG_GGUF="${BIG_GGUF:-BIG1B.gguf}"  # in GGUF_DIR
+BIG_ARGS="${BIG_ARGS:-}"  # make_big_gguf.py's shape flags (default: the 1.1B), e.g. "--dim 256 --layers 2 --ffn 512" for a quick try
 BIG_HF_DIR="${BIG_HF_DIR:-/tmp/big1b-hf}"
 BIG_OV_DIR="${BIG_OV_DIR:-/tmp/big1b-ov}"
 # ../shared/peers beside the checkout (a worktree may sit one level deeper), as bench/demo_vs_llamacpp.py finds it
@@ -111,12 +114,13 @@ export_ov "$HF_DIR" "$OV_DIR"
 
 # ---- 4. the 1.1B random Llama (BIG=1) -----------------------------------------------------
 if [ "$BIG" = "1" ]; then
-  if [ ! -f "$GGUF_DIR/BIG1B.gguf" ]; then
+  if [ ! -f "$GGUF_DIR/$BIG_GGUF" ]; then
     demo_gguf
-    log "writing $GGUF_DIR/BIG1B.gguf (../shared/peers/make_big_gguf.py)"
-    "$PY" "$PEERS/make_big_gguf.py" "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" "$GGUF_DIR/BIG1B.gguf"
+    log "writing $GGUF_DIR/$BIG_GGUF (../shared/peers/make_big_gguf.py $BIG_ARGS)"
+    # shellcheck disable=SC2086  # BIG_ARGS is a list of flags
+    "$PY" "$PEERS/make_big_gguf.py" "$GGUF_DIR/$GGUF_FILE" "$GGUF_DIR/$BIG_GGUF" $BIG_ARGS
   fi
-  if hf_ready "$BIG_HF_DIR"; then log "HF folder $BIG_HF_DIR present, not rebuilding"; else build_hf BIG1B.gguf "$BIG_HF_DIR"; fi
+  if hf_ready "$BIG_HF_DIR"; then log "HF folder $BIG_HF_DIR present, not rebuilding"; else build_hf "$BIG_GGUF" "$BIG_HF_DIR"; fi
   export_ov "$BIG_HF_DIR" "$BIG_OV_DIR"
 fi
 
