@@ -91,17 +91,18 @@ class Run:
 
 
 # --------------------------------------------------------------------------- roofline
-def model_counts(checkpoint_dir: Path) -> dict[str, float]:
+def model_counts(checkpoint_dir: Path, llama_model: str | None = None) -> dict[str, float]:
     """The demo's matmul parameter counts: body (every token) and output head (sampled tokens)."""
     from bench.forward import weight_counts
     from engine.loading.checkpoint import resolve_checkpoint
 
-    body, head = weight_counts(resolve_checkpoint(checkpoint_dir, model_id="demo").model_args)
+    body, head = weight_counts(resolve_checkpoint(checkpoint_dir, model_id="demo", llama_model=llama_model).model_args)
     return {"body_params": body, "head_params": head}
 
 
-def measure_moment(*, smoke: bool = False) -> Moment:
-    """bf16 and fp32 matmul FLOP/s and copy bandwidth now, on THREADS threads (about a second)."""
+def measure_moment(*, smoke: bool = False, dtype: str | None = None) -> Moment:
+    """bf16 and fp32 matmul FLOP/s and copy bandwidth now, on THREADS threads (about a second with AMX);
+    dtype "float32" leaves the bf16 rate out (nan): without AMX or AVX512_BF16 it takes minutes."""
     import torch
 
     from bench.forward import best_of, matmul_flops_per_s
@@ -111,7 +112,8 @@ def measure_moment(*, smoke: bool = False) -> Moment:
     y = torch.empty_like(x)
     copy_s = best_of(lambda: y.copy_(x), repeats=5)
     n = 128 if smoke else 1024
-    return Moment(matmul_flops_per_s(torch.bfloat16, n=n), matmul_flops_per_s(torch.float32, n=n), 2 * x.numel() * 4 / copy_s)
+    bf16 = float("nan") if dtype == "float32" else matmul_flops_per_s(torch.bfloat16, n=n)
+    return Moment(bf16, matmul_flops_per_s(torch.float32, n=n), 2 * x.numel() * 4 / copy_s)
 
 
 def workload_bound_tokens_per_s(counts: dict[str, float], flops: float, prompt_tokens: int, output_tokens: int) -> float:
