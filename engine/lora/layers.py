@@ -69,7 +69,7 @@ class KernelLora:
     part's A and B as they are (no zeros), its descriptor bound once at install."""
 
     a: torch.Tensor  # [sum of the parts' r, in_local]: the parts' A stacked in part order, contiguous
-    b: torch.Tensor  # [sum over parts of r_k * out_k]: each part's scale * B^T [r_k, out_k], in part order
+    b: torch.Tensor  # [sum over parts of r_k * out_k]: each part's scale * B^T [r_k, out_k] in column blocks (CpuKernels.lora_expand_layout), in part order
     ranks: tuple[int, ...]  # [LORA_MAX_PARTS] each part's r (0: the adapter leaves that part alone)
 
     @property
@@ -192,7 +192,7 @@ def _kernel_lora(local: dict[str, tuple[torch.Tensor, torch.Tensor]], members: l
         if b.shape[0] != sizes[index]:
             raise ValueError(f"{name}: B has {b.shape[0]} rows on this rank, the base part {sizes[index]}")
         ranks[index] = a.shape[0]
-        b_parts.append((b.double() * scale).t().to(dtype).reshape(-1))
+        b_parts.append(CpuKernels.lora_expand_layout((b.double() * scale).t().to(dtype)))
     a_stacked = torch.cat([local[name][0] for _, name in members]).to(device=device, dtype=dtype).contiguous()
     return KernelLora(a_stacked, torch.cat(b_parts).to(device).contiguous(), tuple(ranks))
 

@@ -200,6 +200,9 @@ def test_bad_runs_and_failed_allocations_raise(kernels):
             layer(x)
     finally:
         slots.end_step()
+    y = torch.zeros(32, 4).t()  # [4, 32] but column-major: the kernel's row offsets would land elsewhere
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.bind_segmented_lora(in_features, sizes)(x, y, 0, 0, 0, 1)
     kernels.fail_allocs_after(0)
     try:
         with pytest.raises(MemoryError):

@@ -10,8 +10,11 @@
  *
  * For each run (first row, end row, slot) whose adapter adapts this linear:
  *   shrink: t[rows, sum of ranks] = x[rows] A^T, the parts' A stacked [sum of ranks, in];
- *   expand: y[rows, part k's columns] += t[rows, part k's ranks] B_k^T for each part k, B_k^T given
- *           as [rank_k, out_k] (scale folded in at install), so part k writes its own columns only.
+ *   expand: y[rows, part k's columns] += t[rows, part k's ranks] B_k^T for each part k (scale folded
+ *           in at install), so part k writes its own columns only. B_k^T [rank_k, out_k] is stored in
+ *           blocks of LORA_COL_BLOCK columns, each block [rank_k, its width] row-major: one expand item
+ *           reads one contiguous block per run (a single stream for the prefetcher, where the plain
+ *           layout's rank_k rows of 256 bytes lie out_k apart).
  * x, y, A and B in the model dtype (float32 or bfloat16), products and sums in float32, y rounded
  * once (y + delta). Each row's result is computed in one fixed order whatever the other rows and
  * runs are (batch-invariant). Threads: the shrink splits over runs x blocks of rows, the expand over
@@ -29,7 +32,7 @@
  * five int64 words); a = NULL: the adapter leaves this linear alone. */
 typedef struct {
     const void *a; /* [sum of ranks, in]: the parts' A stacked in part order */
-    const void *b; /* part 0's B^T [rank_0, out_0], then part 1's [rank_1, out_1], ...: scale folded in */
+    const void *b; /* part 0's B^T [rank_0, out_0] column-blocked (see above), then part 1's, ...: scale folded in */
     int64_t rank[LORA_MAX_PARTS]; /* each part's rank; 0: the adapter leaves that part alone */
 } lora_desc;
 
@@ -109,16 +112,15 @@ static inline __attribute__((always_inline)) void shrink_block(const float *cons
     }
 }
 
-/* y[row, c0 : c0 + width] (+)= t_row[0 : rank] B^T[0 : rank, c0 : c0 + width] for one row; b_k: part
- * k's B^T [rank, out_k]. */
-static inline __attribute__((always_inline)) void expand_row(const float *t_row, int64_t rank, const char *b_k, int64_t out_k,
-                                                              int64_t c0, int64_t width, char *y_row, int bf16) {
+/* y_row[0 : width] += t_row[0 : rank] B^T for one row; block: one column block of B^T, [rank, width]. */
+static inline __attribute__((always_inline)) void expand_row(const float *t_row, int64_t rank, const char *block,
+                                                              int64_t width, char *y_row, int bf16) {
     const size_t es = elem_size(bf16);
     float delta[LORA_COL_BLOCK];
     if (width == LORA_COL_BLOCK) {
         lvf acc[LORA_COL_BLOCK / LV] = {0};
         for (int64_t j = 0; j < rank; j++) {
-            const char *bj = b_k + (size_t)(j * out_k + c0) * es;
+            const char *bj = block + (size_t)(j * width) * es;
             const float tj = t_row[j];
 #pragma GCC unroll 16
             for (int q = 0; q < LORA_COL_BLOCK / LV; q++) acc[q] += lora_load(bj + (size_t)(q * LV) * es, bf16) * tj;
@@ -127,7 +129,7 @@ static inline __attribute__((always_inline)) void expand_row(const float *t_row,
     } else {
         for (int64_t c = 0; c < width; c++) delta[c] = 0.0f;
         for (int64_t j = 0; j < rank; j++) {
-            const char *bj = b_k + (size_t)(j * out_k + c0) * es;
+            const char *bj = block + (size_t)(j * width) * es;
             const float tj = t_row[j];
             for (int64_t c = 0; c < width; c++) delta[c] += lora_value(bj, c, bf16) * tj;
         }
@@ -203,10 +205,10 @@ static inline __attribute__((always_inline)) void expand_item_impl(const lora_ca
         int64_t b_off = 0, t_col = 0;
         for (int64_t p = 0; p < k; p++) b_off += d->rank[p] * c->out_sizes[p], t_col += d->rank[p];
         const int64_t sum_r = sum_ranks(d, c->parts);
-        const char *b_k = (const char *)d->b + (size_t)b_off * es;
+        const char *block = (const char *)d->b + (size_t)(b_off + c0 * rank) * es; /* the blocks before it are full */
         for (int64_t row = run[0]; row < run[1]; row++) {
             const float *t_row = c->t + c->t_off[r] + (row - run[0]) * sum_r + t_col;
-            expand_row(t_row, rank, b_k, out_k, c0, width, c->y + (size_t)(row * c->out_total + c->out_off[k] + c0) * es, bf16);
+            expand_row(t_row, rank, block, width, c->y + (size_t)(row * c->out_total + c->out_off[k] + c0) * es, bf16);
         }
     }
 }
