@@ -69,7 +69,9 @@ class KernelLora:
     part's A and B as they are (no zeros), its descriptor bound once at install."""
 
     a: torch.Tensor  # [sum of the parts' r, in_local]: the parts' A stacked in part order, contiguous
-    b: torch.Tensor  # [sum over parts of r_k * out_k]: each part's scale * B^T [r_k, out_k] in column blocks (CpuKernels.lora_expand_layout), in part order
+    # [sum over parts of r_k * out_k]: each part's scale * B^T [r_k, out_k], in part order, each in
+    # column blocks (CpuKernels.lora_expand_layout)
+    b: torch.Tensor
     ranks: tuple[int, ...]  # [LORA_MAX_PARTS] each part's r (0: the adapter leaves that part alone)
 
     @property

@@ -25,7 +25,7 @@
 
 #define LORA_MAX_PARTS 3 /* q|k|v */
 #define LORA_ROW_BLOCK 4 /* rows sharing each load of A in the shrink */
-#define LORA_COL_BLOCK 64 /* output columns per expand item: four 16-lane accumulators */
+#define LORA_COL_BLOCK 64 /* output columns per expand item (engine/kernels/cpu.py LORA_COL_BLOCK): 64 / LV accumulators */
 #define LORA_BAD_ARGUMENTS (-22)
 
 /* One adapter's weights for one linear, bound once at install (engine/lora/layers.py writes these as
