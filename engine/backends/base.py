@@ -10,6 +10,8 @@ best implementation depends on the device and dtype goes through a Backend chose
 - add_rms_norm, rope_and_cache_write, attention (prefill chunks and paged decodes), silu_mul.
 - compiled_decode_step(model), optional: a pure-decode step (one token of each of 1..max_rows
   sequences) through all blocks in one call, built once at load; None where the backend has none.
+- lora_kernels(), optional: the C kernels that apply LoRA adapters in one call per adapted linear
+  (engine/lora/layers.py); None where the backend has none (torch matmuls per run of rows).
 - plan_step(inputs, ...): once per step, the StepPlan every reader of the step follows: the
   attention layout (AttentionMetadata, its `path` naming the kernel that attends it) and whether
   the compiled step runs the blocks. The model's forward, the compiled step and attention() read
@@ -28,13 +30,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu import CpuKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, n_local_kv_heads, head_dim]
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -345,6 +350,11 @@ class Backend:
         """A compiled pure-decode step (one token of each of 1..max_rows sequences) through all of
         `model`'s blocks and its final norm (engine.models.llama.Transformer, mp_size 1), built once
         at load; plan_step says which steps it runs. None (here): the model runs its blocks op by op."""
+        return None
+
+    def lora_kernels(self) -> "CpuKernels | None":
+        """The kernels whose segmented_lora applies every adapter's runs of rows on an adapted linear
+        in one call (engine/lora/layers.py); None (here): torch matmuls per run of rows."""
         return None
 
 

@@ -291,6 +291,9 @@ class CpuKernelBackend(OneDnnBackend):
     def compiled_decode_step(self, model: nn.Module) -> DecodeStep | None:
         return build_decode_step(model, self.kernels, self.amx, invariant=self.batch_invariant)
 
+    def lora_kernels(self) -> CpuKernels:
+        return self.kernels
+
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty_like(residual)
         self.kernels.add_rms_norm(residual, delta, weight, out, eps, torch.get_num_threads())

@@ -194,7 +194,7 @@ class Worker:
                 code="lora_disabled",
             )  # fmt: skip
         if self.lora is None or self.lora_sizes is None:  # the first adapter: wrap the linears now (weight_bytes is taken)
-            self.lora = LoraSlots()
+            self.lora = LoraSlots(kernels=self.model.backend.lora_kernels())  # the C kernel where the backend has it
             self.lora_sizes = attach_lora(self.model, self.lora)
         local = shard_adapter(adapter, self.model.params, self.rank, self.mp_size)
         return self.lora.install(lora_id, local, adapter.scale, self.lora_sizes, dtype=self.dtype, device=self.device)

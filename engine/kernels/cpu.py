@@ -1,5 +1,5 @@
 """ctypes bindings of the fused CPU kernels (the cpu_kernels library: engine/kernels/csrc/
-elementwise.c, attention.c, linear.c, argmax.c; engine.kernels.build builds and caches it).
+elementwise.c, attention.c, linear.c, argmax.c, lora.c; engine.kernels.build builds and caches it).
 
 Why: at decode batch sizes a small model's step on CPU is its matmuls plus hundreds of tiny torch
 ops (RMSNorm alone is six), each costing microseconds of dispatch, and paged attention through
@@ -15,7 +15,7 @@ import ctypes
 import functools
 import logging
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -58,9 +58,14 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "paged_attention_takes_decodes": ((), ctypes.c_int),
     # dtype, x, rows, cols, row_stride, ids (int64), values (float32), threads
     "argmax_rows": ((_i32, _p, _i64, _i64, _i64, _p, _p, _i32), None),
+    # dtype, x, y, rows, in, parts, out0, out1, out2, descriptors (lora_desc by slot), runs, num_runs, threads
+    "segmented_lora": ((_i32, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _i32), _i32),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
     "llamaserve_fail_allocs_after": ((_i64,), None),
 }
+LORA_MAX_PARTS = 3  # csrc/lora.c: the most parts a fused linear has (q|k|v)
+LORA_DESC_WORDS = 2 + LORA_MAX_PARTS  # csrc/lora.c's lora_desc as int64 words: A's address, B's, each part's rank
+LORA_COL_BLOCK = 64  # csrc/lora.c: the output columns of one expand item, the blocks B^T is stored in
 # built only for a CPU with AVX512_BF16 (-march=native there, the x86-64-v4-bf16 level)
 BF16_PAIRS = "interleaved_linear_bf16_pairs"
 BF16_PAIRS_F32_OUT = "interleaved_linear_bf16_pairs_f32_out"
@@ -227,6 +232,39 @@ class CpuKernels:
 
         one_row.weight = weight  # the pointer's owner lives as long as the call
         return one_row
+
+    @staticmethod
+    def lora_expand_layout(b_t: torch.Tensor) -> torch.Tensor:
+        """One part's B^T [rank, out] as segmented_lora reads it: blocks of LORA_COL_BLOCK columns (the
+        last one narrower), each [rank, its width] row-major, flattened."""
+        rank, out = b_t.shape
+        full = out // LORA_COL_BLOCK * LORA_COL_BLOCK
+        blocks = b_t[:, :full].reshape(rank, full // LORA_COL_BLOCK, LORA_COL_BLOCK).transpose(0, 1)
+        return torch.cat([blocks.reshape(-1), b_t[:, full:].reshape(-1)])
+
+    def bind_segmented_lora(self, in_features: int, part_sizes: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor, int, int, int, int], None]:
+        """csrc/lora.c's segmented_lora for one adapted linear, its sizes fixed here (in_features, each
+        part's output columns on this rank, in row order): call(x, y, descriptors, runs, num_runs,
+        threads) adds every run's LoRA delta of x [rows, in] into y [rows, sum(part_sizes)] in place
+        (both contiguous, float32 or bfloat16). descriptors: the address of this linear's lora_desc
+        array, indexed by the runs' slots; runs: the address of [num_runs, 3] int64 (first row, end
+        row, slot). The per-step addresses come from engine.lora.layers.LoraSlots."""
+        if not 1 <= len(part_sizes) <= LORA_MAX_PARTS:
+            raise ValueError(f"segmented LoRA: {len(part_sizes)} parts, at most {LORA_MAX_PARTS}")
+        fn, parts, out_features = self._lib.segmented_lora, len(part_sizes), sum(part_sizes)
+        out0, out1, out2 = (*part_sizes, 0, 0)[:LORA_MAX_PARTS]
+
+        def call(x: torch.Tensor, y: torch.Tensor, descriptors: int, runs: int, num_runs: int, threads: int) -> None:
+            # the kernel writes y through raw row offsets: a shape or layout it does not expect is refused here
+            if (x.dim() != 2 or x.shape[1] != in_features or y.shape != (x.shape[0], out_features) or x.dtype != y.dtype
+                    or not x.is_contiguous() or not y.is_contiguous()):  # fmt: skip
+                raise ValueError(f"segmented LoRA takes contiguous x [rows, {in_features}] and y [rows, {out_features}] "
+                                 f"of one dtype, got {x.dtype} {list(x.shape)} and {y.dtype} {list(y.shape)}")  # fmt: skip
+            if failed := fn(DTYPE_CODES[x.dtype], x.data_ptr(), y.data_ptr(), x.shape[0], in_features, parts, out0, out1,
+                            out2, descriptors, runs, num_runs, threads):  # fmt: skip
+                check_kernel(failed, "segmented LoRA")
+
+        return call
 
 
 @functools.cache

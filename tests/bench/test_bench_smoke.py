@@ -215,6 +215,8 @@ def test_lora_smoke(tmp_path):
     assert {(r["mode"], r["streams"]) for r in tput} == {(m, s) for m in ("base", "one adapter", "8 adapters") for s in (1, 2)}
     assert all(r["value"] > 0 for r in tput)
     assert len(rows(out, name="8 adapters / base step time")) == 1
+    stdout = run_script("bench/lora.py", "--delta", "--config", "tiny", "--streams", "8", "--rank", "4", "--smoke")
+    assert "feed_forward.w13" in stdout and "a step's deltas (4 layers)" in stdout, stdout
 
 
 def test_gguf_convert_q4_k_m_mixes_as_llama_cpp_does(tmp_path):

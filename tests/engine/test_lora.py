@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
+from engine.kernels.cpu import load_cpu_kernels
 from engine.lora.adapters import AdapterError, read_adapter
 from engine.types import EngineRequest, InvalidRequest, SamplingParams
 from tests.engine.fakes import ByteTokenizer
@@ -171,13 +172,16 @@ def check_against_reference(got, expected):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-async def test_base_and_two_adapters_in_one_batch_equal_the_merged_reference(tiny_checkpoint, adapters, expected, device):
-    """On CUDA the adapters run as the same torch ops on the device (float32, as the reference)."""
-    engine = make_engine(tiny_checkpoint, engine_config(device=device))
+@pytest.mark.parametrize(("device", "cpu_kernels"), [("cpu", True), ("cpu", False), pytest.param("cuda", False, marks=CUDA)])
+async def test_base_and_two_adapters_in_one_batch_equal_the_merged_reference(tiny_checkpoint, adapters, expected, device, cpu_kernels):
+    """On the CPU kernels the adapters run as one segmented_lora call per linear; without them, and
+    on CUDA, as torch matmuls per run of rows (float32, as the reference)."""
+    engine = make_engine(tiny_checkpoint, engine_config(device=device, cpu_kernels=cpu_kernels))
     try:
         assert await engine.load_adapter("tt", adapters["tt"].folder) > 0
         assert await engine.load_adapter("peft", adapters["peft"].folder) > 0
+        lora = engine.runner._workers._shard.lora
+        assert (lora.kernels is not None) == (cpu_kernels and load_cpu_kernels() is not None)
         requests = [request(f"{lora}-{i}", p, lora) for lora in (None, "tt", "peft") for i, p in enumerate(PROMPTS)]
         got = await run_all(engine, requests)
         check_against_reference(got, expected)
