@@ -203,8 +203,11 @@ def test_cuda_linear_matches_the_dequantized_reference(weight):
 
 
 def test_cuda_attention_runs_without_cudnn(monkeypatch):
-    """CudaBackend.attention is the torch backend's with cuDNN's SDPA left out (engine/backends/cuda.py
-    says why), and only for that call."""
+    """CudaBackend.attention off the Triton path is the torch backend's with cuDNN's SDPA left out
+    (engine/backends/cuda.py says why), and only for that call."""
+    from types import SimpleNamespace
+
+    from engine.backends.base import AttentionPath
     from engine.backends.cuda import CudaBackend
     from engine.backends.torch_ops import TorchBackend
 
@@ -212,5 +215,6 @@ def test_cuda_attention_runs_without_cudnn(monkeypatch):
     monkeypatch.setattr(TorchBackend, "attention", lambda self, *args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or "out")
     backend = CudaBackend(torch.device("cpu"), torch.float32)
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    assert backend.attention(None, None, None, None) == "out" and seen == [False]
+    meta = SimpleNamespace(path=AttentionPath.GATHERED)  # a layout SDPA runs (the Triton kernel's is PAGED_TILES)
+    assert backend.attention(None, None, None, meta) == "out" and seen == [False]
     assert torch.backends.cuda.cudnn_sdp_enabled()
