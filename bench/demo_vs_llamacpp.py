@@ -301,11 +301,11 @@ async def run_level(base: str, model: str, prompts: list[list[int]], output_toke
 
 
 async def bench_server(base: str, model: str, levels: list[int], prompt_tokens: int, output_tokens: int, *,
-                       round_index: int = 0, smoke: bool = False) -> dict[int, Run]:  # fmt: skip
+                       round_index: int = 0, smoke: bool = False, dtype: str | None = None) -> dict[int, Run]:  # fmt: skip
     await one_request(base, model, list(range(200, 216)), 4)  # warm up
     runs: dict[int, Run] = {}
     for n in levels:
-        moment = await asyncio.to_thread(measure_moment, smoke=smoke)
+        moment = await asyncio.to_thread(measure_moment, smoke=smoke, dtype=dtype)
         runs[n] = await run_level(base, model, level_prompts(n, prompt_tokens, round_index), output_tokens)
         runs[n].moment = moment
     return runs
@@ -500,7 +500,7 @@ async def measure_server(spec: ServerSpec, args: argparse.Namespace, levels: lis
                 for check in spec.checks:
                     await check(base)
             return await bench_server(base, spec.model, levels, args.prompt_tokens, args.output_tokens,
-                                      round_index=round_index, smoke=args.smoke)  # fmt: skip
+                                      round_index=round_index, smoke=args.smoke, dtype=getattr(args, "dtype", "float32"))  # fmt: skip
         except (RuntimeError, OSError) as exc:
             print(f"{spec.name}: {exc} (log: {log.name})")
             return None
@@ -580,7 +580,7 @@ async def main_async(args: argparse.Namespace) -> int:
     specs = server_specs(args, cache_dir, checkpoint_dir, levels, model)
     if specs is None:
         return 1
-    moment = measure_moment(smoke=args.smoke)
+    moment = measure_moment(smoke=args.smoke, dtype=dtype)  # a float32 run skips the bf16 rate (minutes without bf16 hardware)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (others' work on these cores skews every server)")
     print(
         f"roofline now ({THREADS} threads): bf16 matmul {moment.bf16_flops / 1e9:.0f} GFLOP/s, fp32 {moment.fp32_flops / 1e9:.0f} GFLOP/s "
