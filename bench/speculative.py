@@ -7,7 +7,7 @@ Each request asks the demo model (SmolLM2-135M-Instruct, greedy) to copy a docum
 (prose, code, a quoted paragraph), so prompt lookup finds most of the answer. Per server it measures
 output tok/s (completion tokens over the request's wall time, one request at a time) without and with
 speculation: ours with `--speculative-config` (ngram, k = --k), llama-server with its own lookup
-decoding (`--llama-spec-args`, by default `--spec-type ngram-simple --draft-max K`: older llama.cpp builds
+decoding (`--llama-spec-args`, by default `--spec-type ngram-simple --spec-draft-n-max K` (llama.cpp 0.3.36 removed --draft-max): older llama.cpp builds
 spell it differently, e.g. `--lookup-ngram-min` or a draft model `-md FILE --draft-max K`). Servers run one
 at a time, configurations alternate per round, and our acceptance rate is read from /metrics. The issue's
 target: ours with speculation >= 1.5x ours without, and ahead of llama-server with its lookup decoding.
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--servers", default="llamaserve,llama-server")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: the cached build)")
-    parser.add_argument("--llama-spec-args", default="--spec-type ngram-simple --draft-max K",
+    parser.add_argument("--llama-spec-args", default="--spec-type ngram-simple --spec-draft-n-max K",
                         help="llama-server's lookup-decoding flags; K becomes --k")
     parser.add_argument("--demo-cache-dir", default=None)
     parser.add_argument("--smoke", action="store_true", help="in-process, tiny random model, a few tokens")
