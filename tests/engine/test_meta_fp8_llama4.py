@@ -24,7 +24,7 @@ from engine.models.llama4.args import is_moe_layer
 from engine.quant.formats import ExpertWeights, Fp8Weight
 from engine.types import CheckpointError
 from tests.engine.test_llama4 import executor_of
-from tests.engine.test_meta_fp8 import SCALE_UB, fbgemm_quantize_fp8_per_row, mean_error
+from tests.engine.test_meta_fp8 import SCALE_UB, assert_matches_quantized_reference, fbgemm_quantize_fp8_per_row, mean_error
 from tests.engine.test_model import random_prompts, run_random_schedule
 from tests.llama4_fixtures import TINY_LLAMA4_DESCRIPTOR, write_tiny_llama4_checkpoint
 
@@ -168,20 +168,7 @@ def test_greedy_tokens_and_logits_match_the_reference_quantized_path(releases):
     prompts = random_prompts(args.vocab_size, [5, 9, 13], seed=4)
     results, weights = _run(release, prompts)
     assert "fp8" in weights.formats
-    exact = agree = total = 0
-    ours_error = weight_only_error = 0.0
-    for logits, tokens in results.values():
-        expected = reference_logits(release, args, tokens)[: logits.shape[0]]
-        weight_only = reference_logits(release, args, tokens, round_activations=False)[: logits.shape[0]]
-        scale = float(expected.abs().max())
-        exact += int(((logits - expected).abs().amax(dim=-1) < 1e-4 * scale).sum())
-        ours_error += mean_error(logits, expected)
-        weight_only_error += mean_error(weight_only, expected)
-        agree += int((logits.argmax(-1) == expected.argmax(-1)).sum())
-        total += logits.shape[0]
-    assert exact >= 0.6 * total
-    assert ours_error < 0.3 * weight_only_error
-    assert agree >= 0.9 * total
+    assert_matches_quantized_reference(results, lambda tokens, **kw: reference_logits(release, args, tokens, **kw))
 
 
 def test_mp2_release_at_mp2_and_mp1(releases):

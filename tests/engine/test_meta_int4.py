@@ -21,6 +21,7 @@ from engine.quant.formats import Int8Weight
 from engine.quant.lora import LoraInt8Weight
 from engine.types import CheckpointError
 from tests.conftest import TINY_DESCRIPTOR
+from tests.engine.test_meta_fp8 import assert_matches_quantized_reference, mean_error
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
 GROUP, RANK, LORA_SCALE = 32, 4, 2.0
@@ -133,10 +134,6 @@ def _run(checkpoint, prompts, **kw):
         executor.shutdown()
 
 
-def mean_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().mean())
-
-
 def test_release_loads_as_int8_codes_with_group_scales(release, args):
     release_dir, lora = release
     state = load_rank_state_dict(resolve_checkpoint(release_dir, model_id="tiny", llama_model=TINY_DESCRIPTOR), 0, 1)
@@ -177,20 +174,7 @@ def test_greedy_tokens_and_logits_match_the_reference(release, args):
     prompts = random_prompts(args.vocab_size, [5, 9, 7], seed=4)
     results, weights = _run(release_dir, prompts)
     assert "int8" in weights.formats
-    exact = agree = total = 0
-    ours_error = unrounded_error = 0.0
-    for logits, tokens in results.values():
-        expected = reference_logits(release_dir, args, tokens, lora=lora)[: logits.shape[0]]
-        unrounded = reference_logits(release_dir, args, tokens, lora=lora, round_activations=False)[: logits.shape[0]]
-        scale = float(expected.abs().max())
-        exact += int(((logits - expected).abs().amax(dim=-1) < 1e-4 * scale).sum())  # rows before any rounding flip
-        ours_error += mean_error(logits, expected)
-        unrounded_error += mean_error(unrounded, expected)
-        agree += int((logits.argmax(-1) == expected.argmax(-1)).sum())
-        total += logits.shape[0]
-    assert exact >= 0.6 * total
-    assert ours_error < 0.3 * unrounded_error
-    assert agree >= 0.9 * total
+    assert_matches_quantized_reference(results, lambda tokens, **kw: reference_logits(release_dir, args, tokens, lora=lora, **kw))
 
 
 def test_mp2_matches_mp1(release, args):
