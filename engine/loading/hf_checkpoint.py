@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from engine.loading.file_guard import guarded
 from engine.loading.formats import Found, numbered_set, safetensors_load, torch_load
 from engine.loading.hf_llama4 import ARCHITECTURES as LLAMA4_ARCHITECTURES
-from engine.loading.hf_llama4 import is_llama4_config, is_vision_tensor, llama4_config_params, llama4_tensors
+from engine.loading.hf_llama4 import is_llama4_config, is_vision_tensor, llama4_config_params, llama4_tensors, refuse_biases_and_activation
 from engine.loading.json_file import read_json_object
 from engine.types import CheckpointError
 
@@ -113,12 +113,7 @@ def config_params(config: dict[str, Any], source: Path) -> dict[str, Any]:
                               "supported; serve the unquantized folder, with QUANTIZATION_TYPE to quantize at load")
     if llama4:
         return llama4_config_params(config, source)
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise CheckpointError(f"{source}: {flag} is true; Llama has no biases")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (Llama's is 'silu')")
+    refuse_biases_and_activation(config, source, "Llama")
     dim = _require(config, "hidden_size", source)
     n_heads = _require(config, "num_attention_heads", source)
     hidden = _require(config, "intermediate_size", source)

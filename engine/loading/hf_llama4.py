@@ -167,16 +167,22 @@ def llama4_ffn_params(dim: int, dense_hidden: int, moe_hidden: int | None) -> di
                           f"for hidden_size {dim} in Llama 4's params.json")  # fmt: skip
 
 
+def refuse_biases_and_activation(config: dict[str, Any], source: Path, family: str) -> None:
+    """CheckpointError for a Hugging Face config with linear biases or an activation other than
+    SiLU, which no Llama has (the Llama 3 mapping in hf_checkpoint.py refuses them here too)."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise CheckpointError(f"{source}: {flag} is true; {family} has no biases")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported ({family}'s is 'silu')")
+
+
 def llama4_config_params(config: dict[str, Any], source: Path) -> dict[str, Any]:
     """params.json fields for a Llama 4 config.json (module docstring); CheckpointError naming the
     field it cannot run."""
     text = text_config(config, source)
-    for flag in ("attention_bias", "mlp_bias"):
-        if text.get(flag):
-            raise CheckpointError(f"{source}: {flag} is true; Llama 4 has no biases")
-    act = text.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (Llama 4's is 'silu')")
+    refuse_biases_and_activation(text, source, "Llama 4")
     dim, n_heads = _positive_int(text, "hidden_size", source), _positive_int(text, "num_attention_heads", source)
     n_layers = _positive_int(text, "num_hidden_layers", source)
     if dim % n_heads or _get(text, "head_dim") != dim // n_heads:
