@@ -124,7 +124,8 @@ class Batch(_Object, kw_only=True):
 
 
 class ObjectList(_Object, kw_only=True):
-    """A cursor page: the SDK asks for the next one with after=<last id> while has_more."""
+    """A cursor page (files, batches, a response's input_items): the SDK asks for the next one with
+    after=<last id> while has_more."""
 
     object: str = "list"
     data: list[Any]

@@ -402,14 +402,6 @@ class ResponseObject(ResponseStruct, kw_only=True):
     completed_at: int | None | UnsetType = UNSET
 
 
-class InputItemList(ResponseStruct, kw_only=True):
-    object: str = "list"
-    data: list[Any]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
 class DeletedResponse(ResponseStruct, kw_only=True):
     id: str
     object: str = "response"

@@ -68,7 +68,7 @@ RESPONSE_TYPES: dict[tuple[str, str], type] = {
     ("GET", "/v1/responses/{response_id}"): r.ResponseObject,
     ("POST", "/v1/responses/{response_id}/cancel"): r.ResponseObject,
     ("DELETE", "/v1/responses/{response_id}"): r.DeletedResponse,
-    ("GET", "/v1/responses/{response_id}/input_items"): r.InputItemList,
+    ("GET", "/v1/responses/{response_id}/input_items"): bp.ObjectList,
     ("POST", "/v1/messages"): a.MessageObject,
     ("POST", "/v1/messages/count_tokens"): a.TokenCount,
 }

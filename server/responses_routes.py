@@ -33,6 +33,7 @@ from aiohttp import web
 
 from compat import protocol as p
 from compat import responses as r
+from compat.batch_protocol import ObjectList
 from engine.types import InvalidRequest
 from server.app_keys import CONFIG_KEY
 from server.auth import OWNER
@@ -335,5 +336,5 @@ async def list_input_items(request: web.Request) -> web.Response:
         at = ids.index(cursor)
         items = items[at + 1:] if param == "after" else items[:at]
     page = items[:limit]
-    return json_response(r.InputItemList(data=page, first_id=page[0].get("id") if page else None,
-                                         last_id=page[-1].get("id") if page else None, has_more=len(items) > limit))
+    return json_response(ObjectList(data=page, first_id=page[0].get("id") if page else None,
+                                    last_id=page[-1].get("id") if page else None, has_more=len(items) > limit))
