@@ -223,6 +223,20 @@ def ready_server(model_id: str, checkpoint_dir: Path, checkpoints_root: Path, *,
         live.stop()
 
 
+@contextlib.contextmanager
+def empty_server(checkpoints_root: Path) -> Iterator[LiveServer]:
+    """A LiveServer with no model registered (tests register theirs over the API), reading
+    checkpoints under `checkpoints_root`; a first request waits up to a minute for a load."""
+    from server.config import ServerConfig
+
+    config = ServerConfig(models=[], checkpoint_roots=[checkpoints_root], engine=engine_config(), load_wait_timeout_s=60)
+    live = LiveServer(config).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
 def wait_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> T:
     """Poll `predicate` until it returns something truthy; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.conftest import (
     BASE_DESCRIPTOR,
     LiveServer,
+    empty_server,
     engine_config,
     expected_greedy_texts,
     metric,
@@ -37,12 +38,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    from server.config import ServerConfig
-
-    config = ServerConfig(models=[], checkpoint_roots=[checkpoints.root], engine=engine_config(), load_wait_timeout_s=60)
-    live = LiveServer(config).start()
-    yield live
-    live.stop()
+    with empty_server(checkpoints.root) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import BASE_DESCRIPTOR, LiveServer, engine_config, expected_greedy_texts, metric, scrape
+from tests.e2e.conftest import BASE_DESCRIPTOR, empty_server, expected_greedy_texts, metric, scrape
 
 PHRASE = [40, 1093, 279, 11277, 315, 9822, 13, 578, 6460, 374]  # a phrase of ordinary text tokens
 PROMPT_IDS = [128000] + PHRASE * 3 + PHRASE[:3]  # <|begin_of_text|> then the phrase, quoted three times
@@ -16,12 +16,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    from server.config import ServerConfig
-
-    config = ServerConfig(models=[], checkpoint_roots=[checkpoints.root], engine=engine_config(), load_wait_timeout_s=60)
-    live = LiveServer(config).start()
-    yield live
-    live.stop()
+    with empty_server(checkpoints.root) as live:
+        yield live
 
 
 def test_ngram_and_draft_model_over_http(server, checkpoints):
