@@ -4,7 +4,7 @@ OneDnnBackend: the torch backend's operations with every dense linear's weight r
 load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
 bfloat16 alike; bench/NOTES.md).
 
-CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX) and SiLU-mul through
+CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and in float32 on AVX2) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
@@ -262,7 +262,8 @@ class CpuKernelBackend(OneDnnBackend):
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         """The paths, in order: torch's (GATHERED) for chunk windows the kernels cannot read (chunk
         size not a multiple of the block size); every sequence in one paged_attention call where it
-        runs on AMX tiles and a sequence has 2+ new tokens (a prefill chunk); the decodes in one
+        beats SDPA on prefill chunks (AMX tiles; float32 on AVX2: paged_attention_takes_chunks) and a
+        sequence has 2+ new tokens (a prefill chunk); the decodes in one
         paged_attention call from two per thread in builds where it is the faster (512-bit vectors;
         prefill chunks: SDPA); else paged_decode_attention."""
         num_blocks, block_size, _, head_dim = cache[0].shape
@@ -273,7 +274,7 @@ class CpuKernelBackend(OneDnnBackend):
         positions, slots = inputs.positions, inputs.slot_mapping
         # the batch-invariant mode: paged_decode_attention (split per sequence) for the decodes, SDPA per prefill chunk
         varying = not self.batch_invariant
-        if varying and chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_on_tiles(cache[0].dtype, head_dim, block_size):
+        if varying and chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_takes_chunks(cache[0].dtype, head_dim, block_size):
             meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, [], _all_sequences(inputs), rope)
         else:
             starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
@@ -338,9 +339,9 @@ class CpuKernelBackend(OneDnnBackend):
 
 
 # paged_attention takes all of a step's sequences on AMX tiles (1.3-2.5x faster than SDPA on prefill
-# chunks, bench/NOTES.md); elsewhere it gets the decodes only and prefill chunks stay with torch's
-# SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32 loops on chunks past a few dozen
-# tokens (bench/NOTES.md 'Many streams').
+# chunks, bench/NOTES.md) and in float32 on AVX2 (1.6x); elsewhere it gets the decodes only and
+# prefill chunks stay with torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
+# loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams').
 def _paged_decode_sequences(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedSequences:
     """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
     sequence's blocks over the threads is what a few decodes need, paged_attention's one item per

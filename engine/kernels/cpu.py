@@ -56,6 +56,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "paged_attention_on_tiles": ((_i32, _i64, _i64), ctypes.c_int),
     # -> 1 where paged_attention beats paged_decode_attention on a step's decodes (512-bit builds)
     "paged_attention_takes_decodes": ((), ctypes.c_int),
+    # dtype, head_dim, block_size -> 1 where paged_attention beats SDPA on prefill chunks (tiles; AVX2 float32)
+    "paged_attention_takes_chunks": ((_i32, _i64, _i64), ctypes.c_int),
     # dtype, x, rows, cols, row_stride, ids (int64), values (float32), threads
     "argmax_rows": ((_i32, _p, _i64, _i64, _i64, _p, _p, _i32), None),
     # dtype, x, y, rows, in, parts, out0, out1, out2, descriptors (lora_desc by slot), runs, num_runs, threads
@@ -187,9 +189,15 @@ class CpuKernels:
         check_kernel(code, "paged attention")
 
     def paged_attention_takes_decodes(self) -> bool:
-        """Whether paged_attention is the faster kernel for a step's many decodes in this build (its
-        16-lane add tree needs 512-bit vectors; below them paged_decode_attention is)."""
+        """Whether paged_attention is the faster kernel for a step's many decodes in this build
+        (512-bit vectors; below them the two are level and paged_decode_attention keeps them)."""
         return bool(self._lib.paged_attention_takes_decodes())
+
+    def paged_attention_takes_chunks(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether a step with prefill chunks runs every sequence in one paged_attention call rather
+        than SDPA per chunk, for caches of this dtype, head_dim and block size: on AMX tiles
+        (paged_attention_on_tiles), and float32 in AVX builds below AVX-512 (csrc/attention.c)."""
+        return dtype in DTYPE_CODES and bool(self._lib.paged_attention_takes_chunks(DTYPE_CODES[dtype], head_dim, block_size))
 
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether paged_attention runs on AMX tiles for caches of this dtype, head_dim and block size

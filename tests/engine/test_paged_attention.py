@@ -147,8 +147,10 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     calls = []
     kernels = fused_model[0].backend.kernels
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
-    # the route under test on every build (below AVX-512 the backend keeps decodes on paged_decode_attention)
+    # the route under test on every build (below AVX-512 the backend keeps decodes on paged_decode_attention),
+    # prefill chunks with SDPA (where the kernel takes them too: the test below)
     monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda: True)
+    monkeypatch.setattr(kernels, "paged_attention_takes_chunks", lambda *args: False)
     # the per-op path under test: the compiled step (which calls the kernel from C, where the
     # counter cannot see it) would take the all-decode step; tests/engine/test_decode_step.py has it
     monkeypatch.setattr(fused_model[0], "decode_step", None)
@@ -166,6 +168,85 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     assert long.num_computed_tokens == 40
     paths.step([long] + short, [1] * (len(short) + 1))  # every sequence decodes
     assert len(calls) == len(fused_model[0].layers) * 5
+
+
+def test_prefill_chunks_through_paged_attention_match_torch(fused_model, monkeypatch):
+    """Where paged_attention takes prefill chunks (AMX tiles; float32 on AVX2; forced here on every
+    build, the vector path for both dtypes), a step with chunks runs every sequence in one call, SDPA
+    unused: prompts alone, chunks behind a cached prefix with decodes beside them, then decodes only
+    (paged_decode_attention); logits, caches and greedy tokens match the torch path's."""
+    calls = []
+    model = fused_model[0]
+    kernels = model.backend.kernels
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
+    monkeypatch.setattr(kernels, "paged_attention_takes_chunks", lambda *args: True)
+    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda: False)
+    monkeypatch.setattr("engine.backends.cpu.prefill_attention", None)  # the fused path's SDPA: any call fails
+    monkeypatch.setattr(model, "decode_step", None)  # the per-op path, whose calls the counter sees
+    paths = TwoPaths(fused_model)
+    vocab = model.vocab_size
+    short = make_seqs(vocab, [3, 5, 20, 12], seed=15)
+    long = make_seqs(vocab, [45], seed=16)[0]
+    long.seq_id = len(short)
+    paths.step(short, [s.num_tokens for s in short])  # prompts only
+    assert len(calls) == len(model.layers)
+    for _ in range(3):  # decodes beside the long prompt's chunks (behind a prefix from the 2nd)
+        paths.step(short + [long], [1] * len(short) + [13])
+    paths.step([long] + short, [6] + [1] * len(short))
+    assert long.num_computed_tokens == 45 and len(calls) == len(model.layers) * 5
+    paths.step([long] + short, [1] * (len(short) + 1))  # decodes only: paged_decode_attention
+    assert len(calls) == len(model.layers) * 5
+
+
+def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
+    """This machine's build routes float32 prefill chunks to paged_attention exactly where it was
+    measured to beat SDPA: AVX builds below AVX-512 (and on AMX tiles, bfloat16)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    assert kernels.paged_attention_takes_chunks(torch.float32, 64, 16) == ("avx" in flags and "avx512f" not in flags)
+    assert kernels.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == on_tiles(kernels, 64, 16)
+    assert not kernels.paged_attention_takes_chunks(torch.float32, 24, 16)  # head_dim not a multiple of 16
+
+
+# --------------------------------------------------------------------------- each x86-64 level's build
+LEVELS = {"x86-64-v3": (True, False), "x86-64-v2": (False, False)}  # level: (takes float32 chunks, takes decodes)
+
+
+@pytest.fixture(scope="module", params=list(LEVELS))
+def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
+    """The cpu_kernels library built for one x86-64 level (v3: the 8-lane AVX2 tile; v2: the 4-lane
+    SSE one), as the image prebuilds them; skipped where this CPU cannot run it."""
+    import ctypes
+
+    level, levels, here = request.param, list(build.X86_LEVELS), build.cpu_level()
+    if here is None or levels.index(here) < levels.index(level):
+        pytest.skip(f"this CPU cannot run {level} code")
+    try:
+        (path,) = build.prebuild(tmp_path_factory.mktemp(level), [level], [build.CPU_KERNELS])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    return level, ck.CpuKernels(ctypes.CDLL(str(path)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (24, 1, 16), (6, 2, 48)], ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_paged_attention_at_each_level_matches_reference(level_kernels, dtype, heads, kv_heads, head_dim, batch):
+    """The vector path in each level's lanes against float64 maths: head_dims of 2, 6, 8 and 16
+    vectors of 8 lanes (more than the 8 a row's weighted values accumulate at once), 4 to 32 of 4."""
+    _, lib = level_kernels
+    new_tokens, kv_lens = BATCHES[batch]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads + head_dim)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
+    lib.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
+
+
+def test_each_level_routes_as_measured(level_kernels):
+    level, lib = level_kernels
+    takes_chunks, takes_decodes = LEVELS[level]
+    assert lib.paged_attention_takes_chunks(torch.float32, 64, 16) == takes_chunks
+    assert lib.paged_attention_takes_decodes() == takes_decodes
 
 
 # --------------------------------------------------------------------------- on AMX tiles (bfloat16)

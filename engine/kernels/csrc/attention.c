@@ -233,73 +233,116 @@ int paged_decode_attention_invariant(int bf16, const void *q, int64_t q_stride, 
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
  * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
- * (below) instead, which also beats torch's SDPA on prefill chunks; elsewhere CpuKernelBackend runs
- * the decodes through this path and prefill chunks stay with SDPA, whose bf16 GEMMs beat these
- * float32 loops (bench/NOTES.md). */
+ * (below) instead, which also beats torch's SDPA on prefill chunks. Which steps CpuKernelBackend
+ * hands this path: paged_attention_takes_decodes and paged_attention_takes_chunks (the end of this
+ * file). */
 #define PA_TILE_ROWS 48
 #define PA_KEYS 16
 
-/* A row of D values as D / 16 float32 vectors, bfloat16 ones in the kernel's lane order: each run of
- * 32 values as its even-indexed then its odd-indexed values (a 32-bit lane holds one of each: the
- * odd one is the lane with its low half cleared, the even one the lane shifted up; no widening
- * shuffle, which would compete with the add tree's shuffles for the one port that runs them). Dot
- * products and weighted sums do not depend on the order as long as q, K, V and the output share
- * it; pa_unpermute puts the output back. A last run of 16 values is widened as is. */
-static inline void pa_load_row(v16f *dst, const char *src, int64_t DV, int bf16) {
+/* The build's native vector: one zmm on AVX-512, one ymm on AVX, one xmm below. vec.h's 16-lane v16f
+ * is two or four registers there, and GCC lowered this kernel's 16-lane shuffles lane by lane through
+ * the stack (scalar inserts): 2x paged_decode_attention's time on an AVX2 Zen 2 (bench/NOTES.md
+ * 'AVX2 paged attention'). In native vectors the code is the same at every level; the AVX-512 build
+ * does the same operations in the same order as before (same bits). */
+#if defined(__AVX512F__)
+#define PA_LANES 16
+#elif defined(__AVX__)
+#define PA_LANES 8
+#else
+#define PA_LANES 4
+#endif
+typedef float pa_vec __attribute__((vector_size(PA_LANES * 4)));
+typedef int32_t pa_ivec __attribute__((vector_size(PA_LANES * 4)));
+typedef uint32_t pa_uvec __attribute__((vector_size(PA_LANES * 4)));
+typedef uint16_t pa_hvec __attribute__((vector_size(PA_LANES * 2)));
+typedef float pa_vec_u __attribute__((vector_size(PA_LANES * 4), aligned(4))); /* a float32 cache row read in place */
+
+/* A row of D values as D / PA_LANES float32 vectors, bfloat16 ones in the kernel's lane order: each
+ * run of 2 * PA_LANES values as its even-indexed then its odd-indexed values (a 32-bit lane holds one
+ * of each: the odd one is the lane with its low half cleared, the even one the lane shifted up; no
+ * widening shuffle, which would compete with the add tree's shuffles for the one port that runs
+ * them). Dot products and weighted sums do not depend on the order as long as q, K, V and the output
+ * share it; pa_unpermute puts the output back. A last run of PA_LANES values is widened as is. */
+static inline void pa_load_row(pa_vec *dst, const char *src, int64_t DV, int bf16) {
     if (!bf16) {
-        memcpy(dst, src, (size_t)DV * sizeof(v16f));
+        memcpy(dst, src, (size_t)DV * sizeof(pa_vec));
         return;
     }
     int64_t c = 0;
     for (; c + 2 <= DV; c += 2) {
-        v16u u;
-        memcpy(&u, src + c * 32, sizeof(u));
-        const v16u even = u << 16, odd = u & 0xffff0000u;
+        pa_uvec u;
+        memcpy(&u, src + c * 2 * PA_LANES, sizeof(u));
+        const pa_uvec even = u << 16, odd = u & 0xffff0000u;
         memcpy(&dst[c], &even, sizeof(even));
         memcpy(&dst[c + 1], &odd, sizeof(odd));
     }
     if (c < DV) {
-        v16h h;
-        memcpy(&h, src + c * 32, sizeof(h));
-        const v16u u = __builtin_convertvector(h, v16u) << 16;
+        pa_hvec h;
+        memcpy(&h, src + c * 2 * PA_LANES, sizeof(h));
+        const pa_uvec u = __builtin_convertvector(h, pa_uvec) << 16;
         memcpy(&dst[c], &u, sizeof(u));
     }
 }
 
 /* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
-static inline void pa_unpermute(float *dst, const v16f *src, int64_t DV, int bf16) {
+static inline void pa_unpermute(float *dst, const pa_vec *src, int64_t DV, int bf16) {
     const float *f = (const float *)src;
     int64_t c = 0;
     if (bf16)
         for (; c + 2 <= DV; c += 2)
-            for (int64_t i = 0; i < 16; i++) {
-                dst[c * 16 + 2 * i] = f[c * 16 + i];
-                dst[c * 16 + 2 * i + 1] = f[(c + 1) * 16 + i];
+            for (int64_t i = 0; i < PA_LANES; i++) {
+                dst[c * PA_LANES + 2 * i] = f[c * PA_LANES + i];
+                dst[c * PA_LANES + 2 * i + 1] = f[(c + 1) * PA_LANES + i];
             }
-    memcpy(dst + c * 16, f + c * 16, (size_t)(DV - c) * 16 * sizeof(float));
+    memcpy(dst + c * PA_LANES, f + c * PA_LANES, (size_t)(DV - c) * PA_LANES * sizeof(float));
 }
 
-/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns 16
- * vectors of partial products into one vector of 16 dot products (lane j: key j). */
-#define PA_COMBINE(a, b, w)                                                                               \
-    (__builtin_shuffle((a), (b), (v16i){PA_I1(w, 0), PA_I1(w, 1), PA_I1(w, 2), PA_I1(w, 3), PA_I1(w, 4),  \
-                                        PA_I1(w, 5), PA_I1(w, 6), PA_I1(w, 7), PA_I1(w, 8), PA_I1(w, 9),  \
-                                        PA_I1(w, 10), PA_I1(w, 11), PA_I1(w, 12), PA_I1(w, 13),           \
-                                        PA_I1(w, 14), PA_I1(w, 15)}) +                                    \
-     __builtin_shuffle((a), (b), (v16i){PA_I2(w, 0), PA_I2(w, 1), PA_I2(w, 2), PA_I2(w, 3), PA_I2(w, 4),  \
-                                        PA_I2(w, 5), PA_I2(w, 6), PA_I2(w, 7), PA_I2(w, 8), PA_I2(w, 9),  \
-                                        PA_I2(w, 10), PA_I2(w, 11), PA_I2(w, 12), PA_I2(w, 13),           \
-                                        PA_I2(w, 14), PA_I2(w, 15)}))
-#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : 16 + (l) - (w))
-#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : 16 + (l))
-
-static inline v16f pa_sum16(const v16f p[16]) {
-    v16f q[8], r[4], s[2];
-    for (int i = 0; i < 8; i++) q[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
-    for (int i = 0; i < 4; i++) r[i] = PA_COMBINE(q[2 * i], q[2 * i + 1], 2);
-    for (int i = 0; i < 2; i++) s[i] = PA_COMBINE(r[2 * i], r[2 * i + 1], 4);
-    return PA_COMBINE(s[0], s[1], 8);
+/* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for PA_LANES vectors of partial
+ * products (one per key): a transposing add tree, no horizontal sum per key. */
+#if PA_LANES == 8 && defined(__AVX__)
+#include <immintrin.h>
+/* AVX: hadd's pairwise sums within 128-bit halves, two levels, then the halves added across (GCC's
+ * lowering of the generic 8-lane tree's cross-half level took more shuffles than these). */
+static inline pa_vec pa_sum_lanes(const pa_vec *p) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[4], (__m256)p[5]), _mm256_hadd_ps((__m256)p[6], (__m256)p[7]));
+    /* a: lanes 0-3 the low halves' sums of p[0..3], lanes 4-7 their high halves'; b likewise for p[4..7] */
+    return (pa_vec)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+#elif PA_LANES == 4 && defined(__SSE3__)
+#include <pmmintrin.h>
+static inline pa_vec pa_sum_lanes(const pa_vec *p) {
+    return (pa_vec)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
+}
+#else
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
+ * PA_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : PA_LANES + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : PA_LANES + (l))
+#if PA_LANES == 16
+#define PA_MASK(I, w)                                                                                      \
+    ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
+               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
+#elif PA_LANES == 8
+#define PA_MASK(I, w) ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
+#else
+#define PA_MASK(I, w) ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
+#endif
+#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
+
+static inline pa_vec pa_sum_lanes(const pa_vec *p) {
+    pa_vec t[PA_LANES / 2];
+    for (int i = 0; i < PA_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < PA_LANES / 4; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 2);
+#if PA_LANES >= 8
+    for (int i = 0; i < PA_LANES / 8; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 4);
+#endif
+#if PA_LANES >= 16
+    t[0] = PA_COMBINE(t[0], t[1], 8);
+#endif
+    return t[0];
+}
+#endif
 
 typedef struct {
     const char *k_cache, *v_cache;
@@ -315,22 +358,30 @@ static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_
     return n < PA_KEYS ? n : PA_KEYS;
 }
 
+/* Vectors of a row's weighted values accumulated at once (pa_tile): they stay in registers while
+ * the run's keys stream past, instead of one dependent chain of FMAs per vector. */
+#define PA_ACC_VECS 8
+
 /* One work item: query rows [tok0, tok1) x the n_rep heads of KV head g of one sequence. */
 static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
                                                           char *out, const int32_t *table, int64_t prefix,
                                                           int64_t tok0, int64_t tok1, int64_t g) {
-    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / 16;
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / PA_LANES;
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
     const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
     /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
-    v16f qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV];
+    pa_vec qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV], zeros[DV];
+    /* a run's K and V rows: float32 ones read in place in the cache (a copy cost more than the maths
+     * for a decode's few query rows), bfloat16 ones widened into kf / vf; keys past the run: zeros */
+    const pa_vec_u *kr[PA_KEYS], *vr[PA_KEYS];
     float row_max[rows], row_sum[rows];
+    for (int64_t c = 0; c < DV; c++) zeros[c] = (pa_vec){0};
     for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
         const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
         pa_load_row(qv[r], src, DV, a->bf16);
         for (int64_t c = 0; c < DV; c++) {
             qv[r][c] *= a->scale;
-            acc[r][c] = (v16f){0};
+            acc[r][c] = (pa_vec){0};
         }
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
@@ -349,24 +400,28 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                 }
         }
         for (int64_t j = 0; j < n; j++) {
-            pa_load_row(kf[j], a->k_cache + first + j * slot_bytes, DV, a->bf16);
-            pa_load_row(vf[j], a->v_cache + first + j * slot_bytes, DV, a->bf16);
+            const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
+            if (a->bf16) {
+                pa_load_row(kf[j], k, DV, 1);
+                pa_load_row(vf[j], v, DV, 1);
+                k = (const char *)kf[j], v = (const char *)vf[j];
+            }
+            kr[j] = (const pa_vec_u *)k, vr[j] = (const pa_vec_u *)v;
         }
-        for (int64_t j = n; j < PA_KEYS; j++)
-            for (int64_t c = 0; c < DV; c++) kf[j][c] = (v16f){0}; /* scores of keys past the run: masked */
+        for (int64_t j = n; j < PA_KEYS; j++) kr[j] = vr[j] = (const pa_vec_u *)zeros; /* scores of keys past the run: masked */
         for (int64_t r = 0; r < rows; r++) {
             const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1; /* keys of this run row r sees */
             if (visible <= 0) continue;
             const int64_t m = visible < n ? visible : n;
-            v16f p[PA_KEYS];
-            for (int64_t j = 0; j < PA_KEYS; j++) {
-                v16f dot = qv[r][0] * kf[j][0];
-                for (int64_t c = 1; c < DV; c++) dot += qv[r][c] * kf[j][c];
-                p[j] = dot;
-            }
             float s[PA_KEYS];
-            const v16f scores = pa_sum16(p);
-            memcpy(s, &scores, sizeof(s));
+            for (int64_t k0 = 0; k0 < PA_KEYS; k0 += PA_LANES) { /* PA_LANES keys' dot products, then their sums */
+                pa_vec p[PA_LANES];
+                for (int64_t j = 0; j < PA_LANES; j++) p[j] = qv[r][0] * kr[k0 + j][0];
+                for (int64_t c = 1; c < DV; c++) /* q's vector once for the keys (c outermost): a load per FMA, not two */
+                    for (int64_t j = 0; j < PA_LANES; j++) p[j] += qv[r][c] * kr[k0 + j][c];
+                const pa_vec scores = pa_sum_lanes(p);
+                memcpy(s + k0, &scores, sizeof(scores));
+            }
             float new_max = row_max[r];
 #pragma omp simd reduction(max : new_max)
             for (int64_t j = 0; j < PA_KEYS; j++) {
@@ -384,10 +439,13 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             }
             row_sum[r] = row_sum[r] * rescale + sum;
             row_max[r] = new_max;
-            for (int64_t c = 0; c < DV; c++) {
-                v16f o = acc[r][c] * rescale;
-                for (int64_t j = 0; j < m; j++) o += vf[j][c] * s[j];
-                acc[r][c] = o;
+            for (int64_t c0 = 0; c0 < DV; c0 += PA_ACC_VECS) { /* each vector's sum in key order, as one chain did */
+                const int64_t nc = DV - c0 < PA_ACC_VECS ? DV - c0 : PA_ACC_VECS;
+                pa_vec o[PA_ACC_VECS];
+                for (int64_t c = 0; c < nc; c++) o[c] = acc[r][c0 + c] * rescale;
+                for (int64_t j = 0; j < m; j++)
+                    for (int64_t c = 0; c < nc; c++) o[c] += vr[j][c0 + c] * s[j];
+                for (int64_t c = 0; c < nc; c++) acc[r][c0 + c] = o[c];
             }
         }
         key0 += n;
@@ -784,13 +842,28 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 }
 
 /* 1 where paged_attention should take a step's decodes (two or more per thread) instead of
- * paged_decode_attention: builds with 512-bit vectors, where its 16-lane add tree is one register
- * per level. Below AVX-512 GCC lowers those 64-byte shuffles lane by lane through the stack (scalar
- * inserts and spills): on an AVX2 Zen 2, 32 decodes over 192 keys took 2x paged_decode_attention's
- * time, 8 over 512 keys 2.5x (bench/NOTES.md 'AVX2 one-row linear'). */
+ * paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1 thread). In 8-lane
+ * vectors (AVX2) the two are level on float32 decodes (an AVX2 Zen 2, 32 decodes x 160-192 keys over
+ * 30 layers' caches: 1.0x; bench/NOTES.md 'AVX2 paged attention'), so pure-decode steps keep
+ * paged_decode_attention there, whose splitting of a sequence's blocks serves a few long decodes. */
 int paged_attention_takes_decodes(void) {
 #ifdef __AVX512F__
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where a step with prefill chunks should run all its sequences, chunks and decodes, in one
+ * paged_attention call instead of SDPA per chunk: on AMX tiles (paged_attention_on_tiles), and on
+ * float32 caches in AVX builds below AVX-512, where the 8-lane pa_tile ran a step's chunks 1.6x
+ * faster than torch's float32 SDPA (an AVX2 Zen 2, 4 prompts of 128 tokens and a 512-token mixed step
+ * of the demo; bench/NOTES.md 'AVX2 paged attention'). Elsewhere (AVX-512 without AMX, bfloat16 off
+ * tiles, the SSE build) SDPA keeps them: not measured against it there, or its bf16 GEMMs win. */
+int paged_attention_takes_chunks(int bf16, int64_t head_dim, int64_t block_size) {
+    if (paged_attention_on_tiles(bf16, head_dim, block_size)) return 1;
+#if defined(__AVX__) && !defined(__AVX512F__)
+    return !bf16 && head_dim % 16 == 0;
 #else
     return 0;
 #endif
