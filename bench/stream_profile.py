@@ -1,12 +1,14 @@
 """Where a many-streams step's forward goes, by operation (a script, not a test).
 
-    python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...] [--decode-step off] [--ab]
+    python bench/stream_profile.py [--threads 2] [--repeats 5] [--steps d32,m32,p512,...] [--decode-step off] [--ab] [--dtype float32]
 
-Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16, the CPU backend
-WorkerGroup picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
+Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16 unless --dtype says
+otherwise, the CPU backend WorkerGroup picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
 tokens produces, timing every backend call and every linear (by its [M, N, K] shape) with wall
 clocks around each (CPU ops are synchronous). Each linear's achieved GFLOP/s is printed next to
-the bf16 matmul rate measured at start (the roofline of the moment). Step shapes:
+the matmul rate of the dtype measured at start (the roofline of the moment; on CPUs without bf16
+compute, such as AVX2-only ones, bfloat16 is emulated and its rate takes minutes to sample: profile
+float32 there). Step shapes:
 
     d8 / d32 / d64  8 / 32 / 64 decodes at 160 tokens of context (the middle of 128 + 64)
     m32           28 decodes + 3 whole prompts + the first 100 tokens of a 4th (a 512 budget)
@@ -18,6 +20,10 @@ in one C call) where it serves them; its calls are timed as one row, "decode ste
 ops inside it are not seen. --decode-step off profiles the per-op path instead. --ab first times
 each step's forward (no timers around anything) with the compiled step and without, alternating,
 and prints the medians and their ratio.
+
+--prefill-attention sdpa sends prefill chunks to torch's SDPA even where the backend would run them
+through the paged_attention kernel (AMX tiles; float32 on AVX2 builds): run it beside the default to
+compare the two on the same steps.
 
 On a machine shared with other jobs the absolute times are noisy (--threads 1 times thread CPU
 instead of wall: far steadier there); the shares are what carry over.
@@ -211,19 +217,23 @@ def main() -> None:
     parser.add_argument("--config", default="demo", help="the model shape (bench/common.py CONFIGS), e.g. big1b")
     parser.add_argument("--decode-step", choices=("on", "off"), default="on", help="off: pure-decode steps run op by op too")
     parser.add_argument("--ab", action="store_true", help="first time each step's forward with and without the compiled decode step")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's and the KV cache's dtype")
+    parser.add_argument("--prefill-attention", choices=("auto", "sdpa"), default="auto", help="sdpa: prefill chunks never through paged_attention")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     if opts.threads == 1:
         CLOCK[0] = time.thread_time
     args = model_args(opts.config)
-    dtype = torch.bfloat16
-    backend = select_backend(EngineConfig(dtype="bfloat16"), torch.device("cpu"))
+    dtype = getattr(torch, opts.dtype)
+    backend = select_backend(EngineConfig(dtype=opts.dtype), torch.device("cpu"))
     model = Transformer.from_state_dict(args, random_state_dict(args, seed=0, dtype=dtype), backend, max_seq_len=2048)
+    if opts.prefill_attention == "sdpa" and getattr(backend, "kernels", None) is not None:
+        backend.kernels.paged_attention_takes_chunks = lambda *args: False
     caches = allocate_kv_caches(args, 1, 70 * math.ceil(MAX_TOKENS / BLOCK_SIZE), BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
     for k_cache, v_cache in caches:  # K/V values of a realistic size
         k_cache.normal_(), v_cache.normal_()
     peak = matmul_flops_per_s(dtype)
-    print(f"backend {backend.name}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), bf16 matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
+    print(f"backend {backend.name}, prefill attention {opts.prefill_attention}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), {opts.dtype} matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
     if opts.ab:
         compare_decode_step(model, caches, opts.steps.split(","), opts.repeats)
     if opts.decode_step == "off":
