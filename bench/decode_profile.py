@@ -1,12 +1,13 @@
-"""Where a batch-1 decode step's time goes (a script, not a test).
+"""Where a decode step's time goes, batch 1 or --decodes N (a script, not a test).
 
-    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS]
+    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS] [--decodes N]
 
 Loads a Meta-format checkpoint (e.g. ~/.cache/llamaserve/SmolLM2-135M-Instruct, or its
 `-native` Q4_1 copy: `--demo-weights native`) through WorkerGroup with the server's defaults, or
 random weights of a bench config, then times one-token decode steps with 128 tokens of context
 (head included: each step's token is its sequence's last), first plainly, then with every backend
-operation and linear wrapped in a timer: ms per step, calls and us per call for each. The wrapped
+operation and linear wrapped in a timer: ms per step, calls and us per call for each. --decodes N
+steps N sequences of that context together (each its own blocks), as a many-streams server does. The wrapped
 run costs a little more (the timers); 'untimed' is what the timers do not see (module calls, the
 block's own code). CPU time per step is printed next to wall time: on a shared machine it is the
 steadier of the two. Figures are noisy there; say so when quoting them.
@@ -48,11 +49,13 @@ def load(opts: argparse.Namespace):
         from engine.executor.worker_group import WorkerGroup
 
         spec = resolve_checkpoint(Path(opts.checkpoint).expanduser(), model_id="bench")
-        executor = WorkerGroup(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=64 << 20), max_seq_len=1024)
+        # 64 MiB held one demo sequence of this context many times over; 16 MiB more per further sequence
+        kv_cache_bytes = (64 << 20) + (16 << 20) * (opts.decodes - 1)
+        executor = WorkerGroup(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=kv_cache_bytes), max_seq_len=1024)
         return executor.execute, executor._shard.model
     from bench.forward import Bench
 
-    bench = Bench.build(model_args(opts.config), getattr(torch, opts.dtype), 64, pack=True)
+    bench = Bench.build(model_args(opts.config), getattr(torch, opts.dtype), 64 * opts.decodes, pack=True)
     return (lambda inputs: bench.model(inputs, bench.caches)), bench.model
 
 
@@ -91,31 +94,39 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="A/B rounds: per-op path vs the compiled step")
+    parser.add_argument("--decodes", type=int, default=1, help="sequences decoding together in each step")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     forward, model = load(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    seq = Sequence(0, "0", [7] * CONTEXT_TOKENS, CONTEXT_TOKENS, SamplingParams(temperature=0.0))
-    seq.block_table = list(range(-(-(CONTEXT_TOKENS + opts.steps) // BLOCK_SIZE)))
-    forward(build_step_inputs(ScheduledBatch([seq], [CONTEXT_TOKENS]), BLOCK_SIZE)[0])
+    blocks = -(-(CONTEXT_TOKENS + opts.steps) // BLOCK_SIZE)
+    seqs = []
+    for i in range(opts.decodes):
+        seq = Sequence(i, str(i), [(7 + i) % 200 + 7] * CONTEXT_TOKENS, CONTEXT_TOKENS, SamplingParams(temperature=0.0))
+        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+        seqs.append(seq)
+    forward(build_step_inputs(ScheduledBatch(seqs, [CONTEXT_TOKENS] * len(seqs)), BLOCK_SIZE)[0])
 
     def steps() -> tuple[float, float]:
-        del seq.token_ids[CONTEXT_TOKENS:]
-        seq.num_computed_tokens = CONTEXT_TOKENS
+        for seq in seqs:
+            del seq.token_ids[CONTEXT_TOKENS:]
+            seq.num_computed_tokens = CONTEXT_TOKENS
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(opts.steps):
-            seq.token_ids.append(7)
-            forward(build_step_inputs(ScheduledBatch([seq], [1]), BLOCK_SIZE)[0])
-            seq.num_computed_tokens += 1
+            for seq in seqs:
+                seq.token_ids.append(7)
+            forward(build_step_inputs(ScheduledBatch(seqs, [1] * len(seqs)), BLOCK_SIZE)[0])
+            for seq in seqs:
+                seq.num_computed_tokens += 1
         return (time.perf_counter() - wall) / opts.steps * 1e3, (time.process_time() - cpu) / opts.steps * 1e3
 
     steps()
     plain = min(steps() for _ in range(3))
     compiled = model.decode_step
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, {opts.checkpoint or opts.config}; shared machine: noisy")
-    print(f"decode step (batch 1, {CONTEXT_TOKENS} tokens of context, {'compiled step' if compiled else 'per-op: no compiled step'}): "
+    print(f"decode step (batch {opts.decodes}, {CONTEXT_TOKENS} tokens of context, {'compiled step' if compiled is not None and opts.decodes <= compiled.max_rows else 'per-op: no compiled step serves it'}): "
           f"{plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
     if opts.ab and compiled is not None:
         ab_rounds(model, compiled, steps, opts.ab)
