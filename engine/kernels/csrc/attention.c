@@ -358,6 +358,18 @@ static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_
     return n < PA_KEYS ? n : PA_KEYS;
 }
 
+/* Prefetch n keys' K and V rows of one KV head (head_bytes each, slot_bytes apart). Inlined with
+ * head_bytes a constant (head_dim and dtype known), the line loop unrolls: on AVX2 the generic loop
+ * cost 7 instructions a line, a fifth of a decode's instructions (callgrind). */
+static inline __attribute__((always_inline)) void pa_prefetch_run(const char *k, const char *v, int64_t n, size_t slot_bytes,
+                                                                  const size_t head_bytes) {
+    for (int64_t j = 0; j < n; j++, k += slot_bytes, v += slot_bytes)
+        for (size_t line = 0; line < head_bytes; line += 64) {
+            __builtin_prefetch(k + line, 0, 1);
+            __builtin_prefetch(v + line, 0, 1);
+        }
+}
+
 /* Vectors of a row's weighted values accumulated at once (pa_tile): they stay in registers while
  * the run's keys stream past, instead of one dependent chain of FMAs per vector. */
 #define PA_ACC_VECS 8
@@ -393,11 +405,10 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                                   * memory (the layer's weights evicted them), 1.2x on 32 decodes */
             const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
             const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
-            for (int64_t j = 0; j < n1; j++)
-                for (size_t line = 0; line < (size_t)D * es; line += 64) {
-                    __builtin_prefetch(a->k_cache + next + j * slot_bytes + line, 0, 1);
-                    __builtin_prefetch(a->v_cache + next + j * slot_bytes + line, 0, 1);
-                }
+            if (a->bf16)
+                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 2);
+            else
+                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 4);
         }
         for (int64_t j = 0; j < n; j++) {
             const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
