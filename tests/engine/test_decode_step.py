@@ -395,11 +395,11 @@ def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
         executor.shutdown()
 
 
-@needs_bf16_packing
-def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint):
-    """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
-    between mixed ones): the same tokens with the compiled step as without it, and on AMX the
-    step served steps of several decodes."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint, dtype):
+    """Through EngineCore with 16 requests at once (pure-decode steps of many sequences between
+    mixed ones): the same tokens with the compiled step as without it, and the step served steps of
+    several decodes where the build has them (bfloat16: AMX tiles; float32: the few-rows linears)."""
     from engine.kernels.amx import load_amx_linear
     from engine.loading.checkpoint import resolve_checkpoint
     from engine.core.engine_core import EngineCore
@@ -407,10 +407,11 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
-    cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
+    cfg = config(spec, dtype=dtype, enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
     model = core.runner._workers._shard.model
     step, many_rows = model.decode_step, []
+    several = load_amx_linear() is not None if dtype == "bfloat16" else few_rows_cutoff() > 1
 
     def counting(h, meta, kv_caches):
         many_rows.append(h.shape[0] > 1)
@@ -430,6 +431,6 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             results.append(tokens)
         assert results[0] == results[1] and len(results[0]) == 16
-        assert any(many_rows) == (load_amx_linear() is not None)
+        assert any(many_rows) == several
     finally:
         core.runner.shutdown()
