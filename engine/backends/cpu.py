@@ -7,7 +7,8 @@ bfloat16 alike; bench/NOTES.md).
 CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
-(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
+(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
+builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups).
 """
 
 from __future__ import annotations
