@@ -12,8 +12,8 @@
  *
  * Register blocking: rows go in groups of up to FEW_ROWS_GROUP, and each weight vector loaded feeds
  * every row of its group (one pass over a 16-output block per group instead of one per row). Each
- * row's sums keep one fixed order whatever the group: lane j of row m is CHAINS chains over k (chain c
- * takes the steps i = c mod CHAINS below the last whole round of CHAINS, in increasing i; the steps
+ * row's sums keep one fixed order whatever the group: lane j of row m is LINEAR_CHAINS chains over k
+ * (chain c takes the steps i = c mod LINEAR_CHAINS below the last whole round, in increasing i; the steps
  * left over go to chain 0), combined as chain_sum() says. So a row's result does not depend on how
  * many rows the call has or which group it lands in: batch-invariant by construction.
  *
@@ -22,7 +22,7 @@
  * 8-lane halves per step (GCC lowers a 64-byte generic vector poorly where the widest register is
  * 32 bytes: the accumulators went through the stack each step, bench/NOTES.md 'AVX2 one-row
  * linear'); two chains, so a row holds 4 accumulators and AVX2's 16 ymm registers take groups of 3
- * rows (12 accumulators, the weight half and the broadcasts); the portable build (SSE: each 8-lane
+ * rows (12 accumulators, the two weight halves, one broadcast); the portable build (SSE: each 8-lane
  * half is two registers) keeps groups of 1. */
 #if defined(__AVX512F__)
 typedef v16f lvec;
