@@ -1,13 +1,12 @@
-"""Where a decode step's time goes, batch 1 or --decodes N (a script, not a test).
+"""Where a batch-1 decode step's time goes (a script, not a test).
 
-    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS] [--decodes N]
+    python bench/decode_profile.py [--checkpoint DIR] [--config demo] [--dtype bfloat16] [--threads N] [--ab ROUNDS] [--decodes 1,2,4,8]
 
 Loads a Meta-format checkpoint (e.g. ~/.cache/llamaserve/SmolLM2-135M-Instruct, or its
 `-native` Q4_1 copy: `--demo-weights native`) through WorkerGroup with the server's defaults, or
 random weights of a bench config, then times one-token decode steps with 128 tokens of context
 (head included: each step's token is its sequence's last), first plainly, then with every backend
-operation and linear wrapped in a timer: ms per step, calls and us per call for each. --decodes N
-steps N sequences of that context together (each its own blocks), as a many-streams server does. The wrapped
+operation and linear wrapped in a timer: ms per step, calls and us per call for each. The wrapped
 run costs a little more (the timers); 'untimed' is what the timers do not see (module calls, the
 block's own code). CPU time per step is printed next to wall time: on a shared machine it is the
 steadier of the two. Figures are noisy there; say so when quoting them.
@@ -16,6 +15,9 @@ The compiled batch-1 step (engine/backends/cpu_step.py: all blocks and the final
 call) runs where the backend built one; the per-op profile turns it off (its timers wrap the
 per-op calls). --ab ROUNDS: that many interleaved rounds of the per-op path ('old') and the
 compiled step ('step'), each the best of two runs of --steps steps, and their ratio per round.
+--decodes N,...: steps of N sequences each decoding one token (same context each; speculative
+verification and small batches run such steps), timed plainly and with --ab for each N; the
+per-op profile below stays the first N's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import model_args  # noqa: E402
+from bench.common import load_average, model_args  # noqa: E402
 from engine.executor.executor import build_step_inputs  # noqa: E402
 from engine.core.sequence import ScheduledBatch, Sequence  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
@@ -49,13 +51,12 @@ def load(opts: argparse.Namespace):
         from engine.executor.worker_group import WorkerGroup
 
         spec = resolve_checkpoint(Path(opts.checkpoint).expanduser(), model_id="bench")
-        # 64 MiB held one demo sequence of this context many times over; 16 MiB more per further sequence
-        kv_cache_bytes = (64 << 20) + (16 << 20) * (opts.decodes - 1)
-        executor = WorkerGroup(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=kv_cache_bytes), max_seq_len=1024)
+        executor = WorkerGroup(spec, EngineConfig(dtype=opts.dtype, kv_cache_bytes=256 << 20), max_seq_len=1024)
         return executor.execute, executor._shard.model
     from bench.forward import Bench
 
-    bench = Bench.build(model_args(opts.config), getattr(torch, opts.dtype), 64 * opts.decodes, pack=True)
+    blocks = max(64, max(int(n) for n in opts.decodes.split(",")) * -(-(CONTEXT_TOKENS + opts.steps) // BLOCK_SIZE))
+    bench = Bench.build(model_args(opts.config), getattr(torch, opts.dtype), blocks, pack=True)
     return (lambda inputs: bench.model(inputs, bench.caches)), bench.model
 
 
@@ -86,6 +87,31 @@ def instrument(model) -> tuple[dict, collections.Counter]:
     return times, counts
 
 
+def decode_steps(forward, decodes: int, num_steps: int):
+    """A function timing num_steps steps of `decodes` sequences each decoding one token after
+    CONTEXT_TOKENS of prompt (prefilled here): (wall, CPU) ms per step."""
+    per_seq_blocks = -(-(CONTEXT_TOKENS + num_steps) // BLOCK_SIZE)
+    seqs = [Sequence(i, str(i), [7] * CONTEXT_TOKENS, CONTEXT_TOKENS, SamplingParams(temperature=0.0)) for i in range(decodes)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = list(range(i * per_seq_blocks, (i + 1) * per_seq_blocks))
+    forward(build_step_inputs(ScheduledBatch(seqs, [CONTEXT_TOKENS] * decodes), BLOCK_SIZE)[0])
+
+    def steps() -> tuple[float, float]:
+        for seq in seqs:
+            del seq.token_ids[CONTEXT_TOKENS:]
+            seq.num_computed_tokens = CONTEXT_TOKENS
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(num_steps):
+            for seq in seqs:
+                seq.token_ids.append(7)
+            forward(build_step_inputs(ScheduledBatch(seqs, [1] * decodes), BLOCK_SIZE)[0])
+            for seq in seqs:
+                seq.num_computed_tokens += 1
+        return (time.perf_counter() - wall) / num_steps * 1e3, (time.process_time() - cpu) / num_steps * 1e3
+
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="a Meta-format checkpoint dir (default: random weights of --config)")
@@ -94,42 +120,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="A/B rounds: per-op path vs the compiled step")
-    parser.add_argument("--decodes", type=int, default=1, help="sequences decoding together in each step")
+    parser.add_argument("--decodes", default="1", help="sequences per step, each decoding one token (comma-separated)")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     forward, model = load(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    blocks = -(-(CONTEXT_TOKENS + opts.steps) // BLOCK_SIZE)
-    seqs = []
-    for i in range(opts.decodes):
-        seq = Sequence(i, str(i), [(7 + i) % 200 + 7] * CONTEXT_TOKENS, CONTEXT_TOKENS, SamplingParams(temperature=0.0))
-        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
-        seqs.append(seq)
-    forward(build_step_inputs(ScheduledBatch(seqs, [CONTEXT_TOKENS] * len(seqs)), BLOCK_SIZE)[0])
-
-    def steps() -> tuple[float, float]:
-        for seq in seqs:
-            del seq.token_ids[CONTEXT_TOKENS:]
-            seq.num_computed_tokens = CONTEXT_TOKENS
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(opts.steps):
-            for seq in seqs:
-                seq.token_ids.append(7)
-            forward(build_step_inputs(ScheduledBatch(seqs, [1] * len(seqs)), BLOCK_SIZE)[0])
-            for seq in seqs:
-                seq.num_computed_tokens += 1
-        return (time.perf_counter() - wall) / opts.steps * 1e3, (time.process_time() - cpu) / opts.steps * 1e3
-
-    steps()
-    plain = min(steps() for _ in range(3))
     compiled = model.decode_step
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, {opts.checkpoint or opts.config}; shared machine: noisy")
-    print(f"decode step (batch {opts.decodes}, {CONTEXT_TOKENS} tokens of context, {'compiled step' if compiled is not None and opts.decodes <= compiled.max_rows else 'per-op: no compiled step serves it'}): "
-          f"{plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
-    if opts.ab and compiled is not None:
-        ab_rounds(model, compiled, steps, opts.ab)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, {opts.checkpoint or opts.config}; "
+          f"load average {load_average()}; shared machine: noisy")
+    first_steps = None
+    for decodes in (int(n) for n in opts.decodes.split(",")):
+        steps = decode_steps(forward, decodes, opts.steps)
+        steps()
+        plain = min(steps() for _ in range(3))
+        served = compiled is not None and decodes <= compiled.max_rows
+        print(f"decode step ({decodes} decode{'s' if decodes > 1 else ''}, {CONTEXT_TOKENS} tokens of context, "
+              f"{'compiled step' if served else 'per-op'}): {plain[0]:.2f} ms wall, {plain[1]:.2f} ms CPU")
+        if opts.ab and served:
+            ab_rounds(model, compiled, steps, opts.ab)
+        first_steps = first_steps or steps
+    steps = first_steps
     model.decode_step = None  # the profile below times the per-op calls
     times, counts = instrument(model)
     steps()

@@ -7,7 +7,8 @@ bfloat16 alike; bench/NOTES.md).
 CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and in float32 on AVX2) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
-(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
+(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
+builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ PACK_BATCH_HINT = 16
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
 # weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
+# A float32 output head up to this size also keeps the interleaved copy where the build's few-rows
+# cutoff is above one row (AVX2): one more copy of the vocab x dim weight (the demo's: 113 MB), for a
+# head 1.3x faster than oneDNN's at one row and 1.0-1.2x at 2..8 (cold, Zen 2: bench/NOTES.md
+# 'Few-rows linear'); larger heads (Llama 3 8B's 2.1 GB in float32) stay with oneDNN's copy alone.
+HEAD_INTERLEAVED_MAX_WEIGHT_BYTES = 512 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/kernels/csrc/amx_linear.c) on the
 # pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
@@ -49,6 +55,19 @@ INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 # their few output columns poorly, and the tiles ran them 1.1-1.7x faster at 128-512 rows
 # (bench/NOTES.md 'Narrow weights on the tiles').
 AMX_MAX_ROWS = 64
+
+# Inputs of 2 to this many rows run through the interleaved copy's few-rows kernel (csrc/linear.c: rows
+# in register-blocked groups, each weight load feeding every row of its group) instead of oneDNN, by the
+# loaded build's vector width (CpuKernels.simd_bits). AVX2 (Zen 2, cold weights: a stack of layers past
+# the L3): 1.1-1.6x faster than oneDNN at 2..8 rows on the demo's block linears (bench/few_rows_linear.py,
+# bench/NOTES.md 'Few-rows linear'). Widths not listed: one row only (512-bit builds: unmeasured, and AMX
+# takes bfloat16 from 2 rows; the portable build has groups of one row, no gain).
+FEW_ROWS_MAX_ROWS: dict[int, int] = {256: 8}
+
+
+def few_rows_cutoff(kernels: CpuKernels | None) -> int:
+    """The most rows an interleaved copy serves with the loaded kernels' build (1: one row only)."""
+    return 1 if kernels is None else FEW_ROWS_MAX_ROWS.get(kernels.simd_bits, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +82,10 @@ class PackedWeight:
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> PackedWeight:
-    """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
+                interleaved_max_bytes: int | None = None) -> PackedWeight:  # fmt: skip
+    """oneDNN's copy, and the interleaved one for weights up to interleaved_max_bytes (default
+    INTERLEAVED_MAX_WEIGHT_BYTES, read at the call: tests lower it); with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
     one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
@@ -72,7 +93,8 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
-        if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
+        max_bytes = INTERLEAVED_MAX_WEIGHT_BYTES if interleaved_max_bytes is None else interleaved_max_bytes
+        if weight.numel() * weight.element_size() <= max_bytes:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
@@ -81,8 +103,8 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
 
 
 class PackedCpuLinear(nn.Module):
-    """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
-    when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
+    """y = x @ W^T through oneDNN on the packed weight; inputs of one row (up to few_rows_cutoff
+    rows) through the interleaved copy when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
     narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
     layout is the AMX weight-tile layout: no further copy)."""
 
@@ -107,20 +129,22 @@ class PackedCpuLinear(nn.Module):
         rows (the tiles read the same pairs layout). Bound once: the decode step's ~120 calls skip
         the module's buffer lookups."""
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
+        # the pairs kernel (4-D copy) runs its rows one by one: one row only
+        self._few_rows = (few_rows_cutoff(self._kernels) if interleaved.dim() == 3 else 1) if self._one_row is not None else 0
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One row: the one-row kernel; bfloat16 rows up to _max_tile_rows: the AMX tiles; else
-        oneDNN. Chosen here, per call, by the input's rows, not in the step's plan: one step's
-        linears see different row counts (the blocks all its tokens, the head its sampled rows,
+        """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; bfloat16 rows up
+        to _max_tile_rows: the AMX tiles; else oneDNN. Chosen here, per call, by the input's rows,
+        not in the step's plan: one step's linears see different row counts (the blocks all its tokens, the head its sampled rows,
         each expert its routed tokens)."""
         rows = x.shape[0]
         if self._invariant:
             if self._one_row is not None and x.dim() == 2:
                 return self._one_row(x.contiguous(), torch.get_num_threads())
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
-        if rows == 1 and self._one_row is not None:
+        if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
@@ -151,6 +175,12 @@ class PackedCpuLinear(nn.Module):
             return None
         layout = "pairs" if self.interleaved.dim() == 4 else "interleaved"
         return layout, self.interleaved.data_ptr(), self.out_features, self.in_features
+
+    def few_rows(self) -> int:
+        """The most rows forward runs through the interleaved kernel on the one-row copy (1: one row
+        only; 0 without a copy), for a compiled decode step of several sequences without AMX
+        (engine/backends/cpu_step.py)."""
+        return self._few_rows
 
     def tile_rows(self) -> int:
         """The most rows (from 2) forward runs on the AMX tiles from the one-row copy, for a compiled
@@ -217,8 +247,12 @@ class OneDnnBackend(TorchBackend):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
         else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
         logits. float32 heads pack for oneDNN, whose sums are float32 already (in the batch-invariant
-        mode they take the row kernel too: oneDNN's sums depend on the rows)."""
+        mode they take the row kernel too: oneDNN's sums depend on the rows), and keep the
+        interleaved copy for few rows where the build has a few-rows cutoff above one (up to
+        HEAD_INTERLEAVED_MAX_WEIGHT_BYTES)."""
         if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):
+            if isinstance(weight, torch.Tensor) and few_rows_cutoff(self.kernels) > 1:
+                return pack_weight(weight, self.kernels, self.amx, interleaved_max_bytes=HEAD_INTERLEAVED_MAX_WEIGHT_BYTES)
             return self.prepare_linear(weight)
         if self.kernels is not None and weight.shape[0] % 16 == 0:
             return InterleavedHead(self.kernels.interleave(weight), weight.shape[0], weight.shape[1])

@@ -15,8 +15,10 @@ copy would be, bench/NOTES.md).
 
 Steps of one decode are served wherever every block linear has a one-row form for the model dtype;
 steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on the AMX
-tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would:
-the step's max_rows. Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
+tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would;
+without tiles, steps of 2..N decodes where every block linear runs N rows through its interleaved
+copy's few-rows kernel (PackedCpuLinear.few_rows: N by the build's vector width, 8 on AVX2): the
+step's max_rows. Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
 pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
 interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
 compiler, build_decode_step returns None and the model runs its per-op path.
@@ -108,7 +110,8 @@ class DecodeStep:
 def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None, *, invariant: bool = False) -> DecodeStep | None:
     """The compiled step for engine.models.llama.Transformer's blocks, or None (logged) where a block
     linear has no one-row form or the program cannot be built. With `amx`, and every block linear
-    on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes. The KV caches (and their block
+    on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes; without, where every block linear
+    is an interleaved copy, steps of up to their few_rows decodes. The KV caches (and their block
     size) are bound at the first step. invariant: the batch-invariant mode's decode attention."""
     dtype = model.backend.dtype
     if dtype not in DTYPE_CODES:
@@ -130,14 +133,14 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     first = model.layers[0]
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
-    max_rows = _tile_rows(model, layers, amx)
-    scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if max_rows > 1 else 1
+    max_rows, on_tiles = _max_rows(model, layers, amx)
+    scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if on_tiles else max_rows
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
     if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
         addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
-    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if max_rows > 1 else None)
+    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if on_tiles else None)
     layer_array = (StepLayer * len(layers))(*layers)
     scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})
     program = StepProgram(
@@ -149,13 +152,20 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     return DecodeStep(lib.decode_step, program, keep)
 
 
-def _tile_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> int:
-    """The most decodes a step serves: every block linear's tile_rows (the rows its forward runs on
-    the AMX tiles from its pairs copy) where all have some, else 1 (one-row linears only)."""
-    if amx is None or any(getattr(layer, name).kind != LINEAR_KINDS["pairs"] for layer in layers for name in BLOCK_LINEARS):
-        return 1
-    rows = [linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for block in model.layers for linear in block_linears(block)]
-    return max(1, min(rows))
+def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> tuple[int, bool]:
+    """(the most decodes a step serves, whether its 2+ rows run on the AMX tiles): every block
+    linear's tile_rows (the rows its forward runs on the tiles from its pairs copy) where all have
+    some; else, where every one is an interleaved copy, their few_rows (the rows their forward runs
+    through the interleaved kernel); else 1 (one-row linears only)."""
+    linears = [linear for block in model.layers for linear in block_linears(block)]
+    kinds = {getattr(layer, name).kind for layer in layers for name in BLOCK_LINEARS}
+    if amx is not None and kinds == {LINEAR_KINDS["pairs"]}:
+        rows = min(linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for linear in linears)
+        if rows > 1:
+            return rows, True
+    if kinds == {LINEAR_KINDS["interleaved"]}:
+        return max(1, min(linear.few_rows() if hasattr(linear, "few_rows") else 1 for linear in linears)), False
+    return 1, False
 
 
 def _scratch(widths: dict[str, int], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -62,6 +62,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "argmax_rows": ((_i32, _p, _i64, _i64, _i64, _p, _p, _i32), None),
     # dtype, x, y, rows, in, parts, out0, out1, out2, descriptors (lora_desc by slot), runs, num_runs, threads
     "segmented_lora": ((_i32, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _i32), _i32),
+    # -> the vector width in bits of this build's interleaved linears: 512, 256 (AVX2 + FMA) or 128 (portable)
+    "interleaved_linear_simd_bits": ((), ctypes.c_int),
     # n: the next n allocations succeed, every later one fails (a test hook; n < 0: none fails, the default)
     "llamaserve_fail_allocs_after": ((_i64,), None),
 }
@@ -107,6 +109,14 @@ class CpuKernels:
     def has_bf16_pairs(self) -> bool:
         """Whether interleave() makes bfloat16 weights the pairs layout (this build has AVX512_BF16's kernel)."""
         return self._bf16_pairs is not None
+
+    @property
+    def simd_bits(self) -> int:
+        """The vector width the interleaved linears of this build are written for: 512 (AVX-512), 256
+        (AVX2 with FMA) or 128 (the portable loops); the few-rows cutoff depends on it
+        (engine.backends.cpu.few_rows_cutoff). 128 for an older build without the entry point."""
+        fn = getattr(self._lib, "interleaved_linear_simd_bits", None)
+        return 128 if fn is None else fn()
 
     def address(self, name: str) -> int | None:
         """The entry point `name` as a C function address (engine/kernels/csrc/decode_step.c calls the
@@ -223,7 +233,8 @@ class CpuKernels:
         """interleaved_linear for one weight, its sizes and pointer looked up once: a decode step
         makes four such calls per layer, and each Python-side lookup costs about a microsecond.
         f32_out: float32 out (the output head: exact logits from bfloat16 weights). Each row's
-        result is the same whatever the number of rows (one fixed sum order per row)."""
+        result is the same whatever the number of rows (one fixed sum order per row); rows in small
+        groups share each weight load (csrc/linear.c), the pairs kernel runs them one by one."""
         n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), DTYPE_CODES[weight.dtype]
         pairs = weight.dim() == 4  # 4-D: bfloat16 pairs
         lib_fn = self._lib.interleaved_linear_f32_out if f32_out else self._lib.interleaved_linear

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.executor.worker_group import WorkerGroup
 from engine.backends import select_backend
 from engine.backends.base import Backend
+from engine.backends import cpu as cpu_backends
 from engine.backends.cpu import CpuKernelBackend, OneDnnBackend, PackedCpuLinear, pack_weight
 from engine.backends.cpu import packing_available as cpu_packing_available
 from engine.backends.torch_ops import TorchBackend
@@ -40,6 +41,7 @@ from engine.core.sequence import ScheduledBatch, Sequence
 from engine.executor.step_inputs import StepInputs
 from engine.types import SamplingParams
 from tests.conftest import TINY_DESCRIPTOR
+from tests.engine.kernel_levels import cpu_kernels_for_level
 
 DTYPES = [torch.float32, torch.bfloat16]
 THREADS = 2  # the kernels' OpenMP team; parallel branches need more than one thread to mean anything
@@ -91,6 +93,106 @@ def test_interleaved_linear(kernels, dtype, rows, n, k):
     expected = x.double() @ weight.double().T  # float32 accumulation in the kernel either way
     assert out.shape == (rows, n) and out.dtype == dtype
     assert_close(out.double(), expected.to(dtype).double(), dtype)
+
+
+LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256}  # the portable loops; AVX2 with FMA
+
+
+@pytest.mark.parametrize("level", ["native", "x86-64-v3", "x86-64-v2"])
+def test_few_rows_linear_every_build_level(kernels, tmp_path, level):
+    """native: the build the server loads; x86-64-v3: AVX2's groups of 3 rows; x86-64-v2: the portable
+    loops (groups of 1). Rows 1..9 (across group boundaries), both dtypes, both outputs (x's dtype
+    and float32), odd k and k below one round of chains, a weight large enough for the parallel
+    branch: against the float64 product, and each row bit for bit the same alone, in any prefix of
+    the batch, and at another thread count (its sums keep one order whatever the rows)."""
+    built = kernels if level == "native" else cpu_kernels_for_level(tmp_path, level)
+    if level != "native":
+        assert built.simd_bits == LEVEL_SIMD_BITS[level]
+    for n, k in ((16, 1), (48, 7), (32, 577), (4096, 129)):  # 4096 x 129: the parallel branch
+        for dtype in DTYPES:
+            g = gen(n + k)
+            weight = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype)
+            x = torch.randn(9, k, generator=g).to(dtype)
+            packed = built.interleave(weight)
+            expected = x.double() @ weight.double().T
+            for f32_out in (False, True):
+                batched = built.interleaved_linear(x, packed, THREADS, f32_out=f32_out)
+                out_dtype = torch.float32 if f32_out else dtype
+                assert batched.dtype == out_dtype and batched.shape == (9, n)
+                assert_close(batched.double(), expected.to(out_dtype).double(), out_dtype)
+                for rows in range(1, 10):
+                    assert torch.equal(built.interleaved_linear(x[:rows], packed, THREADS, f32_out=f32_out), batched[:rows]), (n, k, dtype, rows)
+                for row in range(9):
+                    alone = built.interleaved_linear(x[row : row + 1].clone(), packed, 1, f32_out=f32_out)
+                    assert torch.equal(alone, batched[row : row + 1]), (n, k, dtype, row)
+
+
+def test_the_avx512_levels_compile(tmp_path):
+    """The AVX-512 code of the interleaved linears (groups of 4 rows of 16 lanes) and of the decode
+    step cannot run on a CPU without AVX-512, but must build: compiled here for x86-64-v4 and its
+    AVX512_BF16 variant (the pairs kernel), not loaded."""
+    try:
+        built = build.prebuild(tmp_path, ["x86-64-v4", "x86-64-v4-bf16"], [build.CPU_KERNELS, build.DECODE_STEP])
+    except (OSError, subprocess.SubprocessError) as exc:
+        if "cannot" in str(exc) or "unrecognized" in str(exc):
+            pytest.skip(f"this compiler cannot target AVX-512: {exc}")
+        raise
+    assert len(built) == 4 and all(path.stat().st_size > 0 for path in built)
+
+
+class _Build:
+    """Stands in for CpuKernels where only its vector width matters (the few-rows cutoff)."""
+
+    def __init__(self, simd_bits: int) -> None:
+        self.simd_bits = simd_bits
+
+
+def test_few_rows_cutoff_follows_the_loaded_build():
+    """AVX2 builds: up to 8 rows through the interleaved kernel; AVX-512 (unmeasured) and the
+    portable build: one row; no kernels: none beyond oneDNN's one row default."""
+    assert [cpu_backends.few_rows_cutoff(_Build(bits)) for bits in (128, 256, 512)] == [1, 8, 1]
+    assert cpu_backends.few_rows_cutoff(None) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
+    """Rows up to the cutoff go through the interleaved copy (the kernel's bits), more through
+    oneDNN; a pairs copy (AVX512_BF16 builds) serves one row only."""
+    if not cpu_packing_available(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} here")
+    monkeypatch.setitem(cpu_backends.FEW_ROWS_MAX_ROWS, kernels.simd_bits, 4)
+    g = gen(6)
+    weight = torch.randn(64, 32, generator=g).to(dtype)
+    layer = PackedCpuLinear(pack_weight(weight, kernels), kernels)
+    pairs = layer.interleaved.dim() == 4
+    assert layer.few_rows() == (1 if pairs else 4)
+    for rows in range(1, 7):
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        via_kernel = rows <= layer.few_rows()
+        expected = kernels.interleaved_linear(x, layer.interleaved, THREADS) if via_kernel else layer._onednn(x)
+        assert torch.equal(layer(x), expected), rows
+    assert layer(torch.randn(0, 32).to(dtype)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("cutoff", [1, 8])
+def test_float32_head_keeps_the_interleaved_copy_where_few_rows_run_on_it(kernels, cutoff, monkeypatch):
+    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: with a few-rows cutoff above one
+    (AVX2 builds) it keeps the interleaved copy too and its few rows run on it, more on oneDNN;
+    with a cutoff of one, oneDNN's copy alone."""
+    if not cpu_packing_available(torch.float32):
+        pytest.skip("no oneDNN here")
+    monkeypatch.setitem(cpu_backends.FEW_ROWS_MAX_ROWS, kernels.simd_bits, cutoff)
+    monkeypatch.setattr(cpu_backends, "INTERLEAVED_MAX_WEIGHT_BYTES", 0)  # every weight counts as large
+    backend = CpuKernelBackend(torch.device("cpu"), torch.float32, kernels)
+    weight = torch.randn(96, 40, generator=gen(3))
+    head = backend.head_linear(backend.prepare_head(weight))
+    assert isinstance(head, PackedCpuLinear) and head.packed_weight is not None
+    assert (head.interleaved is not None) == (cutoff > 1) and head.few_rows() == (cutoff if cutoff > 1 else 0)
+    assert backend.prepare_linear(weight).interleaved is None  # block linears: the usual cap
+    for rows in (1, cutoff, cutoff + 1):
+        x = torch.randn(rows, 40, generator=gen(rows))
+        expected = kernels.interleaved_linear(x, head.interleaved, THREADS) if rows <= head.few_rows() else head._onednn(x)
+        assert torch.equal(head(x), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

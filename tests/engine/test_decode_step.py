@@ -1,8 +1,9 @@
 """The compiled decode step (engine/backends/cpu_step.py, engine/kernels/csrc/decode_step.c) gives the
 per-op path's logits: at one decode for float32 and bfloat16 dense weights and every quantized
 format with a one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included),
-and at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles (bit for bit); steps it does not cover
-and weights without a one-row (many-row) form run the per-op path."""
+at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles and at 2..N decodes through the interleaved
+linears' few-rows kernel without them (bit for bit); steps it does not cover and weights without a
+one-row (many-row) form run the per-op path."""
 
 from __future__ import annotations
 
@@ -336,13 +337,48 @@ def test_steps_the_many_row_step_does_not_serve_run_the_per_op_path(amx_model, k
     assert torch.equal(with_step, per_op) and torch.equal(with_step.argmax(-1), per_op.argmax(-1))
 
 
-def test_float32_serves_one_decode_only():
-    """float32 has no tiles: the step serves one-row steps, several decodes run op by op."""
+def few_rows_cutoff() -> int:
+    """The most rows the loaded kernels' build sends through the interleaved linears (8 on AVX2, else 1)."""
+    from engine.backends.cpu import few_rows_cutoff as cutoff
+    from engine.kernels.cpu import load_cpu_kernels
+
+    return cutoff(load_cpu_kernels())
+
+
+@pytest.fixture(scope="module")
+def float32_model():
     model = _amx_model(torch.float32)
-    assert model.decode_step is not None and model.decode_step.max_rows == 1
+    assert model.decode_step is not None
+    return model
+
+
+def test_float32_serves_up_to_the_few_rows_cutoff(float32_model):
+    """float32 has no tiles: the step serves 1..N decodes, N the build's few-rows cutoff (the block
+    linears' interleaved kernel takes up to N rows, as in the per-op path); more run op by op."""
+    model, rows = float32_model, few_rows_cutoff()
+    assert model.decode_step.max_rows == rows
     caches = _caches(model, seed=2)
-    assert plan(model, _step(1), caches).compiled
-    assert not plan(model, _step(4), caches).compiled
+    assert plan(model, _step(1), caches).compiled and plan(model, _step(rows), caches).compiled
+    assert not plan(model, _step(rows + 1), caches).compiled
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+def test_few_decodes_without_tiles_equal_the_per_op_path_bit_for_bit(float32_model, threads):
+    """float32 (no AMX): the fused step's logits and K/V writes at every 1..N decodes equal the
+    per-op path's exactly (the same interleaved kernel over the same rows, the same attention)."""
+    model, old_threads = float32_model, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for num_seqs in range(1, few_rows_cutoff() + 1):
+            inputs = _step(num_seqs)
+            fused_caches, per_op_caches = _caches(model, seed=num_seqs), _caches(model, seed=num_seqs)
+            assert plan(model, inputs, fused_caches).compiled
+            ran, fused, per_op = _with_and_without_step(model, inputs, fused_caches, per_op_caches)
+            assert ran == 1 and fused.shape == (num_seqs, MANY_ARGS["vocab_size"]) and torch.isfinite(fused).all()
+            assert torch.equal(fused, per_op), num_seqs
+            assert all(torch.equal(a, b) for pair_a, pair_b in zip(fused_caches, per_op_caches) for a, b in zip(pair_a, pair_b))
+    finally:
+        torch.set_num_threads(old_threads)
 
 
 @needs_bf16_packing
@@ -359,11 +395,11 @@ def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
         executor.shutdown()
 
 
-@needs_bf16_packing
-def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint):
-    """Through EngineCore with 16 requests at once in bfloat16 (pure-decode steps of many sequences
-    between mixed ones): the same tokens with the compiled step as without it, and on AMX the
-    step served steps of several decodes."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint, dtype):
+    """Through EngineCore with 16 requests at once (pure-decode steps of many sequences between
+    mixed ones): the same tokens with the compiled step as without it, and the step served steps of
+    several decodes where the build has them (bfloat16: AMX tiles; float32: the few-rows linears)."""
     from engine.kernels.amx import load_amx_linear
     from engine.loading.checkpoint import resolve_checkpoint
     from engine.core.engine_core import EngineCore
@@ -371,10 +407,11 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     from tests.engine.test_engine_real import MAX_SEQ_LEN, TOK, config, make_requests, make_runner
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
-    cfg = config(spec, dtype="bfloat16", enable_prefix_caching=False)
+    cfg = config(spec, dtype=dtype, enable_prefix_caching=False)
     core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
     model = core.runner._workers._shard.model
     step, many_rows = model.decode_step, []
+    several = load_amx_linear() is not None if dtype == "bfloat16" else few_rows_cutoff() > 1
 
     def counting(h, meta, kv_caches):
         many_rows.append(h.shape[0] > 1)
@@ -394,6 +431,6 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             results.append(tokens)
         assert results[0] == results[1] and len(results[0]) == 16
-        assert any(many_rows) == (load_amx_linear() is not None)
+        assert any(many_rows) == several
     finally:
         core.runner.shutdown()

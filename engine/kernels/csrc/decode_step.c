@@ -10,7 +10,8 @@
  * themselves (the cpu_kernels, quant_kernels and amx_linear libraries, loaded separately and
  * passed in by address, so this file holds no kernel code of its own and the step computes exactly
  * what the per-op path computes, call for call: one row through the one-row linears, 2+ rows
- * through the AMX tiles, attention through whichever paged kernel the step's metadata names).
+ * through the AMX tiles or, without them, 2..max_rows rows through the interleaved linears' few-rows
+ * path, attention through whichever paged kernel the step's metadata names).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -42,12 +43,14 @@ typedef struct {
     interleaved_fn interleaved_linear;
     pairs_fn interleaved_linear_bf16_pairs; /* NULL where the library has none */
     quant_fn quant_linear;                  /* NULL without the quantized kernels */
-    amx_fn amx_linear;                      /* NULL without AMX tiles (the program's max_rows is then 1) */
+    amx_fn amx_linear;                      /* NULL without AMX tiles (2+ rows: the interleaved linears) */
 } step_kernels;
 
 /* One linear: its one-row form, kind 0 interleaved ([n / 16, k, 16]), 1 bfloat16 column pairs
  * ([n / 16, k / 2, 16, 2]), 2 quantized (weight: quant_kernels.c's quant_weight descriptor). Where
- * the program serves 2+ rows every linear is of kind 1 and the AMX tiles read the same pairs copy. */
+ * the program serves 2+ rows either every linear is of kind 1 and the AMX tiles read the same pairs
+ * copy (amx_linear set), or every linear is of kind 0 and interleaved_linear takes the rows (its
+ * few-rows path, as PackedCpuLinear's forward calls it for up to max_rows rows). */
 enum { LINEAR_INTERLEAVED = 0, LINEAR_BF16_PAIRS = 1, LINEAR_QUANT = 2 };
 typedef struct {
     int64_t kind;
@@ -61,7 +64,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
 } step_layer;
 
-/* Scratch, each buffer max_rows rounded up to whole 16-row tiles (tile_rows) rows of its width,
+/* Scratch, each buffer max_rows (on AMX rounded up to whole 16-row tiles, tile_rows) rows of its width,
  * in the model dtype. */
 typedef struct {
     void *normed, *qkv, *attn, *attn_out, *gate_up, *act, *ffn_out;
@@ -96,16 +99,17 @@ typedef struct {
 static int run_linear(const step_program *p, const step_linear *l, const void *x, void *out, int64_t rows, int threads) {
     const step_kernels *kn = p->kernels;
     const int bf16 = (int)p->bf16;
-    if (rows > 1) {
+    if (rows > 1 && kn->amx_linear) {
         /* whole tiles: the rows past `rows` are scratch (their outputs unused), which the kernel
          * would otherwise copy x into a zero-padded buffer for; each row's sums are the same */
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
         return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads);
     }
+    /* more than one row only for kind 0 (the program's max_rows says so) */
     switch (l->kind) {
-    case LINEAR_BF16_PAIRS: kn->interleaved_linear_bf16_pairs(x, l->weight, out, 1, l->n, l->k, threads); return 0;
-    case LINEAR_QUANT: return kn->quant_linear(l->weight, bf16, x, 1, out, threads);
-    default: return kn->interleaved_linear(bf16, x, l->weight, out, 1, l->n, l->k, threads);
+    case LINEAR_BF16_PAIRS: kn->interleaved_linear_bf16_pairs(x, l->weight, out, rows, l->n, l->k, threads); return 0;
+    case LINEAR_QUANT: return kn->quant_linear(l->weight, bf16, x, rows, out, threads);
+    default: return kn->interleaved_linear(bf16, x, l->weight, out, rows, l->n, l->k, threads);
     }
 }
 

@@ -1,105 +1,190 @@
-/* One-row linears over interleaved weights (the cpu_kernels library; engine/kernels/cpu.py binds
+/* Few-rows linears over interleaved weights (the cpu_kernels library; engine/kernels/cpu.py binds
  * them; amx_linear.c reads the same bfloat16 pairs layout). */
 #include "vec.h"
 
-/* ------------------------------------------------------------------------------------------ one-row linear
+/* ------------------------------------------------------------------------------------------ few-rows linear
  * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
  * each step of k is one contiguous 16-wide load and a vertical multiply-add: the weight streams
- * once, in order, with no horizontal sums). For decode at batch 1, where a small model's linears
- * are short enough that oneDNN's fixed cost per call is a large part of the step (bench/NOTES.md); any rows work, but
- * oneDNN wins from a few rows up. */
-/* One 16-output block of one row: sums[j] = x . W[block row j] over k, W's block as [k, 16].
- * AVX-512 builds: one 16-lane vector per step of k. Narrower builds: two 8-lane halves. GCC lowers a
- * 64-byte generic vector poorly where the widest register is 32 bytes (the accumulators went
- * through the stack each step: on an AVX2 Zen 2 this kernel ran at 0.4 GB/s, 8x slower than torch's
- * float32 gemv, bench/NOTES.md 'AVX2 one-row linear'), so there the halves are spelled out as
- * native 8-lane vectors, each lane summed in the same order as the 16-lane code. */
+ * once, in order, with no horizontal sums). For decode at 1..a few rows (a batch-1 step, speculative
+ * verification, small batches), where a small model's linears are short enough that oneDNN's fixed
+ * cost per call is a large part of the step and every row count up to a few is still memory-bound
+ * (bench/NOTES.md 'Few-rows linear').
+ *
+ * Register blocking: rows go in groups of up to FEW_ROWS_GROUP, and each weight vector loaded feeds
+ * every row of its group (one pass over a 16-output block per group instead of one per row). Each
+ * row's sums keep one fixed order whatever the group: lane j of row m is LINEAR_CHAINS chains over k
+ * (chain c takes the steps i = c mod LINEAR_CHAINS below the last whole round, in increasing i; the steps
+ * left over go to chain 0), combined as chain_sum() says. So a row's result does not depend on how
+ * many rows the call has or which group it lands in: batch-invariant by construction.
+ *
+ * AVX-512 builds: one 16-lane vector per step of k, four chains (hiding the FMA latency at one
+ * row), groups of 4 rows (16 accumulators of the 32 zmm registers). Narrower builds: two native
+ * 8-lane halves per step (GCC lowers a 64-byte generic vector poorly where the widest register is
+ * 32 bytes: the accumulators went through the stack each step, bench/NOTES.md 'AVX2 one-row
+ * linear'); two chains, so a row holds 4 accumulators and AVX2's 16 ymm registers take groups of 3
+ * rows (12 accumulators, the two weight halves, one broadcast); the portable build (SSE: each 8-lane
+ * half is two registers) keeps groups of 1. */
 #if defined(__AVX512F__)
-static inline v16f load16(const char *p, int bf16) {
+typedef v16f lvec;
+#define LINEAR_HALVES 1
+#define LINEAR_CHAINS 4
+#define FEW_ROWS_GROUP 4
+#define LINEAR_SIMD_BITS 512
+static inline lvec load_lvec(const char *p, int bf16) {
+    lvec f;
     if (bf16) {
         v16h h;
         memcpy(&h, p, sizeof(h));
         v16u u = __builtin_convertvector(h, v16u) << 16;
-        v16f f;
-        memcpy(&f, &u, sizeof(f));
-        return f;
-    }
-    v16f f;
-    memcpy(&f, p, sizeof(f));
-    return f;
-}
-
-static inline void block_dot16(const char *w, const float *xm, int64_t k, int bf16, float *sums) {
-    const size_t step = 16 * elem_size(bf16);
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4) {
-        a0 += load16(w + (size_t)i * step, bf16) * xm[i];
-        a1 += load16(w + (size_t)(i + 1) * step, bf16) * xm[i + 1];
-        a2 += load16(w + (size_t)(i + 2) * step, bf16) * xm[i + 2];
-        a3 += load16(w + (size_t)(i + 3) * step, bf16) * xm[i + 3];
-    }
-    for (; i < k; i++) a0 += load16(w + (size_t)i * step, bf16) * xm[i];
-    v16f s = (a0 + a1) + (a2 + a3);
-    memcpy(sums, &s, 16 * sizeof(float));
-}
-#else
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8f load8(const char *p, int bf16) {
-    v8f f;
-    if (bf16) {
-        v8h h;
-        memcpy(&h, p, sizeof(h));
-        v8u u = __builtin_convertvector(h, v8u) << 16;
         memcpy(&f, &u, sizeof(f));
     } else {
         memcpy(&f, p, sizeof(f));
     }
     return f;
 }
-
-static inline void block_dot16(const char *w, const float *xm, int64_t k, int bf16, float *sums) {
-    const size_t es = elem_size(bf16), step = 16 * es, half = 8 * es;
-    v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0}; /* a: lanes 0-7, b: 8-15 */
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4) {
-        const char *p = w + (size_t)i * step;
-        a0 += load8(p, bf16) * xm[i], b0 += load8(p + half, bf16) * xm[i];
-        a1 += load8(p + step, bf16) * xm[i + 1], b1 += load8(p + step + half, bf16) * xm[i + 1];
-        a2 += load8(p + 2 * step, bf16) * xm[i + 2], b2 += load8(p + 2 * step + half, bf16) * xm[i + 2];
-        a3 += load8(p + 3 * step, bf16) * xm[i + 3], b3 += load8(p + 3 * step + half, bf16) * xm[i + 3];
-    }
-    for (; i < k; i++) {
-        const char *p = w + (size_t)i * step;
-        a0 += load8(p, bf16) * xm[i], b0 += load8(p + half, bf16) * xm[i];
-    }
-    const v8f lo = (a0 + a1) + (a2 + a3), hi = (b0 + b1) + (b2 + b3);
-    memcpy(sums, &lo, sizeof(lo));
-    memcpy(sums + 8, &hi, sizeof(hi));
-}
+static inline lvec chain_sum(const lvec *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
+#else
+typedef float lvec __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+#define LINEAR_HALVES 2
+#define LINEAR_CHAINS 2
+#if defined(__AVX2__) && defined(__FMA__)
+#define FEW_ROWS_GROUP 3
+#define LINEAR_SIMD_BITS 256
+#else
+#define FEW_ROWS_GROUP 1
+#define LINEAR_SIMD_BITS 128
 #endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+static inline lvec load_lvec(const char *p, int bf16) {
+    lvec f;
+    if (bf16) {
+#if defined(__AVX2__) /* one vpmovzxwd: GCC splits the generic conversion into halves and an insert */
+        const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+        memcpy(&f, &u, sizeof(f));
+#else
+        v8h h;
+        memcpy(&h, p, sizeof(h));
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &u, sizeof(f));
+#endif
+    } else {
+        memcpy(&f, p, sizeof(f));
+    }
+    return f;
+}
+static inline lvec chain_sum(const lvec *c) { return c[0] + c[1]; }
+#endif
+#define LINEAR_LANES (16 / LINEAR_HALVES)
 
-/* out_f32: the float32 sums stored as they are (the output head's exact logits) instead of rounded
- * to x's dtype. Each row's sums are the same whatever `rows` is (one fixed order over k per row):
- * batch-invariant by construction. bf16 is a literal at both call sites' instantiations (the
- * dispatch below), so the element type is not tested per load. */
-static inline void interleaved_rows(int bf16, const float *xf, const void *weight, void *out, int64_t rows, int64_t n,
-                                    int64_t k, int num_threads, int out_f32) {
-    const size_t step = 16 * elem_size(bf16);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
-    for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * k) * step;
-        for (int64_t m = 0; m < rows; m++) {
-            float sums[16];
-            block_dot16(w, xf + m * k, k, bf16, sums);
-            if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
-            else store_row((char *)out + (size_t)(m * n + b * 16) * elem_size(bf16), sums, 16, bf16);
+/* The vector width in bits the interleaved linears of this build are written for: 512, 256 (AVX2
+ * with FMA) or 128 (the portable loops). engine.backends.cpu picks its few-rows cutoff from it. */
+int interleaved_linear_simd_bits(void) { return LINEAR_SIMD_BITS; }
+
+/* `group` (a literal at each instantiation, 1..FEW_ROWS_GROUP) rows of one 16-output block:
+ * sums[r][j] = x[r] . W[block row j] over k, W's block as [k, 16], x's rows k apart. next: the next
+ * block to prefetch as this pass streams its own (NULL: none). A call of several groups reads each
+ * block from memory in its first group's pass and from the caches in the others', during which the
+ * memory would sit idle: the first pass fetches the next block ahead (at 8 rows, cold weights,
+ * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). One row needs none: its pass is the
+ * stream the hardware prefetcher follows. */
+static inline __attribute__((always_inline)) void block_rows(const char *w, const float *x, int64_t k, int bf16, int group,
+                                                             float (*sums)[16], const char *next) {
+    const size_t step = 16 * elem_size(bf16), part = step / LINEAR_HALVES;
+    lvec acc[FEW_ROWS_GROUP][LINEAR_HALVES][LINEAR_CHAINS];
+#pragma GCC unroll 8
+    for (int r = 0; r < group; r++)
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++)
+#pragma GCC unroll 4
+            for (int c = 0; c < LINEAR_CHAINS; c++) acc[r][h][c] = (lvec){0};
+    int64_t i = 0;
+    /* per step: the weight's halves loaded once into registers, then per row one broadcast of x
+     * feeding both halves (AVX2, 3 rows: 12 accumulators + 2 weight halves + 1 broadcast = 15 of
+     * 16 registers; the other orders made GCC reload the weight per row or spill) */
+    for (; i + LINEAR_CHAINS <= k; i += LINEAR_CHAINS) {
+#pragma GCC unroll 4
+        for (int c = 0; c < LINEAR_CHAINS; c++) {
+            if (next) __builtin_prefetch(next + (size_t)(i + c) * step, 0, 3);
+            lvec wv[LINEAR_HALVES];
+#pragma GCC unroll 2
+            for (int h = 0; h < LINEAR_HALVES; h++) wv[h] = load_lvec(w + (size_t)(i + c) * step + h * part, bf16);
+#pragma GCC unroll 8
+            for (int r = 0; r < group; r++) {
+                const float xs = x[r * k + i + c];
+#pragma GCC unroll 2
+                for (int h = 0; h < LINEAR_HALVES; h++) acc[r][h][c] += wv[h] * xs;
+            }
         }
     }
+    for (; i < k; i++) {
+        lvec wv[LINEAR_HALVES];
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++) wv[h] = load_lvec(w + (size_t)i * step + h * part, bf16);
+#pragma GCC unroll 8
+        for (int r = 0; r < group; r++) {
+            const float xs = x[r * k + i];
+#pragma GCC unroll 2
+            for (int h = 0; h < LINEAR_HALVES; h++) acc[r][h][0] += wv[h] * xs;
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < group; r++)
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++) {
+            const lvec s = chain_sum(acc[r][h]);
+            memcpy(sums[r] + h * LINEAR_LANES, &s, sizeof(s));
+        }
 }
+
+/* Rows [m, m + group) of block b through block_rows with `group` a literal. */
+static inline void block_group(int bf16, const char *w, const float *xm, int64_t k, int group, float (*sums)[16],
+                               const char *next) {
+    switch (group) {
+#if FEW_ROWS_GROUP >= 4
+    case 4: block_rows(w, xm, k, bf16, 4, sums, next); break;
+#endif
+#if FEW_ROWS_GROUP >= 3
+    case 3: block_rows(w, xm, k, bf16, 3, sums, next); break;
+#endif
+#if FEW_ROWS_GROUP >= 2
+    case 2: block_rows(w, xm, k, bf16, 2, sums, next); break;
+#endif
+    default: block_rows(w, xm, k, bf16, 1, sums, next); break;
+    }
+}
+
+/* out_f32: the float32 sums stored as they are (the output head's exact logits) instead of rounded
+ * to x's dtype. Rows in groups as even as FEW_ROWS_GROUP allows (5 rows on AVX2: 3 + 2, not 3 + 1 + 1:
+ * a lone row's pass is the least efficient). One function per element type (BF16 a literal in each):
+ * GCC outlines the parallel loop before it propagates constants, so a shared body would test the
+ * element type at every step of k. */
+#define DEFINE_INTERLEAVED_ROWS(name, BF16)                                                                        \
+    static void name(const float *xf, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,           \
+                     int num_threads, int out_f32) {                                                               \
+        const size_t step = 16 * elem_size(BF16);                                                                  \
+        const int64_t groups = (rows + FEW_ROWS_GROUP - 1) / FEW_ROWS_GROUP;                                       \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)") \
+        for (int64_t b = 0; b < n / 16; b++) {                                                                     \
+            const char *w = (const char *)weight + (size_t)(b * k) * step;                                         \
+            for (int64_t g = 0, m = 0; g < groups; g++) {                                                          \
+                /* the rows left split evenly over the groups left */                                              \
+                const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));                             \
+                const char *next = g == 0 && groups > 1 && b + 1 < n / 16 ? w + k * step : NULL;                   \
+                float sums[FEW_ROWS_GROUP][16];                                                                    \
+                block_group(BF16, w, xf + m * k, k, group, sums, next);                                            \
+                for (int r = 0; r < group; r++, m++) {                                                             \
+                    if (out_f32) memcpy((float *)out + m * n + b * 16, sums[r], sizeof(sums[r]));                  \
+                    else store_row((char *)out + (size_t)(m * n + b * 16) * elem_size(BF16), sums[r], 16, BF16);   \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+DEFINE_INTERLEAVED_ROWS(interleaved_rows_f32, 0)
+DEFINE_INTERLEAVED_ROWS(interleaved_rows_bf16, 1)
 
 static int interleaved_linear_impl(int bf16, const void *x, const void *weight, void *out, int64_t rows, int64_t n,
                                    int64_t k, int num_threads, int out_f32) {
@@ -107,8 +192,8 @@ static int interleaved_linear_impl(int bf16, const void *x, const void *weight, 
     float *xf = kernel_malloc((size_t)(rows * k) * sizeof(float));
     if (!xf) return KERNEL_NO_MEMORY;
     for (int64_t m = 0; m < rows; m++) load_row(xf + m * k, (const char *)x + (size_t)(m * k) * es, k, bf16);
-    if (bf16) interleaved_rows(1, xf, weight, out, rows, n, k, num_threads, out_f32);
-    else interleaved_rows(0, xf, weight, out, rows, n, k, num_threads, out_f32);
+    if (bf16) interleaved_rows_bf16(xf, weight, out, rows, n, k, num_threads, out_f32);
+    else interleaved_rows_f32(xf, weight, out, rows, n, k, num_threads, out_f32);
     free(xf);
     return KERNEL_OK;
 }
