@@ -14,12 +14,17 @@ as the server's event loop receives them). Printed: the mean decode step (a pref
 thread does between steps) and the client's inter-token median and mean (its excess over the
 server's: detokenized chunk -> JSON -> SSE -> socket -> client parse). All three come from the
 same run, so a busy machine inflates them alike and the differences stay comparable.
+
+--server-pid PID adds where the CPU went, which a busy machine does not inflate the way it does wall
+time: each of the served process's threads' CPU time per streamed token over the measured requests
+(from /proc: the engine thread, its OpenMP workers, the event loop, ...), and this client's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import urllib.request
@@ -34,6 +39,24 @@ def counters(base_url: str) -> dict[str, float]:
     for name in COUNTERS:
         for kind in ("sum", "count"):
             out[f"{name}_{kind}"] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name}_{kind}"))
+    return out
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each of a process's threads (/proc schedstat: nanoseconds on a CPU), by "name tid";
+    the main thread, which runs the server's event loop, is "main" (Python's thread names do not reach
+    the OS before 3.14: the engine thread is the busiest "python", its OpenMP workers the next)."""
+    out: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                on_cpu_ns = int(f.read().split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name = "main" if int(task) == pid else f"{stat[stat.index('(') + 1 : stat.rindex(')')]} {task}"
+        out[name] = on_cpu_ns / 1e9
     return out
 
 
@@ -56,15 +79,20 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--server-pid", type=int, default=None, help="the served process: CPU per token by thread")
     args = parser.parse_args()
     stream_gaps_s(args.base_url, args.model, -1, 8)  # warm-up
     # a prefill step alone (one token out: one step), to take each request's prefill out of the step mean
     start = counters(args.base_url)
     stream_gaps_s(args.base_url, args.model, -2, 1)
     before, gaps = counters(args.base_url), []
+    threads_before = thread_cpu_s(args.server_pid) if args.server_pid else {}
+    client_cpu_s = time.process_time()
     prefill_s = before["llamaserve:engine_step_seconds_sum"] - start["llamaserve:engine_step_seconds_sum"]
     for i in range(args.requests):
         gaps += stream_gaps_s(args.base_url, args.model, i, args.max_tokens)
+    client_cpu_s = time.process_time() - client_cpu_s
+    threads_after = thread_cpu_s(args.server_pid) if args.server_pid else {}
     after = counters(args.base_url)
     delta = {key: after[key] - before[key] for key in after}
     decode_steps = delta["llamaserve:engine_step_seconds_count"] - args.requests
@@ -77,7 +105,16 @@ def main() -> None:
     print(f"server inter-token    {server_itl_s * 1e3:8.2f} ms  (+{(server_itl_s - step_s) * 1e3:.2f} over the step)")
     print(f"client inter-token    {client_mean_s * 1e3:8.2f} ms mean, {statistics.median(gaps) * 1e3:.2f} median  "
           f"(+{(client_mean_s - server_itl_s) * 1e3:.2f} over the server's)")
+    if args.server_pid:
+        tokens = args.requests * args.max_tokens
+        spent = {name: threads_after[name] - threads_before.get(name, 0.0) for name in threads_after}
+        print(f"CPU per token ({tokens} tokens; the server's threads' include each request's own work):")
+        for name, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+            if seconds * 1e3 / tokens >= 0.001:
+                print(f"  server thread {name:22s} {seconds / tokens * 1e3:8.3f} ms")
+        print(f"  this client                  {client_cpu_s / tokens * 1e3:12.3f} ms")
 
 
 if __name__ == "__main__":
     main()
+

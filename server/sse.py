@@ -72,6 +72,9 @@ async def stream(
     await response.prepare(request)
 
     async def write(data: bytes) -> None:
+        if not may_wait(request.transport, len(data)):  # the usual token: no timer armed and cancelled
+            await response.write(data)
+            return
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps every write (one a token per
         # stream) in a new Task, several event-loop turns each; this costs one timer handle
         timeout = asyncio.timeout(config.stream_write_timeout_s)
@@ -116,6 +119,24 @@ async def stream(
             return response
     await response.write_eof()
     return response
+
+
+def may_wait(transport: asyncio.BaseTransport | None, num_bytes: int) -> bool:
+    """Whether writing num_bytes more may wait for the reader, so needs the slow-reader timeout.
+
+    A write waits only while the transport holds more than its high-water mark unsent (the
+    protocol is paused; aiohttp then drains). When the socket took every earlier byte and this
+    write alone fits under the mark, it cannot pause it: it returns without waiting, and arming
+    and cancelling a timer for it (asyncio.timeout: a fifth of the event loop's Python per
+    streamed token at one stream, py-spy, bench/NOTES.md) buys nothing. A reader that stops reading
+    fills the socket, the transport starts holding bytes, and its next write is timed again."""
+    if transport is None:
+        return True
+    try:  # uvloop's transports have these methods without being asyncio.WriteTransport instances
+        _, high_water = transport.get_write_buffer_limits()
+        return transport.get_write_buffer_size() > 0 or num_bytes > high_water
+    except (AttributeError, NotImplementedError):  # a transport that cannot tell: always timed
+        return True
 
 
 class _SlowReader(Exception):

@@ -112,6 +112,29 @@ def test_serve_smoke_responses_vs_chat(live_server):
     assert len(totals) == 5 and len(set(totals)) == 1, totals  # a warm-up, then A B B A; greedy: the same answers
 
 
+def test_served_itl_smoke(live_server):
+    import os
+
+    from tests.e2e.conftest import BASE_DESCRIPTOR
+
+    stdout = run_script("bench/served_itl.py", "--base-url", live_server.url, "--model", BASE_DESCRIPTOR, "--requests", "1",
+                        "--max-tokens", "6", "--server-pid", str(os.getpid()))  # the live server runs in this process
+    for line in ("engine step", "server inter-token", "client inter-token", "CPU per token", "this client"):
+        assert line in stdout, stdout
+
+
+def test_one_stream_smoke(tmp_path):
+    from tests.e2e.conftest import BASE_DESCRIPTOR, Checkpoints
+
+    checkpoints = Checkpoints(root=tmp_path / "checkpoints", outside=tmp_path / "elsewhere")
+    checkpoints.root.mkdir()
+    stdout = run_script("bench/one_stream.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)),
+                        "--dtype", "float32", "--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "6")
+    lines = stdout.splitlines()
+    assert [line.split()[0] for line in lines if line.startswith(("core", "async"))] == ["core", "async"], stdout
+    assert sum("step parts, cpu ms: inputs" in line for line in lines) == 2 and "hand-off" in stdout
+
+
 def test_responses_overhead_smoke():
     stdout = run_script("bench/responses_overhead.py", "--tokens", "200", "--rounds", "1")
     assert [line.split()[0] for line in stdout.splitlines()] == ["chat", "responses", "messages"]

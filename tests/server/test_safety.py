@@ -202,14 +202,46 @@ async def test_a_reader_that_stops_taking_data_is_dropped_and_releases_its_lease
             return await original_write(self, data)
         await asyncio.Event().wait()
 
+    def buffered_bytes(transport):  # what a full socket leaves in the transport once the stall began
+        return 1 << 20 if stalled.is_set() else original_buffered(transport)
+
     monkeypatch.setattr(web.StreamResponse, "write", write_then_stall)
+    # the test loop's socket transport (aiohttp_client runs on asyncio's default loop)
+    transport_class = asyncio.selector_events._SelectorSocketTransport
+    original_buffered = transport_class.get_write_buffer_size
+    monkeypatch.setattr(transport_class, "get_write_buffer_size", buffered_bytes)
     response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert response.status == 200
     await asyncio.wait_for(engine.abort_seen.wait(), 10)  # dropped: the engine request is aborted
     assert engine.aborted == [engine.requests[0].request_id]
     monkeypatch.setattr(web.StreamResponse, "write", original_write)
+    monkeypatch.setattr(transport_class, "get_write_buffer_size", original_buffered)
     delete = await asyncio.wait_for(client.delete("/v1/models/fake"), 10)  # the lease is free
     assert delete.status == 200
+
+
+class _Transport:
+    """A write transport as sse.may_wait reads it."""
+
+    def __init__(self, buffered: int, high_water: int = 65536) -> None:
+        self.buffered, self.high_water = buffered, high_water
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.high_water // 4, self.high_water
+
+
+def test_only_a_write_that_may_wait_for_the_reader_is_timed():
+    from server.sse import may_wait
+
+    assert not may_wait(_Transport(0), 300)  # the socket took everything: a token's frame cannot wait
+    assert not may_wait(_Transport(0), 65536)  # up to the high-water mark the protocol is not paused
+    assert may_wait(_Transport(0), 65537)  # past it the write may pause the protocol
+    assert may_wait(_Transport(1), 300)  # bytes the reader has not taken yet: timed
+    assert may_wait(None, 300)  # no transport (closed): timed, as before
+    assert may_wait(object(), 300)  # a transport that cannot tell: timed
 
 
 async def test_a_stream_ends_at_its_maximum_duration(aiohttp_client, factory, tmp_path):
