@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.core.sampler import Sampler
+from engine.core.sampler import Sampler, is_greedy
 from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.executor.cross_attention import CrossAttentionTracker
 from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
-from engine.spec.verify import Verifier
+from engine.spec.verify import Verifier, greedy_verdict
 from engine.types import TokenLogprob
 
 PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of rows) of prompt-scoring rows
@@ -249,11 +249,16 @@ class ModelExecutor:
         drafts go to out.accepted_token_ids; seq_id -> the correction token where a draft was rejected
         (it replaces the sampled bonus token)."""
         corrections: dict[int, int] = {}
+        # greedy rows (the usual case) need only each row's argmax: one call for every row of the step
+        targets = logits.argmax(dim=1).tolist() if any(is_greedy(batch.seqs[i].params) for i, _, _ in spec) else []
         row = 0
         for i, _, num_spec in spec:
             seq = batch.seqs[i]
-            verdict = self._verifier.verify(logits[row : row + num_spec], seq.spec_token_ids, seq.params,
-                                            seq.num_output_tokens)
+            if is_greedy(seq.params):
+                verdict = greedy_verdict(targets[row : row + num_spec], seq.spec_token_ids)
+            else:
+                verdict = self._verifier.verify(logits[row : row + num_spec], seq.spec_token_ids, seq.params,
+                                                seq.num_output_tokens)
             row += num_spec
             out.accepted_token_ids[seq.seq_id] = seq.spec_token_ids[: verdict.num_accepted]
             if verdict.correction is not None:
