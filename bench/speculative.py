@@ -2,6 +2,7 @@
 
     python bench/speculative.py [--rounds 2] [--max-tokens 160] [--servers llamaserve,llama-server]
     python bench/speculative.py --smoke          # in-process, a tiny random model: checks the script runs
+    python bench/speculative.py --in-process     # in-process EngineCore on the demo: step costs by kind
 
 Each request asks the demo model (SmolLM2-135M-Instruct, greedy) to copy a document from its prompt
 (prose, code, a quoted paragraph), so prompt lookup finds most of the answer. Per server it measures
@@ -11,6 +12,13 @@ decoding (`--llama-spec-args`, by default `--spec-type ngram-simple --spec-draft
 spell it differently, e.g. `--lookup-ngram-min` or a draft model `-md FILE --draft-max K`). Servers run one
 at a time, configurations alternate per round, and our acceptance rate is read from /metrics. The issue's
 target: ours with speculation >= 1.5x ours without, and ahead of llama-server with its lookup decoding.
+
+--in-process runs EngineCore on the demo model in this process (no HTTP; --threads torch threads) over
+the same chat prompts, and adds what the gain is made of: the median plain decode step, the median
+verify step (a step in which a sequence speculated) and their ratio, in wall and CPU time (on a shared
+machine compare the CPU times at --threads 1), and tokens per verify step. With
+acceptance a and k drafts a verify step yields about 1 + a*k tokens, so speculation gains while the
+verify step costs less than that many plain steps.
 
 --smoke runs EngineCore in-process over a tiny random checkpoint in float64 (so greedy tokens with and
 without speculation compare exactly; random weights copy nothing, so
@@ -186,6 +194,80 @@ def smoke(args: argparse.Namespace) -> None:
     report(results)
 
 
+# --------------------------------------------------------------------------- in-process (the demo, no HTTP)
+def in_process(args: argparse.Namespace) -> None:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.executor.executor import ModelExecutor
+    from engine.executor.worker_group import WorkerGroup
+    from engine.loader import load_tokenizer_and_chat_format
+    from engine.loading.checkpoint import resolve_checkpoint
+    from engine.loading.demo import ensure_demo_checkpoint
+    from engine.spec.config import SpeculativeConfig
+    from engine.types import ChatMessage, EngineRequest, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    demo = ensure_demo_checkpoint(Path(args.demo_cache_dir) if args.demo_cache_dir else None)
+    checkpoint = resolve_checkpoint(Path(demo.checkpoint_dir), model_id=demo.model_id)
+    tokenizer, chat = load_tokenizer_and_chat_format(checkpoint, None)
+    prompt_ids = [chat.encode_dialog([ChatMessage("user", text)]) for text in prompts()]
+    ngram = SpeculativeConfig("ngram", args.k, prompt_lookup_max=4, prompt_lookup_min=2)
+    results: dict[str, list[float]] = {"llamaserve": [], "llamaserve+ngram": []}
+    outputs: dict[str, list[int]] = {}
+    for round_index in range(args.rounds):
+        for name in results:
+            speculative = ngram if "ngram" in name else None
+            config = EngineConfig(dtype=args.dtype, max_seq_len=2048, kv_cache_bytes=128 << 20, speculative_config=speculative)
+            core = EngineCore(ModelExecutor(WorkerGroup(checkpoint, config, max_seq_len=2048)), tokenizer, config, 2048)
+            plain_s: list[float] = []
+            verify_s: list[float] = []
+            # CPU seconds too: on a shared machine a step's wall time includes waiting for a core
+            # (at --threads 1 its CPU time is the step's own work)
+            plain_cpu: list[float] = []
+            verify_cpu: list[float] = []
+            verify_tokens = tokens = 0
+            seconds = 0.0
+            for i, ids in enumerate([prompt_ids[0][:16], *prompt_ids]):  # the first: a warm-up, not counted
+                core.add_request(EngineRequest(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=args.max_tokens)))
+                started, prefilled = time.perf_counter(), False
+                while core.has_unfinished:
+                    drafts = core.stats().spec_decode_num_drafts_total if speculative else 0
+                    step_started, step_cpu = time.perf_counter(), time.process_time()
+                    step_outputs = core.step()
+                    step_s, step_cpu = time.perf_counter() - step_started, time.process_time() - step_cpu
+                    new = sum(len(out.new_token_ids) for out in step_outputs)
+                    if i and prefilled and core.has_unfinished:  # a decode step (not the prompt's, nor the last)
+                        speculated = speculative is not None and core.stats().spec_decode_num_drafts_total > drafts
+                        (verify_s if speculated else plain_s).append(step_s)
+                        (verify_cpu if speculated else plain_cpu).append(step_cpu)
+                        verify_tokens += new if speculated else 0
+                    prefilled = True
+                    if i:
+                        tokens += new
+                        outputs[name] = outputs.get(name, []) + [t for out in step_outputs for t in out.new_token_ids]
+                if i:
+                    seconds += time.perf_counter() - started
+            results[name].append(tokens / seconds)
+            stats = core.stats()
+            core.runner.shutdown()
+            plain_ms = statistics.median(plain_s) * 1e3 if plain_s else None
+            plain_cpu_ms = statistics.median(plain_cpu) * 1e3 if plain_cpu else None
+            note = f"plain step {plain_ms:.1f} ms ({plain_cpu_ms:.1f} ms CPU)" if plain_ms else ""
+            if verify_s:
+                verify_ms, verify_cpu_ms = statistics.median(verify_s) * 1e3, statistics.median(verify_cpu) * 1e3
+                note += f", verify step {verify_ms:.1f} ms ({verify_cpu_ms:.1f} ms CPU)"
+                note += f" (x{verify_ms / plain_ms:.2f} a plain one, CPU x{verify_cpu_ms / plain_cpu_ms:.2f})" if plain_ms else ""
+                note += (f", {verify_tokens / len(verify_s):.2f} tokens per verify step, acceptance "
+                         f"{stats.spec_decode_num_accepted_tokens_total}/{stats.spec_decode_num_draft_tokens_total}")
+            print(f"round {round_index + 1} {name:18s} {results[name][-1]:7.1f} out tok/s  {note}", flush=True)
+        # float32: the verify rows' sums differ from one decode's in the last bits, which may flip a near tie
+        print(f"greedy tokens identical with and without speculation: {'yes' if len(set(map(tuple, outputs.values()))) == 1 else 'no'}")
+        outputs.clear()
+    report(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -198,10 +280,14 @@ def main() -> None:
                         help="llama-server's lookup-decoding flags; K becomes --k")
     parser.add_argument("--demo-cache-dir", default=None)
     parser.add_argument("--smoke", action="store_true", help="in-process, tiny random model, a few tokens")
+    parser.add_argument("--in-process", action="store_true", help="in-process EngineCore on the demo model: step costs by kind")
+    parser.add_argument("--threads", type=int, default=2, help="--in-process: torch threads")
     args = parser.parse_args()
     if args.smoke:
         args.max_tokens = min(args.max_tokens, 24)
         smoke(args)
+    elif args.in_process:
+        in_process(args)
     else:
         asyncio.run(served(args))
 

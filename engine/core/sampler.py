@@ -111,7 +111,8 @@ class UniformStreams:
         return torch.from_numpy(u).to(self._device)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether rows with these params take the argmax (the verifier of speculative decoding asks too)."""
     return params.temperature < _MIN_TEMPERATURE
 
 
@@ -142,7 +143,7 @@ class Sampler:
 
     def _is_plain_greedy(self, seq: Sequence) -> bool:
         p = seq.params
-        return _is_greedy(p) and p.logprobs is None and not self._modifies_logits(seq)
+        return is_greedy(p) and p.logprobs is None and not self._modifies_logits(seq)
 
     def _modifies_logits(self, seq: Sequence) -> bool:
         return (
@@ -171,8 +172,8 @@ class Sampler:
             _apply_grammar_masks(x, constrained, [seqs[row].grammar for row in constrained])
 
         tokens = [-1] * len(seqs)
-        greedy = [row for row in live if _is_greedy(seqs[row].params)]
-        sampled = [row for row in live if not _is_greedy(seqs[row].params)]
+        greedy = [row for row in live if is_greedy(seqs[row].params)]
+        sampled = [row for row in live if not is_greedy(seqs[row].params)]
         for rows, chosen, row_max in (_pick_greedy(x, greedy), self._pick_sampled(x, sampled, seqs)):
             for row, token, value in zip(rows, chosen, row_max):
                 if math.isfinite(value):
@@ -249,12 +250,12 @@ class Sampler:
         device = x.device
         tokens = torch.full((len(seqs),), -1, dtype=torch.int64, device=device)
         best = torch.full((len(seqs),), math.nan, device=device)  # row max after processing; not finite: no token left
-        greedy = [row for row in live if _is_greedy(seqs[row].params)]
+        greedy = [row for row in live if is_greedy(seqs[row].params)]
         if greedy:
             values, ids = _take(x, greedy).max(dim=1)  # the first best id, as _row_max
             index = torch.tensor(greedy, device=device)
             tokens[index], best[index] = ids, values
-        sampled = [row for row in live if not _is_greedy(seqs[row].params)]
+        sampled = [row for row in live if not is_greedy(seqs[row].params)]
         if sampled:
             ids, row_max = self._draw_on_device(x, sampled, seqs)
             index = torch.tensor(sampled, device=device)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
-from engine.executor.step_inputs import StepInputs
+from engine.executor.step_inputs import StepInputs, query_groups
 from engine.vision.mllama import stack_tiles, vision_spans
 
 NO_SEQ = -1
@@ -35,7 +35,7 @@ class CrossAttentionUpdate:
     free_seq_ids: torch.Tensor  # [num_free] int64
     image_meta: torch.Tensor  # [num_images, 5] int64: seq_id, tile rows, tile columns, span start, span end (-1: none)
     pixels: torch.Tensor  # [num_images, max_tiles, 3, chunk, chunk] float32, real tiles first, zeros after
-    step_seq_ids: torch.Tensor  # [num_seqs] int64: the next step's sequences' ids, NO_SEQ where it has no image
+    step_seq_ids: torch.Tensor  # [num_seqs] int64: the next step's query groups' sequence ids, NO_SEQ where it has no image
 
     @property
     def num_images(self) -> int:
@@ -76,11 +76,12 @@ class CrossAttentionTracker:
         new: list[tuple[Sequence, list[tuple[int, int]]]] = []
         step_ids: list[int] = []
         starts = inputs.query_start_loc.tolist()
+        groups = query_groups(batch)  # a speculating sequence's draft rows are query groups of their own
         for i, seq in enumerate(batch.seqs):
+            # one id per query group: each of a speculating sequence's rows reads its state
+            step_ids += [seq.seq_id if seq.images else NO_SEQ] * (1 + len(seq.spec_token_ids))
             if not seq.images:
-                step_ids.append(NO_SEQ)
                 continue
-            step_ids.append(seq.seq_id)
             if seq.seq_id not in self._live:
                 locations = [p.offset for p in seq.images]
                 new.append((seq, vision_spans(locations, seq.num_prompt_tokens)))
@@ -88,7 +89,7 @@ class CrossAttentionTracker:
             first = seq.num_computed_tokens
             for placement in seq.images:  # markers inside this step's chunk
                 for pos in range(max(placement.offset, first), min(placement.offset + placement.length, first + batch.num_new_tokens[i])):
-                    inputs.input_ids[starts[i] + pos - first] = self.vocab_size
+                    inputs.input_ids[starts[groups[i]] + pos - first] = self.vocab_size
         return self._update(new, step_ids)
 
     def _update(self, new: list[tuple[Sequence, list[tuple[int, int]]]], step_ids: list[int]) -> CrossAttentionUpdate:

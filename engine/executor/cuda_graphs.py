@@ -51,8 +51,9 @@ def padded_size(sizes: Sequence[int], num_rows: int) -> int | None:
 
 
 def is_pure_decode(inputs: StepInputs) -> bool:
-    """A step a decode graph can run: one new token per sequence (a speculating sequence's draft
-    rows make more), no LoRA rows (the adapters wrap the per-op linears) and no image rows."""
+    """A step a decode graph can run: one new token per query group (a speculating sequence's draft
+    rows are groups of their own: a verify step qualifies), no LoRA rows (the adapters wrap the
+    per-op linears) and no image rows."""
     return inputs.num_tokens == inputs.num_seqs and inputs.lora_ids is None and inputs.image_rows is None
 
 

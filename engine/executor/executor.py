@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.core.sampler import Sampler
+from engine.core.sampler import Sampler, is_greedy
 from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.executor.cross_attention import CrossAttentionTracker
 from engine.executor.images import ImageRows
 from engine.executor.step_inputs import StepInputs
 from engine.executor.worker_group import Workers
-from engine.spec.verify import Verifier
+from engine.spec.verify import Verifier, greedy_verdict
 from engine.types import TokenLogprob
 
 PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of rows) of prompt-scoring rows
@@ -29,6 +29,13 @@ PromptSpan = tuple[int, int, int]  # (batch index, first flat row, number of row
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[int]]:
     """The flat CPU tensors for one step, and the batch positions of the sequences that sample.
+
+    A speculating sequence (a decode with draft tokens, engine/spec/) enters as 1 + k query groups of
+    one row each, all over its block table, with K/V lengths ctx + 1 .. ctx + 1 + k: exactly 1 + k
+    decodes (every row's K/V is written before any row attends, and each row attends the keys up to
+    its own position), so to the backend a verify step is a pure-decode step of 1 + k rows and takes
+    the decode attention kernels and the compiled decode step, not a prefill chunk's path. The flat
+    rows are the same either way: a sequence's rows stay consecutive (its draft rows follow its own).
 
     Raises ValueError when the batch is inconsistent (a chunk past the sequence's end, or a block
     table too short for it): writing K/V into a padding block would silently corrupt another
@@ -46,36 +53,43 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
     block_rows: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
+    lora_ids: list[int] = []
     sampling: list[int] = []
+    logits_rows: list[int] = []
     for i, (seq, count) in enumerate(zip(seqs, counts)):
         start, table = seq.num_computed_tokens, seq.block_table
         end = start + count
-        # a speculating sequence's draft tokens follow its last token, as more query rows (engine/spec/)
-        spec_end = end + len(seq.spec_token_ids)
+        num_spec = len(seq.spec_token_ids)
+        spec_end = end + num_spec
         if count <= 0 or end > seq.num_tokens or len(table) * block_size < spec_end:
             raise ValueError(
                 f"sequence {seq.seq_id}: cannot compute tokens [{start}, {spec_end}) of {seq.num_tokens} "
                 f"with {len(table)} blocks of {block_size}"
             )
         input_ids += seq.token_ids[start:end]
-        if spec_end != end:
+        if num_spec:
             input_ids += seq.spec_token_ids
         positions += range(start, spec_end)
         for block in range(start // block_size, (spec_end - 1) // block_size + 1):  # slot = table[block] * bs + offset
             first, last = max(start, block * block_size), min(spec_end, (block + 1) * block_size)
             shift = (table[block] - block) * block_size
             slots += range(first + shift, last + shift)
-        block_rows += table
-        if len(table) < max_blocks:
-            block_rows += [0] * (max_blocks - len(table))
-        query_start_loc.append(query_start_loc[-1] + spec_end - start)
-        seq_lens.append(spec_end)
+        # query groups: the chunk (one decode row for a speculating sequence), then one per draft row
+        groups = 1 + num_spec
+        padded = table + [0] * (max_blocks - len(table)) if len(table) < max_blocks else table
+        block_rows += padded * groups
+        row = query_start_loc[-1] + count
+        query_start_loc.append(row)
+        seq_lens.append(end)
+        if num_spec:
+            query_start_loc += range(row + 1, row + num_spec + 1)
+            seq_lens += range(end + 1, spec_end + 1)
+        lora_ids += [seq.lora_id] * groups
         if end == seq.num_tokens:
             sampling.append(i)
+            logits_rows.append(query_start_loc[-1] - 1)
 
-    num_seqs, num_tokens = len(seqs), len(input_ids)
-    lora_ids = [seq.lora_id for seq in seqs]
-    logits_rows = [query_start_loc[i + 1] - 1 for i in sampling]
+    num_seqs, num_tokens = len(seq_lens), len(input_ids)
     wide = torch.tensor(input_ids + positions + slots + logits_rows, dtype=torch.int64)
     narrow = torch.tensor(block_rows + query_start_loc + seq_lens, dtype=torch.int32)
     num_table = num_seqs * max_blocks
@@ -235,11 +249,16 @@ class ModelExecutor:
         drafts go to out.accepted_token_ids; seq_id -> the correction token where a draft was rejected
         (it replaces the sampled bonus token)."""
         corrections: dict[int, int] = {}
+        # greedy rows (the usual case) need only each row's argmax: one call for every row of the step
+        targets = logits.argmax(dim=1).tolist() if any(is_greedy(batch.seqs[i].params) for i, _, _ in spec) else []
         row = 0
         for i, _, num_spec in spec:
             seq = batch.seqs[i]
-            verdict = self._verifier.verify(logits[row : row + num_spec], seq.spec_token_ids, seq.params,
-                                            seq.num_output_tokens)
+            if is_greedy(seq.params):
+                verdict = greedy_verdict(targets[row : row + num_spec], seq.spec_token_ids)
+            else:
+                verdict = self._verifier.verify(logits[row : row + num_spec], seq.spec_token_ids, seq.params,
+                                                seq.num_output_tokens)
             row += num_spec
             out.accepted_token_ids[seq.seq_id] = seq.spec_token_ids[: verdict.num_accepted]
             if verdict.correction is not None:

@@ -1,16 +1,24 @@
 """The flat tensors one forward step needs: the only thing rank 0 broadcasts to its followers.
 
-Layout: the batch is one flat run of `num_tokens` new tokens from `num_seqs` sequences, sequence
-i owning rows query_start_loc[i]:query_start_loc[i+1]. Prefill chunks and single decode tokens
-mix freely. Every new token's K/V is written to its slot in the paged cache before attention
-reads the sequence's blocks.
+Layout: the batch is one flat run of `num_tokens` new tokens in `num_seqs` query groups, group i
+owning rows query_start_loc[i]:query_start_loc[i+1], its K/V length after the step seq_lens[i],
+read through block_tables[i]. A group is a sequence's chunk (a prefill chunk or a single decode
+token); a speculating sequence's draft rows are one group each after its own, over the same block
+table with lengths one longer each (engine/executor/executor.py build_step_inputs), so verify rows
+are decodes to every backend. Prefill chunks and decode tokens mix freely. Every new token's K/V
+is written to its slot in the paged cache before attention reads any group's blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.core.sequence import ScheduledBatch
 
 
 @dataclass(slots=True)
@@ -18,11 +26,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset for each new K/V
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
-    seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each sequence after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0 (a group's sequence's table)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts of the groups
+    seq_lens: torch.Tensor  # [num_seqs] int32, K/V length of each group after this step (its last row's position + 1)
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch whose logits are wanted
-    # [num_seqs] int64, each sequence's engine LoRA id (0: the base alone; engine/lora/layers.py);
+    # [num_seqs] int64, each group's sequence's engine LoRA id (0: the base alone; engine/lora/layers.py);
     # None when no sequence of the step has an adapter (the usual step pays nothing for LoRA)
     lora_ids: torch.Tensor | None = None
     # Early fusion (Llama 4 images): these rows' embeddings are replaced by image_embeds' rows.
@@ -44,3 +52,9 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+def query_groups(batch: "ScheduledBatch") -> list[int]:
+    """The query group (StepInputs' index i) of each batch sequence's first row: a speculating
+    sequence has 1 + k groups, its own chunk and one per draft row; any other sequence one."""
+    return list(itertools.accumulate((1 + len(seq.spec_token_ids) for seq in batch.seqs[:-1]), initial=0))

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import NgramIndex
 from engine.types import SamplingParams
 
 
@@ -50,6 +50,7 @@ class Speculator:
         self.max_seq_len = max_seq_len
         self.draft = draft  # engine.spec.draft.DraftProposer for method "draft_model"
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._ngrams: dict[int, NgramIndex] = {}  # seq_id -> its n-gram index (method "ngram"), while running
 
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens seq may take this step: k, less what max_tokens and the context leave (the
@@ -69,11 +70,16 @@ class Speculator:
             for seq in running:
                 seq.spec_token_ids = proposals.get(seq.seq_id, [])
             return
-        cfg = self.config
         for seq in running:
             k = budgets[seq.seq_id]
-            seq.spec_token_ids = (propose_ngram(seq.token_ids, k, lookup_min=cfg.prompt_lookup_min,
-                                                lookup_max=cfg.prompt_lookup_max) if k else [])
+            seq.spec_token_ids = self._ngram_index(seq).propose(seq.token_ids, k) if k else []
+
+    def _ngram_index(self, seq: Sequence) -> NgramIndex:
+        index = self._ngrams.get(seq.seq_id)
+        if index is None:
+            cfg = self.config
+            index = self._ngrams[seq.seq_id] = NgramIndex(lookup_min=cfg.prompt_lookup_min, lookup_max=cfg.prompt_lookup_max)
+        return index
 
     def record(self, seqs: list[Sequence], accepted_token_ids: dict[int, list[int]]) -> None:
         """Count one step's outcome: seqs are the batch's, spec_token_ids still as verified."""
@@ -89,9 +95,15 @@ class Speculator:
                 stats.accepted_per_position[position] += 1
 
     def retain(self, running: list[Sequence]) -> None:
-        """Release what the proposer holds for sequences no longer running (the draft's KV blocks)."""
+        """Release what the proposer holds for sequences no longer running (the draft's KV blocks, the
+        n-gram indexes; a preempted sequence rebuilds its index once when it runs again)."""
         if self.draft is not None:
             self.draft.retain(running)
+        ngrams = self._ngrams
+        if ngrams and (len(ngrams) > len(running) or any(seq.seq_id not in ngrams for seq in running)):
+            live = {seq.seq_id for seq in running}
+            for seq_id in [s for s in ngrams if s not in live]:
+                del ngrams[seq_id]
 
     def shutdown(self) -> None:
         if self.draft is not None:

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.sampler import next_uniform, seeded_state
+from engine.core.sampler import is_greedy, next_uniform, seeded_state
 from engine.types import SamplingParams
 
-_GREEDY_BELOW = 1e-5  # the sampler's threshold: temperatures below it are greedy
 _SPEC_STREAM = 0x5BEC_DEC0  # offsets the verifier's seeded streams from the sampler's
 
 
@@ -68,6 +67,15 @@ def _draw(weights: torch.Tensor, u: float) -> int:
     return index
 
 
+def greedy_verdict(targets: list[int], drafts: list[int]) -> Verdict:
+    """Greedy verification from each row's argmax: accept while the draft is the argmax; the
+    argmax at the first mismatch is the correction."""
+    for j, (draft, target) in enumerate(zip(drafts, targets)):
+        if draft != target:
+            return Verdict(j, target)
+    return Verdict(len(drafts), None)
+
+
 class Verifier:
     """Decides how many draft tokens each speculating sequence keeps."""
 
@@ -77,12 +85,8 @@ class Verifier:
     def verify(self, logits: torch.Tensor, drafts: list[int], params: SamplingParams, num_output_tokens: int) -> Verdict:
         """logits: [k, vocab], row j the target's logits for the token after draft j (row 0: after the
         last committed token); drafts: the k proposed tokens; num_output_tokens: generated so far."""
-        if params.temperature < _GREEDY_BELOW:
-            targets = logits.float().argmax(dim=1).tolist()
-            for j, (draft, target) in enumerate(zip(drafts, targets)):
-                if draft != target:
-                    return Verdict(j, target)
-            return Verdict(len(drafts), None)
+        if is_greedy(params):
+            return greedy_verdict(logits.argmax(dim=1).tolist(), drafts)
         probs = target_probs(logits, params)
         for j, draft in enumerate(drafts):
             state = (seeded_state(params.seed ^ _SPEC_STREAM, num_output_tokens + j) if params.seed is not None

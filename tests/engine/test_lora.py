@@ -267,3 +267,24 @@ async def test_max_loras_0_serves_no_adapter(tiny_checkpoint, adapters):
         assert engine.runner._workers._shard.lora is None  # no linear was wrapped
     finally:
         await engine.shutdown()
+
+
+async def test_speculating_adapters_equal_the_merged_reference(tiny_checkpoint, adapters, expected):
+    """ngram speculation on the base and two adapters in one batch: a speculating sequence's draft
+    rows are query groups of their own (engine/executor/step_inputs.py), each with its adapter."""
+    from engine.spec.config import SpeculativeConfig
+
+    ngram = SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1)
+    engine = make_engine(tiny_checkpoint, engine_config(speculative_config=ngram))
+    try:
+        await engine.load_adapter("tt", adapters["tt"].folder)
+        await engine.load_adapter("peft", adapters["peft"].folder)
+        greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)  # no logprobs: they speculate
+        requests = [dataclasses.replace(request(f"{lora}-{i}", p, lora), params=greedy)
+                    for lora in (None, "tt", "peft") for i, p in enumerate(PROMPTS)]
+        got = await run_all(engine, requests)
+        for (lora, i), (tokens, _) in expected.items():
+            assert got[f"{lora}-{i}"][0] == tokens, (lora, i)
+        assert engine.core.stats().spec_decode_num_drafts_total > 0
+    finally:
+        await engine.shutdown()

@@ -6,6 +6,7 @@ every cross-attention state is dropped with its sequence."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -216,3 +217,26 @@ def test_cross_attention_states_are_reserved_in_the_kv_budget(checkpoint):
             assert workers.num_blocks == expected // per_block
         finally:
             workers.shutdown()
+
+
+def test_speculating_sequences_with_images_equal_alone(checkpoint):
+    """ngram speculation: a speculating sequence's draft rows are query groups of their own
+    (engine/executor/step_inputs.py), each reading its sequence's cross-attention state, and the
+    groups of the sequences after it keep theirs. 24 tokens each: drafts in most steps, beside
+    sequences with and without images."""
+    from engine.spec.config import SpeculativeConfig
+
+    requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=24)) for r in make_requests()]
+    core = make_core(checkpoint, dtype="float64", enable_prefix_caching=False)
+    try:
+        alone = {r.request_id: tokens_of(run(core, [r]))[r.request_id] for r in requests}
+    finally:
+        core.runner.shutdown()
+    ngram = SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1)
+    core = make_core(checkpoint, dtype="float64", speculative_config=ngram)
+    try:
+        assert tokens_of(run(core, requests)) == alone
+        assert core.stats().spec_decode_num_accepted_tokens_total > 0
+        assert states(core) == 0 and core.pool.num_free == core.pool.num_blocks
+    finally:
+        core.runner.shutdown()

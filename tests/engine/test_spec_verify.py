@@ -6,6 +6,7 @@ fails one with probability < 1e-6 per comparison over the seed sets, and these s
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 from engine.core.sampler import Sampler
 from engine.core.sequence import Sequence
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import NgramIndex, propose_ngram
+from engine.spec.speculator import Speculator
 from engine.spec.verify import Verifier, target_probs
 from engine.types import InvalidRequest, SamplingParams
 
@@ -101,6 +103,60 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
     assert propose_ngram(tokens, 4, lookup_min=4, lookup_max=4) == []  # [9..] no 4-token repeat
     assert propose_ngram([7, 8, 7], 5, lookup_min=1, lookup_max=2) == [8, 7]  # cut at the end
     assert propose_ngram([7], 2, lookup_min=1, lookup_max=2) == []
+
+
+def scan_ngram(token_ids: list[int], k: int, *, lookup_min: int, lookup_max: int) -> list[int]:
+    """The proposer NgramIndex replaced (numpy over the whole token list every step), kept as the
+    oracle: vLLM's semantics spelled out directly."""
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    if k < 1 or len(token_ids) < lookup_min + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(lookup_max, len(token_ids) - 1), lookup_min - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return token_ids[start : start + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_index_proposes_what_a_full_scan_does(seed):
+    """Random token lists over small vocabularies (many repeats), grown by 1 to 5 tokens between
+    lookups as accepted drafts grow them, every (lookup_min, lookup_max) and k of a few sizes."""
+    rng = random.Random(seed)
+    lookup_min = rng.randint(1, 3)
+    lookup_max = rng.randint(lookup_min, 6)
+    vocab = rng.choice([2, 3, 5, 20])
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+    index = NgramIndex(lookup_min=lookup_min, lookup_max=lookup_max)
+    proposed = 0
+    for _ in range(150):
+        k = rng.choice([0, 1, 4, 7])
+        got = index.propose(tokens, k)
+        assert got == scan_ngram(tokens, k, lookup_min=lookup_min, lookup_max=lookup_max), (tokens, k)
+        proposed += bool(got)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+    assert proposed > 10
+
+
+def test_speculator_keeps_an_index_per_running_sequence():
+    spec = Speculator(SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=1), max_seq_len=64)
+    greedy = SamplingParams(temperature=0.0)
+    a = Sequence(0, "a", [1, 2, 3, 1, 2], 5, greedy, num_computed_tokens=4)
+    b = Sequence(1, "b", [7, 8, 7], 3, greedy, num_computed_tokens=2)
+    for seq in (a, b):
+        seq.status = seq.status.RUNNING
+    spec.propose([a, b])
+    assert (a.spec_token_ids, b.spec_token_ids) == ([3, 1, 2], [8, 7])
+    a.token_ids += [3, 9]  # accepted 3, then 9: [9] never seen before
+    a.num_computed_tokens = 6
+    spec.propose([a, b])
+    assert a.spec_token_ids == []
+    spec.retain([a])  # b finished: its index goes
+    assert set(spec._ngrams) == {0}  # noqa: SLF001 (the test's view of the proposer's state)
 
 
 # ---------------------------------------------------------------------- configuration
