@@ -112,6 +112,22 @@ class Results:
         print(f"results written to {path}", flush=True)
 
 
+
+def kernel_builds(baseline: "Path | None") -> dict:
+    """{"ours": this tree's cpu_kernels build, "baseline": another build's .so (older code, another
+    ISA level) when given}: the kernel A/B scripts' libraries. Exits where nothing can be built."""
+    import ctypes
+
+    from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        sys.exit("the C kernels could not be built here")
+    libs = {"ours": kernels}
+    if baseline:
+        libs["baseline"] = CpuKernels(ctypes.CDLL(str(baseline)), partial=True)
+    return libs
+
 def torch_machine() -> dict[str, Any]:
     """The torch side of the machine record (for the scripts that run the engine in-process)."""
     import torch

@@ -16,7 +16,6 @@ jobs share the machine.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
@@ -27,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import load_average  # noqa: E402
+from bench.common import kernel_builds, load_average  # noqa: E402
 from engine.backends.cpu import PackedCpuLinear, pack_weight  # noqa: E402
-from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
+from engine.kernels.cpu import CpuKernels  # noqa: E402
 
 # the demo model's block linears (wqkv, wo, w13, w2) and its output head, float32 and bfloat16
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
@@ -83,12 +82,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        sys.exit("the C kernels could not be built here")
-    libs = {"ours": kernels}
-    if opts.baseline:
-        libs["baseline"] = CpuKernels(ctypes.CDLL(str(opts.baseline)), partial=True)
+    libs = kernel_builds(opts.baseline)
     before = load_average()
     print(f"torch {torch.__version__}, {opts.threads} threads, {opts.stack_mib} MiB stacks (cold weights), median of {opts.rounds} rounds; "
           f"load average {before}")

@@ -14,7 +14,6 @@ this one, round for round: on a shared machine only such ratios carry over.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import time
 from collections.abc import Callable
@@ -24,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import load_average  # noqa: E402
-from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
+from bench.common import kernel_builds, load_average  # noqa: E402
+from engine.kernels.cpu import CpuKernels  # noqa: E402
 
 ROUNDS, CALLS = 5, 20
 
@@ -93,12 +92,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        sys.exit("the C kernels could not be built here")
-    libs = {"ours": kernels}
-    if opts.baseline:
-        libs["baseline"] = CpuKernels(ctypes.CDLL(str(opts.baseline)), partial=True)
+    libs = kernel_builds(opts.baseline)
     print(f"torch {torch.__version__}, {opts.threads} threads, load average {load_average()}; us per call, best of {ROUNDS} x {CALLS}")
     linears(libs, opts.threads)
     attention(libs, opts.threads)
