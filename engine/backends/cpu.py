@@ -7,7 +7,9 @@ bfloat16 alike; bench/NOTES.md).
 CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and in float32 on AVX2) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
-(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
+(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply). Where
+oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too, every
+linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.backends.torch_ops import TorchBackend, prefill_attention, split_hea
 from engine.kernels.cpu import CpuKernels
 from engine.kernels.memory import onednn_rows
 from engine.executor.step_inputs import StepInputs
+from engine.quant.linear import tiled_mm
 
 # The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
 # (bench/NOTES.md).
@@ -50,6 +53,14 @@ INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 # (bench/NOTES.md 'Narrow weights on the tiles').
 AMX_MAX_ROWS = 64
 
+# A weight without oneDNN's copy (bfloat16 where oneDNN has no bfloat16 kernel: AVX2 CPUs) runs inputs
+# of this many rows and more on float32 tiles widened from its interleaved copy and a float32 GEMM
+# (PackedCpuLinear._without_onednn), fewer on the interleaved kernel. Tiles of at most
+# WIDEN_TILE_ELEMS float32 (1 MiB) stay in L2 between the widening and the GEMM, as
+# engine.quant.linear's dequantized tiles do.
+WIDEN_MIN_ROWS = 16
+WIDEN_TILE_ELEMS = 1 << 18
+
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
@@ -63,13 +74,17 @@ class PackedWeight:
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
+                onednn: bool = True) -> PackedWeight:  # fmt: skip
     """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
-    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
+    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
+    onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
+    only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
+    multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense)."""
     interleaved = None
-    if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
+    if (invariant or not onednn) and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel (and widened tiles) serve every row count
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
@@ -84,7 +99,8 @@ class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
     when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
     narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
-    layout is the AMX weight-tile layout: no further copy)."""
+    layout is the AMX weight-tile layout: no further copy). A weight with neither oneDNN's copy nor
+    tiles (bfloat16 on AVX2) runs every row count from its interleaved copy (_without_onednn)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
         super().__init__()
@@ -99,8 +115,8 @@ class PackedCpuLinear(nn.Module):
         # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
         self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
-        if weight.packed is None and self._many_rows is None and not (invariant and self._one_row is not None):
-            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel (or the invariant mode's row kernel)")
+        if weight.packed is None and self._many_rows is None and self._one_row is None:
+            raise ValueError("a PackedWeight without oneDNN's copy needs its interleaved copy and the kernels")
 
     def _bind(self, interleaved: torch.Tensor | None) -> None:
         """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
@@ -109,6 +125,8 @@ class PackedCpuLinear(nn.Module):
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
+        no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None
+        self._widen = self._kernels.bind_widen(interleaved) if no_onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One row: the one-row kernel; bfloat16 rows up to _max_tile_rows: the AMX tiles; else
@@ -124,7 +142,29 @@ class PackedCpuLinear(nn.Module):
             return self._one_row(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
+        if self._widen is not None:
+            return self._without_onednn(x)
         return self._onednn(x)
+
+    def _without_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of a weight that has no oneDNN copy (its dtype has no oneDNN kernel here: bfloat16 on
+        AVX2) nor AMX tiles: the one seam for 'many rows of a bfloat16 weight without oneDNN'. Up
+        to WIDEN_MIN_ROWS - 1 rows: the interleaved kernel (each row's sums in float32); from there
+        tiles of the interleaved copy widened to float32 and multiplied by a float32 GEMM (torch's
+        bfloat16 matmul has no native instructions on such CPUs: 10x slower, bench/NOTES.md)."""
+        flat = x.reshape(-1, self.in_features).contiguous()
+        threads = torch.get_num_threads()
+        if flat.shape[0] < WIDEN_MIN_ROWS:
+            y = self._one_row(flat, threads)
+        else:
+            widen = self._widen
+            y = tiled_mm(flat, self.out_features, torch.float32, tile_rows=self._widen_tile_rows(),
+                         fill=lambda row0, row1, tile: widen(row0, row1, tile, threads), transposed_tiles=True)  # fmt: skip
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _widen_tile_rows(self) -> int:
+        """Output rows per widened tile: a multiple of 16 (the interleaved blocks), the tile within WIDEN_TILE_ELEMS."""
+        return min(self.out_features, max(16, WIDEN_TILE_ELEMS // self.in_features // 16 * 16))
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """Rows padded to the buckets of engine.kernels.memory.onednn_rows: oneDNN keeps a primitive per row count."""
@@ -207,11 +247,14 @@ class OneDnnBackend(TorchBackend):
     name = "onednn"
     kernels: CpuKernels | None = None
     amx: AmxLinear | None = None
+    onednn = True  # oneDNN runs the model dtype here (CpuKernelBackend: False for bfloat16 on AVX2)
 
     def prepare_linear(self, weight):
         if not isinstance(weight, torch.Tensor):
             return weight
-        return pack_weight(weight, self.kernels, self.amx, invariant=self.batch_invariant)
+        if not self.onednn and weight.shape[0] % 16:  # no oneDNN, no interleaved layout: torch's linear
+            return weight
+        return pack_weight(weight, self.kernels, self.amx, invariant=self.batch_invariant, onednn=self.onednn)
 
     def prepare_head(self, weight):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
@@ -246,6 +289,9 @@ class CpuKernelBackend(OneDnnBackend):
                  batch_invariant: bool = False) -> None:  # fmt: skip
         super().__init__(device, dtype, quantization=quantization, batch_invariant=batch_invariant)
         self.kernels = kernels
+        # bfloat16 where oneDNN has no bfloat16 kernel (AVX2): every linear on the interleaved copy
+        # only (PackedCpuLinear._without_onednn), the head on the kernels (prepare_head)
+        self.onednn = packing_available(dtype)
         # no AMX tiles in the batch-invariant mode: their row blocking would make a row's sums depend on the batch
         self.amx = load_amx_linear() if dtype == torch.bfloat16 and not batch_invariant else None
 
