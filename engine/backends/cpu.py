@@ -15,6 +15,7 @@ linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,14 +158,8 @@ class PackedCpuLinear(nn.Module):
         if flat.shape[0] < WIDEN_MIN_ROWS:
             y = self._one_row(flat, threads)
         else:
-            widen = self._widen
-            y = tiled_mm(flat, self.out_features, torch.float32, tile_rows=self._widen_tile_rows(),
-                         fill=lambda row0, row1, tile: widen(row0, row1, tile, threads), transposed_tiles=True)  # fmt: skip
+            y = widened_mm(flat, self._widen, self.out_features, threads)
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def _widen_tile_rows(self) -> int:
-        """Output rows per widened tile: a multiple of 16 (the interleaved blocks), the tile within WIDEN_TILE_ELEMS."""
-        return min(self.out_features, max(16, WIDEN_TILE_ELEMS // self.in_features // 16 * 16))
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """Rows padded to the buckets of engine.kernels.memory.onednn_rows: oneDNN keeps a primitive per row count."""
@@ -202,6 +197,16 @@ class PackedCpuLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in copies)
 
 
+def widened_mm(x: torch.Tensor, widen: Callable[[int, int, torch.Tensor, int], None], out_features: int, threads: int,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """x [rows, in] @ W^T through a float32 GEMM over tiles of W widened by `widen`
+    (CpuKernels.bind_widen): each tile a multiple of 16 output rows (the interleaved blocks), within
+    WIDEN_TILE_ELEMS. In out_dtype, default x's."""
+    tile_rows = min(out_features, max(16, WIDEN_TILE_ELEMS // x.shape[1] // 16 * 16))
+    return tiled_mm(x, out_features, torch.float32, tile_rows=tile_rows, fill=lambda row0, row1, tile: widen(row0, row1, tile, threads),
+                    transposed_tiles=True, out_dtype=out_dtype)  # fmt: skip
+
+
 def packing_available(dtype: torch.dtype) -> bool:
     """oneDNN present and able to run this dtype here (bfloat16 needs AVX-512 class CPUs)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
@@ -226,15 +231,22 @@ class InterleavedHead:
 class InterleavedHeadLinear(nn.Module):
     """The bfloat16 output head through interleaved_linear_f32_out: bfloat16 inputs and weights,
     float32 sums kept as the logits (oneDNN's bfloat16 linear rounds them to bfloat16). Every row
-    is summed in one fixed order whatever the rows: the logits do not depend on the batch."""
+    is summed in one fixed order whatever the rows (the logits do not depend on the batch), but
+    with `widen`: many rows then run a float32 GEMM over widened tiles (CPUs without oneDNN's bfloat16)."""
 
-    def __init__(self, head: InterleavedHead, kernels: CpuKernels) -> None:
+    def __init__(self, head: InterleavedHead, kernels: CpuKernels, *, widen: bool = False) -> None:
         super().__init__()
         self.register_buffer("interleaved", head.interleaved, persistent=False)
         self.out_features, self.in_features = head.out_features, head.in_features
         self._rows = kernels.bind_interleaved(head.interleaved, f32_out=True)
+        # widen: WIDEN_MIN_ROWS rows and more through widened float32 tiles and a float32 GEMM, as
+        # PackedCpuLinear without oneDNN (float32 sums too, in the GEMM's order: the logits then
+        # depend on the rows; never in the batch-invariant mode)
+        self._widen = kernels.bind_widen(head.interleaved) if widen else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._widen is not None and x.shape[0] >= WIDEN_MIN_ROWS:
+            return widened_mm(x.contiguous(), self._widen, self.out_features, torch.get_num_threads(), out_dtype=torch.float32)
         return self._rows(x.contiguous(), torch.get_num_threads())
 
     def resident_bytes(self) -> int:
@@ -269,7 +281,7 @@ class OneDnnBackend(TorchBackend):
 
     def head_linear(self, weight, collective=None) -> Linear:
         if isinstance(weight, InterleavedHead):
-            local = InterleavedHeadLinear(weight, self.kernels)
+            local = InterleavedHeadLinear(weight, self.kernels, widen=not self.onednn and not self.batch_invariant)
             return local if collective is None else ParallelLinear(local, collective)
         return super().head_linear(weight, collective)
 

@@ -15,6 +15,7 @@ from engine.backends import select_backend
 from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, pack_weight
 from engine.config import EngineConfig
 from engine.kernels import cpu as ck
+from tests.engine.test_exact_logits import assert_within_f32_rounding
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
 CPU = torch.device("cpu")
@@ -97,6 +98,20 @@ def test_a_weight_the_kernels_cannot_lay_out_stays_dense(kernels, no_onednn_bf16
     backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
     weight = torch.randn(24, 16).bfloat16()  # 24 output rows: no whole blocks of 16
     assert backend.prepare_linear(weight) is weight
+
+
+@pytest.mark.parametrize("rows", [1, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 33])
+def test_the_head_gives_float32_logits_at_every_row_count(kernels, no_onednn_bf16, rows):
+    """Few rows on the interleaved kernel, many on widened tiles (a float32 GEMM): float32 sums of
+    the bfloat16 products either way; the batch-invariant mode keeps the row kernel."""
+    backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(160, 72, generator=g).bfloat16(), torch.randn(rows, 72, generator=g).bfloat16()
+    head = backend.head_linear(backend.prepare_head(weight))
+    assert isinstance(head, InterleavedHeadLinear) and head._widen is not None
+    assert_within_f32_rounding(head(x), x, weight)
+    invariant = select_backend(EngineConfig(dtype="bfloat16", batch_invariant=True), CPU)
+    assert invariant.head_linear(invariant.prepare_head(weight))._widen is None
 
 
 @pytest.fixture(scope="module")
