@@ -198,7 +198,7 @@ class CpuKernels:
     def paged_attention_takes_chunks(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether a step with prefill chunks runs every sequence in one paged_attention call rather
         than SDPA per chunk, for caches of this dtype, head_dim and block size: on AMX tiles
-        (paged_attention_on_tiles), and float32 in AVX builds below AVX-512 (csrc/attention.c)."""
+        (paged_attention_on_tiles), and in AVX builds below AVX-512 (csrc/attention.c)."""
         return dtype in DTYPE_CODES and bool(self._lib.paged_attention_takes_chunks(DTYPE_CODES[dtype], head_dim, block_size))
 
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
