@@ -152,7 +152,7 @@ class PackedCpuLinear(nn.Module):
         AVX2) nor AMX tiles: the one seam for 'many rows of a bfloat16 weight without oneDNN'. Up
         to WIDEN_MIN_ROWS - 1 rows: the interleaved kernel (each row's sums in float32); from there
         tiles of the interleaved copy widened to float32 and multiplied by a float32 GEMM (torch's
-        bfloat16 matmul has no native instructions on such CPUs: 10x slower, bench/NOTES.md)."""
+        bfloat16 matmul has no native instructions on such CPUs: bench/NOTES.md 'bfloat16 on AVX2')."""
         flat = x.reshape(-1, self.in_features).contiguous()
         threads = torch.get_num_threads()
         if flat.shape[0] < WIDEN_MIN_ROWS:
