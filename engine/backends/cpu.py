@@ -4,16 +4,19 @@ OneDnnBackend: the torch backend's operations with every dense linear's weight r
 load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
 bfloat16 alike; bench/NOTES.md).
 
-CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and in float32 on AVX2) and SiLU-mul through
+CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and on AVX2) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
-builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups).
+builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups). Where oneDNN has no kernel for
+bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too, every linear on its interleaved
+copy alone (PackedCpuLinear._without_onednn).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ from engine.backends.torch_ops import TorchBackend, prefill_attention, split_hea
 from engine.kernels.cpu import CpuKernels
 from engine.kernels.memory import onednn_rows
 from engine.executor.step_inputs import StepInputs
+from engine.quant.linear import tiled_mm
 
 # The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
 # (bench/NOTES.md).
@@ -70,6 +74,15 @@ def few_rows_cutoff(kernels: CpuKernels | None) -> int:
     return 1 if kernels is None else FEW_ROWS_MAX_ROWS.get(kernels.simd_bits, 1)
 
 
+# A weight without oneDNN's copy (bfloat16 where oneDNN has no bfloat16 kernel: AVX2 CPUs) runs inputs
+# of this many rows and more on float32 tiles widened from its interleaved copy and a float32 GEMM
+# (PackedCpuLinear._without_onednn), fewer on the interleaved kernel. Tiles of at most
+# WIDEN_TILE_ELEMS float32 (1 MiB) stay in L2 between the widening and the GEMM, as
+# engine.quant.linear's dequantized tiles do.
+WIDEN_MIN_ROWS = 16
+WIDEN_TILE_ELEMS = 1 << 18
+
+
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A linear weight in oneDNN's blocked layout, plus (small weights, with the kernels) a copy in
@@ -83,14 +96,17 @@ class PackedWeight:
 
 
 def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
-                interleaved_max_bytes: int | None = None) -> PackedWeight:  # fmt: skip
+                interleaved_max_bytes: int | None = None, onednn: bool = True) -> PackedWeight:  # fmt: skip
     """oneDNN's copy, and the interleaved one for weights up to interleaved_max_bytes (default
     INTERLEAVED_MAX_WEIGHT_BYTES, read at the call: tests lower it); with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
-    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
+    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
+    onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
+    only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
+    multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense)."""
     interleaved = None
-    if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
+    if (invariant or not onednn) and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel (and widened tiles) serve every row count
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         max_bytes = INTERLEAVED_MAX_WEIGHT_BYTES if interleaved_max_bytes is None else interleaved_max_bytes
@@ -106,7 +122,8 @@ class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; inputs of one row (up to few_rows_cutoff
     rows) through the interleaved copy when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
     narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
-    layout is the AMX weight-tile layout: no further copy)."""
+    layout is the AMX weight-tile layout: no further copy). A weight with neither oneDNN's copy nor
+    tiles (bfloat16 on AVX2) runs every row count from its interleaved copy (_without_onednn)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
         super().__init__()
@@ -121,8 +138,8 @@ class PackedCpuLinear(nn.Module):
         # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
         self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
-        if weight.packed is None and self._many_rows is None and not (invariant and self._one_row is not None):
-            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel (or the invariant mode's row kernel)")
+        if weight.packed is None and self._many_rows is None and self._one_row is None:
+            raise ValueError("a PackedWeight without oneDNN's copy needs its interleaved copy and the kernels")
 
     def _bind(self, interleaved: torch.Tensor | None) -> None:
         """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
@@ -133,6 +150,8 @@ class PackedCpuLinear(nn.Module):
         self._few_rows = (few_rows_cutoff(self._kernels) if interleaved.dim() == 3 else 1) if self._one_row is not None else 0
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
+        no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None
+        self._widen = self._kernels.bind_widen(interleaved) if no_onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; bfloat16 rows up
@@ -148,7 +167,23 @@ class PackedCpuLinear(nn.Module):
             return self._one_row(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
+        if self._widen is not None:
+            return self._without_onednn(x)
         return self._onednn(x)
+
+    def _without_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of a weight that has no oneDNN copy (its dtype has no oneDNN kernel here: bfloat16 on
+        AVX2) nor AMX tiles: the one seam for 'many rows of a bfloat16 weight without oneDNN'. Up
+        to WIDEN_MIN_ROWS - 1 rows: the interleaved kernel (each row's sums in float32); from there
+        tiles of the interleaved copy widened to float32 and multiplied by a float32 GEMM (torch's
+        bfloat16 matmul has no native instructions on such CPUs: bench/NOTES.md 'bfloat16 on AVX2')."""
+        flat = x.reshape(-1, self.in_features).contiguous()
+        threads = torch.get_num_threads()
+        if flat.shape[0] < WIDEN_MIN_ROWS:
+            y = self._one_row(flat, threads)
+        else:
+            y = widened_mm(flat, self._widen, self.out_features, threads)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """Rows padded to the buckets of engine.kernels.memory.onednn_rows: oneDNN keeps a primitive per row count."""
@@ -192,6 +227,16 @@ class PackedCpuLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in copies)
 
 
+def widened_mm(x: torch.Tensor, widen: Callable[[int, int, torch.Tensor, int], None], out_features: int, threads: int,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """x [rows, in] @ W^T through a float32 GEMM over tiles of W widened by `widen`
+    (CpuKernels.bind_widen): each tile a multiple of 16 output rows (the interleaved blocks), within
+    WIDEN_TILE_ELEMS. In out_dtype, default x's."""
+    tile_rows = min(out_features, max(16, WIDEN_TILE_ELEMS // x.shape[1] // 16 * 16))
+    return tiled_mm(x, out_features, torch.float32, tile_rows=tile_rows, fill=lambda row0, row1, tile: widen(row0, row1, tile, threads),
+                    transposed_tiles=True, out_dtype=out_dtype)  # fmt: skip
+
+
 def packing_available(dtype: torch.dtype) -> bool:
     """oneDNN present and able to run this dtype here (bfloat16 needs AVX-512 class CPUs)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
@@ -216,15 +261,22 @@ class InterleavedHead:
 class InterleavedHeadLinear(nn.Module):
     """The bfloat16 output head through interleaved_linear_f32_out: bfloat16 inputs and weights,
     float32 sums kept as the logits (oneDNN's bfloat16 linear rounds them to bfloat16). Every row
-    is summed in one fixed order whatever the rows: the logits do not depend on the batch."""
+    is summed in one fixed order whatever the rows (the logits do not depend on the batch), but
+    with `widen`: many rows then run a float32 GEMM over widened tiles (CPUs without oneDNN's bfloat16)."""
 
-    def __init__(self, head: InterleavedHead, kernels: CpuKernels) -> None:
+    def __init__(self, head: InterleavedHead, kernels: CpuKernels, *, widen: bool = False) -> None:
         super().__init__()
         self.register_buffer("interleaved", head.interleaved, persistent=False)
         self.out_features, self.in_features = head.out_features, head.in_features
         self._rows = kernels.bind_interleaved(head.interleaved, f32_out=True)
+        # widen: WIDEN_MIN_ROWS rows and more through widened float32 tiles and a float32 GEMM, as
+        # PackedCpuLinear without oneDNN (float32 sums too, in the GEMM's order: the logits then
+        # depend on the rows; never in the batch-invariant mode)
+        self._widen = kernels.bind_widen(head.interleaved) if widen else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._widen is not None and x.shape[0] >= WIDEN_MIN_ROWS:
+            return widened_mm(x.contiguous(), self._widen, self.out_features, torch.get_num_threads(), out_dtype=torch.float32)
         return self._rows(x.contiguous(), torch.get_num_threads())
 
     def resident_bytes(self) -> int:
@@ -237,11 +289,14 @@ class OneDnnBackend(TorchBackend):
     name = "onednn"
     kernels: CpuKernels | None = None
     amx: AmxLinear | None = None
+    onednn = True  # oneDNN runs the model dtype here (CpuKernelBackend: False for bfloat16 on AVX2)
 
     def prepare_linear(self, weight):
         if not isinstance(weight, torch.Tensor):
             return weight
-        return pack_weight(weight, self.kernels, self.amx, invariant=self.batch_invariant)
+        if not self.onednn and weight.shape[0] % 16:  # no oneDNN, no interleaved layout: torch's linear
+            return weight
+        return pack_weight(weight, self.kernels, self.amx, invariant=self.batch_invariant, onednn=self.onednn)
 
     def prepare_head(self, weight):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
@@ -260,7 +315,7 @@ class OneDnnBackend(TorchBackend):
 
     def head_linear(self, weight, collective=None) -> Linear:
         if isinstance(weight, InterleavedHead):
-            local = InterleavedHeadLinear(weight, self.kernels)
+            local = InterleavedHeadLinear(weight, self.kernels, widen=not self.onednn and not self.batch_invariant)
             return local if collective is None else ParallelLinear(local, collective)
         return super().head_linear(weight, collective)
 
@@ -280,6 +335,9 @@ class CpuKernelBackend(OneDnnBackend):
                  batch_invariant: bool = False) -> None:  # fmt: skip
         super().__init__(device, dtype, quantization=quantization, batch_invariant=batch_invariant)
         self.kernels = kernels
+        # bfloat16 where oneDNN has no bfloat16 kernel (AVX2): every linear on the interleaved copy
+        # only (PackedCpuLinear._without_onednn), the head on the kernels (prepare_head)
+        self.onednn = packing_available(dtype)
         # no AMX tiles in the batch-invariant mode: their row blocking would make a row's sums depend on the batch
         self.amx = load_amx_linear() if dtype == torch.bfloat16 and not batch_invariant else None
 
@@ -296,7 +354,7 @@ class CpuKernelBackend(OneDnnBackend):
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         """The paths, in order: torch's (GATHERED) for chunk windows the kernels cannot read (chunk
         size not a multiple of the block size); every sequence in one paged_attention call where it
-        beats SDPA on prefill chunks (AMX tiles; float32 on AVX2: paged_attention_takes_chunks) and a
+        beats SDPA on prefill chunks (AMX tiles; AVX2: paged_attention_takes_chunks) and a
         sequence has 2+ new tokens (a prefill chunk); the decodes in one
         paged_attention call from two per thread in builds where it is the faster (512-bit vectors;
         prefill chunks: SDPA); else paged_decode_attention."""
@@ -373,7 +431,7 @@ class CpuKernelBackend(OneDnnBackend):
 
 
 # paged_attention takes all of a step's sequences on AMX tiles (1.3-2.5x faster than SDPA on prefill
-# chunks, bench/NOTES.md) and in float32 on AVX2 (1.6x); elsewhere it gets the decodes only and
+# chunks, bench/NOTES.md) and on AVX2 (float32 1.6x, bfloat16 2.8x); elsewhere it gets the decodes only and
 # prefill chunks stay with torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
 # loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams').
 def _paged_decode_sequences(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedSequences:

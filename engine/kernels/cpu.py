@@ -47,6 +47,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "interleaved_linear_bf16_pairs": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
     # interleaved_linear with float32 out whatever the input dtype (the output head's logits)
     "interleaved_linear_f32_out": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
+    # bf16, pairs, weight (interleaved or pairs), k, block0, block1, out (float32 [k, (block1 - block0) * 16]), threads
+    "interleaved_widen": ((_i32, _i32, _p, _i64, _i64, _i64, _p, _i32), None),
     # the pairs kernel with float32 out: only where BF16_PAIRS is
     "interleaved_linear_bf16_pairs_f32_out": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
@@ -206,7 +208,7 @@ class CpuKernels:
     def paged_attention_takes_chunks(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether a step with prefill chunks runs every sequence in one paged_attention call rather
         than SDPA per chunk, for caches of this dtype, head_dim and block size: on AMX tiles
-        (paged_attention_on_tiles), and float32 in AVX builds below AVX-512 (csrc/attention.c)."""
+        (paged_attention_on_tiles), and in AVX builds below AVX-512 (csrc/attention.c)."""
         return dtype in DTYPE_CODES and bool(self._lib.paged_attention_takes_chunks(DTYPE_CODES[dtype], head_dim, block_size))
 
     def paged_attention_on_tiles(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -251,6 +253,23 @@ class CpuKernels:
 
         one_row.weight = weight  # the pointer's owner lives as long as the call
         return one_row
+
+    def bind_widen(self, weight: torch.Tensor) -> Callable[[int, int, torch.Tensor, int], None]:
+        """csrc/linear.c's interleaved_widen for one weight as interleave() made it: call(row0, row1,
+        out, threads) writes W[row0:row1]^T as float32 into out (contiguous [in, row1 - row0]; row0
+        and row1 multiples of 16), the tiles a float32 GEMM multiplies many rows by."""
+        pairs = weight.dim() == 4
+        k = weight.shape[1] * (2 if pairs else 1)
+        fn, weight_ptr, bf16 = self._lib.interleaved_widen, weight.data_ptr(), DTYPE_CODES[weight.dtype]
+
+        def call(row0: int, row1: int, out: torch.Tensor, threads: int) -> None:
+            # the kernel writes out through raw offsets: a shape it does not expect is refused here
+            if row0 % 16 or row1 % 16 or out.dtype != torch.float32 or out.shape != (k, row1 - row0) or not out.is_contiguous():
+                raise ValueError(f"interleaved_widen: rows {row0}..{row1} into {out.dtype} {list(out.shape)}")
+            fn(bf16, int(pairs), weight_ptr, k, row0 // 16, row1 // 16, out.data_ptr(), threads)
+
+        call.weight = weight  # the pointer's owner lives as long as the call
+        return call
 
     @staticmethod
     def lora_expand_layout(b_t: torch.Tensor) -> torch.Tensor:

@@ -200,26 +200,37 @@ def activation_rounding(weight: object) -> Callable[[torch.Tensor], torch.Tensor
 
 def tiled_dequant_mm(x: torch.Tensor, weight: QuantizedWeight, compute: torch.dtype, *, tile_elems: int,
                      fill: Callable[[int, int, torch.Tensor], None] | None = None) -> torch.Tensor:
-    """x [rows, in] @ dequantize(weight)^T in x's dtype, on x's device: out^T tile by tile, each tile
-    of output rows dequantized to `compute` into one reused buffer (by `fill(row0, row1, tile)`,
-    else in torch), then multiplied (the transposed output's row slices are contiguous, so mm
-    writes in place)."""
+    """x [rows, in] @ dequantize(weight)^T in x's dtype, on x's device: tiled_mm over tiles of output
+    rows dequantized to `compute` (by `fill(row0, row1, tile)`, else in torch)."""
     n, k = weight.shape
-    tile_rows = max(1, min(n, tile_elems // max(k, 1)))
-    buffer = torch.empty(tile_rows, k, dtype=compute, device=x.device)
-    out_t = torch.empty(n, x.shape[0], dtype=x.dtype, device=x.device)
+    if fill is None:
+        fill = lambda row0, row1, tile: tile.copy_(weight.rows(row0, row1).dequantize(compute))  # noqa: E731
+    return tiled_mm(x, n, compute, tile_rows=max(1, min(n, tile_elems // max(k, 1))), fill=fill)
+
+
+def tiled_mm(x: torch.Tensor, out_features: int, compute: torch.dtype, *, tile_rows: int,
+             fill: Callable[[int, int, torch.Tensor], None], transposed_tiles: bool = False,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """x [rows, in] @ W^T in out_dtype (default x's), on x's device, W [out_features, in] never whole in `compute`:
+    out^T tile by tile, each tile of up to `tile_rows` output rows written by `fill(row0, row1, tile)`
+    into one reused buffer (W[row0:row1] as a contiguous [row1 - row0, in] tile, or its transpose
+    [in, row1 - row0] with transposed_tiles), then multiplied (the transposed output's row slices are
+    contiguous, so mm writes in place). Quantized weights dequantize into the tiles; a bfloat16
+    weight on a CPU without bfloat16 GEMMs widens into them (engine/backends/cpu.py)."""
+    k = x.shape[1]
+    buffer = torch.empty(tile_rows * k, dtype=compute, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    out_t = torch.empty(out_features, x.shape[0], dtype=out_dtype, device=x.device)
     xt = x.to(compute).t()
-    for row0 in range(0, n, tile_rows):
-        row1 = min(n, row0 + tile_rows)
-        tile = buffer[: row1 - row0]
-        if fill is not None:
-            fill(row0, row1, tile)
+    for row0 in range(0, out_features, tile_rows):
+        row1 = min(out_features, row0 + tile_rows)
+        tile = buffer[: (row1 - row0) * k].view((k, row1 - row0) if transposed_tiles else (row1 - row0, k))
+        fill(row0, row1, tile)
+        a = tile.t() if transposed_tiles else tile
+        if compute == out_dtype:
+            torch.mm(a, xt, out=out_t[row0:row1])
         else:
-            tile.copy_(weight.rows(row0, row1).dequantize(compute))
-        if compute == x.dtype:
-            torch.mm(tile, xt, out=out_t[row0:row1])
-        else:
-            out_t[row0:row1] = torch.mm(tile, xt).to(x.dtype)
+            out_t[row0:row1] = torch.mm(a, xt).to(out_dtype)
     return out_t.t().contiguous()
 
 

@@ -477,11 +477,16 @@ NUM_BLOCKS = 40
 
 def build_model(checkpoint: Path, dtype: torch.dtype, kernels: ck.CpuKernels | None) -> Transformer:
     """What the executor builds on CPU: weights in dtype, packed (wq|wk|wv and w1|w3 fused), over
-    the fused kernels (CpuKernelBackend) or, without kernels, torch ops (OneDnnBackend)."""
-    if not cpu_packing_available(dtype):
+    the fused kernels (CpuKernelBackend; bfloat16 without oneDNN's bfloat16 on its interleaved
+    copies) or, without kernels, torch ops (OneDnnBackend; TorchBackend where oneDNN lacks the dtype)."""
+    packs = cpu_packing_available(dtype)
+    if not packs and dtype != torch.bfloat16:
         pytest.skip(f"oneDNN packing of {dtype} unavailable here: the CPU backends need it")
     cpu = torch.device("cpu")
-    backend = OneDnnBackend(cpu, dtype) if kernels is None else CpuKernelBackend(cpu, dtype, kernels)
+    if kernels is not None:
+        backend = CpuKernelBackend(cpu, dtype, kernels)
+    else:
+        backend = OneDnnBackend(cpu, dtype) if packs else TorchBackend(cpu, dtype)
     return build_with(checkpoint, dtype, backend)
 
 

@@ -199,17 +199,18 @@ def test_prefill_chunks_through_paged_attention_match_torch(fused_model, monkeyp
 
 
 def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
-    """This machine's build routes float32 prefill chunks to paged_attention exactly where it was
-    measured to beat SDPA: AVX builds below AVX-512 (and on AMX tiles, bfloat16)."""
+    """This machine's build routes prefill chunks to paged_attention exactly where it was measured
+    to beat SDPA: AVX builds below AVX-512, float32 and bfloat16 (and on AMX tiles, bfloat16)."""
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    assert kernels.paged_attention_takes_chunks(torch.float32, 64, 16) == ("avx" in flags and "avx512f" not in flags)
-    assert kernels.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == on_tiles(kernels, 64, 16)
+    avx2_class = "avx" in flags and "avx512f" not in flags
+    assert kernels.paged_attention_takes_chunks(torch.float32, 64, 16) == avx2_class
+    assert kernels.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == (avx2_class or on_tiles(kernels, 64, 16))
     assert not kernels.paged_attention_takes_chunks(torch.float32, 24, 16)  # head_dim not a multiple of 16
 
 
 # --------------------------------------------------------------------------- each x86-64 level's build
-LEVELS = {"x86-64-v3": (True, False), "x86-64-v2": (False, False)}  # level: (takes float32 chunks, takes decodes)
+LEVELS = {"x86-64-v3": (True, False), "x86-64-v2": (False, False)}  # level: (takes prefill chunks, takes decodes)
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
@@ -246,6 +247,7 @@ def test_each_level_routes_as_measured(level_kernels):
     level, lib = level_kernels
     takes_chunks, takes_decodes = LEVELS[level]
     assert lib.paged_attention_takes_chunks(torch.float32, 64, 16) == takes_chunks
+    assert lib.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == takes_chunks  # no tiles below AVX-512
     assert lib.paged_attention_takes_decodes() == takes_decodes
 
 

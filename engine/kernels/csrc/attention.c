@@ -867,14 +867,16 @@ int paged_attention_takes_decodes(void) {
 
 /* 1 where a step with prefill chunks should run all its sequences, chunks and decodes, in one
  * paged_attention call instead of SDPA per chunk: on AMX tiles (paged_attention_on_tiles), and on
- * float32 caches in AVX builds below AVX-512, where the 8-lane pa_tile ran a step's chunks 1.6x
- * faster than torch's float32 SDPA (an AVX2 Zen 2, 4 prompts of 128 tokens and a 512-token mixed step
- * of the demo; bench/NOTES.md 'AVX2 paged attention'). Elsewhere (AVX-512 without AMX, bfloat16 off
- * tiles, the SSE build) SDPA keeps them: not measured against it there, or its bf16 GEMMs win. */
+ * AVX builds below AVX-512, where the 8-lane pa_tile ran a step's chunks 1.6x faster than torch's
+ * float32 SDPA (an AVX2 Zen 2, 4 prompts of 128 tokens and a 512-token mixed step of the demo;
+ * bench/NOTES.md 'AVX2 paged attention') and a bfloat16 128-token chunk 2.8x faster than torch's
+ * bfloat16 SDPA, which has no native bfloat16 instructions there (bench/NOTES.md 'bfloat16 on AVX2').
+ * Elsewhere (AVX-512 without AMX, bfloat16 off tiles, the SSE build) SDPA keeps them: not measured
+ * against it there, or its bf16 GEMMs win. */
 int paged_attention_takes_chunks(int bf16, int64_t head_dim, int64_t block_size) {
     if (paged_attention_on_tiles(bf16, head_dim, block_size)) return 1;
 #if defined(__AVX__) && !defined(__AVX512F__)
-    return !bf16 && head_dim % 16 == 0;
+    return head_dim % 16 == 0;
 #else
     return 0;
 #endif

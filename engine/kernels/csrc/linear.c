@@ -212,6 +212,35 @@ int interleaved_linear_f32_out(int bf16, const void *x, const void *weight, void
     return interleaved_linear_impl(bf16, x, weight, out, rows, n, k, num_threads, 1);
 }
 
+/* ------------------------------------------------------------------------------------------ widened tiles
+ * Blocks [block0, block1) of an interleaved weight ([n / 16, k, 16], as interleaved_linear reads it)
+ * as float32 W^T columns: out [k, width] row-major, out[i][(b - block0) * 16 + j] = W[b * 16 + j][i],
+ * width = (block1 - block0) * 16. For many-row inputs of a bfloat16 weight on CPUs whose oneDNN has
+ * no bfloat16 kernel (AVX2): each tile widened once per call, then one float32 GEMM multiplies it
+ * into every row (engine/backends/cpu.py), as quant_kernels.c's dequantized tiles are. In this
+ * layout each step of k of a block is one contiguous 16-float store (the [width, k] layout would
+ * scatter every value to its own row). */
+void interleaved_widen(int bf16, int pairs, const void *weight, int64_t k, int64_t block0, int64_t block1, float *out,
+                       int num_threads) {
+    const int64_t width = (block1 - block0) * 16;
+    const size_t es = elem_size(bf16);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (width * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t i = 0; i < k; i++) {
+        for (int64_t b = block0; b < block1; b++) {
+            float *dst = out + i * width + (b - block0) * 16;
+            if (pairs) { /* [n / 16, k / 2, 16, 2] bfloat16 (the AVX512_BF16 builds' layout): column i of row j at (i / 2, j, i % 2) */
+                const bf16_t *h = (const bf16_t *)weight + (size_t)(b * k + (i & ~(int64_t)1)) * 16 + (i & 1);
+                for (int j = 0; j < 16; j++) dst[j] = bf16_to_f32(h[2 * j]);
+            } else if (bf16) {
+                const bf16_t *h = (const bf16_t *)weight + (size_t)(b * k + i) * 16;
+                for (int j = 0; j < 16; j++) dst[j] = bf16_to_f32(h[j]);
+            } else {
+                memcpy(dst, (const float *)weight + (size_t)(b * k + i) * 16, 16 * sizeof(float));
+            }
+        }
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* bfloat16 one-row linear on AVX512_BF16 CPUs: W given as [n / 16, k / 2, 16, 2] (16 output rows

@@ -1,0 +1,149 @@
+"""bfloat16 on CPUs whose oneDNN has no bfloat16 kernel (AVX2, no AVX512_BF16 or AMX: issue #35):
+the C kernels serve it anyway (CpuKernelBackend.onednn False), every linear from its interleaved
+copy only (one copy of the weights): few rows on the interleaved kernel, many on float32 tiles
+widened from it (PackedCpuLinear._without_onednn), the head's logits in float32, one decode on the
+compiled step. Forced on every CPU here by making packing_available say no for bfloat16 (the one
+place the code decides it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.backends.cpu as cpu_backends
+from engine.backends import select_backend
+from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, pack_weight
+from engine.config import EngineConfig
+from engine.kernels import cpu as ck
+from tests.engine.test_exact_logits import assert_within_f32_rounding
+from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ck.CpuKernels:
+    loaded = ck.load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("fused CPU kernels could not be built here; torch path only")
+    return loaded
+
+
+@pytest.fixture
+def no_onednn_bf16(monkeypatch):
+    """oneDNN as an AVX2 CPU has it: float32, no bfloat16."""
+    monkeypatch.setattr(cpu_backends, "packing_available", lambda dtype: dtype == torch.float32)
+
+
+def assert_bf16_rounded_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """y within bfloat16 rounding (half an ulp, 2^-9 of |y|) plus float32 summation error of the
+    exact x @ W^T of the same bfloat16 values (a bfloat16-summed product breaks it)."""
+    assert y.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    bound = 2.0**-8 * exact.abs() + x.shape[-1] * 2.0**-24 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 37])
+@pytest.mark.parametrize("n, k", [(48, 40), (160, 96)])
+def test_linear_without_onednn_is_the_rounded_exact_product(kernels, rows, n, k, monkeypatch):
+    monkeypatch.setattr(cpu_backends, "WIDEN_TILE_ELEMS", 32 * k)  # tiles of 32 output rows: several per call, a partial last one
+    g = torch.Generator().manual_seed(rows + n)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    packed = pack_weight(weight, kernels, onednn=False)
+    assert packed.packed is None and packed.interleaved is not None  # one copy: the interleaved one
+    layer = PackedCpuLinear(packed, kernels)
+    assert layer.resident_bytes() == weight.numel() * weight.element_size()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    assert_bf16_rounded_product(layer(x), x, weight)
+
+
+def test_each_path_is_taken(kernels, monkeypatch):
+    """Fewer rows than WIDEN_MIN_ROWS on the interleaved kernel, from there on widened tiles: the
+    test above covers both only if the cutoff splits its row counts."""
+    layer = PackedCpuLinear(pack_weight(torch.randn(32, 16).bfloat16(), kernels, onednn=False), kernels)
+    calls = []
+    widen = layer._widen
+    monkeypatch.setattr(layer, "_widen", lambda *a: calls.append(a[:2]) or widen(*a))
+    layer(torch.randn(WIDEN_MIN_ROWS - 1, 16).bfloat16())
+    assert calls == []
+    layer(torch.randn(WIDEN_MIN_ROWS, 16).bfloat16())
+    assert calls == [(0, 32)]
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["interleaved", "pairs"])
+def test_widened_tiles_are_the_weight_transposed(kernels, pairs):
+    """bind_widen reads both layouts interleave() makes (the pairs one on AVX512_BF16 builds): each
+    tile is exactly W[row0:row1]^T in float32."""
+    n, k = 64, 10
+    weight = torch.randn(n, k).bfloat16()
+    layout = weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous() if pairs else weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
+    widen = kernels.bind_widen(layout)
+    for row0, row1 in [(0, 64), (16, 48), (48, 64)]:
+        out = torch.full((k, row1 - row0), float("nan"))
+        widen(row0, row1, out, 2)
+        assert torch.equal(out, weight[row0:row1].float().T)
+    with pytest.raises(ValueError):
+        widen(8, 24, torch.empty(k, 16), 1)  # not whole blocks of 16
+
+
+def test_selection_serves_bf16_on_the_kernels(kernels, no_onednn_bf16):
+    backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
+    assert isinstance(backend, CpuKernelBackend) and not backend.onednn and backend.dtype == torch.bfloat16
+    assert type(select_backend(EngineConfig(dtype="bfloat16", cpu_kernels=False), CPU)).__name__ == "TorchBackend"
+    assert select_backend(EngineConfig(dtype="float32"), CPU).onednn  # float32 keeps oneDNN's linears
+
+
+def test_a_weight_the_kernels_cannot_lay_out_stays_dense(kernels, no_onednn_bf16):
+    backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
+    weight = torch.randn(24, 16).bfloat16()  # 24 output rows: no whole blocks of 16
+    assert backend.prepare_linear(weight) is weight
+
+
+@pytest.mark.parametrize("rows", [1, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 33])
+def test_the_head_gives_float32_logits_at_every_row_count(kernels, no_onednn_bf16, rows):
+    """Few rows on the interleaved kernel, many on widened tiles (a float32 GEMM): float32 sums of
+    the bfloat16 products either way; the batch-invariant mode keeps the row kernel."""
+    backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(160, 72, generator=g).bfloat16(), torch.randn(rows, 72, generator=g).bfloat16()
+    head = backend.head_linear(backend.prepare_head(weight))
+    assert isinstance(head, InterleavedHeadLinear) and head._widen is not None
+    assert_within_f32_rounding(head(x), x, weight)
+    invariant = select_backend(EngineConfig(dtype="bfloat16", batch_invariant=True), CPU)
+    assert invariant.head_linear(invariant.prepare_head(weight))._widen is None
+
+
+@pytest.fixture(scope="module")
+def executors(kernels, tiny_checkpoint):
+    """(bfloat16 on the kernels without oneDNN, bfloat16 on torch ops, float64 on torch ops)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_backends, "packing_available", lambda dtype: dtype == torch.float32)
+        fused = make_executor(tiny_checkpoint, dtype="bfloat16")
+    made = [fused, make_executor(tiny_checkpoint, dtype="bfloat16", cpu_kernels=False), make_executor(tiny_checkpoint, dtype="float64")]
+    yield made
+    for executor in made:
+        executor.shutdown()
+
+
+def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
+    model = executors[0]._shard.model
+    assert model.backend.name == "cpu_kernels" and not model.backend.onednn
+    linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
+    assert linears and all(m.packed_weight is None and m._widen is not None for m in linears)
+    assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
+    assert model.decode_step is not None and model.decode_step.max_rows == 1  # one decode: the compiled step
+
+
+def test_logits_and_greedy_against_float64_and_the_torch_path(executors):
+    """A random schedule (prefill chunks of many rows, decodes, mixed): logits within bfloat16
+    error of the float64 model's, greedy tokens as torch's bfloat16 path gives them."""
+    prompts = random_prompts(256, [5, 23, 11, 30], seed=7)
+    fused, plain, exact = (run_random_schedule(e, prompts, seed=3, max_new=6) for e in executors)
+    for seq_id, prompt in enumerate(prompts):
+        logits, tokens = fused[seq_id]
+        logits64 = exact[seq_id][0][: len(prompt)]  # the prompt's positions: the same context in every run
+        assert logits.dtype == torch.float32
+        scale = float(logits64.abs().max())
+        assert float((logits[: len(prompt)].double() - logits64).abs().max()) < 0.05 * scale  # bfloat16 weights and activations over two layers
+        assert tokens == plain[seq_id][1]
