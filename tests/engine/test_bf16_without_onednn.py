@@ -12,7 +12,7 @@ import torch
 
 import engine.backends.cpu as cpu_backends
 from engine.backends import select_backend
-from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, pack_weight
+from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, few_rows_cutoff, pack_weight
 from engine.config import EngineConfig
 from engine.kernels import cpu as ck
 from tests.engine.test_exact_logits import assert_within_f32_rounding
@@ -132,7 +132,9 @@ def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
     assert linears and all(m.packed_weight is None and m._widen is not None for m in linears)
     assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
-    assert model.decode_step is not None and model.decode_step.max_rows == 1  # one decode: the compiled step
+    # decodes run the compiled step: one, or up to the build's few-rows cutoff (the interleaved kernel's
+    # register-blocked rows: 8 on AVX2 builds)
+    assert model.decode_step is not None and model.decode_step.max_rows == few_rows_cutoff(model.backend.kernels)
 
 
 def test_logits_and_greedy_against_float64_and_the_torch_path(executors):

@@ -397,6 +397,7 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     """Through EngineCore with 16 requests at once (pure-decode steps of many sequences between
     mixed ones): the same tokens with the compiled step as without it, and the step served steps of
     several decodes where the build has them (bfloat16: AMX tiles; float32: the few-rows linears)."""
+    from engine.backends.cpu import packing_available
     from engine.kernels.amx import load_amx_linear
     from engine.loading.checkpoint import resolve_checkpoint
     from engine.core.engine_core import EngineCore
