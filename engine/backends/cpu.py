@@ -7,7 +7,9 @@ bfloat16 alike; bench/NOTES.md).
 CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and in float32 on AVX2) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
-(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply).
+(decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply); in builds
+where it measured faster than oneDNN (AVX2), float32 inputs of 2 or more rows run csrc/gemm.c's
+many-rows kernel on that same copy, and a float32 output head keeps that copy in place of oneDNN's.
 """
 
 from __future__ import annotations
@@ -63,13 +65,19 @@ class PackedWeight:
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
+                head: bool = False) -> PackedWeight:  # fmt: skip
     """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
-    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears')."""
+    one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
+    head: a float32 output head (too large for a second copy) gets the interleaved copy in place of
+    oneDNN's where the kernels' many-rows linear serves it (gemm_serves): every row count then runs
+    the C kernels, faster than oneDNN from 2 to 512 rows (bench/NOTES.md 'AVX2 many-rows linear')."""
     interleaved = None
     if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
+        return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
+    if head and gemm_serves(weight.dtype, weight.shape[0], kernels):
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
@@ -80,11 +88,20 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
 
+def gemm_serves(dtype: torch.dtype, out_features: int, kernels: CpuKernels | None) -> bool:
+    """Whether float32 inputs of 2+ rows on a weight run csrc/gemm.c (from its interleaved copy): a
+    float32 weight of whole 16-column panels, in a build where the kernel measured faster than
+    oneDNN (CpuKernels.gemm_max_rows: by the build's vector width, not the CPU's name)."""
+    return kernels is not None and dtype == torch.float32 and out_features % 16 == 0 and kernels.gemm_max_rows() > 0
+
+
 class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; one-row inputs through the interleaved copy
-    when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
-    narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
-    layout is the AMX weight-tile layout: no further copy)."""
+    when there is one; float32 inputs of 2..gemm_max_rows rows (any number, for a weight without
+    oneDNN's copy) through csrc/gemm.c on that same copy (the interleaved layout is its panel
+    layout: no further copy), in builds where it measured faster than oneDNN; and with `amx`,
+    bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a narrow weight or one without oneDNN's
+    copy) through AMX tiles on that same copy (the pairs layout is the AMX weight-tile layout)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
         super().__init__()
@@ -99,20 +116,26 @@ class PackedCpuLinear(nn.Module):
         # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
         self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
-        if weight.packed is None and self._many_rows is None and not (invariant and self._one_row is not None):
-            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX kernel (or the invariant mode's row kernel)")
+        if weight.packed is None and self._many_rows is None and self._gemm is None and not (invariant and self._one_row is not None):
+            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX or many-rows kernel (or the invariant mode's row kernel)")
 
     def _bind(self, interleaved: torch.Tensor | None) -> None:
-        """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
-        rows (the tiles read the same pairs layout). Bound once: the decode step's ~120 calls skip
-        the module's buffer lookups."""
+        """The calls that read the interleaved copy: one row (the one-row kernel), float32 2+ rows
+        (csrc/gemm.c, where it serves) and, with AMX, bfloat16 2+ rows (the tiles read the same
+        pairs layout). Bound once: the decode step's ~120 calls skip the module's buffer lookups.
+        Not the gemm in the batch-invariant mode: its sums differ from the one-row kernel's, which
+        serves one row there (each kernel alone does not depend on the rows; the pair would)."""
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
+        gemm = self._one_row is not None and not self._invariant and interleaved.dim() == 3 and gemm_serves(interleaved.dtype, self.out_features, self._kernels)
+        self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
+        # the most rows it takes: every count for a weight without oneDNN's copy (an f32 head)
+        self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One row: the one-row kernel; bfloat16 rows up to _max_tile_rows: the AMX tiles; else
-        oneDNN. Chosen here, per call, by the input's rows, not in the step's plan: one step's
+        """One row: the one-row kernel; float32 rows up to _gemm_max_rows: csrc/gemm.c; bfloat16
+        rows up to _max_tile_rows: the AMX tiles; else oneDNN. Chosen here, per call, by the input's rows, not in the step's plan: one step's
         linears see different row counts (the blocks all its tokens, the head its sampled rows,
         each expert its routed tokens)."""
         rows = x.shape[0]
@@ -122,6 +145,8 @@ class PackedCpuLinear(nn.Module):
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if rows == 1 and self._one_row is not None:
             return self._one_row(x.contiguous(), torch.get_num_threads())
+        if rows <= self._gemm_max_rows and x.dtype == torch.float32 and x.dim() == 2:
+            return self._gemm(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         return self._onednn(x)
@@ -216,8 +241,11 @@ class OneDnnBackend(TorchBackend):
     def prepare_head(self, weight):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
         else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
-        logits. float32 heads pack for oneDNN, whose sums are float32 already (in the batch-invariant
-        mode they take the row kernel too: oneDNN's sums depend on the rows)."""
+        logits. float32 heads pack for oneDNN, whose sums are float32 already, or where csrc/gemm.c
+        serves them, its interleaved copy in place of oneDNN's (pack_weight's head); in the
+        batch-invariant mode they take the row kernel too: oneDNN's sums depend on the rows."""
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and not self.batch_invariant:
+            return pack_weight(weight, self.kernels, self.amx, head=True)
         if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):
             return self.prepare_linear(weight)
         if self.kernels is not None and weight.shape[0] % 16 == 0:
