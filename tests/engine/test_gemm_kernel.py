@@ -61,6 +61,11 @@ def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows):
     assert torch.equal(gemm(x[1:23].clone(), THREADS), batched[1:23])
 
 
+def test_gemm_of_no_columns_is_zeros(kernels):
+    gemm = kernels.bind_gemm(torch.empty(2, 0, 16))
+    assert torch.equal(gemm(torch.empty(3, 0), THREADS), torch.zeros(3, 32))
+
+
 def test_gemm_refuses_what_it_cannot_read(kernels):
     weight = kernels.interleave(torch.randn(32, 64))
     with pytest.raises(ValueError, match="float32 \\[n / 16, k, 16\\]"):

@@ -163,6 +163,10 @@ static void gemm_block(const float *x, const float *weight, float *out, float *x
 /* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
 int interleaved_gemm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (rows <= 0 || n <= 0) return KERNEL_OK;
+    if (k <= 0) { /* an empty sum: no k block would write out */
+        memset(out, 0, (size_t)(rows * n) * sizeof(float));
+        return KERNEL_OK;
+    }
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     float *xp = kernel_aligned_alloc(64, ((size_t)(block_rows * k) * sizeof(float) + 63) / 64 * 64);
     if (!xp) return KERNEL_NO_MEMORY;
