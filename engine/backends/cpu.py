@@ -9,7 +9,8 @@ engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place th
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply); in builds
 where it measured faster than oneDNN (AVX2), float32 inputs of 2 or more rows run csrc/gemm.c's
-many-rows kernel on that same copy, and a float32 output head keeps that copy in place of oneDNN's.
+many-rows kernel on that same copy, and larger float32 weights (the output head) keep that copy in
+place of oneDNN's.
 """
 
 from __future__ import annotations
@@ -65,25 +66,25 @@ class PackedWeight:
     interleaved: torch.Tensor | None  # [out / 16, in, 16] (CpuKernels.interleave)
 
 
-def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
-                head: bool = False) -> PackedWeight:  # fmt: skip
+def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> PackedWeight:
     """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
     one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
-    head: a float32 output head (too large for a second copy) gets the interleaved copy in place of
-    oneDNN's where the kernels' many-rows linear serves it (gemm_serves): every row count then runs
-    the C kernels, faster than oneDNN from 2 to 512 rows (bench/NOTES.md 'AVX2 many-rows linear')."""
+    Likewise a larger float32 weight (the demo's output head, the 1.1B model's block linears) gets
+    the interleaved copy in place of oneDNN's where csrc/gemm.c serves it (gemm_serves): one row
+    on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed, level with it
+    at 512 (bench/NOTES.md 'AVX2 many-rows linear')."""
     interleaved = None
     if invariant and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel serves every row count
-        return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
-    if head and gemm_serves(weight.dtype, weight.shape[0], kernels):
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
+        elif gemm_serves(weight.dtype, weight.shape[0], kernels):
+            return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
@@ -130,7 +131,7 @@ class PackedCpuLinear(nn.Module):
         self._many_rows = self._amx.bind(interleaved) if supported else None
         gemm = self._one_row is not None and not self._invariant and interleaved.dim() == 3 and gemm_serves(interleaved.dtype, self.out_features, self._kernels)
         self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
-        # the most rows it takes: every count for a weight without oneDNN's copy (an f32 head)
+        # the most rows it takes: every count for a weight without oneDNN's copy (a large float32 one)
         self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,11 +242,10 @@ class OneDnnBackend(TorchBackend):
     def prepare_head(self, weight):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
         else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
-        logits. float32 heads pack for oneDNN, whose sums are float32 already, or where csrc/gemm.c
-        serves them, its interleaved copy in place of oneDNN's (pack_weight's head); in the
-        batch-invariant mode they take the row kernel too: oneDNN's sums depend on the rows."""
-        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and not self.batch_invariant:
-            return pack_weight(weight, self.kernels, self.amx, head=True)
+        logits. float32 heads pack as the block linears do (pack_weight: oneDNN's copy, or where
+        csrc/gemm.c serves a large one, the interleaved copy in its place), their sums float32
+        already (in the batch-invariant mode they take the row kernel too: oneDNN's sums depend on
+        the rows)."""
         if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):
             return self.prepare_linear(weight)
         if self.kernels is not None and weight.shape[0] % 16 == 0:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.backends import cpu as cpu_backend
 from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, gemm_serves, pack_weight
 from engine.kernels import build
 from engine.kernels import cpu as ck
@@ -138,13 +139,14 @@ def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
             assert torch.equal(out, layer._onednn(x))
 
 
-def test_float32_head_keeps_one_copy_and_serves_every_row_count(kernels):
-    """The float32 head: the interleaved copy in place of oneDNN's (no more memory), one row on the
-    one-row kernel, any more (past gemm_max_rows too) on the gemm; the batch-invariant mode keeps
-    the row kernel for every count, oneDNN's backend without kernels its packed copy."""
+def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, monkeypatch):
+    """A float32 head (or block weight) too large for a second copy: the interleaved copy in place
+    of oneDNN's (no more memory), one row on the one-row kernel, any more (past gemm_max_rows too)
+    on the gemm; the batch-invariant mode keeps the row kernel for every count."""
     lib = gemm_kernels(kernels)
     g = gen(4)
     weight = torch.randn(128, 64, generator=g)
+    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)  # the demo's head: 113 MB
     backend = CpuKernelBackend(CPU, torch.float32, lib)
     prepared = backend.prepare_head(weight)
     assert isinstance(prepared, PackedWeight) and prepared.packed is None and gemm_serves(weight.dtype, 128, lib)
@@ -168,6 +170,6 @@ def test_no_gemm_for_bfloat16_or_without_kernels(kernels):
     weight = torch.randn(32, 64)
     assert not gemm_serves(torch.bfloat16, 32, kernels) and not gemm_serves(torch.float32, 32, None)
     assert not gemm_serves(torch.float32, 24, kernels)  # not whole 16-column panels
-    assert pack_weight(weight, None, head=True).packed is not None  # no kernels: oneDNN's copy
+    assert pack_weight(torch.randn(32, (8 << 20) // 128 + 16), None).packed is not None  # no kernels: oneDNN's copy
     layer = PackedCpuLinear(pack_weight(weight))
     assert torch.allclose(layer(torch.ones(4, 64)), F.linear(torch.ones(4, 64), weight), atol=1e-4)
