@@ -18,7 +18,7 @@ from engine.backends import cpu as cpu_backend
 from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, gemm_serves, pack_weight
 from engine.kernels import build
 from engine.kernels import cpu as ck
-from tests.engine.test_cpu_kernels import THREADS, gen, kernels  # noqa: F401 - kernels: a fixture
+from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
 from tests.engine.test_kernel_alloc_failures import assert_fails_then_recovers, failing  # noqa: F401 - failing: a fixture
 
 CPU = torch.device("cpu")
@@ -173,3 +173,19 @@ def test_no_gemm_for_bfloat16_or_without_kernels(kernels):
     assert pack_weight(torch.randn(32, (8 << 20) // 128 + 16), None).packed is not None  # no kernels: oneDNN's copy
     layer = PackedCpuLinear(pack_weight(weight))
     assert torch.allclose(layer(torch.ones(4, 64)), F.linear(torch.ones(4, 64), weight), atol=1e-4)
+
+
+def test_a_model_of_large_float32_weights_runs_on_one_copy_each(kernels, tiny_checkpoint, monkeypatch):
+    """Every weight counted as large: each linear and the head keep the interleaved copy only, and the
+    model's prefill, decode and mixed steps (1 to 28 rows a linear) match oneDNN's model."""
+    lib = gemm_kernels(kernels)
+    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", 0)
+    model = build_model(tiny_checkpoint, torch.float32, lib)
+    linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
+    assert len(linears) == 4 * model.params.n_layers + 1 and all(m.packed_weight is None and m._gemm is not None for m in linears)
+    paths = TwoPaths((model, build_model(tiny_checkpoint, torch.float32, None)))
+    a, b, c, d = make_seqs(model.vocab_size, [1, 7, 9, 20], seed=2)
+    paths.step([b, a, c, d], [7, 1, 9, 11])  # prefill chunks and a one-token prompt
+    paths.step([a, b, c], [1, 1, 1])  # decodes
+    paths.step([a, d, c], [1, 9, 1])  # decodes around the rest of a prompt
+    paths.step([d], [1])  # one row: the one-row kernel
