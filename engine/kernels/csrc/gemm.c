@@ -179,13 +179,14 @@ int interleaved_gemm(const float *x, const float *weight, float *out, int64_t ro
 }
 
 /* The most rows PackedCpuLinear sends interleaved_gemm (float32; from 2 rows up: one row has the
- * one-row kernel), by this build's vector width, where measured faster than oneDNN's packed float32
- * kernel with the weights cold (bench/gemm_linear.py, bench/NOTES.md 'AVX2 many-rows linear'): on AVX2
- * 1.1-1.6x from 2 to 64 rows, 1.02-1.12x at 512 and 2048, the largest count measured; 0: not measured
- * faster at any row count in this build, oneDNN keeps them. */
+ * one-row kernel) from a weight that also has oneDNN's copy, by this build's vector width, where
+ * measured faster than oneDNN's packed float32 kernel with the weights cold (bench/gemm_linear.py,
+ * bench/NOTES.md 'AVX2 many-rows linear'): on AVX2 1.2-1.6x from 2 to 64 rows on one thread and two,
+ * 1.03-1.35x at 128 and 256; at 512 ahead on one thread, 0.9-1.15x on two; 0: not measured faster at
+ * any row count in this build, oneDNN keeps them. */
 int64_t interleaved_gemm_max_rows(void) {
 #if GV == 8
-    return 2048;
+    return 256;
 #else
     return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */
 #endif
