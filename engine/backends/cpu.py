@@ -129,16 +129,17 @@ class PackedCpuLinear(nn.Module):
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
-        gemm = self._one_row is not None and not self._invariant and interleaved.dim() == 3 and gemm_serves(interleaved.dtype, self.out_features, self._kernels)
+        gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
+                and gemm_serves(interleaved.dtype, self.out_features, self._kernels))  # fmt: skip
         self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
         # the most rows it takes: every count for a weight without oneDNN's copy (a large float32 one)
         self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One row: the one-row kernel; float32 rows up to _gemm_max_rows: csrc/gemm.c; bfloat16
-        rows up to _max_tile_rows: the AMX tiles; else oneDNN. Chosen here, per call, by the input's rows, not in the step's plan: one step's
-        linears see different row counts (the blocks all its tokens, the head its sampled rows,
-        each expert its routed tokens)."""
+        rows up to _max_tile_rows: the AMX tiles; else oneDNN. Chosen here, per call, by the
+        input's rows, not in the step's plan: one step's linears see different row counts (the
+        blocks all its tokens, the head its sampled rows, each expert its routed tokens)."""
         rows = x.shape[0]
         if self._invariant:
             if self._one_row is not None and x.dim() == 2:

@@ -257,7 +257,8 @@ class CpuKernels:
         contiguous; threads) -> [rows, n] float32. Each row's result is the same whatever the number
         of rows (one chain over k per output)."""
         if weight.dtype != torch.float32 or weight.dim() != 3 or weight.shape[2] != 16 or not weight.is_contiguous():
-            raise ValueError(f"interleaved_gemm takes a contiguous float32 [n / 16, k, 16] weight, got {weight.dtype} {list(weight.shape)}")
+            raise ValueError(f"interleaved_gemm takes a contiguous float32 [n / 16, k, 16] weight, got {weight.dtype} "
+                             f"{list(weight.shape)}")  # fmt: skip
         fn, n, k, weight_ptr = self._lib.interleaved_gemm, weight.shape[0] * 16, weight.shape[1], weight.data_ptr()
 
         def many_rows(x: torch.Tensor, threads: int) -> torch.Tensor:
