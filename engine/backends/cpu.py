@@ -8,9 +8,11 @@ CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; pref
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
-builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups). Where oneDNN has no kernel for
-bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too, every linear on its interleaved
-copy alone (PackedCpuLinear._without_onednn).
+builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups); in builds where it measured
+faster than oneDNN (AVX2), float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that
+same copy, and larger float32 weights (the output head) keep that copy in place of oneDNN's.
+Where oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too,
+every linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
 """
 
 from __future__ import annotations
@@ -43,11 +45,6 @@ PACK_BATCH_HINT = 16
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
 # weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
-# A float32 output head up to this size also keeps the interleaved copy where the build's few-rows
-# cutoff is above one row (AVX2): one more copy of the vocab x dim weight (the demo's: 113 MB), for a
-# head 1.3x faster than oneDNN's at one row and 1.0-1.2x at 2..8 (cold, Zen 2: bench/NOTES.md
-# 'Few-rows linear'); larger heads (Llama 3 8B's 2.1 GB in float32) stay with oneDNN's copy alone.
-HEAD_INTERLEAVED_MAX_WEIGHT_BYTES = 512 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/kernels/csrc/amx_linear.c) on the
 # pairs copy, where the CPU has them and the weight has that copy (INTERLEAVED_MAX_WEIGHT_BYTES):
@@ -96,33 +93,47 @@ class PackedWeight:
 
 
 def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False,
-                interleaved_max_bytes: int | None = None, onednn: bool = True) -> PackedWeight:  # fmt: skip
-    """oneDNN's copy, and the interleaved one for weights up to interleaved_max_bytes (default
-    INTERLEAVED_MAX_WEIGHT_BYTES, read at the call: tests lower it); with
+                onednn: bool = True) -> PackedWeight:  # fmt: skip
+    """oneDNN's copy, and the interleaved one for weights up to INTERLEAVED_MAX_WEIGHT_BYTES; with
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
     one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
     onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
-    multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense)."""
+    multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
+    Likewise a larger float32 weight (the demo's output head, the 1.1B model's block linears) gets
+    the interleaved copy in place of oneDNN's where csrc/gemm.c serves it (gemm_serves): one row
+    on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed, level with it
+    at 512 (bench/NOTES.md 'AVX2 many-rows linear')."""
     interleaved = None
     if (invariant or not onednn) and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel (and widened tiles) serve every row count
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
-        max_bytes = INTERLEAVED_MAX_WEIGHT_BYTES if interleaved_max_bytes is None else interleaved_max_bytes
-        if weight.numel() * weight.element_size() <= max_bytes:
+        if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
+        elif gemm_serves(weight.dtype, weight.shape[0], kernels):
+            return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
 
+def gemm_serves(dtype: torch.dtype, out_features: int, kernels: CpuKernels | None) -> bool:
+    """Whether float32 inputs of 2+ rows on a weight run csrc/gemm.c (from its interleaved copy): a
+    float32 weight of whole 16-column panels, in a build where the kernel measured faster than
+    oneDNN (CpuKernels.gemm_max_rows: by the build's vector width, not the CPU's name)."""
+    return kernels is not None and dtype == torch.float32 and out_features % 16 == 0 and kernels.gemm_max_rows() > 0
+
+
 class PackedCpuLinear(nn.Module):
     """y = x @ W^T through oneDNN on the packed weight; inputs of one row (up to few_rows_cutoff
-    rows) through the interleaved copy when there is one, and with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number, for a
-    narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the pairs
-    layout is the AMX weight-tile layout: no further copy). A weight with neither oneDNN's copy nor
+    rows) through the interleaved copy when there is one; float32 inputs of more rows up to
+    gemm_max_rows (any number, for a weight without oneDNN's copy) through csrc/gemm.c on that
+    same copy (the interleaved layout is its panel layout: no further copy), in builds where it
+    measured faster than oneDNN; with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number,
+    for a narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the
+    pairs layout is the AMX weight-tile layout). A weight with none of oneDNN's copy, the gemm or
     tiles (bfloat16 on AVX2) runs every row count from its interleaved copy (_without_onednn)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
@@ -138,26 +149,35 @@ class PackedCpuLinear(nn.Module):
         # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
         self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
-        if weight.packed is None and self._many_rows is None and self._one_row is None:
-            raise ValueError("a PackedWeight without oneDNN's copy needs its interleaved copy and the kernels")
+        if weight.packed is None and self._many_rows is None and self._gemm is None and self._widen is None and not (invariant and self._one_row is not None):
+            raise ValueError("a PackedWeight without oneDNN's copy needs the AMX, many-rows or widening kernel (or the invariant mode's row kernel)")
 
     def _bind(self, interleaved: torch.Tensor | None) -> None:
-        """The calls that read the interleaved copy: one row (the one-row kernel) and, with AMX, 2+
-        rows (the tiles read the same pairs layout). Bound once: the decode step's ~120 calls skip
-        the module's buffer lookups."""
+        """The calls that read the interleaved copy: one row (the one-row kernel), float32 2+ rows
+        (csrc/gemm.c, where it serves) and, with AMX, bfloat16 2+ rows (the tiles read the same
+        pairs layout). Bound once: the decode step's ~120 calls skip the module's buffer lookups.
+        Not the gemm in the batch-invariant mode: its sums differ from the one-row kernel's, which
+        serves one row there (each kernel alone does not depend on the rows; the pair would)."""
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
         # the pairs kernel (4-D copy) runs its rows one by one: one row only
         self._few_rows = (few_rows_cutoff(self._kernels) if interleaved.dim() == 3 else 1) if self._one_row is not None else 0
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
-        no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None
+        gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
+                and gemm_serves(interleaved.dtype, self.out_features, self._kernels))  # fmt: skip
+        self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
+        # the most rows it takes: every count for a weight without oneDNN's copy (a large float32 one)
+        self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
+
+        no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None and self._gemm is None
         self._widen = self._kernels.bind_widen(interleaved) if no_onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; bfloat16 rows up
-        to _max_tile_rows: the AMX tiles; else oneDNN. Chosen here, per call, by the input's rows,
-        not in the step's plan: one step's linears see different row counts (the blocks all its tokens, the head its sampled rows,
-        each expert its routed tokens)."""
+        """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; float32 rows up to
+        _gemm_max_rows: csrc/gemm.c; bfloat16 rows up to _max_tile_rows: the AMX tiles; a weight
+        without oneDNN's copy: _without_onednn; else oneDNN. Chosen here, per call, by the input's
+        rows, not in the step's plan: one step's linears see different row counts (the blocks all
+        its tokens, the head its sampled rows, each expert its routed tokens)."""
         rows = x.shape[0]
         if self._invariant:
             if self._one_row is not None and x.dim() == 2:
@@ -165,6 +185,8 @@ class PackedCpuLinear(nn.Module):
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
+        if rows <= self._gemm_max_rows and x.dtype == torch.float32 and x.dim() == 2:
+            return self._gemm(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         if self._widen is not None:
@@ -301,13 +323,11 @@ class OneDnnBackend(TorchBackend):
     def prepare_head(self, weight):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
         else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
-        logits. float32 heads pack for oneDNN, whose sums are float32 already (in the batch-invariant
-        mode they take the row kernel too: oneDNN's sums depend on the rows), and keep the
-        interleaved copy for few rows where the build has a few-rows cutoff above one (up to
-        HEAD_INTERLEAVED_MAX_WEIGHT_BYTES)."""
+        logits. float32 heads pack as the block linears do (pack_weight: oneDNN's copy, or where
+        csrc/gemm.c serves a large one, the interleaved copy in its place), their sums float32
+        already (in the batch-invariant mode they take the row kernel too: oneDNN's sums depend on
+        the rows)."""
         if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):
-            if isinstance(weight, torch.Tensor) and few_rows_cutoff(self.kernels) > 1:
-                return pack_weight(weight, self.kernels, self.amx, interleaved_max_bytes=HEAD_INTERLEAVED_MAX_WEIGHT_BYTES)
             return self.prepare_linear(weight)
         if self.kernels is not None and weight.shape[0] % 16 == 0:
             return InterleavedHead(self.kernels.interleave(weight), weight.shape[0], weight.shape[1])

@@ -79,7 +79,7 @@ class Library:
 
 
 # the fused CPU kernels by family (engine/kernels/cpu.py binds them)
-CPU_KERNELS = Library("cpu_kernels", ("elementwise.c", "attention.c", "linear.c", "argmax.c", "lora.c"))
+CPU_KERNELS = Library("cpu_kernels", ("elementwise.c", "attention.c", "linear.c", "argmax.c", "lora.c", "gemm.c"))
 AMX_LINEAR = Library("amx_linear", ("amx_linear.c",))  # engine/kernels/amx.py
 QUANT_KERNELS = Library("quant_kernels", ("quant_kernels.c",))  # engine/kernels/quant.py
 DECODE_STEP = Library("decode_step", ("decode_step.c",))  # the compiled decode step

@@ -223,6 +223,11 @@ def test_step_memory_smoke():
     assert "rows   17 ->   18: x" in stdout and "40-row step: malloc_trim(0)" in stdout, stdout
 
 
+def test_gemm_linear_smoke():
+    stdout = run_script("bench/gemm_linear.py", "--shapes", "64x48", "--rows", "2,9", "--rounds", "1", "--cold-mb", "1")
+    assert "[64x48] rows    9: onednn" in stdout and "onednn/gemm" in stdout, stdout
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))
 def test_every_bench_script_imports_and_explains_itself(script):
     """--help imports each script's engine and server pieces: a renamed module or class fails here,

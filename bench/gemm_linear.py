@@ -1,0 +1,102 @@
+"""Cold-weight A/B of float32 linears at many-streams row counts: engine/kernels/csrc/gemm.c
+(interleaved_gemm, on the one-row kernel's interleaved copy) against oneDNN on its packed weight
+(PackedCpuLinear._onednn's call), for the demo's shapes (the head included) or others.
+
+Each shape gets enough distinct weights (over --cold-mb in all, at least 2) that every call reads its
+weight from DRAM, as a decode step over 30 layers does (the L3 here is 16 MiB); the two paths run
+interleaved, round after round, and the median per round is printed as time and GFLOP/s. One thread:
+the calling thread's CPU time (other jobs on a shared machine disturb it far less than wall time);
+more threads: wall time. Read the ratios on a shared machine.
+
+    python bench/gemm_linear.py --threads 1 --rows 9,16,24,32,48,64 --rounds 5
+    python bench/gemm_linear.py --shapes head --rows 32,64 --rounds 3
+    python bench/gemm_linear.py --shapes 3072x576 --rows 128,512 --baseline OLD_cpu_kernels.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# as the server does (server/__main__.py): libgomp's default spin at each barrier makes 2-thread
+# timings meaningless whenever anything else runs on the cores
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backends.cpu import PACK_BATCH_HINT  # noqa: E402
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
+from engine.kernels.memory import onednn_rows  # noqa: E402
+
+DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536), (49152, 576)]  # qkv, w13, wo, w2, head [out, in]
+NAMED_SHAPES = {"demo": DEMO_SHAPES, "blocks": DEMO_SHAPES[:4], "head": DEMO_SHAPES[4:]}
+
+
+def time_per_call_us(fn, weights: list, calls: int, cpu_time: bool) -> float:
+    clock = time.thread_time if cpu_time else time.perf_counter
+    start = clock()
+    for i in range(calls):
+        fn(weights[i % len(weights)])
+    return (clock() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="9,16,24,32,48,64")
+    parser.add_argument("--shapes", default="demo", help="OUTxIN,... or demo / blocks / head")
+    parser.add_argument("--cold-mb", type=int, default=256, help="weight bytes rotated per shape (the L3 is 16 MiB here)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--round-gflop", type=float, default=2.0, help="work per path per round, at most (cold weights permitting)")
+    parser.add_argument("--baseline", help="another cpu_kernels .so (an older gemm.c): timed as a third path")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("needs the CPU kernels (no compiler?)")
+    baseline = CpuKernels(ctypes.CDLL(args.baseline), partial=True) if args.baseline else None
+    cpu_time = args.threads == 1
+    print(f"threads {args.threads} ({'thread CPU time' if cpu_time else 'wall time'}), {args.cold_mb} MB of weights per shape, "
+          f"median of {args.rounds} interleaved rounds, gemm's max rows here {kernels.gemm_max_rows()}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    shapes = NAMED_SHAPES.get(args.shapes) or [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    for n, k in shapes:
+        copies = max(2, args.cold_mb * 2**20 // (n * k * 4))
+        weights = [torch.randn(n, k) for _ in range(copies)]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+        gemms = [kernels.bind_gemm(kernels.interleave(w)) for w in weights]
+        olds = [baseline.bind_gemm(kernels.interleave(w)) for w in weights] if baseline else []
+        del weights
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k)
+            gflop = 2 * rows * n * k / 1e9
+            calls = max(2, min(copies, int(args.round_gflop / gflop)))
+            x_pad = torch.nn.functional.pad(x, (0, 0, 0, onednn_rows(rows) - rows))
+            paths = {
+                "onednn": (lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p, None, "none", [], ""), packed),
+                "gemm": (lambda g: g(x, args.threads), gemms),
+            }
+            if baseline:
+                paths["old"] = (lambda g: g(x, args.threads), olds)
+            times = {name: [] for name in paths}
+            for fn, ws in paths.values():  # warm-up: primitives created, pages touched
+                fn(ws[0])
+            for _ in range(args.rounds):
+                for name, (fn, ws) in paths.items():
+                    times[name].append(time_per_call_us(fn, ws, calls, cpu_time))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            cells = "  ".join(f"{name} {us:9.1f} us ({gflop / us * 1e6:5.1f} GFLOP/s)" for name, us in med.items())
+            print(f"[{n}x{k}] rows {rows:4d}: {cells}  onednn/gemm {med['onednn'] / med['gemm']:.2f}", flush=True)
+        del packed, gemms, olds
+
+
+if __name__ == "__main__":
+    main()

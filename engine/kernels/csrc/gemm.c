@@ -1,0 +1,193 @@
+/* Many-rows float32 linear over the interleaved weights (the cpu_kernels library; engine/kernels/cpu.py
+ * binds it, engine/backends/cpu.py PackedCpuLinear sends it the row counts it measured faster than
+ * oneDNN at, interleaved_gemm_max_rows).
+ *
+ * out [rows, n] = x [rows, k] @ W^T, float32 throughout, W as interleave() lays it out for the one-row
+ * kernel (linear.c): [n / 16, k, 16]. That layout is already a BLIS-style panel: 16 output columns,
+ * each step of k one contiguous 64-byte line, the panels one after another. So no second copy: the
+ * microkernel streams the one-row kernel's copy in order.
+ *
+ * Why: at 9..64 rows (a many-streams decode step) a linear is compute-bound in principle (the demo's
+ * w13 at 32 rows: 113 MFLOP against 7 MB), but oneDNN's float32 kernel ran 52 GFLOP/s there on an AVX2
+ * Zen 2 with the weights cold, as a step streams them (bench/NOTES.md 'AVX2 paged attention and where
+ * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
+ * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
+ * GEMM_KC steps of k so a chunk of a panel stays in L1 across the row tiles; the first row tile
+ * prefetches the panel's next chunk (which, at a panel's end, is the next panel: the layout is one
+ * stream); threads split the panels.
+ *
+ * x is packed once per call, per row tile, as [k][tile rows] (one pointer, consecutive broadcasts).
+ * Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5, 5, 5), each size its own unrolled code.
+ *
+ * Each output is one chain of FMAs over k in order (the k blocks continue it through `out`): a row's
+ * result is the same whatever the other rows and however many there are (batch-invariant), though not
+ * bit-equal to the one-row kernel's (four chains). */
+#include "vec.h"
+
+/* The build's native vector (vec.h's v16f is two registers on AVX2 and GCC moves its halves through
+ * the stack: bench/NOTES.md 'AVX2 one-row linear'); GEMM_MR x GEMM_NP x (16 / GV) accumulators fit
+ * the register file with the weight vectors and one broadcast beside them (AVX-512: 24 of 32 zmm; AVX2:
+ * 12 of 16 ymm; SSE: 12 of 16 xmm). Per step of k a tile issues GEMM_NP x 16 / GV weight loads and
+ * GEMM_MR broadcasts for their product of FMAs: 8 loads for 12 FMAs on AVX2, 14 for 24 on AVX-512. */
+#if defined(__AVX512F__)
+#define GV 16
+#define GEMM_MR 12
+#define GEMM_NP 2
+#elif defined(__AVX__)
+#define GV 8
+#define GEMM_MR 6
+#define GEMM_NP 1
+#else
+#define GV 4
+#define GEMM_MR 3
+#define GEMM_NP 1
+#endif
+#define GEMM_VP (16 / GV) /* vectors per panel row */
+/* Steps of k per block: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across the row
+ * tiles, beside the tiles' packed x (256 x GEMM_MR floats each). */
+#define GEMM_KC 256
+/* Rows per pass over the weights: a block's packed x for one k block (GEMM_MC x GEMM_KC floats, 256
+ * KiB) stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
+ * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
+ * bytes once more, little beside 256 rows of FMAs on each. */
+#define GEMM_MC 256
+
+typedef float gvf __attribute__((vector_size(GV * 4)));
+
+static inline __attribute__((always_inline)) gvf gemm_load(const float *p) {
+    gvf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { memcpy(p, &v, sizeof(v)); }
+
+/* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr and np
+ * are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w: the
+ * first panel's chunk, the next panels panel_floats further; first: start the sums at 0, else
+ * continue the previous block's from out; prefetch: also fetch each panel's next chunk. */
+static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const float *xp, const float *w,
+                                                            int64_t panel_floats, int64_t kc, float *out, int64_t n,
+                                                            int first, int prefetch) {
+    gvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
+#pragma GCC unroll 16
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] = first ? (gvf){0} : gemm_load(out + r * n + v * GV);
+    for (int64_t i = 0; i < kc; i++) {
+        gvf wv[GEMM_NP * GEMM_VP];
+#pragma GCC unroll 16
+        for (int p = 0; p < np; p++) {
+            const float *line = w + p * panel_floats + i * 16;
+            if (prefetch) __builtin_prefetch(line + kc * 16, 0, 3);
+#pragma GCC unroll 16
+            for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load(line + q * GV);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < mr; r++) {
+            const float xs = xp[i * mr + r];
+#pragma GCC unroll 16
+            for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < np * GEMM_VP; v++) gemm_store(out + r * n + v * GV, acc[r][v]);
+}
+
+#define GEMM_TILE_CASE(m)                                                                          \
+    case m:                                                                                        \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, xp, w, panel_floats, kc, out, n, first, prefetch); \
+        else gemm_tile(m, 1, xp, w, panel_floats, kc, out, n, first, prefetch);                     \
+        break;
+
+/* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size. */
+static void gemm_tile_rows(int mr, int np, const float *xp, const float *w, int64_t panel_floats, int64_t kc, float *out,
+                           int64_t n, int first, int prefetch) {
+    switch (mr) {
+        GEMM_TILE_CASE(1)
+        GEMM_TILE_CASE(2)
+        GEMM_TILE_CASE(3)
+#if GEMM_MR > 3
+        GEMM_TILE_CASE(4)
+        GEMM_TILE_CASE(5)
+        GEMM_TILE_CASE(6)
+#endif
+#if GEMM_MR > 6
+        GEMM_TILE_CASE(7)
+        GEMM_TILE_CASE(8)
+        GEMM_TILE_CASE(9)
+        GEMM_TILE_CASE(10)
+        GEMM_TILE_CASE(11)
+        GEMM_TILE_CASE(12)
+#endif
+        default: break;
+    }
+}
+
+/* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
+static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
+    const int64_t base = rows / tiles, extra = rows % tiles;
+    return t * base + (t < extra ? t : extra);
+}
+
+/* One block of at most GEMM_MC rows, xp its packing scratch (rows x k floats). */
+static void gemm_block(const float *x, const float *weight, float *out, float *xp, int64_t rows, int64_t n, int64_t k,
+                       int num_threads) {
+    const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
+    /* packed x: tile t's rows [r0, r1) as [k][r1 - r0], at xp + r0 * k (the tiles in row order) */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+        float *dst = xp + r0 * k;
+        for (int64_t r = 0; r < mr; r++)
+            for (int64_t i = 0; i < k; i++) dst[i * mr + r] = x[(r0 + r) * k + i];
+    }
+    const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t p0 = g * GEMM_NP;
+        const int np = panels - p0 < GEMM_NP ? (int)(panels - p0) : GEMM_NP;
+        for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
+            const int64_t kc = k - k0 < GEMM_KC ? k - k0 : GEMM_KC;
+            const float *w = weight + p0 * panel_floats + k0 * 16;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+                gemm_tile_rows((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc, out + r0 * n + p0 * 16, n, k0 == 0,
+                               t == 0);
+            }
+        }
+    }
+}
+
+/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
+int interleaved_gemm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (rows <= 0 || n <= 0) return KERNEL_OK;
+    if (k <= 0) { /* an empty sum: no k block would write out */
+        memset(out, 0, (size_t)(rows * n) * sizeof(float));
+        return KERNEL_OK;
+    }
+    const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
+    float *xp = kernel_aligned_alloc(64, ((size_t)(block_rows * k) * sizeof(float) + 63) / 64 * 64);
+    if (!xp) return KERNEL_NO_MEMORY;
+    for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
+        const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
+        gemm_block(x + m0 * k, weight, out + m0 * n, xp, mb, n, k, num_threads);
+    }
+    free(xp);
+    return KERNEL_OK;
+}
+
+/* The most rows PackedCpuLinear sends interleaved_gemm (float32; from 2 rows up: one row has the
+ * one-row kernel) from a weight that also has oneDNN's copy, by this build's vector width, where
+ * measured faster than oneDNN's packed float32 kernel with the weights cold (bench/gemm_linear.py,
+ * bench/NOTES.md 'AVX2 many-rows linear'): on AVX2 1.2-1.6x from 2 to 64 rows on one thread and two,
+ * 1.03-1.35x at 128 and 256; at 512 ahead on one thread, 0.9-1.15x on two; 0: not measured faster at
+ * any row count in this build, oneDNN keeps them. */
+int64_t interleaved_gemm_max_rows(void) {
+#if GV == 8
+    return 256;
+#else
+    return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */
+#endif
+}

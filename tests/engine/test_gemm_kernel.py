@@ -1,0 +1,191 @@
+"""csrc/gemm.c's many-rows float32 linear (CpuKernels.bind_gemm) against float64 maths at every row
+count from 1 to 70 (tiles of 12, 6 or 3 rows, balanced, and their remainders), several 16-column
+panel counts (odd ones: the AVX-512 build's two-panel tiles) and k past its 256-step blocks, in the
+native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; and
+PackedCpuLinear's routing: which rows it sends there, the float32 head's single copy, the
+batch-invariant mode kept off it."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.backends import cpu as cpu_backend
+from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, gemm_serves, pack_weight
+from engine.kernels import build
+from engine.kernels import cpu as ck
+from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
+from tests.engine.test_kernel_alloc_failures import assert_fails_then_recovers, failing  # noqa: F401 - failing: a fixture
+
+CPU = torch.device("cpu")
+SHAPES = [(16, 3), (48, 257), (96, 600), (80, 31)]  # [n, k]: 1, 3, 6, 5 panels; k below, past and across 256-step blocks
+
+
+def assert_within_f32_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Each output within float32 summation error of the exact dot product: k * 2^-24 of the sum of
+    |products| (a dropped or doubled term, or a wrong row or column, breaks it)."""
+    assert out.dtype == torch.float32 and out.shape == (x.shape[0], weight.shape[0])
+    exact = x.double() @ weight.double().T
+    bound = x.shape[1] * 2.0**-24 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def check_rows_1_to_70(lib: ck.CpuKernels) -> None:
+    for n, k in SHAPES:
+        g = gen(n * 1009 + k)
+        weight = torch.randn(n, k, generator=g)
+        gemm = lib.bind_gemm(lib.interleave(weight))
+        for rows in range(1, 71):
+            x = torch.randn(rows, k, generator=g)
+            assert_within_f32_rounding(gemm(x, THREADS), x, weight)
+
+
+def test_gemm_rows_1_to_70_within_f32_rounding(kernels):
+    check_rows_1_to_70(kernels)
+
+
+@pytest.mark.parametrize("rows", [70, 301])  # 301: two balanced blocks of rows, each its own pass over the weights
+def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows):
+    """One FMA chain per output, in k order: a row alone and in any batch gives the same bits."""
+    g = gen(rows)
+    weight = torch.randn(96, 600, generator=g)
+    gemm = kernels.bind_gemm(kernels.interleave(weight))
+    x = torch.randn(rows, 600, generator=g)
+    batched = gemm(x, THREADS)
+    assert_within_f32_rounding(batched, x, weight)
+    for row in (0, 5, 6, 13, rows - 1):
+        assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
+    assert torch.equal(gemm(x[1:23].clone(), THREADS), batched[1:23])
+
+
+def test_gemm_of_no_columns_is_zeros(kernels):
+    gemm = kernels.bind_gemm(torch.empty(2, 0, 16))
+    assert torch.equal(gemm(torch.empty(3, 0), THREADS), torch.zeros(3, 32))
+
+
+def test_gemm_refuses_what_it_cannot_read(kernels):
+    weight = kernels.interleave(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="float32 \\[n / 16, k, 16\\]"):
+        kernels.bind_gemm(kernels.interleave(torch.randn(32, 64).to(torch.bfloat16)))
+    gemm = kernels.bind_gemm(weight)
+    with pytest.raises(ValueError, match="x \\[rows, 64\\]"):
+        gemm(torch.randn(3, 63), THREADS)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        gemm(torch.randn(64, 3).T, THREADS)
+
+
+def test_gemm_reports_a_failed_allocation(kernels, failing):  # noqa: F811
+    g = gen(2)
+    x, weight = torch.randn(9, 64, generator=g), kernels.interleave(torch.randn(32, 64, generator=g))
+    gemm = kernels.bind_gemm(weight)
+    assert_fails_then_recovers(lambda: gemm(x, THREADS), failing, 0, "interleaved gemm")
+
+
+# --------------------------------------------------------------------------- each x86-64 level's build
+LEVELS = {"x86-64-v3": True, "x86-64-v2": False}  # level: takes rows from oneDNN (measured faster: AVX2)
+
+
+@pytest.fixture(scope="module", params=list(LEVELS))
+def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
+    """The cpu_kernels library built for one x86-64 level (v3: 6 x 16 tiles of 8-lane AVX2 vectors; v2:
+    3 x 16 of 4-lane SSE), as the image prebuilds them; skipped where this CPU cannot run it."""
+    level, levels, here = request.param, list(build.X86_LEVELS), build.cpu_level()
+    if here is None or levels.index(here) < levels.index(level):
+        pytest.skip(f"this CPU cannot run {level} code")
+    try:
+        (path,) = build.prebuild(tmp_path_factory.mktemp(level), [level], [build.CPU_KERNELS])
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no working C compiler here: {exc}")
+    return level, ck.CpuKernels(ctypes.CDLL(str(path)))
+
+
+def test_gemm_at_each_level_within_f32_rounding(level_kernels):
+    check_rows_1_to_70(level_kernels[1])
+
+
+def test_each_level_takes_the_rows_it_was_measured_faster_at(level_kernels):
+    level, lib = level_kernels
+    assert (lib.gemm_max_rows() >= 64) == LEVELS[level] and (lib.gemm_max_rows() == 0) == (not LEVELS[level])
+
+
+# --------------------------------------------------------------------------- PackedCpuLinear's routing
+def gemm_kernels(kernels: ck.CpuKernels) -> ck.CpuKernels:
+    if kernels.gemm_max_rows() == 0:
+        pytest.skip("this build keeps oneDNN for every row count (the gemm was not measured faster at its vector width)")
+    return kernels
+
+
+def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
+    """Rows 2..gemm_max_rows give the gemm's bits exactly (it reads the one-row kernel's copy: no
+    other copy is made), one row the one-row kernel's, more rows oneDNN's; all within f32 rounding."""
+    lib = gemm_kernels(kernels)
+    g = gen(3)
+    weight = torch.randn(64, 96, generator=g)
+    packed = pack_weight(weight, lib)
+    layer = PackedCpuLinear(packed, lib)
+    assert packed.packed is not None and layer.resident_bytes() == 2 * weight.numel() * 4  # oneDNN's and the interleaved copy
+    gemm, one_row, max_rows = lib.bind_gemm(packed.interleaved), lib.bind_interleaved(packed.interleaved), lib.gemm_max_rows()
+    for rows in (1, 2, 9, 32, max_rows, max_rows + 1):
+        x = torch.randn(rows, 96, generator=g)
+        out = layer(x)
+        assert_within_f32_rounding(out, x, weight)
+        expected = one_row(x, THREADS) if rows == 1 else gemm(x, THREADS) if rows <= max_rows else None
+        assert expected is None or torch.equal(out, expected)
+        if expected is None:  # past the cutoff: oneDNN
+            assert torch.equal(out, layer._onednn(x))
+
+
+def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, monkeypatch):
+    """A float32 head (or block weight) too large for a second copy: the interleaved copy in place
+    of oneDNN's (no more memory), one row on the one-row kernel, any more (past gemm_max_rows too)
+    on the gemm; the batch-invariant mode keeps the row kernel for every count."""
+    lib = gemm_kernels(kernels)
+    g = gen(4)
+    weight = torch.randn(128, 64, generator=g)
+    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)  # the demo's head: 113 MB
+    backend = CpuKernelBackend(CPU, torch.float32, lib)
+    prepared = backend.prepare_head(weight)
+    assert isinstance(prepared, PackedWeight) and prepared.packed is None and gemm_serves(weight.dtype, 128, lib)
+    head = backend.head_linear(prepared)
+    assert head.resident_bytes() == weight.numel() * 4
+    gemm = lib.bind_gemm(prepared.interleaved)
+    for rows in (1, 2, 33, lib.gemm_max_rows() + 5):
+        x = torch.randn(rows, 64, generator=g)
+        out = head(x)
+        assert_within_f32_rounding(out, x, weight)
+        if rows > 1:
+            assert torch.equal(out, gemm(x, THREADS))
+    invariant = CpuKernelBackend(CPU, torch.float32, lib, batch_invariant=True)
+    x = torch.randn(5, 64, generator=g)
+    row_kernel = lib.interleaved_linear(x, prepared.interleaved, THREADS)
+    for linear in (invariant.head_linear(invariant.prepare_head(weight)), invariant.special_linear(invariant.prepare_linear(weight))):
+        assert torch.equal(linear(x), row_kernel) and torch.equal(linear(x[2:3].clone()), row_kernel[2:3])
+
+
+def test_no_gemm_for_bfloat16_or_without_kernels(kernels):
+    weight = torch.randn(32, 64)
+    assert not gemm_serves(torch.bfloat16, 32, kernels) and not gemm_serves(torch.float32, 32, None)
+    assert not gemm_serves(torch.float32, 24, kernels)  # not whole 16-column panels
+    assert pack_weight(torch.randn(32, (8 << 20) // 128 + 16), None).packed is not None  # no kernels: oneDNN's copy
+    layer = PackedCpuLinear(pack_weight(weight))
+    assert torch.allclose(layer(torch.ones(4, 64)), F.linear(torch.ones(4, 64), weight), atol=1e-4)
+
+
+def test_a_model_of_large_float32_weights_runs_on_one_copy_each(kernels, tiny_checkpoint, monkeypatch):
+    """Every weight counted as large: each linear and the head keep the interleaved copy only, and the
+    model's prefill, decode and mixed steps (1 to 28 rows a linear) match oneDNN's model."""
+    lib = gemm_kernels(kernels)
+    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", 0)
+    model = build_model(tiny_checkpoint, torch.float32, lib)
+    linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
+    assert len(linears) == 4 * model.params.n_layers + 1 and all(m.packed_weight is None and m._gemm is not None for m in linears)
+    paths = TwoPaths((model, build_model(tiny_checkpoint, torch.float32, None)))
+    a, b, c, d = make_seqs(model.vocab_size, [1, 7, 9, 20], seed=2)
+    paths.step([b, a, c, d], [7, 1, 9, 11])  # prefill chunks and a one-token prompt
+    paths.step([a, b, c], [1, 1, 1])  # decodes
+    paths.step([a, d, c], [1, 9, 1])  # decodes around the rest of a prompt
+    paths.step([d], [1])  # one row: the one-row kernel
