@@ -174,24 +174,35 @@ def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
     assert layer(torch.randn(0, 32).to(dtype)).shape == (0, 64)
 
 
+@pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("cutoff", [1, 8])
-def test_float32_head_keeps_the_interleaved_copy_where_few_rows_run_on_it(kernels, cutoff, monkeypatch):
-    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: with a few-rows cutoff above one
-    (AVX2 builds) it keeps the interleaved copy too and its few rows run on it, more on oneDNN;
-    with a cutoff of one, oneDNN's copy alone."""
+def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutoff, gemm, monkeypatch):
+    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: where csrc/gemm.c serves it, one copy,
+    the interleaved one (no oneDNN copy), its rows up to the few-rows cutoff on the interleaved kernel,
+    more on the gemm; without the gemm, oneDNN's copy alone for every row count."""
     if not cpu_packing_available(torch.float32):
         pytest.skip("no oneDNN here")
+    if gemm and kernels.gemm_max_rows() == 0:
+        pytest.skip("this build has no many-rows float32 kernel")
     monkeypatch.setitem(cpu_backends.FEW_ROWS_MAX_ROWS, kernels.simd_bits, cutoff)
     monkeypatch.setattr(cpu_backends, "INTERLEAVED_MAX_WEIGHT_BYTES", 0)  # every weight counts as large
+    if not gemm:
+        monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args: False)
     backend = CpuKernelBackend(torch.device("cpu"), torch.float32, kernels)
     weight = torch.randn(96, 40, generator=gen(3))
     head = backend.head_linear(backend.prepare_head(weight))
-    assert isinstance(head, PackedCpuLinear) and head.packed_weight is not None
-    assert (head.interleaved is not None) == (cutoff > 1) and head.few_rows() == (cutoff if cutoff > 1 else 0)
-    assert backend.prepare_linear(weight).interleaved is None  # block linears: the usual cap
+    assert isinstance(head, PackedCpuLinear) and (head.packed_weight is None) == gemm and (head.interleaved is not None) == gemm
+    assert head.resident_bytes() == weight.numel() * 4  # one copy either way
+    few = (cutoff if cutoff > 1 else 1) if gemm else 0
+    assert head.few_rows() == few
     for rows in (1, cutoff, cutoff + 1):
         x = torch.randn(rows, 40, generator=gen(rows))
-        expected = kernels.interleaved_linear(x, head.interleaved, THREADS) if rows <= head.few_rows() else head._onednn(x)
+        if not gemm:
+            expected = head._onednn(x)
+        elif rows <= few:
+            expected = kernels.interleaved_linear(x, head.interleaved, THREADS)
+        else:
+            expected = kernels.bind_gemm(head.interleaved)(x, THREADS)
         assert torch.equal(head(x), expected)
 
 

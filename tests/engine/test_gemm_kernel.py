@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends import cpu as cpu_backend
-from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, gemm_serves, pack_weight
+from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, few_rows_cutoff, gemm_serves, pack_weight
 from engine.kernels import build
 from engine.kernels import cpu as ck
 from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
@@ -120,8 +120,9 @@ def gemm_kernels(kernels: ck.CpuKernels) -> ck.CpuKernels:
 
 
 def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
-    """Rows 2..gemm_max_rows give the gemm's bits exactly (it reads the one-row kernel's copy: no
-    other copy is made), one row the one-row kernel's, more rows oneDNN's; all within f32 rounding."""
+    """Rows past the few-rows cutoff up to gemm_max_rows give the gemm's bits exactly (it reads the
+    one-row kernel's copy: no other copy is made), one row (up to the few-rows cutoff: 8 on AVX2
+    builds) the interleaved kernel's, more rows oneDNN's; all within f32 rounding."""
     lib = gemm_kernels(kernels)
     g = gen(3)
     weight = torch.randn(64, 96, generator=g)
@@ -129,11 +130,12 @@ def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
     layer = PackedCpuLinear(packed, lib)
     assert packed.packed is not None and layer.resident_bytes() == 2 * weight.numel() * 4  # oneDNN's and the interleaved copy
     gemm, one_row, max_rows = lib.bind_gemm(packed.interleaved), lib.bind_interleaved(packed.interleaved), lib.gemm_max_rows()
-    for rows in (1, 2, 9, 32, max_rows, max_rows + 1):
+    few = few_rows_cutoff(lib)
+    for rows in sorted({1, 2, few, few + 1, 32, max_rows, max_rows + 1}):
         x = torch.randn(rows, 96, generator=g)
         out = layer(x)
         assert_within_f32_rounding(out, x, weight)
-        expected = one_row(x, THREADS) if rows == 1 else gemm(x, THREADS) if rows <= max_rows else None
+        expected = one_row(x, THREADS) if rows <= few else gemm(x, THREADS) if rows <= max_rows else None
         assert expected is None or torch.equal(out, expected)
         if expected is None:  # past the cutoff: oneDNN
             assert torch.equal(out, layer._onednn(x))
@@ -141,8 +143,8 @@ def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
 
 def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, monkeypatch):
     """A float32 head (or block weight) too large for a second copy: the interleaved copy in place
-    of oneDNN's (no more memory), one row on the one-row kernel, any more (past gemm_max_rows too)
-    on the gemm; the batch-invariant mode keeps the row kernel for every count."""
+    of oneDNN's (no more memory), one row (up to the few-rows cutoff) on the interleaved kernel, any
+    more (past gemm_max_rows too) on the gemm; the batch-invariant mode keeps the row kernel for every count."""
     lib = gemm_kernels(kernels)
     g = gen(4)
     weight = torch.randn(128, 64, generator=g)
@@ -153,11 +155,12 @@ def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, m
     head = backend.head_linear(prepared)
     assert head.resident_bytes() == weight.numel() * 4
     gemm = lib.bind_gemm(prepared.interleaved)
-    for rows in (1, 2, 33, lib.gemm_max_rows() + 5):
+    few = few_rows_cutoff(lib)
+    for rows in (1, 2, few + 1, 33, lib.gemm_max_rows() + 5):
         x = torch.randn(rows, 64, generator=g)
         out = head(x)
         assert_within_f32_rounding(out, x, weight)
-        if rows > 1:
+        if rows > few:
             assert torch.equal(out, gemm(x, THREADS))
     invariant = CpuKernelBackend(CPU, torch.float32, lib, batch_invariant=True)
     x = torch.randn(5, 64, generator=g)
