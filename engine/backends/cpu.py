@@ -119,11 +119,13 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
 
-def gemm_serves(dtype: torch.dtype, out_features: int, kernels: CpuKernels | None) -> bool:
-    """Whether float32 inputs of 2+ rows on a weight run csrc/gemm.c (from its interleaved copy): a
-    float32 weight of whole 16-column panels, in a build where the kernel measured faster than
+def gemm_serves(dtype: torch.dtype, out_features: int, kernels: CpuKernels | None, *, onednn: bool = True) -> bool:
+    """Whether inputs of 2+ rows on a weight run csrc/gemm.c (from its interleaved copy): a float32
+    weight, or a bfloat16 one without oneDNN's copy (onednn False: no oneDNN bfloat16 kernel here;
+    widened per load), of whole 16-column panels, in a build where the kernel measured faster than
     oneDNN (CpuKernels.gemm_max_rows: by the build's vector width, not the CPU's name)."""
-    return kernels is not None and dtype == torch.float32 and out_features % 16 == 0 and kernels.gemm_max_rows() > 0
+    served = dtype == torch.float32 or (dtype == torch.bfloat16 and not onednn)
+    return kernels is not None and served and out_features % 16 == 0 and kernels.gemm_max_rows() > 0
 
 
 class PackedCpuLinear(nn.Module):
@@ -164,7 +166,7 @@ class PackedCpuLinear(nn.Module):
         supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
         self._many_rows = self._amx.bind(interleaved) if supported else None
         gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
-                and gemm_serves(interleaved.dtype, self.out_features, self._kernels))  # fmt: skip
+                and gemm_serves(interleaved.dtype, self.out_features, self._kernels, onednn=self.packed_weight is not None))  # fmt: skip
         self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
         # the most rows it takes: every count for a weight without oneDNN's copy (a large float32 one)
         self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
@@ -173,8 +175,8 @@ class PackedCpuLinear(nn.Module):
         self._widen = self._kernels.bind_widen(interleaved) if no_onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; float32 rows up to
-        _gemm_max_rows: csrc/gemm.c; bfloat16 rows up to _max_tile_rows: the AMX tiles; a weight
+        """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; rows up to
+        _gemm_max_rows: csrc/gemm.c (float32 weights, and bfloat16 ones without oneDNN's copy); bfloat16 rows up to _max_tile_rows: the AMX tiles; a weight
         without oneDNN's copy: _without_onednn; else oneDNN. Chosen here, per call, by the input's
         rows, not in the step's plan: one step's linears see different row counts (the blocks all
         its tokens, the head its sampled rows, each expert its routed tokens)."""
@@ -185,8 +187,8 @@ class PackedCpuLinear(nn.Module):
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if rows <= self._gemm_max_rows and x.dtype == torch.float32 and x.dim() == 2:
-            return self._gemm(x.contiguous(), torch.get_num_threads())
+        if rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
+            return self._gemm(x.contiguous(), torch.get_num_threads()).to(x.dtype)
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         if self._widen is not None:
@@ -294,9 +296,16 @@ class InterleavedHeadLinear(nn.Module):
         # widen: WIDEN_MIN_ROWS rows and more through widened float32 tiles and a float32 GEMM, as
         # PackedCpuLinear without oneDNN (float32 sums too, in the GEMM's order: the logits then
         # depend on the rows; never in the batch-invariant mode)
-        self._widen = kernels.bind_widen(head.interleaved) if widen else None
+        # (where csrc/gemm.c serves bfloat16 weights, rows past the few-rows cutoff run it instead:
+        # bfloat16 widened per load, no tiles written and read back)
+        gemm = widen and head.interleaved.dim() == 3 and gemm_serves(head.interleaved.dtype, head.out_features, kernels, onednn=False)
+        self._gemm = kernels.bind_gemm(head.interleaved) if gemm else None
+        self._few_rows = few_rows_cutoff(kernels)
+        self._widen = kernels.bind_widen(head.interleaved) if widen and not gemm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemm is not None and x.shape[0] > self._few_rows:
+            return self._gemm(x.contiguous(), torch.get_num_threads())
         if self._widen is not None and x.shape[0] >= WIDEN_MIN_ROWS:
             return widened_mm(x.contiguous(), self._widen, self.out_features, torch.get_num_threads(), out_dtype=torch.float32)
         return self._rows(x.contiguous(), torch.get_num_threads())

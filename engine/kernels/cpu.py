@@ -51,8 +51,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "interleaved_widen": ((_i32, _i32, _p, _i64, _i64, _i64, _p, _i32), None),
     # the pairs kernel with float32 out: only where BF16_PAIRS is
     "interleaved_linear_bf16_pairs_f32_out": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
-    # x, weight (float32 interleaved), out, rows, n, k, threads: the many-rows float32 linear (csrc/gemm.c)
-    "interleaved_gemm": ((_p, _p, _p, _i64, _i64, _i64, _i32), _i32),
+    # bf16 (weight), x (float32), weight (interleaved), out (float32), rows, n, k, threads: the many-rows linear (csrc/gemm.c)
+    "interleaved_gemm": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # -> the most rows interleaved_gemm beats oneDNN's float32 linear at in this build (0: none measured)
     "interleaved_gemm_max_rows": ((), _i64),
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
@@ -282,21 +282,24 @@ class CpuKernels:
         return int(self._lib.interleaved_gemm_max_rows())
 
     def bind_gemm(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        """csrc/gemm.c's many-rows linear for one float32 weight as interleave() made it ([n / 16, k,
-        16]: the one-row kernel's copy, read as the microkernel's panels): call(x [rows, k] float32,
-        contiguous; threads) -> [rows, n] float32. Each row's result is the same whatever the number
-        of rows (one chain over k per output)."""
-        if weight.dtype != torch.float32 or weight.dim() != 3 or weight.shape[2] != 16 or not weight.is_contiguous():
-            raise ValueError(f"interleaved_gemm takes a contiguous float32 [n / 16, k, 16] weight, got {weight.dtype} "
+        """csrc/gemm.c's many-rows linear for one float32 or bfloat16 weight as interleave() made it
+        ([n / 16, k, 16]: the one-row kernel's copy, read as the microkernel's panels): call(x [rows,
+        k] contiguous, float32 (or bfloat16 for a bfloat16 weight: widened here); threads) -> [rows, n]
+        float32 (bfloat16 weights are widened per load, the sums float32). Each row's result is the
+        same whatever the number of rows (one chain over k per output)."""
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 3 or weight.shape[2] != 16 or not weight.is_contiguous():
+            raise ValueError(f"interleaved_gemm takes a contiguous float32 or bfloat16 [n / 16, k, 16] weight, got {weight.dtype} "
                              f"{list(weight.shape)}")  # fmt: skip
         fn, n, k, weight_ptr = self._lib.interleaved_gemm, weight.shape[0] * 16, weight.shape[1], weight.data_ptr()
+        bf16, inputs = DTYPE_CODES[weight.dtype], (torch.float32, weight.dtype)
 
         def many_rows(x: torch.Tensor, threads: int) -> torch.Tensor:
             # the kernel reads x through raw offsets: another shape or layout is refused here
-            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
-                raise ValueError(f"interleaved_gemm takes contiguous float32 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+            if x.dtype not in inputs or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+                raise ValueError(f"interleaved_gemm takes contiguous {str(weight.dtype)[6:]} x [rows, {k}], got {x.dtype} {list(x.shape)}")
+            x = x.float()  # the kernel's x is float32 (a bfloat16 x widened exactly)
             out = torch.empty(x.shape[0], n, dtype=torch.float32)
-            if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), x.shape[0], n, k, threads):
+            if failed := fn(bf16, x.data_ptr(), weight_ptr, out.data_ptr(), x.shape[0], n, k, threads):
                 check_kernel(failed, "interleaved gemm")
             return out
 

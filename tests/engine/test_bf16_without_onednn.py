@@ -58,17 +58,26 @@ def test_linear_without_onednn_is_the_rounded_exact_product(kernels, rows, n, k,
     assert_bf16_rounded_product(layer(x), x, weight)
 
 
-def test_each_path_is_taken(kernels, monkeypatch):
-    """Fewer rows than WIDEN_MIN_ROWS on the interleaved kernel, from there on widened tiles: the
-    test above covers both only if the cutoff splits its row counts."""
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "widened-tiles"])
+def test_each_path_is_taken(kernels, gemm, monkeypatch):
+    """Few rows on the interleaved kernel; more on csrc/gemm.c where the build has it (bfloat16 widened
+    per load), else from WIDEN_MIN_ROWS on widened tiles: the test above covers each only if the
+    cutoffs split its row counts."""
+    if gemm and kernels.gemm_max_rows() == 0:
+        pytest.skip("this build has no many-rows kernel")
+    if not gemm:
+        monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args, **kwargs: False)
     layer = PackedCpuLinear(pack_weight(torch.randn(32, 16).bfloat16(), kernels, onednn=False), kernels)
+    assert (layer._gemm is not None) == gemm and (layer._widen is None) == gemm
     calls = []
-    widen = layer._widen
-    monkeypatch.setattr(layer, "_widen", lambda *a: calls.append(a[:2]) or widen(*a))
-    layer(torch.randn(WIDEN_MIN_ROWS - 1, 16).bfloat16())
+    name = "_gemm" if gemm else "_widen"
+    kernel = getattr(layer, name)
+    monkeypatch.setattr(layer, name, lambda *a: calls.append(a) or kernel(*a))
+    below = few_rows_cutoff(kernels) if gemm else WIDEN_MIN_ROWS - 1
+    layer(torch.randn(below, 16).bfloat16())
     assert calls == []
-    layer(torch.randn(WIDEN_MIN_ROWS, 16).bfloat16())
-    assert calls == [(0, 32)]
+    layer(torch.randn(below + 1, 16).bfloat16())
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("pairs", [False, True], ids=["interleaved", "pairs"])
@@ -100,18 +109,25 @@ def test_a_weight_the_kernels_cannot_lay_out_stays_dense(kernels, no_onednn_bf16
     assert backend.prepare_linear(weight) is weight
 
 
-@pytest.mark.parametrize("rows", [1, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 33])
-def test_the_head_gives_float32_logits_at_every_row_count(kernels, no_onednn_bf16, rows):
-    """Few rows on the interleaved kernel, many on widened tiles (a float32 GEMM): float32 sums of
-    the bfloat16 products either way; the batch-invariant mode keeps the row kernel."""
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "widened-tiles"])
+@pytest.mark.parametrize("rows", [1, 8, 9, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 33])
+def test_the_head_gives_float32_logits_at_every_row_count(kernels, no_onednn_bf16, rows, gemm, monkeypatch):
+    """Few rows on the interleaved kernel, many on csrc/gemm.c where the build has it, else on
+    widened tiles (a float32 GEMM): float32 sums of the bfloat16 products either way; the
+    batch-invariant mode keeps the row kernel."""
+    if gemm and kernels.gemm_max_rows() == 0:
+        pytest.skip("this build has no many-rows kernel")
+    if not gemm:
+        monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args, **kwargs: False)
     backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
     g = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(160, 72, generator=g).bfloat16(), torch.randn(rows, 72, generator=g).bfloat16()
     head = backend.head_linear(backend.prepare_head(weight))
-    assert isinstance(head, InterleavedHeadLinear) and head._widen is not None
+    assert isinstance(head, InterleavedHeadLinear) and (head._gemm is not None) == gemm and (head._widen is None) == gemm
     assert_within_f32_rounding(head(x), x, weight)
     invariant = select_backend(EngineConfig(dtype="bfloat16", batch_invariant=True), CPU)
-    assert invariant.head_linear(invariant.prepare_head(weight))._widen is None
+    invariant_head = invariant.head_linear(invariant.prepare_head(weight))
+    assert invariant_head._widen is None and invariant_head._gemm is None
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +146,9 @@ def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
     model = executors[0]._shard.model
     assert model.backend.name == "cpu_kernels" and not model.backend.onednn
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
-    assert linears and all(m.packed_weight is None and m._widen is not None for m in linears)
+    # many rows: csrc/gemm.c where the build has it (bfloat16 widened per load), else widened tiles
+    gemm = model.backend.kernels.gemm_max_rows() > 0
+    assert linears and all(m.packed_weight is None and (m._gemm is not None) == gemm and (m._widen is None) == gemm for m in linears)
     assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
     # decodes run the compiled step: one, or up to the build's few-rows cutoff (the interleaved kernel's
     # register-blocked rows: 8 on AVX2 builds)

@@ -34,18 +34,21 @@ def assert_within_f32_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def check_rows_1_to_70(lib: ck.CpuKernels) -> None:
+def check_rows_1_to_70(lib: ck.CpuKernels, dtype: torch.dtype = torch.float32) -> None:
+    """Float32 weights, or bfloat16 ones (widened per load: the sums within float32 rounding of the
+    exact product of the bfloat16 values, x float32 or bfloat16)."""
     for n, k in SHAPES:
         g = gen(n * 1009 + k)
-        weight = torch.randn(n, k, generator=g)
+        weight = torch.randn(n, k, generator=g).to(dtype)
         gemm = lib.bind_gemm(lib.interleave(weight))
         for rows in range(1, 71):
-            x = torch.randn(rows, k, generator=g)
+            x = torch.randn(rows, k, generator=g).to(dtype if rows % 2 else torch.float32)
             assert_within_f32_rounding(gemm(x, THREADS), x, weight)
 
 
-def test_gemm_rows_1_to_70_within_f32_rounding(kernels):
-    check_rows_1_to_70(kernels)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
+    check_rows_1_to_70(kernels, dtype)
 
 
 @pytest.mark.parametrize("rows", [70, 301])  # 301: two balanced blocks of rows, each its own pass over the weights
@@ -69,8 +72,8 @@ def test_gemm_of_no_columns_is_zeros(kernels):
 
 def test_gemm_refuses_what_it_cannot_read(kernels):
     weight = kernels.interleave(torch.randn(32, 64))
-    with pytest.raises(ValueError, match="float32 \\[n / 16, k, 16\\]"):
-        kernels.bind_gemm(kernels.interleave(torch.randn(32, 64).to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="float32 or bfloat16 \\[n / 16, k, 16\\]"):
+        kernels.bind_gemm(torch.randn(2, 64, 16).to(torch.float16))
     gemm = kernels.bind_gemm(weight)
     with pytest.raises(ValueError, match="x \\[rows, 64\\]"):
         gemm(torch.randn(3, 63), THREADS)
@@ -105,6 +108,7 @@ def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
 
 def test_gemm_at_each_level_within_f32_rounding(level_kernels):
     check_rows_1_to_70(level_kernels[1])
+    check_rows_1_to_70(level_kernels[1], torch.bfloat16)
 
 
 def test_each_level_takes_the_rows_it_was_measured_faster_at(level_kernels):
@@ -172,6 +176,8 @@ def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, m
 def test_no_gemm_for_bfloat16_or_without_kernels(kernels):
     weight = torch.randn(32, 64)
     assert not gemm_serves(torch.bfloat16, 32, kernels) and not gemm_serves(torch.float32, 32, None)
+    # bfloat16 only without oneDNN's copy (no oneDNN bfloat16 kernel: AVX2), where the build has the gemm
+    assert gemm_serves(torch.bfloat16, 32, kernels, onednn=False) == (kernels.gemm_max_rows() > 0)
     assert not gemm_serves(torch.float32, 24, kernels)  # not whole 16-column panels
     assert pack_weight(torch.randn(32, (8 << 20) // 128 + 16), None).packed is not None  # no kernels: oneDNN's copy
     layer = PackedCpuLinear(pack_weight(weight))

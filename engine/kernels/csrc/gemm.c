@@ -60,15 +60,33 @@ static inline __attribute__((always_inline)) gvf gemm_load(const float *p) {
     return v;
 }
 
+typedef uint16_t gvh __attribute__((vector_size(GV * 2)));
+typedef uint32_t gvu __attribute__((vector_size(GV * 4)));
+
+/* GV weights from element `index` of w: float32, or bfloat16 widened exactly to float32 (the high
+ * half of the float's bits: one zero-extend and one shift a vector, beside the GEMM_MR FMAs each
+ * loaded vector feeds). bf16 is a literal in each instantiation (gemm_tile_rows_f32 / _bf16). */
+static inline __attribute__((always_inline)) gvf gemm_load_weight(const void *w, int64_t index, int bf16) {
+    if (bf16) {
+        gvh h;
+        memcpy(&h, (const uint16_t *)w + index, sizeof(h));
+        gvu u = __builtin_convertvector(h, gvu) << 16;
+        gvf f;
+        memcpy(&f, &u, sizeof(f));
+        return f;
+    }
+    return gemm_load((const float *)w + index);
+}
+
 static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { memcpy(p, &v, sizeof(v)); }
 
-/* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr and np
- * are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w: the
- * first panel's chunk, the next panels panel_floats further; first: start the sums at 0, else
+/* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr, np and
+ * bf16 are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w:
+ * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements further; first: start the sums at 0, else
  * continue the previous block's from out; prefetch: also fetch each panel's next chunk. */
-static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const float *xp, const float *w,
-                                                            int64_t panel_floats, int64_t kc, float *out, int64_t n,
-                                                            int first, int prefetch) {
+static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *xp,
+                                                            const void *w, int64_t panel_floats, int64_t kc, float *out,
+                                                            int64_t n, int first, int prefetch) {
     gvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -78,10 +96,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
         gvf wv[GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
-            const float *line = w + p * panel_floats + i * 16;
-            if (prefetch) __builtin_prefetch(line + kc * 16, 0, 3);
+            const int64_t line = p * panel_floats + i * 16;
+            if (prefetch) __builtin_prefetch((const char *)w + (size_t)(line + kc * 16) * (bf16 ? 2 : 4), 0, 3);
 #pragma GCC unroll 16
-            for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load(line + q * GV);
+            for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load_weight(w, line + q * GV, bf16);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
@@ -98,13 +116,15 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, xp, w, panel_floats, kc, out, n, first, prefetch); \
-        else gemm_tile(m, 1, xp, w, panel_floats, kc, out, n, first, prefetch);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, xp, w, panel_floats, kc, out, n, first, prefetch); \
+        else gemm_tile(m, 1, bf16, xp, w, panel_floats, kc, out, n, first, prefetch);                     \
         break;
 
-/* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size. */
-static void gemm_tile_rows(int mr, int np, const float *xp, const float *w, int64_t panel_floats, int64_t kc, float *out,
-                           int64_t n, int first, int prefetch) {
+/* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
+ * (inlined into the two weight types' instantiations below). */
+static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *xp,
+                                                                 const void *w, int64_t panel_floats, int64_t kc,
+                                                                 float *out, int64_t n, int first, int prefetch) {
     switch (mr) {
         GEMM_TILE_CASE(1)
         GEMM_TILE_CASE(2)
@@ -126,6 +146,16 @@ static void gemm_tile_rows(int mr, int np, const float *xp, const float *w, int6
     }
 }
 
+static void gemm_tile_rows_f32(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
+                               float *out, int64_t n, int first, int prefetch) {
+    gemm_tile_rows(0, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+}
+
+static void gemm_tile_rows_bf16(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
+                                float *out, int64_t n, int first, int prefetch) {
+    gemm_tile_rows(1, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+}
+
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
 static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     const int64_t base = rows / tiles, extra = rows % tiles;
@@ -133,8 +163,8 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
 }
 
 /* One block of at most GEMM_MC rows, xp its packing scratch (rows x k floats). */
-static void gemm_block(const float *x, const float *weight, float *out, float *xp, int64_t rows, int64_t n, int64_t k,
-                       int num_threads) {
+static void gemm_block(int bf16, const float *x, const void *weight, float *out, float *xp, int64_t rows, int64_t n,
+                       int64_t k, int num_threads) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     /* packed x: tile t's rows [r0, r1) as [k][r1 - r0], at xp + r0 * k (the tiles in row order) */
     for (int64_t t = 0; t < tiles; t++) {
@@ -150,18 +180,21 @@ static void gemm_block(const float *x, const float *weight, float *out, float *x
         const int np = panels - p0 < GEMM_NP ? (int)(panels - p0) : GEMM_NP;
         for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
             const int64_t kc = k - k0 < GEMM_KC ? k - k0 : GEMM_KC;
-            const float *w = weight + p0 * panel_floats + k0 * 16;
+            const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-                gemm_tile_rows((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc, out + r0 * n + p0 * 16, n, k0 == 0,
-                               t == 0);
+                (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc,
+                                                                  out + r0 * n + p0 * 16, n, k0 == 0, t == 0);
             }
         }
     }
 }
 
-/* Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
-int interleaved_gemm(const float *x, const float *weight, float *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+/* out [rows, n] float32 = x [rows, k] float32 @ W^T, W interleaved [n / 16, k, 16] float32 (bf16 0) or
+ * bfloat16 (bf16 1: widened per load, float32 sums: a bfloat16 model on CPUs without oneDNN's bfloat16).
+ * Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
+int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
+                     int num_threads) {
     if (rows <= 0 || n <= 0) return KERNEL_OK;
     if (k <= 0) { /* an empty sum: no k block would write out */
         memset(out, 0, (size_t)(rows * n) * sizeof(float));
@@ -172,7 +205,7 @@ int interleaved_gemm(const float *x, const float *weight, float *out, int64_t ro
     if (!xp) return KERNEL_NO_MEMORY;
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(x + m0 * k, weight, out + m0 * n, xp, mb, n, k, num_threads);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, xp, mb, n, k, num_threads);
     }
     free(xp);
     return KERNEL_OK;
