@@ -7,8 +7,6 @@ batch-invariant mode kept off it."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ import torch.nn.functional as F
 
 from engine.backends import cpu as cpu_backend
 from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, few_rows_cutoff, gemm_serves, pack_weight
-from engine.kernels import build
 from engine.kernels import cpu as ck
+from tests.engine.kernel_levels import cpu_kernels_for_level
 from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
 from tests.engine.test_kernel_alloc_failures import assert_fails_then_recovers, failing  # noqa: F401 - failing: a fixture
 
@@ -96,14 +94,7 @@ LEVELS = {"x86-64-v3": True, "x86-64-v2": False}  # level: takes rows from oneDN
 def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
     """The cpu_kernels library built for one x86-64 level (v3: 6 x 16 tiles of 8-lane AVX2 vectors; v2:
     3 x 16 of 4-lane SSE), as the image prebuilds them; skipped where this CPU cannot run it."""
-    level, levels, here = request.param, list(build.X86_LEVELS), build.cpu_level()
-    if here is None or levels.index(here) < levels.index(level):
-        pytest.skip(f"this CPU cannot run {level} code")
-    try:
-        (path,) = build.prebuild(tmp_path_factory.mktemp(level), [level], [build.CPU_KERNELS])
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"no working C compiler here: {exc}")
-    return level, ck.CpuKernels(ctypes.CDLL(str(path)))
+    return request.param, cpu_kernels_for_level(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def test_gemm_at_each_level_within_f32_rounding(level_kernels):

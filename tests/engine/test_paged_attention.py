@@ -132,6 +132,7 @@ def test_paged_attention_some_sequences_only(kernels):
 
 
 # --------------------------------------------------------------------------- through the model
+from tests.engine.kernel_levels import cpu_kernels_for_level  # noqa: E402
 from tests.engine.test_cpu_kernels import TwoPaths, build_model, make_seqs, nan_filled_caches  # noqa: E402  (the fused-model harness)
 
 
@@ -217,16 +218,7 @@ LEVELS = {"x86-64-v3": (True, False), "x86-64-v2": (False, False)}  # level: (ta
 def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
     """The cpu_kernels library built for one x86-64 level (v3: the 8-lane AVX2 tile; v2: the 4-lane
     SSE one), as the image prebuilds them; skipped where this CPU cannot run it."""
-    import ctypes
-
-    level, levels, here = request.param, list(build.X86_LEVELS), build.cpu_level()
-    if here is None or levels.index(here) < levels.index(level):
-        pytest.skip(f"this CPU cannot run {level} code")
-    try:
-        (path,) = build.prebuild(tmp_path_factory.mktemp(level), [level], [build.CPU_KERNELS])
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"no working C compiler here: {exc}")
-    return level, ck.CpuKernels(ctypes.CDLL(str(path)))
+    return request.param, cpu_kernels_for_level(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
