@@ -14,19 +14,11 @@ import engine.backends.cpu as cpu_backends
 from engine.backends import select_backend
 from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, few_rows_cutoff, pack_weight
 from engine.config import EngineConfig
-from engine.kernels import cpu as ck
+from tests.engine.test_cpu_kernels import kernels  # noqa: F401 - a fixture (the native cpu_kernels build)
 from tests.engine.test_exact_logits import assert_within_f32_rounding
 from tests.engine.test_model import make_executor, random_prompts, run_random_schedule
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def kernels() -> ck.CpuKernels:
-    loaded = ck.load_cpu_kernels()
-    if loaded is None:
-        pytest.skip("fused CPU kernels could not be built here; torch path only")
-    return loaded
 
 
 @pytest.fixture
