@@ -30,6 +30,7 @@ typedef v16f lvec;
 #define LINEAR_CHAINS 4
 #define FEW_ROWS_GROUP 4
 #define LINEAR_SIMD_BITS 512
+#define ONE_ROW_PAIRS 1 /* one row: two blocks at a time (block_pair_row) */
 static inline lvec load_lvec(const char *p, int bf16) {
     lvec f;
     if (bf16) {
@@ -52,9 +53,11 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #if defined(__AVX2__) && defined(__FMA__)
 #define FEW_ROWS_GROUP 3
 #define LINEAR_SIMD_BITS 256
+#define ONE_ROW_PAIRS 1
 #else
 #define FEW_ROWS_GROUP 1
 #define LINEAR_SIMD_BITS 128
+#define ONE_ROW_PAIRS 0 /* SSE: a row's 4 accumulators are 8 registers already; two blocks' would spill */
 #endif
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -140,6 +143,50 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
         }
 }
 
+/* One row, two 16-output blocks at once (w0, w1; each as block_rows reads it): sums[0], sums[1].
+ * One row of one block keeps only LINEAR_HALVES x LINEAR_CHAINS accumulators (AVX2: 4) busy, each a
+ * chain of dependent FMAs: at Zen 2's 5-cycle FMA latency that caps the loop at 4 FMAs per 5
+ * cycles, about 13 bytes of bfloat16 weight a cycle (cache-hot 29 GB/s a core, and a core reading
+ * memory got only 79% of a plain read's rate from it; bench/NOTES.md 'One stream: the one-row read
+ * rate'). Two blocks keep twice as many chains in flight. Each lane's sum is block_rows' for one
+ * row, step for step (the same chains over k, the same combine): the bits do not change. */
+static inline __attribute__((always_inline)) void block_pair_row(const char *w0, const char *w1, const float *x, int64_t k,
+                                                                 int bf16, float (*sums)[16]) {
+    const size_t step = 16 * elem_size(bf16), part = step / LINEAR_HALVES;
+    const char *w[2] = {w0, w1};
+    lvec acc[2][LINEAR_HALVES][LINEAR_CHAINS];
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; b++)
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++)
+#pragma GCC unroll 4
+            for (int c = 0; c < LINEAR_CHAINS; c++) acc[b][h][c] = (lvec){0};
+    int64_t i = 0;
+    for (; i + LINEAR_CHAINS <= k; i += LINEAR_CHAINS) {
+#pragma GCC unroll 4
+        for (int c = 0; c < LINEAR_CHAINS; c++) {
+            const float xs = x[i + c];
+#pragma GCC unroll 2
+            for (int b = 0; b < 2; b++)
+#pragma GCC unroll 2
+                for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][c] += load_lvec(w[b] + (size_t)(i + c) * step + h * part, bf16) * xs;
+        }
+    }
+    for (; i < k; i++) {
+#pragma GCC unroll 2
+        for (int b = 0; b < 2; b++)
+#pragma GCC unroll 2
+            for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][0] += load_lvec(w[b] + (size_t)i * step + h * part, bf16) * x[i];
+    }
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; b++)
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++) {
+            const lvec s = chain_sum(acc[b][h]);
+            memcpy(sums[b] + h * LINEAR_LANES, &s, sizeof(s));
+        }
+}
+
 /* Rows [m, m + group) of block b through block_rows with `group` a literal. */
 static inline void block_group(int bf16, const char *w, const float *xm, int64_t k, int group, float (*sums)[16],
                                const char *next) {
@@ -167,6 +214,22 @@ static inline void block_group(int bf16, const char *w, const float *xm, int64_t
                      int num_threads, int out_f32) {                                                               \
         const size_t step = 16 * elem_size(BF16);                                                                  \
         const int64_t groups = (rows + FEW_ROWS_GROUP - 1) / FEW_ROWS_GROUP;                                       \
+        if (rows == 1 && ONE_ROW_PAIRS) { /* blocks two at a time (block_pair_row); an odd last one alone */       \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)") \
+            for (int64_t p = 0; p < (n / 16 + 1) / 2; p++) {                                                       \
+                const char *w = (const char *)weight + (size_t)(2 * p * k) * step;                                 \
+                float sums[2][16];                                                                                 \
+                const int both = 2 * p + 1 < n / 16;                                                               \
+                if (both) block_pair_row(w, w + k * step, xf, k, BF16, sums);                                      \
+                else block_rows(w, xf, k, BF16, 1, sums, NULL);                                                    \
+                for (int j = 0; j <= both; j++) {                                                                  \
+                    const int64_t col = (2 * p + j) * 16;                                                          \
+                    if (out_f32) memcpy((float *)out + col, sums[j], sizeof(sums[j]));                             \
+                    else store_row((char *)out + (size_t)col * elem_size(BF16), sums[j], 16, BF16);                \
+                }                                                                                                  \
+            }                                                                                                      \
+            return;                                                                                                \
+        }                                                                                                          \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)") \
         for (int64_t b = 0; b < n / 16; b++) {                                                                     \
             const char *w = (const char *)weight + (size_t)(b * k) * step;                                         \
