@@ -67,17 +67,17 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #endif
 /* One step of k of a 16-output block as the two halves the accumulators take. float32: outputs 0-7
  * and 8-15. bfloat16: the even outputs (0, 2, .., 14) and the odd ones, from one 32-byte load: 32-bit
- * lane i holds output 2i in its low 16 bits and 2i + 1 in its high ones, so shifts widen all 16
- * (three ALU ops, where zero-extending each 8 took a shuffle and a shift: 4; bench/NOTES.md
+ * lane i holds output 2i in its low 16 bits and 2i + 1 in its high ones, so a shift and a mask
+ * widen all 16 (two ALU ops, where zero-extending each 8 took a shuffle and a shift: 4; bench/NOTES.md
  * 'One stream: the one-row read rate'). Each output's products and sums are the same as widened in
  * order; store_halves puts the lanes back in output order. */
 static inline void load_halves(const char *p, int bf16, lvec *wv) {
     if (bf16) {
         v8u u;
         memcpy(&u, p, sizeof(u));
-        /* two shifts, not a mask: the mask's register would push an accumulator of
-         * block_blocks_row's 3 blocks (or of a 3-row group) onto the stack */
-        const v8u even = u << 16, odd = (u >> 16) << 16;
+        /* (GCC keeps the mask in memory here: with 3 blocks' or 3 rows' 12 accumulators one of
+         * them goes to the stack either way; written as two shifts it folds them into the mask) */
+        const v8u even = u << 16, odd = u & 0xffff0000u;
         memcpy(&wv[0], &even, sizeof(lvec));
         memcpy(&wv[1], &odd, sizeof(lvec));
     } else {
