@@ -223,6 +223,13 @@ def test_step_memory_smoke():
     assert "rows   17 ->   18: x" in stdout and "40-row step: malloc_trim(0)" in stdout, stdout
 
 
+def test_read_bandwidth_smoke():
+    stdout = run_script("bench/read_bandwidth.py", "--threads", "1", "--mib", "4", "--rounds", "1", "--streams", "1,2", "--prefetch", "0",
+                        "--dtypes", "float32", "--layers", "1", "--vocab", "0")
+    for part in ("1 thread(s) read, 2 stream(s)", "copy", "float32 step linears", "of read"):
+        assert part in stdout, stdout
+
+
 def test_gemm_linear_smoke():
     stdout = run_script("bench/gemm_linear.py", "--shapes", "64x48", "--rows", "2,9", "--rounds", "1", "--cold-mb", "1")
     assert "[64x48] rows    9: onednn" in stdout and "onednn/gemm" in stdout, stdout

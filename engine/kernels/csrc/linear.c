@@ -23,13 +23,16 @@
  * 32 bytes: the accumulators went through the stack each step, bench/NOTES.md 'AVX2 one-row
  * linear'); two chains, so a row holds 4 accumulators and AVX2's 16 ymm registers take groups of 3
  * rows (12 accumulators, the two weight halves, one broadcast); the portable build (SSE: each 8-lane
- * half is two registers) keeps groups of 1. */
+ * half is two registers) keeps groups of 1. One row (a batch-1 decode) runs ONE_ROW_BLOCKS blocks
+ * side by side instead (block_blocks_row: more FMA chains in flight and more streams for the
+ * prefetchers, the same sums). */
 #if defined(__AVX512F__)
 typedef v16f lvec;
 #define LINEAR_HALVES 1
 #define LINEAR_CHAINS 4
 #define FEW_ROWS_GROUP 4
 #define LINEAR_SIMD_BITS 512
+#define ONE_ROW_BLOCKS 2 /* one row: blocks read side by side (block_blocks_row; not measured on AVX-512) */
 static inline lvec load_lvec(const char *p, int bf16) {
     lvec f;
     if (bf16) {
@@ -42,43 +45,55 @@ static inline lvec load_lvec(const char *p, int bf16) {
     }
     return f;
 }
+static inline void load_halves(const char *p, int bf16, lvec *wv) { wv[0] = load_lvec(p, bf16); }
+static inline void store_halves(float *sums, const lvec *s, int bf16) {
+    (void)bf16;
+    memcpy(sums, s, sizeof(*s));
+}
 static inline lvec chain_sum(const lvec *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
 #else
 typedef float lvec __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 #define LINEAR_HALVES 2
 #define LINEAR_CHAINS 2
 #if defined(__AVX2__) && defined(__FMA__)
 #define FEW_ROWS_GROUP 3
 #define LINEAR_SIMD_BITS 256
+#define ONE_ROW_BLOCKS 3 /* 12 accumulators, the two weight halves, one broadcast: 15 of 16 ymm */
 #else
 #define FEW_ROWS_GROUP 1
 #define LINEAR_SIMD_BITS 128
+#define ONE_ROW_BLOCKS 1 /* SSE: a row's 4 accumulators are 8 registers already; more blocks' would spill */
 #endif
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-static inline lvec load_lvec(const char *p, int bf16) {
-    lvec f;
+/* One step of k of a 16-output block as the two halves the accumulators take. float32: outputs 0-7
+ * and 8-15. bfloat16: the even outputs (0, 2, .., 14) and the odd ones, from one 32-byte load: 32-bit
+ * lane i holds output 2i in its low 16 bits and 2i + 1 in its high ones, so a shift and a mask
+ * widen all 16 (two ALU ops, where zero-extending each 8 took a shuffle and a shift: 4; bench/NOTES.md
+ * 'One stream: the one-row read rate'). Each output's products and sums are the same as widened in
+ * order; store_halves puts the lanes back in output order. */
+static inline void load_halves(const char *p, int bf16, lvec *wv) {
     if (bf16) {
-#if defined(__AVX2__) /* one vpmovzxwd: GCC splits the generic conversion into halves and an insert */
-        const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-        memcpy(&f, &u, sizeof(f));
-#else
-        v8h h;
-        memcpy(&h, p, sizeof(h));
-        v8u u = __builtin_convertvector(h, v8u) << 16;
-        memcpy(&f, &u, sizeof(f));
-#endif
+        v8u u;
+        memcpy(&u, p, sizeof(u));
+        /* (GCC keeps the mask in memory here: with 3 blocks' or 3 rows' 12 accumulators one of
+         * them goes to the stack either way; written as two shifts it folds them into the mask) */
+        const v8u even = u << 16, odd = u & 0xffff0000u;
+        memcpy(&wv[0], &even, sizeof(lvec));
+        memcpy(&wv[1], &odd, sizeof(lvec));
     } else {
-        memcpy(&f, p, sizeof(f));
+        memcpy(&wv[0], p, sizeof(lvec));
+        memcpy(&wv[1], p + sizeof(lvec), sizeof(lvec));
     }
-    return f;
+}
+static inline void store_halves(float *sums, const lvec *s, int bf16) {
+    if (bf16) {
+        for (int i = 0; i < 8; i++) sums[2 * i] = s[0][i], sums[2 * i + 1] = s[1][i];
+    } else {
+        memcpy(sums, s, 2 * sizeof(*s));
+    }
 }
 static inline lvec chain_sum(const lvec *c) { return c[0] + c[1]; }
 #endif
-#define LINEAR_LANES (16 / LINEAR_HALVES)
 
 /* The vector width in bits the interleaved linears of this build are written for: 512, 256 (AVX2
  * with FMA) or 128 (the portable loops). engine.backends.cpu picks its few-rows cutoff from it. */
@@ -89,11 +104,12 @@ int interleaved_linear_simd_bits(void) { return LINEAR_SIMD_BITS; }
  * block to prefetch as this pass streams its own (NULL: none). A call of several groups reads each
  * block from memory in its first group's pass and from the caches in the others', during which the
  * memory would sit idle: the first pass fetches the next block ahead (at 8 rows, cold weights,
- * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). One row needs none: its pass is the
- * stream the hardware prefetcher follows. */
+ * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). One row needs none: its blocks'
+ * passes are the streams the hardware prefetchers follow (a software prefetch ahead of a plain read
+ * slowed it, bench/NOTES.md 'One stream: the one-row read rate'). */
 static inline __attribute__((always_inline)) void block_rows(const char *w, const float *x, int64_t k, int bf16, int group,
                                                              float (*sums)[16], const char *next) {
-    const size_t step = 16 * elem_size(bf16), part = step / LINEAR_HALVES;
+    const size_t step = 16 * elem_size(bf16);
     lvec acc[FEW_ROWS_GROUP][LINEAR_HALVES][LINEAR_CHAINS];
 #pragma GCC unroll 8
     for (int r = 0; r < group; r++)
@@ -110,8 +126,7 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
         for (int c = 0; c < LINEAR_CHAINS; c++) {
             if (next) __builtin_prefetch(next + (size_t)(i + c) * step, 0, 3);
             lvec wv[LINEAR_HALVES];
-#pragma GCC unroll 2
-            for (int h = 0; h < LINEAR_HALVES; h++) wv[h] = load_lvec(w + (size_t)(i + c) * step + h * part, bf16);
+            load_halves(w + (size_t)(i + c) * step, bf16, wv);
 #pragma GCC unroll 8
             for (int r = 0; r < group; r++) {
                 const float xs = x[r * k + i + c];
@@ -122,8 +137,7 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
     }
     for (; i < k; i++) {
         lvec wv[LINEAR_HALVES];
-#pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++) wv[h] = load_lvec(w + (size_t)i * step + h * part, bf16);
+        load_halves(w + (size_t)i * step, bf16, wv);
 #pragma GCC unroll 8
         for (int r = 0; r < group; r++) {
             const float xs = x[r * k + i];
@@ -132,12 +146,75 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < group; r++)
+    for (int r = 0; r < group; r++) {
+        lvec s[LINEAR_HALVES];
 #pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++) {
-            const lvec s = chain_sum(acc[r][h]);
-            memcpy(sums[r] + h * LINEAR_LANES, &s, sizeof(s));
+        for (int h = 0; h < LINEAR_HALVES; h++) s[h] = chain_sum(acc[r][h]);
+        store_halves(sums[r], s, bf16);
+    }
+}
+
+/* One row of `nb` (a literal, 1..ONE_ROW_BLOCKS) consecutive 16-output blocks at once, from w
+ * (each block as block_rows reads it, k * 16 elements): sums[j] for block j. One row of one block
+ * keeps only LINEAR_HALVES x LINEAR_CHAINS accumulators (AVX2: 4) busy, each a chain of dependent
+ * FMAs, and reads one sequential stream: at Zen 2's 5-cycle FMA latency 4 chains cap the loop at 4
+ * FMAs per 5 cycles, and a core's read rate grows with the streams its prefetchers follow side by
+ * side (bench/NOTES.md 'One stream: the one-row read rate'). nb blocks keep nb times the chains in
+ * flight and read nb streams. Each lane's sum is block_rows' for one row, step for step (the same
+ * chains over k, the same combine): the bits do not change. */
+static inline __attribute__((always_inline)) void block_blocks_row(const char *w, int nb, const float *x, int64_t k, int bf16,
+                                                                   float (*sums)[16]) {
+    const size_t step = 16 * elem_size(bf16), block = (size_t)k * step;
+    lvec acc[ONE_ROW_BLOCKS][LINEAR_HALVES][LINEAR_CHAINS];
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++)
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++)
+#pragma GCC unroll 4
+            for (int c = 0; c < LINEAR_CHAINS; c++) acc[b][h][c] = (lvec){0};
+    int64_t i = 0;
+    for (; i + LINEAR_CHAINS <= k; i += LINEAR_CHAINS) {
+#pragma GCC unroll 4
+        for (int c = 0; c < LINEAR_CHAINS; c++) {
+            const float xs = x[i + c];
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++) {
+                lvec wv[LINEAR_HALVES];
+                load_halves(w + b * block + (size_t)(i + c) * step, bf16, wv);
+#pragma GCC unroll 2
+                for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][c] += wv[h] * xs;
+            }
         }
+    }
+    for (; i < k; i++) {
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) {
+            lvec wv[LINEAR_HALVES];
+            load_halves(w + b * block + (size_t)i * step, bf16, wv);
+#pragma GCC unroll 2
+            for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][0] += wv[h] * x[i];
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) {
+        lvec s[LINEAR_HALVES];
+#pragma GCC unroll 2
+        for (int h = 0; h < LINEAR_HALVES; h++) s[h] = chain_sum(acc[b][h]);
+        store_halves(sums[b], s, bf16);
+    }
+}
+
+/* block_blocks_row with `nb` a literal */
+static inline void blocks_row(int bf16, const char *w, int nb, const float *x, int64_t k, float (*sums)[16]) {
+    switch (nb) {
+#if ONE_ROW_BLOCKS >= 3
+    case 3: block_blocks_row(w, 3, x, k, bf16, sums); break;
+#endif
+#if ONE_ROW_BLOCKS >= 2
+    case 2: block_blocks_row(w, 2, x, k, bf16, sums); break;
+#endif
+    default: block_blocks_row(w, 1, x, k, bf16, sums); break;
+    }
 }
 
 /* Rows [m, m + group) of block b through block_rows with `group` a literal. */
@@ -167,6 +244,22 @@ static inline void block_group(int bf16, const char *w, const float *xm, int64_t
                      int num_threads, int out_f32) {                                                               \
         const size_t step = 16 * elem_size(BF16);                                                                  \
         const int64_t groups = (rows + FEW_ROWS_GROUP - 1) / FEW_ROWS_GROUP;                                       \
+        if (rows == 1 && ONE_ROW_BLOCKS > 1) { /* ONE_ROW_BLOCKS blocks at a time (block_blocks_row) */            \
+            const int64_t blocks = n / 16;                                                                         \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)") \
+            for (int64_t p = 0; p < (blocks + ONE_ROW_BLOCKS - 1) / ONE_ROW_BLOCKS; p++) {                         \
+                const int64_t b0 = p * ONE_ROW_BLOCKS;                                                             \
+                const int nb = (int)(blocks - b0 < ONE_ROW_BLOCKS ? blocks - b0 : ONE_ROW_BLOCKS);                 \
+                float sums[ONE_ROW_BLOCKS][16];                                                                    \
+                blocks_row(BF16, (const char *)weight + (size_t)(b0 * k) * step, nb, xf, k, sums);                 \
+                for (int j = 0; j < nb; j++) {                                                                     \
+                    const int64_t col = (b0 + j) * 16;                                                             \
+                    if (out_f32) memcpy((float *)out + col, sums[j], sizeof(sums[j]));                             \
+                    else store_row((char *)out + (size_t)col * elem_size(BF16), sums[j], 16, BF16);                \
+                }                                                                                                  \
+            }                                                                                                      \
+            return;                                                                                                \
+        }                                                                                                          \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)") \
         for (int64_t b = 0; b < n / 16; b++) {                                                                     \
             const char *w = (const char *)weight + (size_t)(b * k) * step;                                         \
