@@ -12,9 +12,9 @@
  * Zen 2 with the weights cold, as a step streams them (bench/NOTES.md 'AVX2 paged attention and where
  * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
  * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
- * GEMM_KC steps of k so a chunk of a panel stays in L1 across the row tiles; the first row tile
- * prefetches the panel's next chunk (which, at a panel's end, is the next panel: the layout is one
- * stream); threads split the panels.
+ * GEMM_KC steps of k (balanced: 576 = 3 x 192) so a chunk of a panel stays in L1 across the row
+ * tiles; the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
+ * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
  *
  * x is packed once per call, per row tile, as [k][tile rows] (one pointer, consecutive broadcasts).
  * Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5, 5, 5), each size its own unrolled code.
@@ -43,9 +43,18 @@
 #define GEMM_NP 1
 #endif
 #define GEMM_VP (16 / GV) /* vectors per panel row */
-/* Steps of k per block: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across the row
- * tiles, beside the tiles' packed x (256 x GEMM_MR floats each). */
+/* Steps of k per block, at most: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across
+ * the row tiles, beside the tiles' packed x (256 x GEMM_MR floats each). k is cut into balanced
+ * blocks (576 = 3 x 192): with 256 + 256 + 64 the short block's tiles prefetched only 64 lines of
+ * the next panel's first 256 (cold weights, one thread: w13 at 32 rows 1.09-1.16x faster together with
+ * the prefetch below, bench/NOTES.md 'AVX2 many-rows linear, part 2'). */
 #define GEMM_KC 256
+/* Row tiles that prefetch the next chunk, each an even share of its lines spread over its k steps:
+ * the last ones of a block, so the lines arrive shortly before the next block needs them. The first
+ * tile alone (256 prefetches within one tile's pass, more misses in flight than the L1 tracks) ran
+ * 1.1-1.4x slower at 9-32 rows; every tile (lines fetched a whole block early, evicted again by the
+ * packed x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. */
+#define GEMM_PF_TILES 3
 /* Rows per pass over the weights: a block's packed x for one k block (GEMM_MC x GEMM_KC floats, 256
  * KiB) stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
@@ -82,11 +91,15 @@ static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { 
 
 /* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr, np and
  * bf16 are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w:
- * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements further; first: start the sums at 0, else
- * continue the previous block's from out; prefetch: also fetch each panel's next chunk. */
+ * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements
+ * further; first: start the sums at 0, else continue the previous block's from out; pf_lines lines
+ * of each panel from line pf_line on (counted from w, 16 weights a line) prefetched, evenly over the
+ * kc steps (one prefetch a step, the line in 16.16 fixed point: no division in the loop). */
 static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *xp,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
-                                                            int64_t n, int first, int prefetch) {
+                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    const int64_t pf_step = (pf_lines << 16) / kc;
+    int64_t pf_pos = pf_line << 16;
     gvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -97,7 +110,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
             const int64_t line = p * panel_floats + i * 16;
-            if (prefetch) __builtin_prefetch((const char *)w + (size_t)(line + kc * 16) * (bf16 ? 2 : 4), 0, 3);
+            if (pf_lines) __builtin_prefetch((const char *)w + (size_t)(p * panel_floats + (pf_pos >> 16) * 16) * (bf16 ? 2 : 4), 0, 3);
 #pragma GCC unroll 16
             for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load_weight(w, line + q * GV, bf16);
         }
@@ -107,6 +120,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
             for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
         }
+        pf_pos += pf_step;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -116,15 +130,15 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, xp, w, panel_floats, kc, out, n, first, prefetch); \
-        else gemm_tile(m, 1, bf16, xp, w, panel_floats, kc, out, n, first, prefetch);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
+        else gemm_tile(m, 1, bf16, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
         break;
 
 /* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
  * (inlined into the two weight types' instantiations below). */
 static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *xp,
                                                                  const void *w, int64_t panel_floats, int64_t kc,
-                                                                 float *out, int64_t n, int first, int prefetch) {
+                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
     switch (mr) {
         GEMM_TILE_CASE(1)
         GEMM_TILE_CASE(2)
@@ -147,13 +161,13 @@ static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16,
 }
 
 static void gemm_tile_rows_f32(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
-                               float *out, int64_t n, int first, int prefetch) {
-    gemm_tile_rows(0, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    gemm_tile_rows(0, mr, np, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
 static void gemm_tile_rows_bf16(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
-                                float *out, int64_t n, int first, int prefetch) {
-    gemm_tile_rows(1, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    gemm_tile_rows(1, mr, np, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
@@ -174,17 +188,24 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
             for (int64_t i = 0; i < k; i++) dst[i * mr + r] = x[(r0 + r) * k + i];
     }
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
+    const int64_t k_blocks = (k + GEMM_KC - 1) / GEMM_KC, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
+    const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * GEMM_NP;
         const int np = panels - p0 < GEMM_NP ? (int)(panels - p0) : GEMM_NP;
-        for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
-            const int64_t kc = k - k0 < GEMM_KC ? k - k0 : GEMM_KC;
+        for (int64_t k0 = 0; k0 < k; k0 += kc_full) {
+            const int64_t kc = k - k0 < kc_full ? k - k0 : kc_full;
+            /* the stream's next chunk, right after this one: this panel's next block, or after its
+             * last the next panel's first */
+            const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+                const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
+                const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
                 (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc,
-                                                                  out + r0 * n + p0 * 16, n, k0 == 0, t == 0);
+                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0);
             }
         }
     }
