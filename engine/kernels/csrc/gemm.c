@@ -16,8 +16,11 @@
  * tiles; the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
  * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
  *
- * x is packed once per call, per row tile, as [k][tile rows] (one pointer, consecutive broadcasts).
- * Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5, 5, 5), each size its own unrolled code.
+ * x is read where it lies, a tile's rows as GEMM_MR broadcast streams (one base register each): packing
+ * it as [k][tile rows] first cost one thread 12 us of a 32-row w13 call, 92 us at 256 rows, done
+ * before the parallel loop (2-5% of one thread's time on the narrow shapes, twice that share on two
+ * threads) and bought nothing measurable. Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5,
+ * 5, 5), each size its own unrolled code.
  *
  * Each output is one chain of FMAs over k in order (the k blocks continue it through `out`): a row's
  * result is the same whatever the other rows and however many there are (batch-invariant), though not
@@ -44,7 +47,7 @@
 #endif
 #define GEMM_VP (16 / GV) /* vectors per panel row */
 /* Steps of k per block, at most: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across
- * the row tiles, beside the tiles' packed x (256 x GEMM_MR floats each). k is cut into balanced
+ * the row tiles, beside the tiles' rows of x (256 x GEMM_MR floats each). k is cut into balanced
  * blocks (576 = 3 x 192): with 256 + 256 + 64 the short block's tiles prefetched only 64 lines of
  * the next panel's first 256 (cold weights, one thread: w13 at 32 rows 1.09-1.16x faster together with
  * the prefetch below, bench/NOTES.md 'AVX2 many-rows linear, part 2'). */
@@ -53,10 +56,10 @@
  * the last ones of a block, so the lines arrive shortly before the next block needs them. The first
  * tile alone (256 prefetches within one tile's pass, more misses in flight than the L1 tracks) ran
  * 1.1-1.4x slower at 9-32 rows; every tile (lines fetched a whole block early, evicted again by the
- * packed x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. */
+ * x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. */
 #define GEMM_PF_TILES 3
-/* Rows per pass over the weights: a block's packed x for one k block (GEMM_MC x GEMM_KC floats, 256
- * KiB) stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
+/* Rows per pass over the weights: a block's x for one k block (GEMM_MC x GEMM_KC floats, 256 KiB)
+ * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
  * bytes once more, little beside 256 rows of FMAs on each. */
 #define GEMM_MC 256
@@ -89,13 +92,13 @@ static inline __attribute__((always_inline)) gvf gemm_load_weight(const void *w,
 
 static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { memcpy(p, &v, sizeof(v)); }
 
-/* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr, np and
+/* One tile: out[mr rows, np panels of 16 columns] (+)= x [mr rows at ldx floats apart][kc] @ the panels' kc steps. mr, np and
  * bf16 are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w:
  * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements
  * further; first: start the sums at 0, else continue the previous block's from out; pf_lines lines
  * of each panel from line pf_line on (counted from w, 16 weights a line) prefetched, evenly over the
  * kc steps (one prefetch a step, the line in 16.16 fixed point: no division in the loop). */
-static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *xp,
+static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *x, int64_t ldx,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
                                                             int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
     const int64_t pf_step = (pf_lines << 16) / kc;
@@ -116,7 +119,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
         }
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
-            const float xs = xp[i * mr + r];
+            const float xs = x[r * ldx + i];
 #pragma GCC unroll 16
             for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
         }
@@ -130,13 +133,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
-        else gemm_tile(m, 1, bf16, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
+        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
         break;
 
 /* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
  * (inlined into the two weight types' instantiations below). */
-static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *xp,
+static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *x, int64_t ldx,
                                                                  const void *w, int64_t panel_floats, int64_t kc,
                                                                  float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
     switch (mr) {
@@ -160,14 +163,14 @@ static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16,
     }
 }
 
-static void gemm_tile_rows_f32(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
+static void gemm_tile_rows_f32(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(0, mr, np, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
-static void gemm_tile_rows_bf16(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
+static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(1, mr, np, xp, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
@@ -176,17 +179,10 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     return t * base + (t < extra ? t : extra);
 }
 
-/* One block of at most GEMM_MC rows, xp its packing scratch (rows x k floats). */
-static void gemm_block(int bf16, const float *x, const void *weight, float *out, float *xp, int64_t rows, int64_t n,
-                       int64_t k, int num_threads) {
+/* One block of at most GEMM_MC rows. */
+static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
+                       int num_threads) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
-    /* packed x: tile t's rows [r0, r1) as [k][r1 - r0], at xp + r0 * k (the tiles in row order) */
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-        float *dst = xp + r0 * k;
-        for (int64_t r = 0; r < mr; r++)
-            for (int64_t i = 0; i < k; i++) dst[i * mr + r] = x[(r0 + r) * k + i];
-    }
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
     const int64_t k_blocks = (k + GEMM_KC - 1) / GEMM_KC, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
@@ -204,7 +200,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
                 const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
-                (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc,
+                (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
                                                                   out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0);
             }
         }
@@ -213,7 +209,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
 
 /* out [rows, n] float32 = x [rows, k] float32 @ W^T, W interleaved [n / 16, k, 16] float32 (bf16 0) or
  * bfloat16 (bf16 1: widened per load, float32 sums: a bfloat16 model on CPUs without oneDNN's bfloat16).
- * Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
+ * Returns KERNEL_OK (it allocates nothing; the int keeps the kernels' calling convention). */
 int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
                      int num_threads) {
     if (rows <= 0 || n <= 0) return KERNEL_OK;
@@ -222,13 +218,10 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         return KERNEL_OK;
     }
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
-    float *xp = kernel_aligned_alloc(64, ((size_t)(block_rows * k) * sizeof(float) + 63) / 64 * 64);
-    if (!xp) return KERNEL_NO_MEMORY;
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, xp, mb, n, k, num_threads);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads);
     }
-    free(xp);
     return KERNEL_OK;
 }
 
