@@ -238,14 +238,14 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
 /* The most rows PackedCpuLinear sends interleaved_gemm (float32; from 2 rows up: one row has the
  * one-row kernel) from a weight that also has oneDNN's copy, by this build's vector width, where
  * measured faster than oneDNN's packed float32 kernel with the weights cold (bench/gemm_linear.py,
- * bench/NOTES.md 'AVX2 many-rows linear' and its part 2): on AVX2 1.2-1.6x from 2 to 64 rows on one
- * thread and two, 1.03-1.35x at 128 and 256; at 512 rows (a prefill step of the default 512-token
- * budget) 1.04-1.14x on one thread once x was no longer packed on the calling thread (which had
- * held the narrow shapes to 0.93-0.97x on two); past 512 level with oneDNN (0.92-1.13x, one thread),
- * so oneDNN keeps them. 0: not measured faster at any row count in this build, oneDNN keeps them. */
+ * bench/NOTES.md 'AVX2 many-rows linear' and its part 2): on AVX2, two threads, 1.37-1.86x at 32
+ * rows, 1.17-1.24x at 512 (a prefill step of the default 512-token budget), 1.06-1.18x at 1024 and
+ * 2048 on the demo's block shapes; one thread level or ahead up to 2048. Past 2048 oneDNN keeps them
+ * (not measured on every shape). 0: not measured faster at any row count in this build, oneDNN
+ * keeps them. */
 int64_t interleaved_gemm_max_rows(void) {
 #if GV == 8
-    return 512;
+    return 2048;
 #else
     return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */
 #endif
