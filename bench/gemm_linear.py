@@ -1,6 +1,9 @@
 """Cold-weight A/B of float32 linears at many-streams row counts: engine/kernels/csrc/gemm.c
 (interleaved_gemm, on the one-row kernel's interleaved copy) against oneDNN on its packed weight
-(PackedCpuLinear._onednn's call), for the demo's shapes (the head included) or others.
+(PackedCpuLinear._onednn's call), for the demo's shapes (the head included) or others. With --dtype
+bfloat16 (gemm.c widening the bfloat16 weights per load) the other path is what a bfloat16 weight
+without oneDNN's bfloat16 kernel (AVX2) would run instead: tiles widened to float32 and torch's float32
+GEMM (engine.backends.cpu.widened_mm).
 
 Each shape gets enough distinct weights (over --cold-mb in all, at least 2) that every call reads its
 weight from DRAM, as a decode step over 30 layers does (the L3 here is 16 MiB); the two paths run
@@ -11,6 +14,7 @@ more threads: wall time. Read the ratios on a shared machine.
     python bench/gemm_linear.py --threads 1 --rows 9,16,24,32,48,64 --rounds 5
     python bench/gemm_linear.py --shapes head --rows 32,64 --rounds 3
     python bench/gemm_linear.py --shapes 3072x576 --rows 128,512 --baseline OLD_cpu_kernels.so
+    python bench/gemm_linear.py --dtype bfloat16 --shapes blocks --rows 32,512,2048 --rounds 3
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.cpu import PACK_BATCH_HINT  # noqa: E402
+from engine.backends.cpu import PACK_BATCH_HINT, widened_mm  # noqa: E402
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
 from engine.kernels.memory import onednn_rows  # noqa: E402
 
@@ -57,6 +61,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-gflop", type=float, default=2.0, help="work per path per round, at most (cold weights permitting)")
     parser.add_argument("--baseline", help="another cpu_kernels .so (an older gemm.c): timed as a third path")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' (bfloat16: against widened tiles + float32 GEMM, not oneDNN)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -65,23 +71,29 @@ def main() -> None:
     baseline = CpuKernels(ctypes.CDLL(args.baseline), partial=True) if args.baseline else None
     cpu_time = args.threads == 1
     print(f"threads {args.threads} ({'thread CPU time' if cpu_time else 'wall time'}), {args.cold_mb} MB of weights per shape, "
-          f"median of {args.rounds} interleaved rounds, gemm's max rows here {kernels.gemm_max_rows()}, "
+          f"{args.dtype} weights, median of {args.rounds} interleaved rounds, gemm's max rows here {kernels.gemm_max_rows()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     shapes = NAMED_SHAPES.get(args.shapes) or [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    dtype = getattr(torch, args.dtype)
     for n, k in shapes:
-        copies = max(2, args.cold_mb * 2**20 // (n * k * 4))
-        weights = [torch.randn(n, k) for _ in range(copies)]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+        copies = max(2, args.cold_mb * 2**20 // (n * k * dtype.itemsize))
+        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        if dtype == torch.float32:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+        else:  # the path a bfloat16 weight without oneDNN's kernel takes past the few rows
+            packed = [kernels.bind_widen(kernels.interleave(w)) for w in weights]
         gemms = [kernels.bind_gemm(kernels.interleave(w)) for w in weights]
         olds = [baseline.bind_gemm(kernels.interleave(w)) for w in weights] if baseline else []
         del weights
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, k)
+            x = torch.randn(rows, k).to(dtype)
             gflop = 2 * rows * n * k / 1e9
             calls = max(2, min(copies, int(args.round_gflop / gflop)))
             x_pad = torch.nn.functional.pad(x, (0, 0, 0, onednn_rows(rows) - rows))
+            other = ("onednn", lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p, None, "none", [], "")) if dtype == torch.float32 else \
+                ("widened", lambda widen: widened_mm(x, widen, n, args.threads))
             paths = {
-                "onednn": (lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p, None, "none", [], ""), packed),
+                other[0]: (other[1], packed),
                 "gemm": (lambda g: g(x, args.threads), gemms),
             }
             if baseline:
@@ -94,7 +106,7 @@ def main() -> None:
                     times[name].append(time_per_call_us(fn, ws, calls, cpu_time))
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = "  ".join(f"{name} {us:9.1f} us ({gflop / us * 1e6:5.1f} GFLOP/s)" for name, us in med.items())
-            print(f"[{n}x{k}] rows {rows:4d}: {cells}  onednn/gemm {med['onednn'] / med['gemm']:.2f}", flush=True)
+            print(f"[{n}x{k}] rows {rows:4d}: {cells}  {other[0]}/gemm {med[other[0]] / med['gemm']:.2f}", flush=True)
         del packed, gemms, olds
 
 

@@ -103,8 +103,8 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
     Likewise a larger float32 weight (the demo's output head, the 1.1B model's block linears) gets
     the interleaved copy in place of oneDNN's where csrc/gemm.c serves it (gemm_serves): one row
-    on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed, level with it
-    at 512 (bench/NOTES.md 'AVX2 many-rows linear')."""
+    on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048
+    on two threads (bench/NOTES.md 'AVX2 many-rows linear' and its part 2)."""
     interleaved = None
     if (invariant or not onednn) and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel (and widened tiles) serve every row count
         return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))

@@ -12,17 +12,23 @@
  * Zen 2 with the weights cold, as a step streams them (bench/NOTES.md 'AVX2 paged attention and where
  * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
  * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
- * GEMM_KC steps of k so a chunk of a panel stays in L1 across the row tiles; the first row tile
- * prefetches the panel's next chunk (which, at a panel's end, is the next panel: the layout is one
- * stream); threads split the panels.
+ * GEMM_KC steps of k (balanced: 576 = 3 x 192) so a chunk of a panel stays in L1 across the row
+ * tiles; the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
+ * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
  *
- * x is packed once per call, per row tile, as [k][tile rows] (one pointer, consecutive broadcasts).
- * Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5, 5, 5), each size its own unrolled code.
+ * x is read where it lies, a tile's rows as GEMM_MR broadcast streams (one base register each): packing
+ * it as [k][tile rows] first cost one thread 12 us of a 32-row w13 call, 92 us at 256 rows, done
+ * before the parallel loop (2-5% of one thread's time on the narrow shapes, twice that share on two
+ * threads) and bought nothing measurable. Row tiles are balanced (32 rows at 6 a tile: 6, 6, 5, 5,
+ * 5, 5), each size its own unrolled code.
  *
  * Each output is one chain of FMAs over k in order (the k blocks continue it through `out`): a row's
  * result is the same whatever the other rows and however many there are (batch-invariant), though not
  * bit-equal to the one-row kernel's (four chains). */
 #include "vec.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* The build's native vector (vec.h's v16f is two registers on AVX2 and GCC moves its halves through
  * the stack: bench/NOTES.md 'AVX2 one-row linear'); GEMM_MR x GEMM_NP x (16 / GV) accumulators fit
@@ -43,11 +49,20 @@
 #define GEMM_NP 1
 #endif
 #define GEMM_VP (16 / GV) /* vectors per panel row */
-/* Steps of k per block: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across the row
- * tiles, beside the tiles' packed x (256 x GEMM_MR floats each). */
+/* Steps of k per block, at most: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across
+ * the row tiles, beside the tiles' rows of x (256 x GEMM_MR floats each). k is cut into balanced
+ * blocks (576 = 3 x 192): with 256 + 256 + 64 the short block's tiles prefetched only 64 lines of
+ * the next panel's first 256 (cold weights, one thread: w13 at 32 rows 1.09-1.16x faster together with
+ * the prefetch below, bench/NOTES.md 'AVX2 many-rows linear, part 2'). */
 #define GEMM_KC 256
-/* Rows per pass over the weights: a block's packed x for one k block (GEMM_MC x GEMM_KC floats, 256
- * KiB) stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
+/* Row tiles that prefetch the next chunk, each an even share of its lines spread over its k steps:
+ * the last ones of a block, so the lines arrive shortly before the next block needs them. The first
+ * tile alone (256 prefetches within one tile's pass, more misses in flight than the L1 tracks) ran
+ * 1.1-1.4x slower at 9-32 rows; every tile (lines fetched a whole block early, evicted again by the
+ * x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. */
+#define GEMM_PF_TILES 3
+/* Rows per pass over the weights: a block's x for one k block (GEMM_MC x GEMM_KC floats, 256 KiB)
+ * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
  * bytes once more, little beside 256 rows of FMAs on each. */
 #define GEMM_MC 256
@@ -67,6 +82,13 @@ typedef uint32_t gvu __attribute__((vector_size(GV * 4)));
  * half of the float's bits: one zero-extend and one shift a vector, beside the GEMM_MR FMAs each
  * loaded vector feeds). bf16 is a literal in each instantiation (gemm_tile_rows_f32 / _bf16). */
 static inline __attribute__((always_inline)) gvf gemm_load_weight(const void *w, int64_t index, int bf16) {
+#if GV == 8 && defined(__AVX2__)
+    /* GCC builds __builtin_convertvector's 8-lane widening from two 128-bit halves (two zero-extends,
+     * a byte shift and an insert, 5 ops with the shift, against 2 here: vpmovzxwd from memory and
+     * vpslld), and the loop issues two a step beside its 12 FMAs */
+    if (bf16)
+        return (gvf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + index))), 16);
+#endif
     if (bf16) {
         gvh h;
         memcpy(&h, (const uint16_t *)w + index, sizeof(h));
@@ -80,13 +102,17 @@ static inline __attribute__((always_inline)) gvf gemm_load_weight(const void *w,
 
 static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { memcpy(p, &v, sizeof(v)); }
 
-/* One tile: out[mr rows, np panels of 16 columns] (+)= xp [kc][mr] @ the panels' kc steps. mr, np and
+/* One tile: out[mr rows, np panels of 16 columns] (+)= x [mr rows at ldx floats apart][kc] @ the panels' kc steps. mr, np and
  * bf16 are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w:
- * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements further; first: start the sums at 0, else
- * continue the previous block's from out; prefetch: also fetch each panel's next chunk. */
-static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *xp,
+ * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements
+ * further; first: start the sums at 0, else continue the previous block's from out; pf_lines lines
+ * of each panel from line pf_line on (counted from w, 16 weights a line) prefetched, evenly over the
+ * kc steps (one prefetch a step, the line in 16.16 fixed point: no division in the loop). */
+static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *x, int64_t ldx,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
-                                                            int64_t n, int first, int prefetch) {
+                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    const int64_t pf_step = (pf_lines << 16) / kc;
+    int64_t pf_pos = pf_line << 16;
     gvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -97,16 +123,17 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
             const int64_t line = p * panel_floats + i * 16;
-            if (prefetch) __builtin_prefetch((const char *)w + (size_t)(line + kc * 16) * (bf16 ? 2 : 4), 0, 3);
+            if (pf_lines) __builtin_prefetch((const char *)w + (size_t)(p * panel_floats + (pf_pos >> 16) * 16) * (bf16 ? 2 : 4), 0, 3);
 #pragma GCC unroll 16
             for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load_weight(w, line + q * GV, bf16);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
-            const float xs = xp[i * mr + r];
+            const float xs = x[r * ldx + i];
 #pragma GCC unroll 16
             for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
         }
+        pf_pos += pf_step;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -116,15 +143,15 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, xp, w, panel_floats, kc, out, n, first, prefetch); \
-        else gemm_tile(m, 1, bf16, xp, w, panel_floats, kc, out, n, first, prefetch);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
+        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
         break;
 
 /* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
  * (inlined into the two weight types' instantiations below). */
-static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *xp,
+static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *x, int64_t ldx,
                                                                  const void *w, int64_t panel_floats, int64_t kc,
-                                                                 float *out, int64_t n, int first, int prefetch) {
+                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
     switch (mr) {
         GEMM_TILE_CASE(1)
         GEMM_TILE_CASE(2)
@@ -146,14 +173,14 @@ static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16,
     }
 }
 
-static void gemm_tile_rows_f32(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
-                               float *out, int64_t n, int first, int prefetch) {
-    gemm_tile_rows(0, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+static void gemm_tile_rows_f32(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
+                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
-static void gemm_tile_rows_bf16(int mr, int np, const float *xp, const void *w, int64_t panel_floats, int64_t kc,
-                                float *out, int64_t n, int first, int prefetch) {
-    gemm_tile_rows(1, mr, np, xp, w, panel_floats, kc, out, n, first, prefetch);
+static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
+                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
@@ -162,29 +189,29 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     return t * base + (t < extra ? t : extra);
 }
 
-/* One block of at most GEMM_MC rows, xp its packing scratch (rows x k floats). */
-static void gemm_block(int bf16, const float *x, const void *weight, float *out, float *xp, int64_t rows, int64_t n,
-                       int64_t k, int num_threads) {
+/* One block of at most GEMM_MC rows. */
+static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
+                       int num_threads) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
-    /* packed x: tile t's rows [r0, r1) as [k][r1 - r0], at xp + r0 * k (the tiles in row order) */
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-        float *dst = xp + r0 * k;
-        for (int64_t r = 0; r < mr; r++)
-            for (int64_t i = 0; i < k; i++) dst[i * mr + r] = x[(r0 + r) * k + i];
-    }
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
+    const int64_t k_blocks = (k + GEMM_KC - 1) / GEMM_KC, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
+    const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * GEMM_NP;
         const int np = panels - p0 < GEMM_NP ? (int)(panels - p0) : GEMM_NP;
-        for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
-            const int64_t kc = k - k0 < GEMM_KC ? k - k0 : GEMM_KC;
+        for (int64_t k0 = 0; k0 < k; k0 += kc_full) {
+            const int64_t kc = k - k0 < kc_full ? k - k0 : kc_full;
+            /* the stream's next chunk, right after this one: this panel's next block, or after its
+             * last the next panel's first */
+            const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-                (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, xp + r0 * k + k0 * mr, w, panel_floats, kc,
-                                                                  out + r0 * n + p0 * 16, n, k0 == 0, t == 0);
+                const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
+                const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
+                (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
+                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0);
             }
         }
     }
@@ -192,7 +219,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
 
 /* out [rows, n] float32 = x [rows, k] float32 @ W^T, W interleaved [n / 16, k, 16] float32 (bf16 0) or
  * bfloat16 (bf16 1: widened per load, float32 sums: a bfloat16 model on CPUs without oneDNN's bfloat16).
- * Returns KERNEL_OK, or KERNEL_NO_MEMORY when x's packed copy cannot be allocated. */
+ * Returns KERNEL_OK (it allocates nothing; the int keeps the kernels' calling convention). */
 int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
                      int num_threads) {
     if (rows <= 0 || n <= 0) return KERNEL_OK;
@@ -201,25 +228,24 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         return KERNEL_OK;
     }
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
-    float *xp = kernel_aligned_alloc(64, ((size_t)(block_rows * k) * sizeof(float) + 63) / 64 * 64);
-    if (!xp) return KERNEL_NO_MEMORY;
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, xp, mb, n, k, num_threads);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads);
     }
-    free(xp);
     return KERNEL_OK;
 }
 
 /* The most rows PackedCpuLinear sends interleaved_gemm (float32; from 2 rows up: one row has the
  * one-row kernel) from a weight that also has oneDNN's copy, by this build's vector width, where
  * measured faster than oneDNN's packed float32 kernel with the weights cold (bench/gemm_linear.py,
- * bench/NOTES.md 'AVX2 many-rows linear'): on AVX2 1.2-1.6x from 2 to 64 rows on one thread and two,
- * 1.03-1.35x at 128 and 256; at 512 ahead on one thread, 0.9-1.15x on two; 0: not measured faster at
- * any row count in this build, oneDNN keeps them. */
+ * bench/NOTES.md 'AVX2 many-rows linear' and its part 2): on AVX2, two threads, 1.37-1.86x at 32
+ * rows, 1.17-1.24x at 512 (a prefill step of the default 512-token budget), 1.06-1.18x at 1024 and
+ * 2048 on the demo's block shapes; one thread level or ahead up to 2048. Past 2048 oneDNN keeps them
+ * (not measured on every shape). 0: not measured faster at any row count in this build, oneDNN
+ * keeps them. */
 int64_t interleaved_gemm_max_rows(void) {
 #if GV == 8
-    return 256;
+    return 2048;
 #else
     return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */
 #endif
