@@ -121,8 +121,7 @@ class WeightArena:
         shape, dtype = self.specs[i]
         if t.shape != shape or t.dtype != dtype:
             raise ValueError(f"slot {i} holds {dtype} {tuple(shape)}, not {t.dtype} {tuple(t.shape)}")
-        start = self.offsets[i]
-        return self.buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape).copy_(t)
+        return self.slot(i).copy_(t)
 
 
 def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -134,4 +133,3 @@ def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> li
     bench/NOTES.md 'Decode attention over a KV head's query rows')."""
     arena = WeightArena([(torch.Size(shape), dtype) for shape in shapes])
     return [arena.slot(i).zero_() for i in range(len(shapes))]
-
