@@ -385,8 +385,8 @@ class CpuKernelBackend(OneDnnBackend):
         size not a multiple of the block size); every sequence in one paged_attention call where it
         beats SDPA on prefill chunks (AMX tiles; AVX2: paged_attention_takes_chunks) and a
         sequence has 2+ new tokens (a prefill chunk); the decodes in one
-        paged_attention call from two per thread in builds where it is the faster (512-bit vectors;
-        prefill chunks: SDPA); else paged_decode_attention."""
+        paged_attention call from two per thread in builds where it is the faster (512-bit vectors,
+        AVX2 bfloat16; prefill chunks: SDPA); else paged_decode_attention."""
         num_blocks, block_size, _, head_dim = cache[0].shape
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)
@@ -400,7 +400,7 @@ class CpuKernelBackend(OneDnnBackend):
         else:
             starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
             if (varying and chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads()
-                    and self.kernels.paged_attention_takes_decodes()):
+                    and self.kernels.paged_attention_takes_decodes(cache[0].dtype)):
                 meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, prefills, _paged_decode_sequences(inputs, decodes, starts), rope)
             else:
                 paged = _paged_decodes(inputs, decodes, starts) if decodes else None

@@ -35,6 +35,7 @@ from engine.backends.base import (
     AttentionMetadata, Backend, FloatOutput, HeadLayout, KVCache, LinearNames, ParallelLinear, RowByRow, StepPlan,
 )  # fmt: skip
 from engine.executor.step_inputs import StepInputs
+from engine.kernels.memory import huge_page_zeros
 from engine.models.args import ModelArgs
 from engine.models.weights import PreparedWeights
 from engine.quant.formats import QuantizedWeight, cat_rows
@@ -360,7 +361,12 @@ def kv_cache_bytes_per_block(args: ModelArgs, mp_size: int, block_size: int, dty
 def allocate_kv_caches(
     args: ModelArgs, mp_size: int, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device
 ) -> list[KVCache]:
+    """Each layer's zeroed K and V caches; on the CPU all of them in one buffer on huge pages
+    (engine.kernels.memory.huge_page_zeros: the attention kernels' scattered block reads)."""
     shape = kv_cache_shape(args, mp_size, num_blocks, block_size)
+    if device.type == "cpu":
+        caches = huge_page_zeros([shape] * (2 * args.n_layers), dtype)
+        return [(caches[2 * layer], caches[2 * layer + 1]) for layer in range(args.n_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(args.n_layers)

@@ -147,3 +147,21 @@ def test_weight_arena_holds_equal_copies_back_to_back_on_cache_lines():
 def test_an_empty_weight_arena():
     arena = WeightArena([])
     assert arena.nbytes == 0 and not arena.huge_pages
+
+
+def test_cpu_kv_caches_are_zeroed_disjoint_slots_of_one_huge_page_buffer():
+    """allocate_kv_caches on the CPU: every layer's K and V zeroed, of the cache's shape, back to back
+    in one huge-page arena (the kernels' scattered block reads), none overlapping another."""
+    from engine.models.args import ModelArgs
+    from engine.models.llama import allocate_kv_caches, kv_cache_shape
+
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=32)
+    caches = allocate_kv_caches(args, 1, 5, 16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    flat = [cache for layer in caches for cache in layer]
+    assert len(caches) == 3 and all(c.shape == kv_cache_shape(args, 1, 5, 16) and c.dtype == torch.bfloat16 for c in flat)
+    assert all(c.is_contiguous() and not c.any() for c in flat)
+    assert len({c.untyped_storage().data_ptr() for c in flat}) == 1  # one buffer
+    assert flat[0].data_ptr() % HUGE_PAGE_BYTES == 0
+    for i, cache in enumerate(flat):  # each slot written alone: no other changes
+        cache.fill_(i + 1)
+    assert [c.unique().tolist() for c in flat] == [[i + 1] for i in range(6)]

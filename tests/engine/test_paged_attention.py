@@ -150,7 +150,7 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
     # the route under test on every build (below AVX-512 the backend keeps decodes on paged_decode_attention),
     # prefill chunks with SDPA (where the kernel takes them too: the test below)
-    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda: True)
+    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda *args: True)
     monkeypatch.setattr(kernels, "paged_attention_takes_chunks", lambda *args: False)
     # the per-op path under test: the compiled step (which calls the kernel from C, where the
     # counter cannot see it) would take the all-decode step; tests/engine/test_decode_step.py has it
@@ -181,7 +181,7 @@ def test_prefill_chunks_through_paged_attention_match_torch(fused_model, monkeyp
     kernels = model.backend.kernels
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
     monkeypatch.setattr(kernels, "paged_attention_takes_chunks", lambda *args: True)
-    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda: False)
+    monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda *args: False)
     monkeypatch.setattr("engine.backends.cpu.prefill_attention", None)  # the fused path's SDPA: any call fails
     monkeypatch.setattr(model, "decode_step", None)  # the per-op path, whose calls the counter sees
     paths = TwoPaths(fused_model)
@@ -211,7 +211,8 @@ def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
 
 
 # --------------------------------------------------------------------------- each x86-64 level's build
-LEVELS = {"x86-64-v3": (True, False), "x86-64-v2": (False, False)}  # level: (takes prefill chunks, takes decodes)
+# level: (takes prefill chunks, takes float32 decodes, takes bfloat16 decodes)
+LEVELS = {"x86-64-v3": (True, False, True), "x86-64-v2": (False, False, False)}
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
@@ -237,10 +238,11 @@ def test_paged_attention_at_each_level_matches_reference(level_kernels, dtype, h
 
 def test_each_level_routes_as_measured(level_kernels):
     level, lib = level_kernels
-    takes_chunks, takes_decodes = LEVELS[level]
+    takes_chunks, takes_f32_decodes, takes_bf16_decodes = LEVELS[level]
     assert lib.paged_attention_takes_chunks(torch.float32, 64, 16) == takes_chunks
     assert lib.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == takes_chunks  # no tiles below AVX-512
-    assert lib.paged_attention_takes_decodes() == takes_decodes
+    assert lib.paged_attention_takes_decodes(torch.float32) == takes_f32_decodes
+    assert lib.paged_attention_takes_decodes(torch.bfloat16) == takes_bf16_decodes
 
 
 # --------------------------------------------------------------------------- on AMX tiles (bfloat16)
@@ -291,13 +293,15 @@ def test_paged_attention_on_tiles_shapes(kernels):
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 24)
 
 
-def test_many_decodes_take_paged_attention_only_with_512_bit_vectors(kernels):
-    """This machine's build (-march=native) routes a step's decodes to paged_attention exactly where
-    the CPU has AVX-512: below it the kernel's 16-lane shuffles compile to scalar code and
-    paged_decode_attention is the faster (engine/kernels/csrc/attention.c)."""
+def test_many_decodes_take_paged_attention_with_512_bit_vectors_and_avx_bfloat16(kernels):
+    """This machine's build (-march=native) routes a step's decodes to paged_attention where the CPU
+    has AVX-512, and bfloat16 ones where it has AVX (8 lanes): there float32 decodes are level and
+    keep paged_decode_attention, below it (4 lanes) both do (engine/kernels/csrc/attention.c)."""
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    assert kernels.paged_attention_takes_decodes() == ("avx512f" in flags)
+    assert kernels.paged_attention_takes_decodes(torch.float32) == ("avx512f" in flags)
+    assert kernels.paged_attention_takes_decodes(torch.bfloat16) == ("avx512f" in flags or "avx" in flags)
+    assert not kernels.paged_attention_takes_decodes(torch.float16)  # no such caches in the kernels
 
 
 def test_the_plain_x86_64_v2_build_runs_attention_on_tiles(kernels, tmp_path):

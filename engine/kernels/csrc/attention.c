@@ -852,15 +852,22 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 #endif
 }
 
-/* 1 where paged_attention should take a step's decodes (two or more per thread) instead of
- * paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1 thread). In 8-lane
- * vectors (AVX2) the two are level on float32 decodes (an AVX2 Zen 2, 32 decodes x 160-192 keys over
- * 30 layers' caches: 1.0x; bench/NOTES.md 'AVX2 paged attention'), so pure-decode steps keep
- * paged_decode_attention there, whose splitting of a sequence's blocks serves a few long decodes. */
-int paged_attention_takes_decodes(void) {
-#ifdef __AVX512F__
+/* 1 where paged_attention should take a step's decodes (two or more per thread) of caches in this
+ * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
+ * thread), and bfloat16 caches in 8-lane (AVX) builds, where paged_attention widens a run's K/V once
+ * for the KV head's query rows (an AVX2 Zen 2, 32 decodes x 160 keys over 30 layers' caches on huge
+ * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x). On float32 decodes the two are level there (1.0x;
+ * bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query rows'), so
+ * float32 pure-decode steps keep paged_decode_attention, whose splitting of a sequence's blocks
+ * serves a few long decodes. */
+int paged_attention_takes_decodes(int bf16) {
+#if defined(__AVX512F__)
+    (void)bf16;
     return 1;
+#elif defined(__AVX__)
+    return bf16 != 0;
 #else
+    (void)bf16;
     return 0;
 #endif
 }
