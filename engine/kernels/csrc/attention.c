@@ -239,105 +239,94 @@ int paged_decode_attention_invariant(int bf16, const void *q, int64_t q_stride, 
 #define PA_TILE_ROWS 48
 #define PA_KEYS 16
 
-/* The build's native vector: one zmm on AVX-512, one ymm on AVX, one xmm below. vec.h's 16-lane v16f
- * is two or four registers there, and GCC lowered this kernel's 16-lane shuffles lane by lane through
- * the stack (scalar inserts): 2x paged_decode_attention's time on an AVX2 Zen 2 (bench/NOTES.md
- * 'AVX2 paged attention'). In native vectors the code is the same at every level; the AVX-512 build
- * does the same operations in the same order as before (same bits). */
-#if defined(__AVX512F__)
-#define PA_LANES 16
-#elif defined(__AVX__)
-#define PA_LANES 8
-#else
-#define PA_LANES 4
-#endif
-typedef float pa_vec __attribute__((vector_size(PA_LANES * 4)));
-typedef int32_t pa_ivec __attribute__((vector_size(PA_LANES * 4)));
-typedef uint32_t pa_uvec __attribute__((vector_size(PA_LANES * 4)));
-typedef uint16_t pa_hvec __attribute__((vector_size(PA_LANES * 2)));
-typedef float pa_vec_u __attribute__((vector_size(PA_LANES * 4), aligned(4))); /* a float32 cache row read in place */
+/* Spelled in the build's native vector (vec.h's nvf: one zmm on AVX-512, one ymm on AVX, one xmm
+ * below). vec.h's 16-lane v16f is two or four registers there, and GCC lowered this kernel's 16-lane
+ * shuffles lane by lane through the stack (scalar inserts): 2x paged_decode_attention's time on an
+ * AVX2 Zen 2 (bench/NOTES.md 'AVX2 paged attention'). In native vectors the code is the same at every
+ * level; the AVX-512 build does the same operations in the same order as before (same bits). */
+typedef float pa_vec_u __attribute__((vector_size(NV_LANES * 4), aligned(4))); /* a float32 cache row read in place */
 
-/* A row of D values as D / PA_LANES float32 vectors, bfloat16 ones in the kernel's lane order: each
- * run of 2 * PA_LANES values as its even-indexed then its odd-indexed values (a 32-bit lane holds one
+/* A row of D values as D / NV_LANES float32 vectors, bfloat16 ones in the kernel's lane order: each
+ * run of 2 * NV_LANES values as its even-indexed then its odd-indexed values (a 32-bit lane holds one
  * of each: the odd one is the lane with its low half cleared, the even one the lane shifted up; no
  * widening shuffle, which would compete with the add tree's shuffles for the one port that runs
  * them). Dot products and weighted sums do not depend on the order as long as q, K, V and the output
- * share it; pa_unpermute puts the output back. A last run of PA_LANES values is widened as is. */
-static inline void pa_load_row(pa_vec *dst, const char *src, int64_t DV, int bf16) {
+ * share it; pa_unpermute puts the output back. A last run of NV_LANES values is widened as is. */
+static inline void pa_load_row(nvf *dst, const char *src, int64_t DV, int bf16) {
     if (!bf16) {
-        memcpy(dst, src, (size_t)DV * sizeof(pa_vec));
+        memcpy(dst, src, (size_t)DV * sizeof(nvf));
         return;
     }
     int64_t c = 0;
     for (; c + 2 <= DV; c += 2) {
-        pa_uvec u;
-        memcpy(&u, src + c * 2 * PA_LANES, sizeof(u));
-        const pa_uvec even = u << 16, odd = u & 0xffff0000u;
+        nvu u;
+        memcpy(&u, src + c * 2 * NV_LANES, sizeof(u));
+        const nvu even = u << 16, odd = u & 0xffff0000u;
         memcpy(&dst[c], &even, sizeof(even));
         memcpy(&dst[c + 1], &odd, sizeof(odd));
     }
     if (c < DV) {
-        pa_hvec h;
-        memcpy(&h, src + c * 2 * PA_LANES, sizeof(h));
-        const pa_uvec u = __builtin_convertvector(h, pa_uvec) << 16;
+        nvh h;
+        memcpy(&h, src + c * 2 * NV_LANES, sizeof(h));
+        const nvu u = __builtin_convertvector(h, nvu) << 16;
         memcpy(&dst[c], &u, sizeof(u));
     }
 }
 
 /* A row of D float32 values from pa_load_row's lane order (bfloat16) back to D values in order. */
-static inline void pa_unpermute(float *dst, const pa_vec *src, int64_t DV, int bf16) {
+static inline void pa_unpermute(float *dst, const nvf *src, int64_t DV, int bf16) {
     const float *f = (const float *)src;
     int64_t c = 0;
     if (bf16)
         for (; c + 2 <= DV; c += 2)
-            for (int64_t i = 0; i < PA_LANES; i++) {
-                dst[c * PA_LANES + 2 * i] = f[c * PA_LANES + i];
-                dst[c * PA_LANES + 2 * i + 1] = f[(c + 1) * PA_LANES + i];
+            for (int64_t i = 0; i < NV_LANES; i++) {
+                dst[c * NV_LANES + 2 * i] = f[c * NV_LANES + i];
+                dst[c * NV_LANES + 2 * i + 1] = f[(c + 1) * NV_LANES + i];
             }
-    memcpy(dst + c * PA_LANES, f + c * PA_LANES, (size_t)(DV - c) * PA_LANES * sizeof(float));
+    memcpy(dst + c * NV_LANES, f + c * NV_LANES, (size_t)(DV - c) * NV_LANES * sizeof(float));
 }
 
-/* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for PA_LANES vectors of partial
+/* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for NV_LANES vectors of partial
  * products (one per key): a transposing add tree, no horizontal sum per key. */
-#if PA_LANES == 8 && defined(__AVX__)
+#if NV_LANES == 8 && defined(__AVX__)
 #include <immintrin.h>
 /* AVX: hadd's pairwise sums within 128-bit halves, two levels, then the halves added across (GCC's
  * lowering of the generic 8-lane tree's cross-half level took more shuffles than these). */
-static inline pa_vec pa_sum_lanes(const pa_vec *p) {
+static inline nvf pa_sum_lanes(const nvf *p) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
     const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[4], (__m256)p[5]), _mm256_hadd_ps((__m256)p[6], (__m256)p[7]));
     /* a: lanes 0-3 the low halves' sums of p[0..3], lanes 4-7 their high halves'; b likewise for p[4..7] */
-    return (pa_vec)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    return (nvf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
-#elif PA_LANES == 4 && defined(__SSE3__)
+#elif NV_LANES == 4 && defined(__SSE3__)
 #include <pmmintrin.h>
-static inline pa_vec pa_sum_lanes(const pa_vec *p) {
-    return (pa_vec)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
+static inline nvf pa_sum_lanes(const nvf *p) {
+    return (nvf)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
 }
 #else
 /* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
- * PA_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
-#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : PA_LANES + (l) - (w))
-#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : PA_LANES + (l))
-#if PA_LANES == 16
+ * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
+#if NV_LANES == 16
 #define PA_MASK(I, w)                                                                                      \
-    ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
+    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
                I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
-#elif PA_LANES == 8
-#define PA_MASK(I, w) ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
+#elif NV_LANES == 8
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
 #else
-#define PA_MASK(I, w) ((pa_ivec){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
 #endif
 #define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
 
-static inline pa_vec pa_sum_lanes(const pa_vec *p) {
-    pa_vec t[PA_LANES / 2];
-    for (int i = 0; i < PA_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
-    for (int i = 0; i < PA_LANES / 4; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 2);
-#if PA_LANES >= 8
-    for (int i = 0; i < PA_LANES / 8; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 4);
+static inline nvf pa_sum_lanes(const nvf *p) {
+    nvf t[NV_LANES / 2];
+    for (int i = 0; i < NV_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < NV_LANES / 4; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 2);
+#if NV_LANES >= 8
+    for (int i = 0; i < NV_LANES / 8; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 4);
 #endif
-#if PA_LANES >= 16
+#if NV_LANES >= 16
     t[0] = PA_COMBINE(t[0], t[1], 8);
 #endif
     return t[0];
@@ -378,22 +367,22 @@ static inline __attribute__((always_inline)) void pa_prefetch_run(const char *k,
 static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, const int64_t D, const char *q,
                                                           char *out, const int32_t *table, int64_t prefix,
                                                           int64_t tok0, int64_t tok1, int64_t g) {
-    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / PA_LANES;
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / NV_LANES;
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
     const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
     /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
-    pa_vec qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV], zeros[DV];
+    nvf qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV], zeros[DV];
     /* a run's K and V rows: float32 ones read in place in the cache (a copy cost more than the maths
      * for a decode's few query rows), bfloat16 ones widened into kf / vf; keys past the run: zeros */
     const pa_vec_u *kr[PA_KEYS], *vr[PA_KEYS];
     float row_max[rows], row_sum[rows];
-    for (int64_t c = 0; c < DV; c++) zeros[c] = (pa_vec){0};
+    for (int64_t c = 0; c < DV; c++) zeros[c] = (nvf){0};
     for (int64_t r = 0; r < rows; r++) { /* row r: token tok0 + r / n_rep, head g * n_rep + r % n_rep */
         const char *src = q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
         pa_load_row(qv[r], src, DV, a->bf16);
         for (int64_t c = 0; c < DV; c++) {
             qv[r][c] *= a->scale;
-            acc[r][c] = (pa_vec){0};
+            acc[r][c] = (nvf){0};
         }
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
@@ -425,12 +414,12 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             if (visible <= 0) continue;
             const int64_t m = visible < n ? visible : n;
             float s[PA_KEYS];
-            for (int64_t k0 = 0; k0 < PA_KEYS; k0 += PA_LANES) { /* PA_LANES keys' dot products, then their sums */
-                pa_vec p[PA_LANES];
-                for (int64_t j = 0; j < PA_LANES; j++) p[j] = qv[r][0] * kr[k0 + j][0];
+            for (int64_t k0 = 0; k0 < PA_KEYS; k0 += NV_LANES) { /* NV_LANES keys' dot products, then their sums */
+                nvf p[NV_LANES];
+                for (int64_t j = 0; j < NV_LANES; j++) p[j] = qv[r][0] * kr[k0 + j][0];
                 for (int64_t c = 1; c < DV; c++) /* q's vector once for the keys (c outermost): a load per FMA, not two */
-                    for (int64_t j = 0; j < PA_LANES; j++) p[j] += qv[r][c] * kr[k0 + j][c];
-                const pa_vec scores = pa_sum_lanes(p);
+                    for (int64_t j = 0; j < NV_LANES; j++) p[j] += qv[r][c] * kr[k0 + j][c];
+                const nvf scores = pa_sum_lanes(p);
                 memcpy(s + k0, &scores, sizeof(scores));
             }
             float new_max = row_max[r];
@@ -452,7 +441,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
             row_max[r] = new_max;
             for (int64_t c0 = 0; c0 < DV; c0 += PA_ACC_VECS) { /* each vector's sum in key order, as one chain did */
                 const int64_t nc = DV - c0 < PA_ACC_VECS ? DV - c0 : PA_ACC_VECS;
-                pa_vec o[PA_ACC_VECS];
+                nvf o[PA_ACC_VECS];
                 for (int64_t c = 0; c < nc; c++) o[c] = acc[r][c0 + c] * rescale;
                 for (int64_t j = 0; j < m; j++)
                     for (int64_t c = 0; c < nc; c++) o[c] += vr[j][c0 + c] * s[j];

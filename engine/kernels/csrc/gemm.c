@@ -26,29 +26,22 @@
  * result is the same whatever the other rows and however many there are (batch-invariant), though not
  * bit-equal to the one-row kernel's (four chains). */
 #include "vec.h"
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
-/* The build's native vector (vec.h's v16f is two registers on AVX2 and GCC moves its halves through
- * the stack: bench/NOTES.md 'AVX2 one-row linear'); GEMM_MR x GEMM_NP x (16 / GV) accumulators fit
+/* In the build's native vector (vec.h's nvf, NV_LANES floats): GEMM_MR x GEMM_NP x (16 / NV_LANES) accumulators fit
  * the register file with the weight vectors and one broadcast beside them (AVX-512: 24 of 32 zmm; AVX2:
- * 12 of 16 ymm; SSE: 12 of 16 xmm). Per step of k a tile issues GEMM_NP x 16 / GV weight loads and
+ * 12 of 16 ymm; SSE: 12 of 16 xmm). Per step of k a tile issues GEMM_NP x 16 / NV_LANES weight loads and
  * GEMM_MR broadcasts for their product of FMAs: 8 loads for 12 FMAs on AVX2, 14 for 24 on AVX-512. */
-#if defined(__AVX512F__)
-#define GV 16
+#if NV_LANES == 16
 #define GEMM_MR 12
 #define GEMM_NP 2
-#elif defined(__AVX__)
-#define GV 8
+#elif NV_LANES == 8
 #define GEMM_MR 6
 #define GEMM_NP 1
 #else
-#define GV 4
 #define GEMM_MR 3
 #define GEMM_NP 1
 #endif
-#define GEMM_VP (16 / GV) /* vectors per panel row */
+#define GEMM_VP (16 / NV_LANES) /* vectors per panel row */
 /* Steps of k per block, at most: GEMM_NP panels' 256 x 64 bytes (16 KiB a panel) stay in L1 across
  * the row tiles, beside the tiles' rows of x (256 x GEMM_MR floats each). k is cut into balanced
  * blocks (576 = 3 x 192): with 256 + 256 + 64 the short block's tiles prefetched only 64 lines of
@@ -67,40 +60,6 @@
  * bytes once more, little beside 256 rows of FMAs on each. */
 #define GEMM_MC 256
 
-typedef float gvf __attribute__((vector_size(GV * 4)));
-
-static inline __attribute__((always_inline)) gvf gemm_load(const float *p) {
-    gvf v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-typedef uint16_t gvh __attribute__((vector_size(GV * 2)));
-typedef uint32_t gvu __attribute__((vector_size(GV * 4)));
-
-/* GV weights from element `index` of w: float32, or bfloat16 widened exactly to float32 (the high
- * half of the float's bits: one zero-extend and one shift a vector, beside the GEMM_MR FMAs each
- * loaded vector feeds). bf16 is a literal in each instantiation (gemm_tile_rows_f32 / _bf16). */
-static inline __attribute__((always_inline)) gvf gemm_load_weight(const void *w, int64_t index, int bf16) {
-#if GV == 8 && defined(__AVX2__)
-    /* GCC builds __builtin_convertvector's 8-lane widening from two 128-bit halves (two zero-extends,
-     * a byte shift and an insert, 5 ops with the shift, against 2 here: vpmovzxwd from memory and
-     * vpslld), and the loop issues two a step beside its 12 FMAs */
-    if (bf16)
-        return (gvf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + index))), 16);
-#endif
-    if (bf16) {
-        gvh h;
-        memcpy(&h, (const uint16_t *)w + index, sizeof(h));
-        gvu u = __builtin_convertvector(h, gvu) << 16;
-        gvf f;
-        memcpy(&f, &u, sizeof(f));
-        return f;
-    }
-    return gemm_load((const float *)w + index);
-}
-
-static inline __attribute__((always_inline)) void gemm_store(float *p, gvf v) { memcpy(p, &v, sizeof(v)); }
 
 /* One tile: out[mr rows, np panels of 16 columns] (+)= x [mr rows at ldx floats apart][kc] @ the panels' kc steps. mr, np and
  * bf16 are literals at every call (gemm_tile_rows' switch), so the accumulators live in registers. w:
@@ -113,19 +72,19 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
                                                             int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
     const int64_t pf_step = (pf_lines << 16) / kc;
     int64_t pf_pos = pf_line << 16;
-    gvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
+    nvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 16
-        for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] = first ? (gvf){0} : gemm_load(out + r * n + v * GV);
+        for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] = first ? (nvf){0} : nv_loadf(out + r * n + v * NV_LANES);
     for (int64_t i = 0; i < kc; i++) {
-        gvf wv[GEMM_NP * GEMM_VP];
+        nvf wv[GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
             const int64_t line = p * panel_floats + i * 16;
             if (pf_lines) __builtin_prefetch((const char *)w + (size_t)(p * panel_floats + (pf_pos >> 16) * 16) * (bf16 ? 2 : 4), 0, 3);
 #pragma GCC unroll 16
-            for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = gemm_load_weight(w, line + q * GV, bf16);
+            for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = nv_load_weight(w, line + q * NV_LANES, bf16);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
@@ -138,7 +97,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 16
-        for (int v = 0; v < np * GEMM_VP; v++) gemm_store(out + r * n + v * GV, acc[r][v]);
+        for (int v = 0; v < np * GEMM_VP; v++) nv_storef(out + r * n + v * NV_LANES, acc[r][v]);
 }
 
 #define GEMM_TILE_CASE(m)                                                                          \
@@ -244,7 +203,7 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
  * (not measured on every shape). 0: not measured faster at any row count in this build, oneDNN
  * keeps them. */
 int64_t interleaved_gemm_max_rows(void) {
-#if GV == 8
+#if NV_LANES == 8
     return 2048;
 #else
     return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */

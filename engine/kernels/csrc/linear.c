@@ -316,7 +316,6 @@ int interleaved_linear_f32_out(int bf16, const void *x, const void *weight, void
 void interleaved_widen(int bf16, int pairs, const void *weight, int64_t k, int64_t block0, int64_t block1, float *out,
                        int num_threads) {
     const int64_t width = (block1 - block0) * 16;
-    const size_t es = elem_size(bf16);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (width * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t i = 0; i < k; i++) {
         for (int64_t b = block0; b < block1; b++) {

@@ -25,7 +25,7 @@
 
 #define LORA_MAX_PARTS 3 /* q|k|v */
 #define LORA_ROW_BLOCK 4 /* rows sharing each load of A in the shrink */
-#define LORA_COL_BLOCK 64 /* output columns per expand item (engine/kernels/cpu.py LORA_COL_BLOCK): 64 / LV accumulators */
+#define LORA_COL_BLOCK 64 /* output columns per expand item (engine/kernels/cpu.py LORA_COL_BLOCK): 64 / NV_LANES accumulators */
 #define LORA_BAD_ARGUMENTS (-22)
 
 /* One adapter's weights for one linear, bound once at install (engine/lora/layers.py writes these as
@@ -36,45 +36,14 @@ typedef struct {
     int64_t rank[LORA_MAX_PARTS]; /* each part's rank; 0: the adapter leaves that part alone */
 } lora_desc;
 
-/* The build's native vector (vec.h's v16f is two registers on AVX2, and GCC moves its halves through
- * the stack in loops like these: measured 10x slower than this). */
-#if defined(__AVX512F__)
-#define LV 16
-#elif defined(__AVX__)
-#define LV 8
-#else
-#define LV 4
-#endif
-typedef float lvf __attribute__((vector_size(LV * 4)));
-typedef uint16_t lvh __attribute__((vector_size(LV * 2)));
-typedef uint32_t lvu __attribute__((vector_size(LV * 4)));
-
-static inline __attribute__((always_inline)) lvf lora_load(const char *p, int bf16) {
-    lvf f;
-    if (bf16) {
-        lvh h;
-        memcpy(&h, p, sizeof(h));
-        const lvu u = __builtin_convertvector(h, lvu) << 16;
-        memcpy(&f, &u, sizeof(f));
-    } else {
-        memcpy(&f, p, sizeof(f));
-    }
-    return f;
-}
-
-static inline __attribute__((always_inline)) lvf lora_loadf(const float *p) {
-    lvf f;
-    memcpy(&f, p, sizeof(f));
-    return f;
-}
 
 static inline __attribute__((always_inline)) float lora_value(const char *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline __attribute__((always_inline)) float lora_hsum(lvf v) {
+static inline __attribute__((always_inline)) float lora_hsum(nvf v) {
     float a = 0.0f;
-    for (int l = 0; l < LV; l++) a += v[l];
+    for (int l = 0; l < NV_LANES; l++) a += v[l];
     return a;
 }
 
@@ -84,23 +53,23 @@ static inline __attribute__((always_inline)) float lora_hsum(lvf v) {
 static inline __attribute__((always_inline)) void shrink_block(const float *const xr[LORA_ROW_BLOCK], int nb, const char *a,
                                                                 int64_t sum_r, int64_t in, int bf16, float *t, int64_t t_stride) {
     const size_t es = elem_size(bf16);
-    const int64_t pairs = in / (2 * LV) * (2 * LV), full = in / LV * LV;
+    const int64_t pairs = in / (2 * NV_LANES) * (2 * NV_LANES), full = in / NV_LANES * NV_LANES;
     for (int64_t j = 0; j < sum_r; j++) {
         const char *aj = a + (size_t)(j * in) * es;
-        lvf acc[LORA_ROW_BLOCK][2] = {{{0}}};
+        nvf acc[LORA_ROW_BLOCK][2] = {{{0}}};
         int64_t i = 0;
-        for (; i < pairs; i += 2 * LV) {
-            const lvf w0 = lora_load(aj + (size_t)i * es, bf16), w1 = lora_load(aj + (size_t)(i + LV) * es, bf16);
+        for (; i < pairs; i += 2 * NV_LANES) {
+            const nvf w0 = nv_load_weight(aj, i, bf16), w1 = nv_load_weight(aj, i + NV_LANES, bf16);
 #pragma GCC unroll 4
             for (int m = 0; m < LORA_ROW_BLOCK; m++) {
-                acc[m][0] += w0 * lora_loadf(xr[m] + i);
-                acc[m][1] += w1 * lora_loadf(xr[m] + i + LV);
+                acc[m][0] += w0 * nv_loadf(xr[m] + i);
+                acc[m][1] += w1 * nv_loadf(xr[m] + i + NV_LANES);
             }
         }
-        for (; i < full; i += LV) {
-            const lvf w0 = lora_load(aj + (size_t)i * es, bf16);
+        for (; i < full; i += NV_LANES) {
+            const nvf w0 = nv_load_weight(aj, i, bf16);
 #pragma GCC unroll 4
-            for (int m = 0; m < LORA_ROW_BLOCK; m++) acc[m][0] += w0 * lora_loadf(xr[m] + i);
+            for (int m = 0; m < LORA_ROW_BLOCK; m++) acc[m][0] += w0 * nv_loadf(xr[m] + i);
         }
         float sums[LORA_ROW_BLOCK];
         for (int m = 0; m < LORA_ROW_BLOCK; m++) sums[m] = lora_hsum(acc[m][0] + acc[m][1]);
@@ -118,12 +87,12 @@ static inline __attribute__((always_inline)) void expand_row(const float *t_row,
     const size_t es = elem_size(bf16);
     float delta[LORA_COL_BLOCK];
     if (width == LORA_COL_BLOCK) {
-        lvf acc[LORA_COL_BLOCK / LV] = {0};
+        nvf acc[LORA_COL_BLOCK / NV_LANES] = {0};
         for (int64_t j = 0; j < rank; j++) {
             const char *bj = block + (size_t)(j * width) * es;
             const float tj = t_row[j];
 #pragma GCC unroll 16
-            for (int q = 0; q < LORA_COL_BLOCK / LV; q++) acc[q] += lora_load(bj + (size_t)(q * LV) * es, bf16) * tj;
+            for (int q = 0; q < LORA_COL_BLOCK / NV_LANES; q++) acc[q] += nv_load_weight(bj, q * NV_LANES, bf16) * tj;
         }
         memcpy(delta, acc, sizeof(delta));
     } else {

@@ -38,6 +38,56 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+/* ------------------------------------------------------------------------------------------ native vectors
+ * The build's own vector width (16 lanes AVX-512, 8 AVX, 4 SSE): v16f is two registers on AVX2, and
+ * GCC moves its halves through the stack in register-blocked loops (measured 10x slower in the
+ * one-row linear and the LoRA kernel: bench/NOTES.md 'AVX2 one-row linear'). Kernels that block
+ * their accumulators in registers (gemm.c, lora.c, attention.c) spell them in nvf. */
+#if defined(__AVX512F__)
+#define NV_LANES 16
+#elif defined(__AVX__)
+#define NV_LANES 8
+#else
+#define NV_LANES 4
+#endif
+typedef float nvf __attribute__((vector_size(NV_LANES * 4)));
+typedef uint16_t nvh __attribute__((vector_size(NV_LANES * 2)));
+typedef uint32_t nvu __attribute__((vector_size(NV_LANES * 4)));
+typedef int32_t nvi __attribute__((vector_size(NV_LANES * 4)));
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline __attribute__((always_inline)) nvf nv_loadf(const float *p) {
+    nvf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline __attribute__((always_inline)) void nv_storef(float *p, nvf v) { memcpy(p, &v, sizeof(v)); }
+
+/* NV_LANES weights from element `index` of w: float32, or bfloat16 widened exactly to float32 (the
+ * high half of the float's bits). Callers pass bf16 as a literal per instantiation, so the test folds. */
+static inline __attribute__((always_inline)) nvf nv_load_weight(const void *w, int64_t index, int bf16) {
+#if NV_LANES == 8 && defined(__AVX2__)
+    /* GCC builds __builtin_convertvector's 8-lane widening from two 128-bit halves (two zero-extends,
+     * a byte shift and an insert, 5 ops with the shift, against 2 here: vpmovzxwd from memory and
+     * vpslld; bfloat16 weights cold, gemm.c at 32 rows 1.19-1.31x: bench/NOTES.md 'AVX2 many-rows
+     * linear, part 2') */
+    if (bf16)
+        return (nvf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + index))), 16);
+#endif
+    if (bf16) {
+        nvh h;
+        memcpy(&h, (const uint16_t *)w + index, sizeof(h));
+        const nvu u = __builtin_convertvector(h, nvu) << 16;
+        nvf f;
+        memcpy(&f, &u, sizeof(f));
+        return f;
+    }
+    return nv_loadf((const float *)w + index);
+}
+
 /* ------------------------------------------------------------------------------------------ rows
  * AVX-512 rows of 16 (the v4 and v4-bf16 builds, -march=native on such CPUs): GCC's vectorizer stops
  * at 256 bits there and emulates bfloat16 rounding in ~8 integer ops a vector; these take 512-bit
