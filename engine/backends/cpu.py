@@ -10,7 +10,7 @@ tables), and a second copy of each small weight in the interleaved layout the on
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
 builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups); in builds where it measured
 faster than oneDNN (AVX2), float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that
-same copy, and larger float32 weights (the output head) keep that copy in place of oneDNN's.
+same copy, and every float32 weight keeps that copy in place of oneDNN's (one copy, not two).
 Where oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too,
 every linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
 """
@@ -43,7 +43,8 @@ PACK_BATCH_HINT = 16
 # Linears of at most this many weight bytes also keep a copy in engine.kernels.cpu's interleaved
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
-# weights on AMX CPUs get the pairs copy instead of oneDNN's (pack_weight).
+# weights on AMX CPUs get the pairs copy instead of oneDNN's, and float32 weights of any size where
+# csrc/gemm.c serves them (AVX2) the interleaved copy alone (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/kernels/csrc/amx_linear.c) on the
@@ -101,20 +102,26 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
-    Likewise a larger float32 weight (the demo's output head, the 1.1B model's block linears) gets
-    the interleaved copy in place of oneDNN's where csrc/gemm.c serves it (gemm_serves): one row
-    on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048
-    on two threads (bench/NOTES.md 'AVX2 many-rows linear' and its part 2)."""
+    Likewise a float32 weight of any size gets the interleaved copy in place of oneDNN's where
+    csrc/gemm.c serves it (gemm_serves: AVX2 builds): one row on the one-row kernel 1.2-1.3x, 2..64
+    rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048 rows on two threads (bench/NOTES.md
+    'AVX2 many-rows linear' and its part 2), past the default 512-token step budget, so oneDNN's copy
+    would never be read there and held the demo's block weights twice (bench/NOTES.md 'One float32
+    copy'). Rows past the cutoff (a larger step budget) run the gemm too, in blocks of its own
+    (interleaved_gemm cuts any row count): where oneDNN's copy would have been level or slightly
+    ahead (4096 rows, the demo's block shapes, one thread: the gemm 0.95-1.04x oneDNN's speed, under load;
+    bench/NOTES.md 'One float32 copy')."""
+    if kernels is not None and weight.shape[0] % 16 == 0:
+        # one copy: the row kernel (batch-invariant mode), the widened tiles (no oneDNN kernel for the
+        # dtype) or the gemm serve every row count from the interleaved copy
+        if invariant or not onednn or gemm_serves(weight.dtype, weight.shape[0], kernels):
+            return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     interleaved = None
-    if (invariant or not onednn) and kernels is not None and weight.shape[0] % 16 == 0:  # the row kernel (and widened tiles) serve every row count
-        return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
-        elif gemm_serves(weight.dtype, weight.shape[0], kernels):
-            return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 
@@ -168,7 +175,8 @@ class PackedCpuLinear(nn.Module):
         gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
                 and gemm_serves(interleaved.dtype, self.out_features, self._kernels, onednn=self.packed_weight is not None))  # fmt: skip
         self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
-        # the most rows it takes: every count for a weight without oneDNN's copy (a large float32 one)
+        # the most rows it takes: every count for a weight without oneDNN's copy (every float32 weight
+        # pack_weight makes where the gemm serves); with both copies (built by hand) the measured cutoff
         self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
 
         no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None and self._gemm is None
@@ -180,6 +188,8 @@ class PackedCpuLinear(nn.Module):
         without oneDNN's copy: _without_onednn; else oneDNN. Chosen here, per call, by the input's
         rows, not in the step's plan: one step's linears see different row counts (the blocks all
         its tokens, the head its sampled rows, each expert its routed tokens)."""
+        if x.dim() != 2 and self.packed_weight is None and self._gemm is not None:  # no oneDNN copy to take other shapes
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         if self._invariant:
             if self._one_row is not None and x.dim() == 2:
@@ -333,7 +343,7 @@ class OneDnnBackend(TorchBackend):
         """A bfloat16 head: the kernels' interleaved copy (float32 logits at one-row-kernel speed),
         else the tensor as it is (torch's FloatHeadLinear); oneDNN's bfloat16 linear would round the
         logits. float32 heads pack as the block linears do (pack_weight: oneDNN's copy, or where
-        csrc/gemm.c serves a large one, the interleaved copy in its place), their sums float32
+        csrc/gemm.c serves float32, the interleaved copy in its place), their sums float32
         already (in the batch-invariant mode they take the row kernel too: oneDNN's sums depend on
         the rows)."""
         if not isinstance(weight, torch.Tensor) or not (weight.dtype == torch.bfloat16 or self.batch_invariant):

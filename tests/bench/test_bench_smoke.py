@@ -210,6 +210,16 @@ def test_gguf_convert_f32_imports_to_the_same_checkpoint(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_load_rss_smoke(tmp_path):
+    from tests.e2e.conftest import BASE_DESCRIPTOR, Checkpoints
+
+    checkpoints = Checkpoints(root=tmp_path / "checkpoints", outside=tmp_path / "elsewhere")
+    checkpoints.root.mkdir()
+    stdout = run_script("bench/load_rss.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)))
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["weight_bytes_mib"] > 0 and report["rss_after_load_mib"] >= report["rss_before_mib"], stdout
+
+
 def test_server_overhead_smoke():
     stdout = run_script("bench/server_overhead.py", "--tokens", "20", "--streams", "2", "--concurrency", "2", "--requests", "4")
     assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout

@@ -2,7 +2,7 @@
 count from 1 to 70 (tiles of 12, 6 or 3 rows, balanced, and their remainders), several 16-column
 panel counts (odd ones: the AVX-512 build's two-panel tiles) and k past its 256-step blocks, in the
 native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; and
-PackedCpuLinear's routing: which rows it sends there, the float32 head's single copy, the
+PackedCpuLinear's routing: which rows it sends there, every float32 weight's single copy there, the
 batch-invariant mode kept off it."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from engine.backends import cpu as cpu_backend
 from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, few_rows_cutoff, gemm_serves, pack_weight
+from engine.backends.torch_ops import TorchBackend
 from engine.kernels import cpu as ck
 from tests.engine.kernel_levels import cpu_kernels_for_level
-from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
+from tests.engine.test_cpu_kernels import THREADS, TwoPaths, build_model, build_with, gen, kernels, make_seqs  # noqa: F401 - kernels: a fixture
 from tests.engine.test_kernel_alloc_failures import failing  # noqa: F401 - a fixture
 
 CPU = torch.device("cpu")
@@ -118,26 +119,76 @@ def gemm_kernels(kernels: ck.CpuKernels) -> ck.CpuKernels:
     return kernels
 
 
-def test_packed_linear_sends_2_to_max_rows_to_the_gemm(kernels):
-    """Rows past the few-rows cutoff up to gemm_max_rows give the gemm's bits exactly (it reads the
-    one-row kernel's copy: no other copy is made), one row (up to the few-rows cutoff: 8 on AVX2
-    builds) the interleaved kernel's, more rows oneDNN's; all within f32 rounding."""
-    lib = gemm_kernels(kernels)
+# the cutoff a build where the gemm serves float32 measured (AVX2, csrc/gemm.c), for forcing that situation elsewhere
+FORCED_GEMM_MAX_ROWS = 2048
+
+
+@pytest.fixture(params=["build", "forced"])
+def serving_kernels(request, kernels, monkeypatch) -> ck.CpuKernels:
+    """The native kernels where csrc/gemm.c serves float32 (AVX2 builds; skipped elsewhere), and
+    forced on any build by giving it AVX2's cutoff (the kernel itself runs in every build; only
+    gemm_max_rows says where it is the faster one)."""
+    if request.param == "forced":
+        monkeypatch.setattr(kernels, "gemm_max_rows", lambda: FORCED_GEMM_MAX_ROWS)
+    return gemm_kernels(kernels)
+
+
+def test_a_float32_linear_holds_one_copy_and_the_gemm_serves_every_row_count(serving_kernels):
+    """Where the gemm serves float32, a small block weight keeps the interleaved copy only (no
+    oneDNN packed tensor, resident_bytes one copy): one row (up to the few-rows cutoff) through the
+    interleaved kernel, every other row count, past gemm_max_rows too, through the gemm (its bits
+    exactly), each within float32 rounding of the float64 product; 3-D inputs flattened onto it."""
+    lib = serving_kernels
     g = gen(3)
     weight = torch.randn(64, 96, generator=g)
     packed = pack_weight(weight, lib)
     layer = PackedCpuLinear(packed, lib)
-    assert packed.packed is not None and layer.resident_bytes() == 2 * weight.numel() * 4  # oneDNN's and the interleaved copy
-    gemm, one_row, max_rows = lib.bind_gemm(packed.interleaved), lib.bind_interleaved(packed.interleaved), lib.gemm_max_rows()
-    few = few_rows_cutoff(lib)
-    for rows in sorted({1, 2, few, few + 1, 32, max_rows, max_rows + 1}):
+    assert packed.packed is None and layer.packed_weight is None and layer.resident_bytes() == weight.numel() * 4
+    gemm, one_row, max_rows, few = lib.bind_gemm(packed.interleaved), lib.bind_interleaved(packed.interleaved), lib.gemm_max_rows(), few_rows_cutoff(lib)
+    for rows in sorted({1, 2, few, few + 1, 8, 32, 512, max_rows, max_rows + 1, 3000}):
         x = torch.randn(rows, 96, generator=g)
         out = layer(x)
         assert_within_f32_rounding(out, x, weight)
-        expected = one_row(x, THREADS) if rows <= few else gemm(x, THREADS) if rows <= max_rows else None
-        assert expected is None or torch.equal(out, expected)
-        if expected is None:  # past the cutoff: oneDNN
-            assert torch.equal(out, layer._onednn(x))
+        assert torch.equal(out, one_row(x, THREADS) if rows <= few else gemm(x, THREADS)), rows
+    x = torch.randn(3, 40, 96, generator=g)
+    assert torch.equal(layer(x), gemm(x.reshape(120, 96), THREADS).reshape(3, 40, 64))
+
+
+def test_one_copy_is_batch_invariant_across_the_cutoff(serving_kernels):
+    """On the one copy, a row's result does not depend on its batch: bit for bit the same at every
+    row count the gemm takes, below and above gemm_max_rows; and in the batch-invariant mode (the
+    row kernel at every count) a row alone equals the row batched at 1, 8, 32, 512 and 3000 rows."""
+    lib = serving_kernels
+    g = gen(8)
+    weight = torch.randn(80, 72, generator=g)
+    x = torch.randn(3000, 72, generator=g)
+    max_rows, few = lib.gemm_max_rows(), few_rows_cutoff(lib)
+    layer = PackedCpuLinear(pack_weight(weight, lib), lib)
+    full = layer(x)
+    for rows in sorted({few + 1, 32, 512, max_rows, max_rows + 1, 3000}):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+    invariant = CpuKernelBackend(CPU, torch.float32, lib, batch_invariant=True)
+    linear = invariant.special_linear(invariant.prepare_linear(weight))
+    assert linear.packed_weight is None and linear.resident_bytes() == weight.numel() * 4
+    alone = torch.cat([linear(x[i : i + 1]) for i in (0, 7, 31, 511, 2999)])
+    for rows in (1, 8, 32, 512, 3000):
+        batched = linear(x[:rows])
+        assert_within_f32_rounding(batched, x[:rows], weight)
+        assert torch.equal(batched[rows - 1], alone[[1, 8, 32, 512, 3000].index(rows)]), rows
+
+
+def test_the_gemm_copy_replaces_onednn_only_where_the_gemm_serves(kernels, monkeypatch):
+    """Builds where the gemm does not serve float32 (cutoff 0: AMX, AVX-512, the portable build) keep
+    oneDNN's copy beside the small weights' interleaved one, as before."""
+    if not cpu_backend.packing_available(torch.float32):
+        pytest.skip("no oneDNN float32 kernel here")
+    monkeypatch.setattr(kernels, "gemm_max_rows", lambda: 0)
+    weight = torch.randn(64, 96, generator=gen(5))
+    packed = pack_weight(weight, kernels)
+    layer = PackedCpuLinear(packed, kernels)
+    assert packed.packed is not None and layer._gemm is None and layer.resident_bytes() == 2 * weight.numel() * 4
+    x = torch.randn(33, 96, generator=gen(6))
+    assert torch.equal(layer(x), layer._onednn(x))
 
 
 def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, monkeypatch):
@@ -179,14 +230,16 @@ def test_no_gemm_for_bfloat16_or_without_kernels(kernels):
     assert torch.allclose(layer(torch.ones(4, 64)), F.linear(torch.ones(4, 64), weight), atol=1e-4)
 
 
-def test_a_model_of_large_float32_weights_runs_on_one_copy_each(kernels, tiny_checkpoint, monkeypatch):
-    """Every weight counted as large: each linear and the head keep the interleaved copy only, and the
-    model's prefill, decode and mixed steps (1 to 28 rows a linear) match oneDNN's model."""
-    lib = gemm_kernels(kernels)
-    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", 0)
+def test_a_float32_model_runs_on_one_copy_of_each_weight(serving_kernels, tiny_checkpoint):
+    """Where the gemm serves float32, each linear and the head keep the interleaved copy only, small
+    or large, the model's weight_bytes (the loaded-bytes figure) counts each weight once, as torch's
+    unpacked model holds them, and its prefill, decode and mixed steps (1 to 28 rows a linear) match
+    oneDNN's model."""
+    lib = serving_kernels
     model = build_model(tiny_checkpoint, torch.float32, lib)
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
     assert len(linears) == 4 * model.params.n_layers + 1 and all(m.packed_weight is None and m._gemm is not None for m in linears)
+    assert model.weight_bytes() == build_with(tiny_checkpoint, torch.float32, TorchBackend(CPU, torch.float32)).weight_bytes()
     paths = TwoPaths((model, build_model(tiny_checkpoint, torch.float32, None)))
     a, b, c, d = make_seqs(model.vocab_size, [1, 7, 9, 20], seed=2)
     paths.step([b, a, c, d], [7, 1, 9, 11])  # prefill chunks and a one-token prompt
