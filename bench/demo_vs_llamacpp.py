@@ -102,17 +102,19 @@ def model_counts(checkpoint_dir: Path, llama_model: str | None = None) -> dict[s
 
 def measure_moment(*, smoke: bool = False, dtype: str | None = None) -> Moment:
     """bf16 and fp32 matmul FLOP/s and copy bandwidth now, on THREADS threads (about a second with AMX);
-    dtype "float32" leaves the bf16 rate out (nan): without AMX or AVX512_BF16 it takes minutes."""
+    the bf16 rate is left out (nan) for a float32 run and where oneDNN has no bf16 kernel (AVX2): there
+    torch emulates it at ~1 GFLOP/s (a minute a figure) and a bf16 run's bound is the fp32 rate anyway."""
     import torch
 
     from bench.forward import best_of, matmul_flops_per_s
+    from engine.backends.cpu import packing_available
 
     torch.set_num_threads(THREADS)
     x = torch.ones((8 if smoke else 256) * 2**20 // 4, dtype=torch.float32)
     y = torch.empty_like(x)
     copy_s = best_of(lambda: y.copy_(x), repeats=5)
     n = 128 if smoke else 1024
-    bf16 = float("nan") if dtype == "float32" else matmul_flops_per_s(torch.bfloat16, n=n)
+    bf16 = float("nan") if dtype == "float32" or not packing_available(torch.bfloat16) else matmul_flops_per_s(torch.bfloat16, n=n)
     return Moment(bf16, matmul_flops_per_s(torch.float32, n=n), 2 * x.numel() * 4 / copy_s)
 
 
