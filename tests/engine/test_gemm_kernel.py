@@ -50,11 +50,14 @@ def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
     check_rows_1_to_70(kernels, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [70, 301])  # 301: two balanced blocks of rows, each its own pass over the weights
-def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows):
-    """One FMA chain per output, in k order: a row alone and in any batch gives the same bits."""
+def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
+    """One FMA chain per output, in k order: a row alone and in any batch gives the same bits. bfloat16
+    weights: a call of many row tiles widens each chunk once (gemm.c widen_chunk), a row alone widens
+    in its loads: the same values in the same order."""
     g = gen(rows)
-    weight = torch.randn(96, 600, generator=g)
+    weight = torch.randn(96, 600, generator=g).to(dtype)
     gemm = kernels.bind_gemm(kernels.interleave(weight))
     x = torch.randn(rows, 600, generator=g)
     batched = gemm(x, THREADS)

@@ -142,6 +142,24 @@ static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, con
     gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
 }
 
+/* Row tiles from which a bfloat16 chunk is widened once (widen_chunk) instead of in each tile's loads:
+ * AVX2, 2 threads, cold weights, against widening per load (bench/NOTES.md 'gemm.c: a bfloat16 chunk
+ * widened once'): 128 and 512 rows (22 and 86 tiles) 1.07-1.09x; 16-32 rows (3-6 tiles) 0.81-0.92x (the
+ * widened chunk has no software prefetch of the next one, and few tiles share it); 48-64 rows within
+ * the noise either way. */
+#define GEMM_WIDEN_MIN_TILES 16
+/* np panels' chunks of kc steps (bfloat16, panel_elems apart) widened to float32, panel after panel
+ * ([np][kc][16], at most GEMM_NP x GEMM_KC x 16 floats: 16 KiB on AVX2, in L1 beside the tiles' x):
+ * a bfloat16 weight's chunk is widened once for all the row tiles that read it, instead of once per
+ * tile in the tile's loads (2 ops a vector beside its GEMM_MR FMAs). Widening is exact, and the
+ * tiles then run the float32 code on the same values in the same order: the same bits. The chunk
+ * is read here in one sequential pass, which the hardware prefetchers follow. */
+static void widen_chunk(const bf16_t *w, int np, int64_t panel_elems, int64_t kc, float *wide) {
+    for (int p = 0; p < np; p++)
+        for (int64_t i = 0; i < kc * 16; i += NV_LANES)
+            nv_storef(wide + p * kc * 16 + i, nv_load_weight(w, p * panel_elems + i, 1));
+}
+
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
 static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     const int64_t base = rows / tiles, extra = rows % tiles;
@@ -165,6 +183,16 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * last the next panel's first */
             const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
+            if (bf16 && tiles >= GEMM_WIDEN_MIN_TILES) { /* widen the chunk once for every row tile (widen_chunk) */
+                float wide[GEMM_NP * GEMM_KC * 16];
+                widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+                    gemm_tile_rows_f32((int)mr, np, x + r0 * k + k0, k, wide, kc * 16, kc, out + r0 * n + p0 * 16, n,
+                                       k0 == 0, 0, 0);
+                }
+                continue;
+            }
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
