@@ -70,6 +70,15 @@ def load_average() -> list[float]:
         return []
 
 
+def rss_mib() -> float:
+    """This process's resident memory (VmRSS), MiB; 0 where /proc has none."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 @dataclass
 class Results:
     """Rows collected by one bench run, written as JSON with the machine they ran on."""

@@ -43,19 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import rss_mib  # noqa: E402
+
 M_MMAP_THRESHOLD = -3  # glibc malloc.h
 M_ARENA_MAX = -8
 DEMO_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # wqkv, wo, w13, w2: (out, in)
 DEMO_HEAD = (49152, 576)
 MAX_DECODES = 64
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def libc() -> ctypes.CDLL:
