@@ -111,13 +111,12 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     (interleaved_gemm cuts any row count): where oneDNN's copy would have been level or slightly
     ahead (4096 rows, the demo's block shapes, one thread: the gemm 0.95-1.04x oneDNN's speed, under load;
     bench/NOTES.md 'One float32 copy')."""
+    interleaved = None
     if kernels is not None and weight.shape[0] % 16 == 0:
         # one copy: the row kernel (batch-invariant mode), the widened tiles (no oneDNN kernel for the
         # dtype) or the gemm serve every row count from the interleaved copy
         if invariant or not onednn or gemm_serves(weight.dtype, weight.shape[0], kernels):
             return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
-    interleaved = None
-    if kernels is not None and weight.shape[0] % 16 == 0:
         if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
