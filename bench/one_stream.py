@@ -1,7 +1,7 @@
 """One stream's time per token in-process, in pieces (a script, not a test; issue #35).
 
     python bench/one_stream.py [--checkpoint ~/.cache/llamaserve/SmolLM2-135M-Instruct] [--dtype float32]
-                               [--rounds 3] [--prompt-tokens 128] [--output-tokens 64]
+                               [--rounds 3] [--prompt-tokens 128] [--output-tokens 64] [--streams 1]
 
 Loads the checkpoint as the server does (engine.loader.load_engine: an AsyncEngine whose engine
 thread owns the model's OpenMP team), then runs one greedy request (random prompt ids, end of
@@ -16,7 +16,8 @@ the coroutine's receipt. Printed per round: medians in ms, and the token-to-toke
 sees (core: step starts); then the step's parts in engine-thread CPU ms (build_step_inputs, the
 sampler, scheduler.schedule and .update, the output pass) and the engine thread's voluntary context
 switches per token: each is a wait, in async mode for the GIL while the event loop handles the
-token (none in core mode). Wall figures on a shared machine are noisy: the load average is printed
+token (none in core mode). --streams N runs N requests at once each way (the step parts are then
+those of the pure-decode steps of N sequences; hand-off and gaps are the first request's). Wall figures on a shared machine are noisy: the load average is printed
 with them; CPU figures are the steadier.
 """
 
@@ -57,7 +58,7 @@ class Probe:
         # the parts of a step, in engine-thread CPU seconds (the forward's also in wall seconds)
         self._wrap(executor._workers, "execute", "forward")
         self._wrap(executor._sampler, "sample", "sample")
-        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.scheduler, "schedule", "schedule", note_batch=True)
         self._wrap(core.scheduler, "update", "update")
         self._wrap(core.output, "process", "output")
         executor_module = sys.modules[type(executor).__module__]
@@ -83,16 +84,20 @@ class Probe:
 
         core.step, engine._send = timed_step, timed_send
 
-    def _wrap(self, owner, name: str, label: str) -> None:
+    def _wrap(self, owner, name: str, label: str, note_batch: bool = False) -> None:
         fn = getattr(owner, name)
 
         def timed(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.thread_time()
+            result = None
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                return result
             finally:
                 self._row[f"{label}_wall"] = time.perf_counter() - wall
                 self._row[f"{label}_cpu"] = time.thread_time() - cpu
+                if note_batch and result is not None:  # a step of one new token per sequence: a pure decode
+                    self._row["decode"] = float(all(n == 1 for n in result.num_new_tokens))
 
         setattr(owner, name, timed)
 
@@ -110,19 +115,24 @@ def request(i: int, prompt_tokens: int, output_tokens: int, vocab_size: int) -> 
     return EngineRequest(request_id=f"bench-{i}", prompt_token_ids=ids, params=params)
 
 
-def run_core(engine, req: EngineRequest) -> None:
+def run_core(engine, reqs: list[EngineRequest]) -> None:
     """The synchronous loop, on the engine thread (through the engine's between-steps call)."""
     core = engine.core
-    core.add_request(req)
+    for req in reqs:
+        core.add_request(req)
     while core.has_unfinished:
         core.step()
 
 
-async def run_async(engine, req: EngineRequest) -> list[float]:
-    arrivals = []
-    async for _ in engine.generate(req):
-        arrivals.append(time.perf_counter())
-    return arrivals
+async def run_async(engine, reqs: list[EngineRequest]) -> list[float]:
+    """The requests consumed at once, one coroutine each; the first one's arrival times."""
+    async def consume(req: EngineRequest) -> list[float]:
+        arrivals = []
+        async for _ in engine.generate(req):
+            arrivals.append(time.perf_counter())
+        return arrivals
+
+    return (await asyncio.gather(*(consume(req) for req in reqs)))[0]
 
 
 def median_ms(values: list[float]) -> float:
@@ -130,7 +140,7 @@ def median_ms(values: list[float]) -> float:
 
 
 def report(mode: str, rows: list[dict[str, float]], arrivals: list[float] | None, sends: list[float]) -> None:
-    decode = rows[1:]  # the first step is the prompt's
+    decode = [r for r in rows if r.get("decode")]  # the prompt steps left out
     step_wall = [r["step_wall"] for r in decode]
     fwd_wall = [r["forward_wall"] for r in decode]
     rest_wall = [r["step_wall"] - r["forward_wall"] for r in decode]
@@ -159,6 +169,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1, help="requests at once")
     args = parser.parse_args()
     import uvloop
 
@@ -171,14 +182,18 @@ def main() -> None:
 
     async def rounds() -> None:
         vocab = engine.core.vocab_size
-        await run_async(engine, request(-1, args.prompt_tokens, 8, vocab))  # warm-up
+        await run_async(engine, [request(-1, args.prompt_tokens, 8, vocab)])  # warm-up
+
+        def batch(r: int) -> list[EngineRequest]:  # round r's requests, fresh prompts
+            return [request(1000 * r + k, args.prompt_tokens, args.output_tokens, vocab) for k in range(args.streams)]
+
         for r in range(args.rounds):
             print(f"round {r}: load average {os.getloadavg()[0]:.2f}", flush=True)
             probe.reset()
-            await engine._on_engine_thread(lambda: run_core(engine, request(2 * r, args.prompt_tokens, args.output_tokens, vocab)))
+            await engine._on_engine_thread(lambda: run_core(engine, batch(2 * r)))
             report("core", probe.rows, None, [])
             probe.reset()
-            arrivals = await run_async(engine, request(2 * r + 1, args.prompt_tokens, args.output_tokens, vocab))
+            arrivals = await run_async(engine, batch(2 * r + 1))
             report("async", probe.rows, arrivals, probe.sends)
         await engine.shutdown()
 

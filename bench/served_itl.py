@@ -4,6 +4,7 @@ engine's own step time against the inter-token time the server records and the o
 
     python -m server --demo &
     python bench/served_itl.py [--base-url http://127.0.0.1:8000] [--model SmolLM2-135M-Instruct] [--requests 4]
+    python bench/served_itl.py --concurrency 32 --requests 64 --server-pid PID   # 2 rounds of 32 streams at once
 
 Streams --requests completions one after another (batch 1: one step per token; 128 prompt-ish
 characters, 64 tokens, greedy, end of sequence ignored) after one warm-up, and reads the server's
@@ -15,6 +16,10 @@ thread does between steps) and the client's inter-token median and mean (its exc
 server's: detokenized chunk -> JSON -> SSE -> socket -> client parse). All three come from the
 same run, so a busy machine inflates them alike and the differences stay comparable.
 
+--concurrency N streams N requests at once (threads, one urllib stream each; --requests of them in all,
+in rounds of N that start together): the engine then steps the N together, and the figures that
+matter are the CPU per token below (the step mean then includes the rounds' prefill steps).
+
 --server-pid PID adds where the CPU went, which a busy machine does not inflate the way it does wall
 time: each of the served process's threads' CPU time per streamed token over the measured requests
 (from /proc: the engine thread, its OpenMP workers, the event loop, ...), and this client's own.
@@ -23,6 +28,7 @@ time: each of the served process's threads' CPU time per streamed token over the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -80,26 +86,34 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--server-pid", type=int, default=None, help="the served process: CPU per token by thread")
+    parser.add_argument("--concurrency", type=int, default=1, help="streams at once (rounds of this many)")
     args = parser.parse_args()
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.concurrency))
     stream_gaps_s(args.base_url, args.model, -1, 8)  # warm-up
     # a prefill step alone (one token out: one step), to take each request's prefill out of the step mean
     start = counters(args.base_url)
     stream_gaps_s(args.base_url, args.model, -2, 1)
     before, gaps = counters(args.base_url), []
     threads_before = thread_cpu_s(args.server_pid) if args.server_pid else {}
-    client_cpu_s = time.process_time()
+    client_cpu_s, wall_s = time.process_time(), time.perf_counter()
     prefill_s = before["llamaserve:engine_step_seconds_sum"] - start["llamaserve:engine_step_seconds_sum"]
-    for i in range(args.requests):
-        gaps += stream_gaps_s(args.base_url, args.model, i, args.max_tokens)
-    client_cpu_s = time.process_time() - client_cpu_s
+    for first in range(0, args.requests, args.concurrency):
+        ids = range(first, min(args.requests, first + args.concurrency))
+        for request_gaps in pool.map(lambda i: stream_gaps_s(args.base_url, args.model, i, args.max_tokens), ids):
+            gaps += request_gaps
+    client_cpu_s, wall_s = time.process_time() - client_cpu_s, time.perf_counter() - wall_s
     threads_after = thread_cpu_s(args.server_pid) if args.server_pid else {}
     after = counters(args.base_url)
     delta = {key: after[key] - before[key] for key in after}
-    decode_steps = delta["llamaserve:engine_step_seconds_count"] - args.requests
-    step_s = (delta["llamaserve:engine_step_seconds_sum"] - args.requests * prefill_s) / max(1.0, decode_steps)
+    if args.concurrency == 1:
+        decode_steps = delta["llamaserve:engine_step_seconds_count"] - args.requests
+        step_s = (delta["llamaserve:engine_step_seconds_sum"] - args.requests * prefill_s) / max(1.0, decode_steps)
+    else:  # rounds' prefills overlap other requests' decodes: every step counts
+        step_s = delta["llamaserve:engine_step_seconds_sum"] / max(1.0, delta["llamaserve:engine_step_seconds_count"])
     server_itl_s = delta["llamaserve:time_per_output_token_seconds_sum"] / max(1.0, delta["llamaserve:time_per_output_token_seconds_count"])
     client_mean_s = statistics.mean(gaps)
-    print(f"{delta['llamaserve:engine_step_seconds_count']:.0f} steps, {len(gaps)} client gaps")
+    print(f"{delta['llamaserve:engine_step_seconds_count']:.0f} steps, {len(gaps)} client gaps, "
+          f"{args.requests * args.max_tokens / wall_s:.1f} out tok/s over {wall_s:.2f} s (wall: load inflates it)")
     print(f"engine step           {step_s * 1e3:8.2f} ms  (decode steps: each request's prefill step, {prefill_s * 1e3:.2f} ms "
           "measured alone, taken out)")
     print(f"server inter-token    {server_itl_s * 1e3:8.2f} ms  (+{(server_itl_s - step_s) * 1e3:.2f} over the step)")

@@ -121,6 +121,9 @@ def test_served_itl_smoke(live_server):
                         "--max-tokens", "6", "--server-pid", str(os.getpid()))  # the live server runs in this process
     for line in ("engine step", "server inter-token", "client inter-token", "CPU per token", "this client"):
         assert line in stdout, stdout
+    stdout = run_script("bench/served_itl.py", "--base-url", live_server.url, "--model", BASE_DESCRIPTOR, "--requests", "3",
+                        "--max-tokens", "4", "--concurrency", "2")  # rounds of 2 streams at once, the last of 1
+    assert "9 client gaps" in stdout, stdout  # every request streamed: 3 gaps between its 4 chunks
 
 
 def test_one_stream_smoke(tmp_path):
@@ -133,6 +136,10 @@ def test_one_stream_smoke(tmp_path):
     lines = stdout.splitlines()
     assert [line.split()[0] for line in lines if line.startswith(("core", "async"))] == ["core", "async"], stdout
     assert sum("step parts, cpu ms: inputs" in line for line in lines) == 2 and "hand-off" in stdout
+    stdout = run_script("bench/one_stream.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)),
+                        "--dtype", "float32", "--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "4", "--streams", "3")
+    assert sum("step parts, cpu ms: inputs" in line for line in stdout.splitlines()) == 2, stdout
+    assert "nan" not in stdout, stdout  # pure-decode steps of 3 sequences were found and timed
 
 
 def test_responses_overhead_smoke():
@@ -223,6 +230,9 @@ def test_load_rss_smoke(tmp_path):
 def test_server_overhead_smoke():
     stdout = run_script("bench/server_overhead.py", "--tokens", "20", "--streams", "2", "--concurrency", "2", "--requests", "4")
     assert "server CPU per streamed token" in stdout and "2 streams x 20 tokens (40 chunks)" in stdout
+    stdout = run_script("bench/server_overhead.py", "--engine", "async", "--tokens", "5", "--streams", "3",
+                        "--concurrency", "2", "--requests", "0")
+    assert "3 streams x 5 tokens (15 chunks), concurrency 2, async engine" in stdout and "thread main" in stdout, stdout
 
 
 def test_step_memory_smoke():
