@@ -60,27 +60,33 @@ def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
 
 
 class _Mailbox:
-    """One request's mailbox, living on the event loop that awaits it."""
+    """One request's mailbox, living on the event loop that awaits it.
 
-    __slots__ = ("loop", "pending", "error", "ready")
+    Its one consumer waits on a bare future, made only when the box is empty: an asyncio.Event
+    (its waiter deque, clear, loop check) cost a third more per streamed token for the same wake-up
+    (bench/NOTES.md, 'Many streams: between the engine and the clients')."""
+
+    __slots__ = ("loop", "pending", "error", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: list[RequestOutput] = []  # deltas not taken yet, merged once on get()
         self.error: BaseException | None = None
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None  # the consumer's, while it waits on an empty box
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self.error = item
         else:
             self.pending.append(item)
-        self.ready.set()
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():  # done: the consumer was cancelled while it waited
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         while not self.pending and self.error is None:
-            self.ready.clear()
-            await self.ready.wait()
+            waiter = self.waiter = self.loop.create_future()
+            await waiter
         if self.pending:  # deltas that came before an error are still delivered
             pending, self.pending = self.pending, []
             return merge_outputs(*pending)

@@ -325,3 +325,24 @@ async def test_the_per_request_cap_never_exceeds_a_waiting_bound():
     finally:
         for eng in engines:
             await eng.shutdown()
+
+
+async def test_a_mailbox_wakes_its_waiting_consumer_and_survives_one_that_was_cancelled():
+    from engine.core.async_engine import _Mailbox  # the slot itself: its waiter is the point here
+
+    slot = _Mailbox(asyncio.get_running_loop())
+    waiting = asyncio.ensure_future(slot.get())
+    await asyncio.sleep(0)  # it is waiting on the empty box now
+    assert slot.waiter is not None and not waiting.done()
+    waiting.cancel()  # the client left while its handler waited
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    slot.put(RequestOutput("r", [1], "a", num_output_tokens=1))  # the engine's late delta: no error, kept
+    assert slot.waiter is None and (await slot.get()).text_delta == "a"
+    getter = asyncio.ensure_future(slot.get())
+    await asyncio.sleep(0)
+    slot.put(RequestOutput("r", [2], "b", num_output_tokens=2))
+    slot.put(EngineDead("gone"))  # deltas that came before an error are delivered first
+    assert (await getter).text_delta == "b"
+    with pytest.raises(EngineDead):
+        await slot.get()
