@@ -12,14 +12,33 @@
  * Work is split into tasks of whole blocks: one per sequence, or with fewer sequences than twice
  * the threads, a sequence's blocks in a few ranges (flash-decoding), merged afterwards with their
  * softmax maxima and sums. A task walks its blocks in order: a slot's keys for all KV heads are one
- * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched,
- * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
+ * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched
+ * while one is computed, since the layer's weights evicted the cache and a decode step is bound by
+ * reading it back. */
 #define MIN_BLOCKS_PER_TASK 4
 
-/* Into all cache levels (T0): the non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x
- * slower over 30 layers' caches, its lines evicted before they were read (bench/NOTES.md). */
+/* Prefetch of the blocks a task reads next. A task's K blocks then its V blocks are one stream of
+ * block passes; while one is computed, the next one's lines are prefetched evenly over its key rows
+ * (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread over the maths. One burst of a block's 192 prefetches
+ * (12 KiB, float32) at its start, as before, filled Zen 2's ~22 L1 miss buffers: the rest of the
+ * burst waited for them as demand reads would and the maths behind it with them, so a cold call
+ * took the hot call's time plus the read time (no overlap; 1.5x slower than spread, bench/NOTES.md
+ * 'Decode attention: reads overlapped with the maths'). Into all cache levels (T0): the
+ * non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30 layers' caches,
+ * its lines evicted before they were read; T1 and two or four blocks ahead were level or slower. */
 static inline void prefetch_block(const char *block, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
+}
+
+typedef struct {
+    const char *next, *end; /* the lines of one block pass not prefetched yet */
+} BlockPrefetch;
+
+static inline void prefetch_line(BlockPrefetch *pf) {
+    if (pf->next < pf->end) {
+        __builtin_prefetch(pf->next, 0, 3);
+        pf->next += 64;
+    }
 }
 
 typedef struct {
@@ -44,6 +63,11 @@ static inline __attribute__((always_inline)) void attend_blocks(
     const int64_t kv_heads = heads / n_rep, es = a->bf16 ? 2 : 4;
     const size_t block_bytes = a->slot_bytes * bs;
     float conv[bs][D]; /* bfloat16: one block of one KV head in float32 */
+    /* block pass i of the task's stream: K block blk_begin + i, then (i >= blocks) V block i - blocks */
+    const int64_t blocks = blk_end - blk_begin;
+#define BLOCK_PASS(i) (((i) < blocks ? a->k_cache : a->v_cache) + (size_t)a->table[blk_begin + (i) % blocks] * block_bytes)
+    prefetch_block(BLOCK_PASS(0), block_bytes); /* nothing before the task read it ahead */
+    const int64_t head_lines = (D * es + 63) / 64; /* a slot's lines of one KV head */
     for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
         const char *cache = pass == 0 ? a->k_cache : a->v_cache;
         if (pass == 1) {
@@ -63,7 +87,15 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
         for (int64_t blk = blk_begin; blk < blk_end; blk++) {
-            if (blk + 1 < blk_end) prefetch_block(cache + (size_t)a->table[blk + 1] * block_bytes, block_bytes);
+            /* the next block pass, spread evenly over this one's key rows: a slot's head_lines of
+             * one KV head shared out over its n_rep query heads' rows (credit counts them), so its
+             * last lines go out with this block's last rows. Faster was slower: 2 lines a row
+             * (float32 9/3 heads of 64) 1.2x, all of a row's lines on a KV head's first head's rows
+             * (bfloat16) 1.08x. */
+            const int64_t ahead = pass * blocks + (blk - blk_begin) + 1;
+            BlockPrefetch pf = {NULL, NULL};
+            int64_t credit = 0;
+            if (ahead < 2 * blocks) pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
             for (int64_t g = 0; g < kv_heads; g++) {
                 const char *block = cache + (size_t)a->table[blk] * block_bytes + (size_t)(g * D * es);
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
@@ -80,6 +112,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         float *s = scores + h * n_keys + t0;
                         for (int64_t j = 0; j < n; j++) {
                             const float *kv = rows_f32 + j * stride;
+                            for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
                             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                             for (int64_t i = 0; i < D; i++) dot += qh[i] * kv[i];
@@ -91,6 +124,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         memcpy(sum, acc + h * D, sizeof(sum));
                         for (int64_t j = 0; j < n; j++) {
                             const float *kv = rows_f32 + j * stride, w = p[j];
+                            for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
 #pragma omp simd
                             for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
                         }
@@ -101,6 +135,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
         }
     }
 }
+#undef BLOCK_PASS
 
 /* The batch-invariant mode's split: a sequence's blocks in ranges of about this many, however many
  * sequences the call has (the ranges' softmax merge then sums in the same order alone or batched). */
