@@ -382,16 +382,26 @@ static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_
     return n < PA_KEYS ? n : PA_KEYS;
 }
 
-/* Prefetch n keys' K and V rows of one KV head (head_bytes each, slot_bytes apart). Inlined with
- * head_bytes a constant (head_dim and dtype known), the line loop unrolls: on AVX2 the generic loop
- * cost 7 instructions a line, a fifth of a decode's instructions (callgrind). */
-static inline __attribute__((always_inline)) void pa_prefetch_run(const char *k, const char *v, int64_t n, size_t slot_bytes,
-                                                                  const size_t head_bytes) {
-    for (int64_t j = 0; j < n; j++, k += slot_bytes, v += slot_bytes)
-        for (size_t line = 0; line < head_bytes; line += 64) {
-            __builtin_prefetch(k + line, 0, 1);
-            __builtin_prefetch(v + line, 0, 1);
-        }
+/* The next run's K and V rows of one KV head, prefetched a line pair (K's and V's) at a time spread
+ * evenly over this run's rows (pa_tile), as paged_decode_attention's BlockPrefetch: the run's 128
+ * prefetches in one burst at its start (float32, heads of 64) filled Zen 2's ~22 L1 miss buffers
+ * and stalled the maths behind them (32 decodes x 160 keys cold: 1.18x float32, 1.24x bfloat16;
+ * bench/NOTES.md 'Decode attention: reads overlapped with the maths'). */
+typedef struct {
+    const char *k, *v; /* the slot being prefetched, at its line `line` */
+    size_t slot_bytes;
+    int64_t head_lines, line, slots_left;
+} PaRunPrefetch;
+
+static inline void pa_prefetch_pair(PaRunPrefetch *pf) {
+    if (pf->slots_left <= 0) return;
+    __builtin_prefetch(pf->k + pf->line * 64, 0, 3);
+    __builtin_prefetch(pf->v + pf->line * 64, 0, 3);
+    if (++pf->line == pf->head_lines) {
+        pf->line = 0;
+        pf->slots_left--;
+        pf->k += pf->slot_bytes, pf->v += pf->slot_bytes;
+    }
 }
 
 /* Vectors of a row's weighted values accumulated at once (pa_tile): they stay in registers while
@@ -404,7 +414,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                                                           int64_t tok0, int64_t tok1, int64_t g) {
     const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / NV_LANES;
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
-    const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
+    const int64_t n_keys = prefix + tok1, head_lines = (D * (int64_t)es + 63) / 64; /* the tile's last token sees them all */
     /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
     nvf qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV], zeros[DV];
     /* a run's K and V rows: float32 ones read in place in the cache (a copy cost more than the maths
@@ -425,15 +435,17 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs);
         const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        PaRunPrefetch pf = {NULL, NULL, slot_bytes, head_lines, 0, 0};
         if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
-                                  * memory (the layer's weights evicted them), 1.2x on 32 decodes */
+                                  * memory (the layer's weights evicted them) */
             const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
             const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
-            if (a->bf16)
-                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 2);
-            else
-                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 4);
+            pf = (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0, n1};
         }
+        /* ticks: a row's dot products count DV per NV_LANES keys, its weighted values one per key */
+        const int64_t ticks = rows * (PA_KEYS / NV_LANES * DV + n), pairs = pf.slots_left * head_lines;
+        int64_t credit = 0;
+#define PA_TICK(count) for (credit += (count) * pairs; credit >= ticks; credit -= ticks) pa_prefetch_pair(&pf)
         for (int64_t j = 0; j < n; j++) {
             const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
             if (a->bf16) {
@@ -454,6 +466,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                 for (int64_t j = 0; j < NV_LANES; j++) p[j] = qv[r][0] * kr[k0 + j][0];
                 for (int64_t c = 1; c < DV; c++) /* q's vector once for the keys (c outermost): a load per FMA, not two */
                     for (int64_t j = 0; j < NV_LANES; j++) p[j] += qv[r][c] * kr[k0 + j][c];
+                PA_TICK(DV);
                 const nvf scores = pa_sum_lanes(p);
                 memcpy(s + k0, &scores, sizeof(scores));
             }
@@ -478,11 +491,15 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                 const int64_t nc = DV - c0 < PA_ACC_VECS ? DV - c0 : PA_ACC_VECS;
                 nvf o[PA_ACC_VECS];
                 for (int64_t c = 0; c < nc; c++) o[c] = acc[r][c0 + c] * rescale;
-                for (int64_t j = 0; j < m; j++)
+                for (int64_t j = 0; j < m; j++) {
+                    if (c0 == 0) PA_TICK(1);
                     for (int64_t c = 0; c < nc; c++) o[c] += vr[j][c0 + c] * s[j];
+                }
                 for (int64_t c = 0; c < nc; c++) acc[r][c0 + c] = o[c];
             }
         }
+#undef PA_TICK
+        while (pf.slots_left > 0) pa_prefetch_pair(&pf); /* rows that saw fewer keys left some */
         key0 += n;
     }
     for (int64_t r = 0; r < rows; r++) {
