@@ -49,6 +49,40 @@ typedef struct {
     int bf16;
 } AttendArgs;
 
+/* A call's tasks, handed out one at a time (dynamic scheduling by hand, as paged_attention_amx's
+ * PaItems): a thread claims its next task at the start of its current one's last block pass and
+ * prefetches that task's first K block over it, which otherwise came from memory unprefetched
+ * (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1 thread). A task's result does not
+ * depend on which thread runs it. */
+typedef struct {
+    int64_t next; /* the first unclaimed task (atomic) */
+    int64_t tasks;
+    const int64_t *task_begin; /* sequence b's tasks: [task_begin[b], task_begin[b + 1]) */
+    const int32_t *seq_lens, *block_tables;
+    int64_t max_blocks, block_size;
+} DecodeTasks;
+
+/* Task `task`'s sequence *b and its blocks [*blk_begin, *blk_end). */
+static inline void task_blocks(const DecodeTasks *q, int64_t task, int64_t *b, int64_t *blk_begin, int64_t *blk_end) {
+    int64_t s = 0;
+    while (q->task_begin[s + 1] <= task) s++;
+    const int64_t splits = q->task_begin[s + 1] - q->task_begin[s], split = task - q->task_begin[s];
+    const int64_t blocks = (q->seq_lens[s] + q->block_size - 1) / q->block_size;
+    *b = s, *blk_begin = blocks * split / splits, *blk_end = blocks * (split + 1) / splits;
+}
+
+/* Claim the next task (q->tasks where none is left); *first (where asked) its first K block, NULL
+ * where there is none. */
+static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t block_bytes, const char **first) {
+    const int64_t task = __atomic_fetch_add(&q->next, 1, __ATOMIC_RELAXED);
+    if (first) *first = NULL;
+    if (task >= q->tasks) return q->tasks;
+    int64_t b, blk_begin, blk_end;
+    task_blocks(q, task, &b, &blk_begin, &blk_end);
+    if (first && blk_begin < blk_end) *first = k_cache + (size_t)q->block_tables[b * q->max_blocks + blk_begin] * block_bytes;
+    return task;
+}
+
 /* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
  * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
  * Loops run block outermost (a block is one contiguous run: read in order, the next one prefetched),
@@ -57,7 +91,7 @@ typedef struct {
  * registers over the block. */
 static inline __attribute__((always_inline)) void attend_blocks(
     const AttendArgs *a, const float *qf, int64_t len, int64_t blk_begin, int64_t blk_end, const int64_t D,
-    float *scores, float *max_out, float *sum_out, float *acc) {
+    float *scores, float *max_out, float *sum_out, float *acc, DecodeTasks *queue, int64_t *next_task) {
     const int64_t heads = a->heads, n_rep = a->n_rep, bs = a->block_size, first_key = blk_begin * bs;
     const int64_t last_key = blk_end * bs < len ? blk_end * bs : len, n_keys = last_key - first_key;
     const int64_t kv_heads = heads / n_rep, es = a->bf16 ? 2 : 4;
@@ -66,7 +100,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
     /* block pass i of the task's stream: K block blk_begin + i, then (i >= blocks) V block i - blocks */
     const int64_t blocks = blk_end - blk_begin;
 #define BLOCK_PASS(i) (((i) < blocks ? a->k_cache : a->v_cache) + (size_t)a->table[blk_begin + (i) % blocks] * block_bytes)
-    prefetch_block(BLOCK_PASS(0), block_bytes); /* nothing before the task read it ahead */
+    if (blocks > 0) prefetch_block(BLOCK_PASS(0), block_bytes); /* the claim before it prefetched at most part of it */
     const int64_t head_lines = (D * es + 63) / 64; /* a slot's lines of one KV head */
     for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
         const char *cache = pass == 0 ? a->k_cache : a->v_cache;
@@ -95,7 +129,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
             const int64_t ahead = pass * blocks + (blk - blk_begin) + 1;
             BlockPrefetch pf = {NULL, NULL};
             int64_t credit = 0;
-            if (ahead < 2 * blocks) pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
+            if (ahead < 2 * blocks) {
+                pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
+            } else { /* the last block pass: the thread's next task is claimed now, its first K block read ahead */
+                const char *first = NULL;
+                *next_task = claim_task(queue, a->k_cache, block_bytes, &first);
+                if (first) pf = (BlockPrefetch){first, first + block_bytes};
+            }
             for (int64_t g = 0; g < kv_heads; g++) {
                 const char *block = cache + (size_t)a->table[blk] * block_bytes + (size_t)(g * D * es);
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
@@ -134,6 +174,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
     }
+    if (blocks == 0) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
 }
 #undef BLOCK_PASS
 
@@ -174,33 +215,36 @@ static int decode_attention_impl(int bf16, const void *q, int64_t q_stride, void
     int out_of_memory = 0; /* set by any task whose scores cannot be allocated; the others still run */
     const AttendArgs args = {(const char *)k_cache, (const char *)v_cache, NULL, heads, heads / kv_heads, block_size,
                              kv_heads * D, (size_t)kv_heads * D * es, bf16};
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t b = 0;
-        while (task_begin[b + 1] <= task) b++;
-        const int64_t splits = task_begin[b + 1] - task_begin[b], split = task - task_begin[b];
-        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
-        const int64_t blk_begin = blocks * split / splits, blk_end = blocks * (split + 1) / splits;
-        AttendArgs a = args;
-        a.table = block_tables + b * max_blocks;
-        float qf[heads * D];
-        const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
-        load_row(qf, q_row, heads * D, bf16);
+    DecodeTasks queue = {0, tasks, task_begin, seq_lens, block_tables, max_blocks, block_size};
+#pragma omp parallel num_threads(num_threads) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
+    {
+        int64_t task = claim_task(&queue, NULL, 0, NULL);
+        while (task < tasks) {
+            int64_t b, blk_begin, blk_end;
+            task_blocks(&queue, task, &b, &blk_begin, &blk_end);
+            const int64_t len = seq_lens[b];
+            AttendArgs a = args;
+            a.table = block_tables + b * max_blocks;
+            float qf[heads * D];
+            const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
+            load_row(qf, q_row, heads * D, bf16);
 #pragma omp simd
-        for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
-        float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
-        if (!scores) {
-            __atomic_store_n(&out_of_memory, 1, __ATOMIC_RELAXED);
-            continue;
+            for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
+            float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+            if (!scores) {
+                __atomic_store_n(&out_of_memory, 1, __ATOMIC_RELAXED);
+                task = claim_task(&queue, NULL, 0, NULL);
+                continue;
+            }
+            float *mine = parts + task * part;
+            if (D == 64)
+                attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            else if (D == 128)
+                attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            else
+                attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            free(scores);
         }
-        float *mine = parts + task * part;
-        if (D == 64)
-            attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads);
-        else if (D == 128)
-            attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads);
-        else
-            attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads);
-        free(scores);
     }
     if (out_of_memory) {
         free(parts);
