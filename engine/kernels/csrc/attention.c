@@ -941,10 +941,11 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
  * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
  * thread), and bfloat16 caches in 8-lane (AVX) builds, where paged_attention widens a run's K/V once
  * for the KV head's query rows (an AVX2 Zen 2, 32 decodes x 160 keys over 30 layers' caches on huge
- * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x). On float32 decodes the two are level there (1.0x;
- * bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query rows'), so
- * float32 pure-decode steps keep paged_decode_attention, whose splitting of a sequence's blocks
- * serves a few long decodes. */
+ * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x; after both spread their prefetches 1.19x, 1.17x). On
+ * float32 decodes paged_decode_attention is the faster there (level before; 1.33x once both spread
+ * their prefetches: bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query
+ * rows', 'Decode attention: reads overlapped with the maths'), so float32 pure-decode steps keep it;
+ * its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
 #if defined(__AVX512F__)
     (void)bf16;
