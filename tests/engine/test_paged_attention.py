@@ -236,6 +236,29 @@ def test_paged_attention_at_each_level_matches_reference(level_kernels, dtype, h
     assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
 
 
+# decodes of 1 to 100 keys (each a task), and two decodes on 2 threads: the 300-key one split in
+# block ranges, so a range's K/V stream (what the next block prefetches) starts mid-table
+DECODE_BATCHES = {"decodes": BATCHES["decodes"], "split": ([1, 1], [300, 37])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (8, 1, 128), (24, 1, 16), (6, 2, 48)], ids=str)
+@pytest.mark.parametrize("batch", list(DECODE_BATCHES))
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "invariant"])
+def test_paged_decode_attention_at_each_level_matches_reference(level_kernels, dtype, heads, kv_heads, head_dim, batch, invariant):
+    """paged_decode_attention (float32 pure-decode steps below AVX-512) in each level's build against
+    float64 maths, rows of a slot's KV head of 1 to 8 cache lines shared over 1 to 24 query heads
+    (the prefetch of the next block spread over them), NaN in every slot no sequence owns."""
+    _, lib = level_kernels
+    new_tokens, kv_lens = DECODE_BATCHES[batch]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, 16, dtype, seed=heads + head_dim)
+    _, _, seq_lens, tables = index
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
+    rows = torch.arange(len(kv_lens), dtype=torch.int64)
+    lib.paged_decode_attention(qkv, out, rows, k_cache, v_cache, tables, seq_lens, heads, kv_heads, head_dim**-0.5, THREADS, invariant=invariant)
+    assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
+
+
 def test_each_level_routes_as_measured(level_kernels):
     level, lib = level_kernels
     takes_chunks, takes_f32_decodes, takes_bf16_decodes = LEVELS[level]

@@ -12,14 +12,33 @@
  * Work is split into tasks of whole blocks: one per sequence, or with fewer sequences than twice
  * the threads, a sequence's blocks in a few ranges (flash-decoding), merged afterwards with their
  * softmax maxima and sums. A task walks its blocks in order: a slot's keys for all KV heads are one
- * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched,
- * since the layer's weights evicted the cache and a decode step is bound by reading it back. */
+ * contiguous run, streamed once per pass (scores, then values), and the next block is prefetched
+ * while one is computed, since the layer's weights evicted the cache and a decode step is bound by
+ * reading it back. */
 #define MIN_BLOCKS_PER_TASK 4
 
-/* Into all cache levels (T0): the non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x
- * slower over 30 layers' caches, its lines evicted before they were read (bench/NOTES.md). */
+/* Prefetch of the blocks a task reads next. A task's K blocks then its V blocks are one stream of
+ * block passes; while one is computed, the next one's lines are prefetched evenly over its key rows
+ * (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread over the maths. One burst of a block's 192 prefetches
+ * (12 KiB, float32) at its start, as before, filled Zen 2's ~22 L1 miss buffers: the rest of the
+ * burst waited for them as demand reads would and the maths behind it with them, so a cold call
+ * took the hot call's time plus the read time (no overlap; 1.5x slower than spread, bench/NOTES.md
+ * 'Decode attention: reads overlapped with the maths'). Into all cache levels (T0): the
+ * non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30 layers' caches,
+ * its lines evicted before they were read; T1 and two or four blocks ahead were level or slower. */
 static inline void prefetch_block(const char *block, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
+}
+
+typedef struct {
+    const char *next, *end; /* the lines of one block pass not prefetched yet */
+} BlockPrefetch;
+
+static inline void prefetch_line(BlockPrefetch *pf) {
+    if (pf->next < pf->end) {
+        __builtin_prefetch(pf->next, 0, 3);
+        pf->next += 64;
+    }
 }
 
 typedef struct {
@@ -30,6 +49,40 @@ typedef struct {
     int bf16;
 } AttendArgs;
 
+/* A call's tasks, handed out one at a time (dynamic scheduling by hand, as paged_attention_amx's
+ * PaItems): a thread claims its next task at the start of its current one's last block pass and
+ * prefetches that task's first K block over it, which otherwise came from memory unprefetched
+ * (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1 thread). A task's result does not
+ * depend on which thread runs it. */
+typedef struct {
+    int64_t next; /* the first unclaimed task (atomic) */
+    int64_t tasks;
+    const int64_t *task_begin; /* sequence b's tasks: [task_begin[b], task_begin[b + 1]) */
+    const int32_t *seq_lens, *block_tables;
+    int64_t max_blocks, block_size;
+} DecodeTasks;
+
+/* Task `task`'s sequence *b and its blocks [*blk_begin, *blk_end). */
+static inline void task_blocks(const DecodeTasks *q, int64_t task, int64_t *b, int64_t *blk_begin, int64_t *blk_end) {
+    int64_t s = 0;
+    while (q->task_begin[s + 1] <= task) s++;
+    const int64_t splits = q->task_begin[s + 1] - q->task_begin[s], split = task - q->task_begin[s];
+    const int64_t blocks = (q->seq_lens[s] + q->block_size - 1) / q->block_size;
+    *b = s, *blk_begin = blocks * split / splits, *blk_end = blocks * (split + 1) / splits;
+}
+
+/* Claim the next task (q->tasks where none is left); *first (where asked) its first K block, NULL
+ * where there is none. */
+static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t block_bytes, const char **first) {
+    const int64_t task = __atomic_fetch_add(&q->next, 1, __ATOMIC_RELAXED);
+    if (first) *first = NULL;
+    if (task >= q->tasks) return q->tasks;
+    int64_t b, blk_begin, blk_end;
+    task_blocks(q, task, &b, &blk_begin, &blk_end);
+    if (first && blk_begin < blk_end) *first = k_cache + (size_t)q->block_tables[b * q->max_blocks + blk_begin] * block_bytes;
+    return task;
+}
+
 /* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
  * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
  * Loops run block outermost (a block is one contiguous run: read in order, the next one prefetched),
@@ -38,12 +91,17 @@ typedef struct {
  * registers over the block. */
 static inline __attribute__((always_inline)) void attend_blocks(
     const AttendArgs *a, const float *qf, int64_t len, int64_t blk_begin, int64_t blk_end, const int64_t D,
-    float *scores, float *max_out, float *sum_out, float *acc) {
+    float *scores, float *max_out, float *sum_out, float *acc, DecodeTasks *queue, int64_t *next_task) {
     const int64_t heads = a->heads, n_rep = a->n_rep, bs = a->block_size, first_key = blk_begin * bs;
     const int64_t last_key = blk_end * bs < len ? blk_end * bs : len, n_keys = last_key - first_key;
     const int64_t kv_heads = heads / n_rep, es = a->bf16 ? 2 : 4;
     const size_t block_bytes = a->slot_bytes * bs;
     float conv[bs][D]; /* bfloat16: one block of one KV head in float32 */
+    /* block pass i of the task's stream: K block blk_begin + i, then (i >= blocks) V block i - blocks */
+    const int64_t blocks = blk_end - blk_begin;
+#define BLOCK_PASS(i) (((i) < blocks ? a->k_cache : a->v_cache) + (size_t)a->table[blk_begin + (i) % blocks] * block_bytes)
+    if (blocks > 0) prefetch_block(BLOCK_PASS(0), block_bytes); /* the claim before it prefetched at most part of it */
+    const int64_t head_lines = (D * es + 63) / 64; /* a slot's lines of one KV head */
     for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
         const char *cache = pass == 0 ? a->k_cache : a->v_cache;
         if (pass == 1) {
@@ -63,7 +121,21 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
         for (int64_t blk = blk_begin; blk < blk_end; blk++) {
-            if (blk + 1 < blk_end) prefetch_block(cache + (size_t)a->table[blk + 1] * block_bytes, block_bytes);
+            /* the next block pass, spread evenly over this one's key rows: a slot's head_lines of
+             * one KV head shared out over its n_rep query heads' rows (credit counts them), so its
+             * last lines go out with this block's last rows. Faster was slower: 2 lines a row
+             * (float32 9/3 heads of 64) 1.2x, all of a row's lines on a KV head's first head's rows
+             * (bfloat16) 1.08x. */
+            const int64_t ahead = pass * blocks + (blk - blk_begin) + 1;
+            BlockPrefetch pf = {NULL, NULL};
+            int64_t credit = 0;
+            if (ahead < 2 * blocks) {
+                pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
+            } else { /* the last block pass: the thread's next task is claimed now, its first K block read ahead */
+                const char *first = NULL;
+                *next_task = claim_task(queue, a->k_cache, block_bytes, &first);
+                if (first) pf = (BlockPrefetch){first, first + block_bytes};
+            }
             for (int64_t g = 0; g < kv_heads; g++) {
                 const char *block = cache + (size_t)a->table[blk] * block_bytes + (size_t)(g * D * es);
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
@@ -80,6 +152,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         float *s = scores + h * n_keys + t0;
                         for (int64_t j = 0; j < n; j++) {
                             const float *kv = rows_f32 + j * stride;
+                            for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
                             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                             for (int64_t i = 0; i < D; i++) dot += qh[i] * kv[i];
@@ -91,6 +164,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         memcpy(sum, acc + h * D, sizeof(sum));
                         for (int64_t j = 0; j < n; j++) {
                             const float *kv = rows_f32 + j * stride, w = p[j];
+                            for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
 #pragma omp simd
                             for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
                         }
@@ -100,7 +174,9 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
     }
+    if (blocks == 0) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
 }
+#undef BLOCK_PASS
 
 /* The batch-invariant mode's split: a sequence's blocks in ranges of about this many, however many
  * sequences the call has (the ranges' softmax merge then sums in the same order alone or batched). */
@@ -139,33 +215,36 @@ static int decode_attention_impl(int bf16, const void *q, int64_t q_stride, void
     int out_of_memory = 0; /* set by any task whose scores cannot be allocated; the others still run */
     const AttendArgs args = {(const char *)k_cache, (const char *)v_cache, NULL, heads, heads / kv_heads, block_size,
                              kv_heads * D, (size_t)kv_heads * D * es, bf16};
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t b = 0;
-        while (task_begin[b + 1] <= task) b++;
-        const int64_t splits = task_begin[b + 1] - task_begin[b], split = task - task_begin[b];
-        const int64_t len = seq_lens[b], blocks = (len + block_size - 1) / block_size;
-        const int64_t blk_begin = blocks * split / splits, blk_end = blocks * (split + 1) / splits;
-        AttendArgs a = args;
-        a.table = block_tables + b * max_blocks;
-        float qf[heads * D];
-        const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
-        load_row(qf, q_row, heads * D, bf16);
+    DecodeTasks queue = {0, tasks, task_begin, seq_lens, block_tables, max_blocks, block_size};
+#pragma omp parallel num_threads(num_threads) if (tasks > 1 && total_keys * heads * D >= PARALLEL_MIN_ELEMS)
+    {
+        int64_t task = claim_task(&queue, NULL, 0, NULL);
+        while (task < tasks) {
+            int64_t b, blk_begin, blk_end;
+            task_blocks(&queue, task, &b, &blk_begin, &blk_end);
+            const int64_t len = seq_lens[b];
+            AttendArgs a = args;
+            a.table = block_tables + b * max_blocks;
+            float qf[heads * D];
+            const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
+            load_row(qf, q_row, heads * D, bf16);
 #pragma omp simd
-        for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
-        float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
-        if (!scores) {
-            __atomic_store_n(&out_of_memory, 1, __ATOMIC_RELAXED);
-            continue;
+            for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
+            float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
+            if (!scores) {
+                __atomic_store_n(&out_of_memory, 1, __ATOMIC_RELAXED);
+                task = claim_task(&queue, NULL, 0, NULL);
+                continue;
+            }
+            float *mine = parts + task * part;
+            if (D == 64)
+                attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            else if (D == 128)
+                attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            else
+                attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads, &queue, &task);
+            free(scores);
         }
-        float *mine = parts + task * part;
-        if (D == 64)
-            attend_blocks(&a, qf, len, blk_begin, blk_end, 64, scores, mine, mine + heads, mine + 2 * heads);
-        else if (D == 128)
-            attend_blocks(&a, qf, len, blk_begin, blk_end, 128, scores, mine, mine + heads, mine + 2 * heads);
-        else
-            attend_blocks(&a, qf, len, blk_begin, blk_end, D, scores, mine, mine + heads, mine + 2 * heads);
-        free(scores);
     }
     if (out_of_memory) {
         free(parts);
@@ -347,16 +426,26 @@ static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_
     return n < PA_KEYS ? n : PA_KEYS;
 }
 
-/* Prefetch n keys' K and V rows of one KV head (head_bytes each, slot_bytes apart). Inlined with
- * head_bytes a constant (head_dim and dtype known), the line loop unrolls: on AVX2 the generic loop
- * cost 7 instructions a line, a fifth of a decode's instructions (callgrind). */
-static inline __attribute__((always_inline)) void pa_prefetch_run(const char *k, const char *v, int64_t n, size_t slot_bytes,
-                                                                  const size_t head_bytes) {
-    for (int64_t j = 0; j < n; j++, k += slot_bytes, v += slot_bytes)
-        for (size_t line = 0; line < head_bytes; line += 64) {
-            __builtin_prefetch(k + line, 0, 1);
-            __builtin_prefetch(v + line, 0, 1);
-        }
+/* The next run's K and V rows of one KV head, prefetched a line pair (K's and V's) at a time spread
+ * evenly over this run's rows (pa_tile), as paged_decode_attention's BlockPrefetch: the run's 128
+ * prefetches in one burst at its start (float32, heads of 64) filled Zen 2's ~22 L1 miss buffers
+ * and stalled the maths behind them (32 decodes x 160 keys cold: 1.18x float32, 1.24x bfloat16;
+ * bench/NOTES.md 'Decode attention: reads overlapped with the maths'). */
+typedef struct {
+    const char *k, *v; /* the slot being prefetched, at its line `line` */
+    size_t slot_bytes;
+    int64_t head_lines, line, slots_left;
+} PaRunPrefetch;
+
+static inline void pa_prefetch_pair(PaRunPrefetch *pf) {
+    if (pf->slots_left <= 0) return;
+    __builtin_prefetch(pf->k + pf->line * 64, 0, 3);
+    __builtin_prefetch(pf->v + pf->line * 64, 0, 3);
+    if (++pf->line == pf->head_lines) {
+        pf->line = 0;
+        pf->slots_left--;
+        pf->k += pf->slot_bytes, pf->v += pf->slot_bytes;
+    }
 }
 
 /* Vectors of a row's weighted values accumulated at once (pa_tile): they stay in registers while
@@ -369,7 +458,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                                                           int64_t tok0, int64_t tok1, int64_t g) {
     const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, bs = a->block_size, DV = D / NV_LANES;
     const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
-    const int64_t n_keys = prefix + tok1; /* the tile's last token sees them all */
+    const int64_t n_keys = prefix + tok1, head_lines = (D * (int64_t)es + 63) / 64; /* the tile's last token sees them all */
     /* rows <= PA_TILE_ROWS, or n_rep when that is more (one token per tile) */
     nvf qv[rows][DV], acc[rows][DV], kf[PA_KEYS][DV], vf[PA_KEYS][DV], zeros[DV];
     /* a run's K and V rows: float32 ones read in place in the cache (a copy cost more than the maths
@@ -390,15 +479,17 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs);
         const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        PaRunPrefetch pf = {NULL, NULL, slot_bytes, head_lines, 0, 0};
         if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
-                                  * memory (the layer's weights evicted them), 1.2x on 32 decodes */
+                                  * memory (the layer's weights evicted them) */
             const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
             const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
-            if (a->bf16)
-                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 2);
-            else
-                pa_prefetch_run(a->k_cache + next, a->v_cache + next, n1, slot_bytes, (size_t)D * 4);
+            pf = (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0, n1};
         }
+        /* ticks: a row's dot products count DV per NV_LANES keys, its weighted values one per key */
+        const int64_t ticks = rows * (PA_KEYS / NV_LANES * DV + n), pairs = pf.slots_left * head_lines;
+        int64_t credit = 0;
+#define PA_TICK(count) for (credit += (count) * pairs; credit >= ticks; credit -= ticks) pa_prefetch_pair(&pf)
         for (int64_t j = 0; j < n; j++) {
             const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
             if (a->bf16) {
@@ -419,6 +510,7 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                 for (int64_t j = 0; j < NV_LANES; j++) p[j] = qv[r][0] * kr[k0 + j][0];
                 for (int64_t c = 1; c < DV; c++) /* q's vector once for the keys (c outermost): a load per FMA, not two */
                     for (int64_t j = 0; j < NV_LANES; j++) p[j] += qv[r][c] * kr[k0 + j][c];
+                PA_TICK(DV);
                 const nvf scores = pa_sum_lanes(p);
                 memcpy(s + k0, &scores, sizeof(scores));
             }
@@ -443,11 +535,15 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
                 const int64_t nc = DV - c0 < PA_ACC_VECS ? DV - c0 : PA_ACC_VECS;
                 nvf o[PA_ACC_VECS];
                 for (int64_t c = 0; c < nc; c++) o[c] = acc[r][c0 + c] * rescale;
-                for (int64_t j = 0; j < m; j++)
+                for (int64_t j = 0; j < m; j++) {
+                    if (c0 == 0) PA_TICK(1);
                     for (int64_t c = 0; c < nc; c++) o[c] += vr[j][c0 + c] * s[j];
+                }
                 for (int64_t c = 0; c < nc; c++) acc[r][c0 + c] = o[c];
             }
         }
+#undef PA_TICK
+        while (pf.slots_left > 0) pa_prefetch_pair(&pf); /* rows that saw fewer keys left some */
         key0 += n;
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -845,10 +941,11 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
  * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
  * thread), and bfloat16 caches in 8-lane (AVX) builds, where paged_attention widens a run's K/V once
  * for the KV head's query rows (an AVX2 Zen 2, 32 decodes x 160 keys over 30 layers' caches on huge
- * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x). On float32 decodes the two are level there (1.0x;
- * bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query rows'), so
- * float32 pure-decode steps keep paged_decode_attention, whose splitting of a sequence's blocks
- * serves a few long decodes. */
+ * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x; after both spread their prefetches 1.19x, 1.17x). On
+ * float32 decodes paged_decode_attention is the faster there (level before; 1.33x once both spread
+ * their prefetches: bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query
+ * rows', 'Decode attention: reads overlapped with the maths'), so float32 pure-decode steps keep it;
+ * its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
 #if defined(__AVX512F__)
     (void)bf16;
