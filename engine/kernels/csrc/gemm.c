@@ -66,12 +66,16 @@
  * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements
  * further; first: start the sums at 0, else continue the previous block's from out; pf_lines lines
  * of each panel from line pf_line on (counted from w, 16 weights a line) prefetched, evenly over the
- * kc steps (one prefetch a step, the line in 16.16 fixed point: no division in the loop). */
+ * kc steps: one prefetch a step from a byte pointer moved a fixed stride (a prefetch takes the line
+ * holding its address, so the stride need not be whole lines; rounded up, so every line of the
+ * share is fetched). The line index in 16.16 fixed point it replaced cost 4 more ops a step (a
+ * shift, a shift, a move, an add) in a loop of 12 FMAs: 6.7 cycles a step where the FMAs need 6;
+ * one thread, 32 rows, 1.10x hot, 1.03-1.09x cold (bench/NOTES.md 'gemm.c toward the FMA peak'). */
 static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *x, int64_t ldx,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
                                                             int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    const int64_t pf_step = (pf_lines << 16) / kc;
-    int64_t pf_pos = pf_line << 16;
+    const int64_t elem_bytes = bf16 ? 2 : 4, pf_stride_bytes = (pf_lines * 16 * elem_bytes + kc - 1) / kc;
+    const char *pf = (const char *)w + pf_line * 16 * elem_bytes;
     nvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -82,7 +86,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
             const int64_t line = p * panel_floats + i * 16;
-            if (pf_lines) __builtin_prefetch((const char *)w + (size_t)(p * panel_floats + (pf_pos >> 16) * 16) * (bf16 ? 2 : 4), 0, 3);
+            if (pf_lines) __builtin_prefetch(pf + p * panel_floats * elem_bytes, 0, 3);
 #pragma GCC unroll 16
             for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = nv_load_weight(w, line + q * NV_LANES, bf16);
         }
@@ -92,7 +96,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
             for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
         }
-        pf_pos += pf_step;
+        pf += pf_stride_bytes;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
