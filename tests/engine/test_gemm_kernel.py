@@ -51,7 +51,9 @@ def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [70, 301])  # 301: two balanced blocks of rows, each its own pass over the weights
+# 301: two balanced blocks of rows, each its own pass over the weights, and on AVX2 k in 2 blocks where a
+# row alone has 1 (gemm.c GEMM_X_L2_BYTES: longer k blocks for fewer rows)
+@pytest.mark.parametrize("rows", [70, 301])
 def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     """One FMA chain per output, in k order: a row alone and in any batch gives the same bits. bfloat16
     weights: a call of many row tiles widens each chunk once (gemm.c widen_chunk), a row alone widens

@@ -13,7 +13,7 @@
  * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
  * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
  * GEMM_KC steps of k (balanced: 576 = 3 x 192) so a chunk of a panel stays in L1 across the row
- * tiles; the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
+ * tiles (fewer rows: longer blocks, the chunk in L2, GEMM_X_L2_BYTES); the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
  * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
  *
  * x is read where it lies, a tile's rows as GEMM_MR broadcast streams (one base register each): packing
@@ -48,6 +48,20 @@
  * the next panel's first 256 (cold weights, one thread: w13 at 32 rows 1.09-1.16x faster together with
  * the prefetch below, bench/NOTES.md 'AVX2 many-rows linear, part 2'). */
 #define GEMM_KC 256
+/* Longer k blocks for fewer rows, up to where a block's x (rows x kc floats) fills this much of the L2
+ * (beside the weight chunk, then read by each tile from the L2: 64 bytes per 6 cycles of FMAs, far
+ * under what the L2 feeds): each row tile then runs more k steps per setup (its sums loaded from and
+ * stored to `out` once a block, its pointers, its unrolled case). The 256-step blocks held a tile's 6
+ * x 16 sums for 192 steps (k 576) or 256 (k 1536), and the setup cost showed: with the weights hot the
+ * demo's shapes at 32 rows ran 95 GFLOP/s on one thread against 101 with one block over k (107: the
+ * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
+ * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; past 256 rows the same code
+ * (kc 256). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
+#if NV_LANES == 8
+#define GEMM_X_L2_BYTES (256 << 10)
+#else
+#define GEMM_X_L2_BYTES 0
+#endif
 /* Row tiles that prefetch the next chunk, each an even share of its lines spread over its k steps:
  * the last ones of a block, so the lines arrive shortly before the next block needs them. The first
  * tile alone (256 prefetches within one tile's pass, more misses in flight than the L1 tracks) ran
@@ -175,7 +189,10 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                        int num_threads) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
-    const int64_t k_blocks = (k + GEMM_KC - 1) / GEMM_KC, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
+    /* a bfloat16 chunk widened once goes to a buffer of GEMM_KC steps (widen_chunk) */
+    const int widen = bf16 && tiles >= GEMM_WIDEN_MIN_TILES;
+    const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
+    const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
@@ -187,7 +204,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * last the next panel's first */
             const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
-            if (bf16 && tiles >= GEMM_WIDEN_MIN_TILES) { /* widen the chunk once for every row tile (widen_chunk) */
+            if (widen) { /* widen the chunk once for every row tile (widen_chunk) */
                 float wide[GEMM_NP * GEMM_KC * 16];
                 widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
                 for (int64_t t = 0; t < tiles; t++) {
