@@ -69,6 +69,20 @@ def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     assert torch.equal(gemm(x[1:23].clone(), THREADS), batched[1:23])
 
 
+def test_sums_streamed_past_the_caches_are_the_same_bits(kernels):
+    """A weight of 32 MiB and an out past 4 MiB (gemm.c stream_out, AVX2 builds): the last k block's
+    sums are stored non-temporally (the earlier blocks' plainly, read back); within float32 rounding,
+    and each row the same bits as alone (a one-row out: stored plainly)."""
+    g = gen(32)
+    weight = torch.randn(8192, 1024, generator=g)  # 32 MiB of float32
+    gemm = kernels.bind_gemm(kernels.interleave(weight))
+    x = torch.randn(130, 1024, generator=g)  # out 130 x 8192 floats: 4.06 MiB; k in 3 blocks at 130 rows
+    batched = gemm(x, THREADS)
+    assert_within_f32_rounding(batched, x, weight)
+    for row in (0, 7, 129):
+        assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
+
+
 def test_gemm_of_no_columns_is_zeros(kernels):
     gemm = kernels.bind_gemm(torch.empty(2, 0, 16))
     assert torch.equal(gemm(torch.empty(3, 0), THREADS), torch.zeros(3, 32))

@@ -73,6 +73,22 @@
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
  * bytes once more, little beside 256 rows of FMAs on each. */
 #define GEMM_MC 256
+/* Sums stored past the caches (non-temporal, whole 64-byte lines: a panel row) where the weight is
+ * at least GEMM_STREAM_MIN_WEIGHT_BYTES and the call's out at least GEMM_STREAM_MIN_OUT_BYTES: such a
+ * weight streams through every cache level, so out's lines would leave them before anyone read them,
+ * and a plain store first reads each line from DRAM (read for ownership) only to overwrite it. The
+ * demo's head (49152 x 576 float32, 113 MB; out 6.3 MB at 32 rows): one thread, cold, 0.85-0.91x the
+ * time; the 1.1B's 16384 x 2048 at 256 rows 0.91-1.03x; with a weight or an out that stays in the
+ * caches (the demo's blocks; 32 rows of the 1.1B: 1 MB of out) not used (level where measured at 32
+ * rows on the 1.1B). The last k block only (the earlier ones' sums are read back); AVX2 only, where
+ * measured (bench/NOTES.md 'gemm.c toward the FMA peak'). */
+#if NV_LANES == 8 && defined(__AVX__)
+#define GEMM_STREAM_MIN_WEIGHT_BYTES (32ll << 20)
+#define GEMM_STREAM_MIN_OUT_BYTES (4ll << 20)
+#else
+#define GEMM_STREAM_MIN_WEIGHT_BYTES 0
+#define GEMM_STREAM_MIN_OUT_BYTES 0
+#endif
 
 
 /* One tile: out[mr rows, np panels of 16 columns] (+)= x [mr rows at ldx floats apart][kc] @ the panels' kc steps. mr, np and
@@ -87,7 +103,8 @@
  * one thread, 32 rows, 1.10x hot, 1.03-1.09x cold (bench/NOTES.md 'gemm.c toward the FMA peak'). */
 static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *x, int64_t ldx,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
-                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    (void)stream; /* builds without GEMM_STREAM_MIN_WEIGHT_BYTES */
     const int64_t elem_bytes = bf16 ? 2 : 4, pf_stride_bytes = (pf_lines * 16 * elem_bytes + kc - 1) / kc;
     const char *pf = (const char *)w + pf_line * 16 * elem_bytes;
     nvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
@@ -115,20 +132,28 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 16
-        for (int v = 0; v < np * GEMM_VP; v++) nv_storef(out + r * n + v * NV_LANES, acc[r][v]);
+        for (int v = 0; v < np * GEMM_VP; v++) {
+#if GEMM_STREAM_MIN_WEIGHT_BYTES
+            if (stream) {
+                _mm256_stream_ps(out + r * n + v * NV_LANES, (__m256)acc[r][v]);
+                continue;
+            }
+#endif
+            nv_storef(out + r * n + v * NV_LANES, acc[r][v]);
+        }
 }
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
-        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream); \
+        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);                     \
         break;
 
 /* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
  * (inlined into the two weight types' instantiations below). */
 static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *x, int64_t ldx,
                                                                  const void *w, int64_t panel_floats, int64_t kc,
-                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
     switch (mr) {
         GEMM_TILE_CASE(1)
         GEMM_TILE_CASE(2)
@@ -151,13 +176,13 @@ static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16,
 }
 
 static void gemm_tile_rows_f32(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
-                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);
 }
 
 static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
-                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);
 }
 
 /* Row tiles from which a bfloat16 chunk is widened once (widen_chunk) instead of in each tile's loads:
@@ -178,6 +203,12 @@ static void widen_chunk(const bf16_t *w, int np, int64_t panel_elems, int64_t kc
             nv_storef(wide + p * kc * 16 + i, nv_load_weight(w, p * panel_elems + i, 1));
 }
 
+static int stream_out(int bf16, const float *out, int64_t rows, int64_t n, int64_t k) {
+    const int64_t weight_bytes = n * k * (bf16 ? 2 : 4), out_bytes = rows * n * (int64_t)sizeof(float);
+    return GEMM_STREAM_MIN_WEIGHT_BYTES > 0 && weight_bytes >= GEMM_STREAM_MIN_WEIGHT_BYTES && out_bytes >= GEMM_STREAM_MIN_OUT_BYTES &&
+           (uintptr_t)out % 64 == 0; /* n is whole 16-column panels: every row's lines then aligned too */
+}
+
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
 static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     const int64_t base = rows / tiles, extra = rows % tiles;
@@ -194,6 +225,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
     const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
     const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
+    const int stream = stream_out(bf16, out, rows, n, k);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * GEMM_NP;
@@ -210,7 +242,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
                     gemm_tile_rows_f32((int)mr, np, x + r0 * k + k0, k, wide, kc * 16, kc, out + r0 * n + p0 * 16, n,
-                                       k0 == 0, 0, 0);
+                                       k0 == 0, 0, 0, stream && k0 + kc >= k);
                 }
                 continue;
             }
@@ -219,9 +251,13 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
                 const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
                 (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
-                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0);
+                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0,
+                                                                  stream && k0 + kc >= k);
             }
         }
+#if GEMM_STREAM_MIN_WEIGHT_BYTES
+        if (stream) _mm_sfence(); /* the streamed lines ordered before the team's barrier and any reader */
+#endif
     }
 }
 
