@@ -55,8 +55,9 @@
  * x 16 sums for 192 steps (k 576) or 256 (k 1536), and the setup cost showed: with the weights hot the
  * demo's shapes at 32 rows ran 95 GFLOP/s on one thread against 101 with one block over k (107: the
  * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
- * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; past 256 rows the same code
- * (kc 256). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
+ * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; with GEMM_MC's passes of 128
+ * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once keeps GEMM_KC: its
+ * buffer). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
 #if NV_LANES == 8
 #define GEMM_X_L2_BYTES (256 << 10)
 #else
@@ -71,8 +72,16 @@
 /* Rows per pass over the weights: a block's x for one k block (GEMM_MC x GEMM_KC floats, 256 KiB)
  * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
- * bytes once more, little beside 256 rows of FMAs on each. */
+ * bytes once more, little beside 256 rows of FMAs on each. AVX2: 128 rows, whose x then fills the L2
+ * budget of GEMM_X_L2_BYTES with k blocks of 512 steps instead of 256 (fewer tile setups, as at few
+ * rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
+ * 2048 x 8192 (64 rows: about the same, but a bfloat16 chunk is widened once only from 16 tiles, 96
+ * rows, on AVX2). Elsewhere not measured: 256. */
+#if NV_LANES == 8
+#define GEMM_MC 128
+#else
 #define GEMM_MC 256
+#endif
 /* Sums stored past the caches (non-temporal, whole 64-byte lines: a panel row) where the weight is
  * at least GEMM_STREAM_MIN_WEIGHT_BYTES and the call's out at least GEMM_STREAM_MIN_OUT_BYTES: such a
  * weight streams through every cache level, so out's lines would leave them before anyone read them,
@@ -215,9 +224,9 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     return t * base + (t < extra ? t : extra);
 }
 
-/* One block of at most GEMM_MC rows. */
+/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
-                       int num_threads) {
+                       int num_threads, int stream) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
     /* a bfloat16 chunk widened once goes to a buffer of GEMM_KC steps (widen_chunk) */
@@ -225,7 +234,6 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
     const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
     const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
-    const int stream = stream_out(bf16, out, rows, n, k);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * GEMM_NP;
@@ -271,10 +279,11 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         memset(out, 0, (size_t)(rows * n) * sizeof(float));
         return KERNEL_OK;
     }
+    const int stream = stream_out(bf16, out, rows, n, k); /* by the whole call's out, of which each pass writes its rows */
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream);
     }
     return KERNEL_OK;
 }
