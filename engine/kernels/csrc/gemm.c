@@ -13,8 +13,9 @@
  * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
  * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
  * GEMM_KC steps of k (balanced: 576 = 3 x 192) so a chunk of a panel stays in L1 across the row
- * tiles (fewer rows: longer blocks, the chunk in L2, GEMM_X_L2_BYTES); the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
- * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
+ * tiles (for fewer rows longer blocks, the chunk in L2: GEMM_X_L2_BYTES); the last GEMM_PF_TILES row
+ * tiles share out the prefetch of the next chunk (which, at a panel's end, is the next panel's first:
+ * the layout is one stream); threads split the panels.
  *
  * x is read where it lies, a tile's rows as GEMM_MR broadcast streams (one base register each): packing
  * it as [k][tile rows] first cost one thread 12 us of a 32-row w13 call, 92 us at 256 rows, done
@@ -91,7 +92,7 @@
  * caches (the demo's blocks; 32 rows of the 1.1B: 1 MB of out) not used (level where measured at 32
  * rows on the 1.1B). The last k block only (the earlier ones' sums are read back); AVX2 only, where
  * measured (bench/NOTES.md 'gemm.c toward the FMA peak'). */
-#if NV_LANES == 8 && defined(__AVX__)
+#if NV_LANES == 8 && defined(__AVX2__) /* vec.h's immintrin.h: _mm256_stream_ps */
 #define GEMM_STREAM_MIN_WEIGHT_BYTES (32ll << 20)
 #define GEMM_STREAM_MIN_OUT_BYTES (4ll << 20)
 #else
