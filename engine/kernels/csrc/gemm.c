@@ -70,8 +70,13 @@
  * 1.1-1.4x slower at 9-32 rows; every tile (lines fetched a whole block early, evicted again by the
  * x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. With the
  * longer k blocks of GEMM_X_L2_BYTES (a chunk several times the L1), 6 tiles (every tile at 32 rows):
- * one thread, cold, 16-128 rows 0.97-1.0x the time of 3 tiles, 512 rows level; 2 tiles 1.04-1.07x. */
+ * one thread, cold, 16-128 rows 0.97-1.0x the time of 3 tiles, 512 rows level; 2 tiles 1.04-1.07x.
+ * Builds with GEMM_KC's blocks at every row count (GEMM_X_L2_BYTES 0) keep 3. */
+#if NV_LANES == 8
 #define GEMM_PF_TILES 6
+#else
+#define GEMM_PF_TILES 3
+#endif
 /* Rows per pass over the weights: a block's x for one k block (GEMM_MC x GEMM_KC floats, 256 KiB)
  * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
