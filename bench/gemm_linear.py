@@ -15,6 +15,7 @@ more threads: wall time. Read the ratios on a shared machine.
     python bench/gemm_linear.py --shapes head --rows 32,64 --rounds 3
     python bench/gemm_linear.py --shapes 3072x576 --rows 128,512 --baseline OLD_cpu_kernels.so
     python bench/gemm_linear.py --dtype bfloat16 --shapes blocks --rows 32,512,2048 --rounds 3
+    python bench/gemm_linear.py --shapes blocks --rows 32 --huge-pages --baseline OLD_cpu_kernels.so
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends.cpu import PACK_BATCH_HINT, widened_mm  # noqa: E402
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels  # noqa: E402
-from engine.kernels.memory import onednn_rows  # noqa: E402
+from engine.kernels.memory import WeightArena, onednn_rows  # noqa: E402
 
 DEMO_SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536), (49152, 576)]  # qkv, w13, wo, w2, head [out, in]
 NAMED_SHAPES = {"demo": DEMO_SHAPES, "blocks": DEMO_SHAPES[:4], "head": DEMO_SHAPES[4:]}
@@ -61,6 +62,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-gflop", type=float, default=2.0, help="work per path per round, at most (cold weights permitting)")
     parser.add_argument("--baseline", help="another cpu_kernels .so (an older gemm.c): timed as a third path")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="the gemms' interleaved copies in one WeightArena (2 MiB pages where granted), as a served model holds "
+                             "its block linears (engine/backends/cpu_step.py); oneDNN's packed copies stay where torch put them")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the weights' (bfloat16: against widened tiles + float32 GEMM, not oneDNN)")
     args = parser.parse_args()
@@ -72,6 +76,7 @@ def main() -> None:
     cpu_time = args.threads == 1
     print(f"threads {args.threads} ({'thread CPU time' if cpu_time else 'wall time'}), {args.cold_mb} MB of weights per shape, "
           f"{args.dtype} weights, median of {args.rounds} interleaved rounds, gemm's max rows here {kernels.gemm_max_rows()}, "
+          f"gemm weights on {'a huge-page arena' if args.huge_pages else 'torch tensors (4 KiB pages)'}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     shapes = NAMED_SHAPES.get(args.shapes) or [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     dtype = getattr(torch, args.dtype)
@@ -82,8 +87,12 @@ def main() -> None:
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
         else:  # the path a bfloat16 weight without oneDNN's kernel takes past the few rows
             packed = [kernels.bind_widen(kernels.interleave(w)) for w in weights]
-        gemms = [kernels.bind_gemm(kernels.interleave(w)) for w in weights]
-        olds = [baseline.bind_gemm(kernels.interleave(w)) for w in weights] if baseline else []
+        interleaved = [kernels.interleave(w) for w in weights]
+        if args.huge_pages:  # one arena for every copy (the old kernel's read the same ones)
+            arena = WeightArena([(t.shape, t.dtype) for t in interleaved])
+            interleaved = [arena.place(i, t) for i, t in enumerate(interleaved)]
+        gemms = [kernels.bind_gemm(t) for t in interleaved]
+        olds = [baseline.bind_gemm(t) for t in interleaved] if baseline else []
         del weights
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)
@@ -107,7 +116,7 @@ def main() -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = "  ".join(f"{name} {us:9.1f} us ({gflop / us * 1e6:5.1f} GFLOP/s)" for name, us in med.items())
             print(f"[{n}x{k}] rows {rows:4d}: {cells}  {other[0]}/gemm {med[other[0]] / med['gemm']:.2f}", flush=True)
-        del packed, gemms, olds
+        del packed, gemms, olds, interleaved
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@
  *
  * Weights: enough copies of [N, K] to pass 200 MB, rotated call after call, so each call reads its
  * weight from DRAM as a decode step does (HOT=1: one copy, for the micro-kernel's own rate);
- * BF16=1: bfloat16 weights (widened per load). Prints the median call's thread CPU time (steady on
+ * BF16=1: bfloat16 weights (widened per load); HUGE=1: the weights on huge pages (madvise), as the server's
+ * WeightArena holds them (else 4 KiB pages: a TLB miss per page of a cold weight). Prints the median call's thread CPU time (steady on
  * a shared machine; one thread) and wall time, as GFLOP/s; PEAK=1 also the one-thread FMA peak of
  * this core (12 independent vfmadd231ps chains on ymm registers: AVX2 builds), the roofline to read
  * the GFLOP/s against. */
 #include GEMM_SRC
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <time.h>
 
 static double seconds(clockid_t clock) {
@@ -57,7 +59,10 @@ int main(int argc, char **argv) {
     if (getenv("PEAK")) printf("FMA peak, one thread: %.1f GFLOP/s\n", fma_peak_gflops());
 #endif
     const int64_t copies = getenv("HOT") ? 1 : (200l << 20) / (n * k * 4) + 1, elem = bf16 ? 2 : 4;
-    char *w = aligned_alloc(64, (size_t)(copies * n * k * 4));
+    /* HUGE=1: the weights on 2 MiB pages (madvise), as the server places them (engine.kernels.memory.WeightArena) */
+    const size_t w_bytes = ((size_t)(copies * n * k * 4) + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    char *w = aligned_alloc(2u << 20, w_bytes);
+    if (w && getenv("HUGE")) madvise(w, w_bytes, MADV_HUGEPAGE);
     float *x = aligned_alloc(64, (size_t)(rows * k * 4)), *out = aligned_alloc(64, (size_t)(rows * n * 4));
     if (!w || !x || !out) return 1;
     for (int64_t i = 0; i < copies * n * k; i++) { /* values in [-0.5, 0.5): no denormals either way */

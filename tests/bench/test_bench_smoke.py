@@ -255,6 +255,8 @@ def test_gemm_linear_smoke():
     assert "[64x48] rows    9: onednn" in stdout and "onednn/gemm" in stdout, stdout
     stdout = run_script("bench/gemm_linear.py", "--dtype", "bfloat16", "--shapes", "64x48", "--rows", "2,17", "--rounds", "1", "--cold-mb", "1")
     assert "bfloat16 weights" in stdout and "[64x48] rows   17: widened" in stdout and "widened/gemm" in stdout, stdout
+    stdout = run_script("bench/gemm_linear.py", "--shapes", "64x48", "--rows", "9", "--rounds", "1", "--cold-mb", "1", "--huge-pages")
+    assert "gemm weights on a huge-page arena" in stdout and "[64x48] rows    9: onednn" in stdout, stdout
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "common.py"))

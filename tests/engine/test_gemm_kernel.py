@@ -51,7 +51,9 @@ def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [70, 301])  # 301: two balanced blocks of rows, each its own pass over the weights
+# 301: balanced blocks of rows (gemm.c GEMM_MC), each its own pass over the weights; 128: on AVX2 k in 2
+# blocks where a row alone has 1 (GEMM_X_L2_BYTES: longer k blocks for fewer rows)
+@pytest.mark.parametrize("rows", [70, 128, 301])
 def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     """One FMA chain per output, in k order: a row alone and in any batch gives the same bits. bfloat16
     weights: a call of many row tiles widens each chunk once (gemm.c widen_chunk), a row alone widens
@@ -65,6 +67,20 @@ def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     for row in (0, 5, 6, 13, rows - 1):
         assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
     assert torch.equal(gemm(x[1:23].clone(), THREADS), batched[1:23])
+
+
+def test_sums_streamed_past_the_caches_are_the_same_bits(kernels):
+    """A weight of 32 MiB and an out past 4 MiB (gemm.c stream_out, AVX2 builds): the last k block's
+    sums are stored non-temporally (the earlier blocks' plainly, read back); within float32 rounding,
+    and each row the same bits as alone (a one-row out: stored plainly)."""
+    g = gen(32)
+    weight = torch.randn(8192, 1024, generator=g)  # 32 MiB of float32
+    gemm = kernels.bind_gemm(kernels.interleave(weight))
+    x = torch.randn(130, 1024, generator=g)  # out 130 x 8192 floats: 4.06 MiB; on AVX2 2 passes of rows, k in 2 blocks
+    batched = gemm(x, THREADS)
+    assert_within_f32_rounding(batched, x, weight)
+    for row in (0, 7, 129):
+        assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
 
 
 def test_gemm_of_no_columns_is_zeros(kernels):

@@ -13,8 +13,9 @@
  * a 32-stream step goes'). Here a register tile of GEMM_MR rows x GEMM_NP panels of accumulators
  * takes each weight vector once per tile and each x value as one broadcast; the weights are blocked by
  * GEMM_KC steps of k (balanced: 576 = 3 x 192) so a chunk of a panel stays in L1 across the row
- * tiles; the last GEMM_PF_TILES row tiles share out the prefetch of the next chunk (which, at a
- * panel's end, is the next panel's first: the layout is one stream); threads split the panels.
+ * tiles (for fewer rows longer blocks, the chunk in L2: GEMM_X_L2_BYTES); the last GEMM_PF_TILES row
+ * tiles share out the prefetch of the next chunk (which, at a panel's end, is the next panel's first:
+ * the layout is one stream); threads split the panels.
  *
  * x is read where it lies, a tile's rows as GEMM_MR broadcast streams (one base register each): packing
  * it as [k][tile rows] first cost one thread 12 us of a 32-row w13 call, 92 us at 256 rows, done
@@ -48,17 +49,63 @@
  * the next panel's first 256 (cold weights, one thread: w13 at 32 rows 1.09-1.16x faster together with
  * the prefetch below, bench/NOTES.md 'AVX2 many-rows linear, part 2'). */
 #define GEMM_KC 256
+/* Longer k blocks for fewer rows, up to where a block's x (rows x kc floats) fills this much of the L2
+ * (beside the weight chunk, then read by each tile from the L2: 64 bytes per 6 cycles of FMAs, far
+ * under what the L2 feeds): each row tile then runs more k steps per setup (its sums loaded from and
+ * stored to `out` once a block, its pointers, its unrolled case). The 256-step blocks held a tile's 6
+ * x 16 sums for 192 steps (k 576) or 256 (k 1536), and the setup cost showed: with the weights hot the
+ * demo's shapes at 32 rows ran 95 GFLOP/s on one thread against 101 with one block over k (107: the
+ * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
+ * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; with GEMM_MC's passes of 128
+ * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once keeps GEMM_KC: its
+ * buffer). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
+#if NV_LANES == 8
+#define GEMM_X_L2_BYTES (256 << 10)
+#else
+#define GEMM_X_L2_BYTES 0
+#endif
 /* Row tiles that prefetch the next chunk, each an even share of its lines spread over its k steps:
  * the last ones of a block, so the lines arrive shortly before the next block needs them. The first
  * tile alone (256 prefetches within one tile's pass, more misses in flight than the L1 tracks) ran
  * 1.1-1.4x slower at 9-32 rows; every tile (lines fetched a whole block early, evicted again by the
- * x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. */
+ * x at 128 rows) 0.9x at 128; 2, 3 or 4 tiles, first or last, within 5% of each other. With the
+ * longer k blocks of GEMM_X_L2_BYTES (a chunk several times the L1), 6 tiles (every tile at 32 rows):
+ * one thread, cold, 16-128 rows 0.97-1.0x the time of 3 tiles, 512 rows level; 2 tiles 1.04-1.07x.
+ * Builds with GEMM_KC's blocks at every row count (GEMM_X_L2_BYTES 0) keep 3. */
+#if NV_LANES == 8
+#define GEMM_PF_TILES 6
+#else
 #define GEMM_PF_TILES 3
+#endif
 /* Rows per pass over the weights: a block's x for one k block (GEMM_MC x GEMM_KC floats, 256 KiB)
  * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
- * bytes once more, little beside 256 rows of FMAs on each. */
+ * bytes once more, little beside 256 rows of FMAs on each. AVX2: 128 rows, whose x then fills the L2
+ * budget of GEMM_X_L2_BYTES with k blocks of 512 steps instead of 256 (fewer tile setups, as at few
+ * rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
+ * 2048 x 8192 (64 rows: about the same, but a bfloat16 chunk is widened once only from 16 tiles, 96
+ * rows, on AVX2). Elsewhere not measured: 256. */
+#if NV_LANES == 8
+#define GEMM_MC 128
+#else
 #define GEMM_MC 256
+#endif
+/* Sums stored past the caches (non-temporal, whole 64-byte lines: a panel row) where the weight is
+ * at least GEMM_STREAM_MIN_WEIGHT_BYTES and the call's out at least GEMM_STREAM_MIN_OUT_BYTES: such a
+ * weight streams through every cache level, so out's lines would leave them before anyone read them,
+ * and a plain store first reads each line from DRAM (read for ownership) only to overwrite it. The
+ * demo's head (49152 x 576 float32, 113 MB; out 6.3 MB at 32 rows): one thread, cold, 0.85-0.91x the
+ * time; the 1.1B's 16384 x 2048 at 256 rows 0.91-1.03x; with a weight or an out that stays in the
+ * caches (the demo's blocks; 32 rows of the 1.1B: 1 MB of out) not used (level where measured at 32
+ * rows on the 1.1B). The last k block only (the earlier ones' sums are read back); AVX2 only, where
+ * measured (bench/NOTES.md 'gemm.c toward the FMA peak'). */
+#if NV_LANES == 8 && defined(__AVX2__) /* vec.h's immintrin.h: _mm256_stream_ps */
+#define GEMM_STREAM_MIN_WEIGHT_BYTES (32ll << 20)
+#define GEMM_STREAM_MIN_OUT_BYTES (4ll << 20)
+#else
+#define GEMM_STREAM_MIN_WEIGHT_BYTES 0
+#define GEMM_STREAM_MIN_OUT_BYTES 0
+#endif
 
 
 /* One tile: out[mr rows, np panels of 16 columns] (+)= x [mr rows at ldx floats apart][kc] @ the panels' kc steps. mr, np and
@@ -66,12 +113,17 @@
  * the first panel's chunk (float32, or bfloat16 with bf16), the next panels panel_floats elements
  * further; first: start the sums at 0, else continue the previous block's from out; pf_lines lines
  * of each panel from line pf_line on (counted from w, 16 weights a line) prefetched, evenly over the
- * kc steps (one prefetch a step, the line in 16.16 fixed point: no division in the loop). */
+ * kc steps: one prefetch a step from a byte pointer moved a fixed stride (a prefetch takes the line
+ * holding its address, so the stride need not be whole lines; rounded up, so every line of the
+ * share is fetched). The line index in 16.16 fixed point it replaced cost 4 more ops a step (a
+ * shift, a shift, a move, an add) in a loop of 12 FMAs: 6.7 cycles a step where the FMAs need 6;
+ * one thread, 32 rows, 1.10x hot, 1.03-1.09x cold (bench/NOTES.md 'gemm.c toward the FMA peak'). */
 static inline __attribute__((always_inline)) void gemm_tile(const int mr, const int np, const int bf16, const float *x, int64_t ldx,
                                                             const void *w, int64_t panel_floats, int64_t kc, float *out,
-                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    const int64_t pf_step = (pf_lines << 16) / kc;
-    int64_t pf_pos = pf_line << 16;
+                                                            int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    (void)stream; /* builds without GEMM_STREAM_MIN_WEIGHT_BYTES */
+    const int64_t elem_bytes = bf16 ? 2 : 4, pf_stride_bytes = (pf_lines * 16 * elem_bytes + kc - 1) / kc;
+    const char *pf = (const char *)w + pf_line * 16 * elem_bytes;
     nvf acc[GEMM_MR][GEMM_NP * GEMM_VP];
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
@@ -82,7 +134,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
         for (int p = 0; p < np; p++) {
             const int64_t line = p * panel_floats + i * 16;
-            if (pf_lines) __builtin_prefetch((const char *)w + (size_t)(p * panel_floats + (pf_pos >> 16) * 16) * (bf16 ? 2 : 4), 0, 3);
+            if (pf_lines) __builtin_prefetch(pf + p * panel_floats * elem_bytes, 0, 3);
 #pragma GCC unroll 16
             for (int q = 0; q < GEMM_VP; q++) wv[p * GEMM_VP + q] = nv_load_weight(w, line + q * NV_LANES, bf16);
         }
@@ -92,25 +144,33 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mr, const 
 #pragma GCC unroll 16
             for (int v = 0; v < np * GEMM_VP; v++) acc[r][v] += wv[v] * xs;
         }
-        pf_pos += pf_step;
+        pf += pf_stride_bytes;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 16
-        for (int v = 0; v < np * GEMM_VP; v++) nv_storef(out + r * n + v * NV_LANES, acc[r][v]);
+        for (int v = 0; v < np * GEMM_VP; v++) {
+#if GEMM_STREAM_MIN_WEIGHT_BYTES
+            if (stream) {
+                _mm256_stream_ps(out + r * n + v * NV_LANES, (__m256)acc[r][v]);
+                continue;
+            }
+#endif
+            nv_storef(out + r * n + v * NV_LANES, acc[r][v]);
+        }
 }
 
 #define GEMM_TILE_CASE(m)                                                                          \
     case m:                                                                                        \
-        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines); \
-        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);                     \
+        if (np == GEMM_NP) gemm_tile(m, GEMM_NP, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream); \
+        else gemm_tile(m, 1, bf16, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);                     \
         break;
 
 /* gemm_tile for a run-time mr in 1..GEMM_MR and np in {1, GEMM_NP}: one unrolled body per size
  * (inlined into the two weight types' instantiations below). */
 static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16, int mr, int np, const float *x, int64_t ldx,
                                                                  const void *w, int64_t panel_floats, int64_t kc,
-                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
+                                                                 float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
     switch (mr) {
         GEMM_TILE_CASE(1)
         GEMM_TILE_CASE(2)
@@ -133,13 +193,13 @@ static inline __attribute__((always_inline)) void gemm_tile_rows(const int bf16,
 }
 
 static void gemm_tile_rows_f32(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
-                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+                               float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    gemm_tile_rows(0, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);
 }
 
 static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, const void *w, int64_t panel_floats, int64_t kc,
-                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines) {
-    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines);
+                                float *out, int64_t n, int first, int64_t pf_line, int64_t pf_lines, int stream) {
+    gemm_tile_rows(1, mr, np, x, ldx, w, panel_floats, kc, out, n, first, pf_line, pf_lines, stream);
 }
 
 /* Row tiles from which a bfloat16 chunk is widened once (widen_chunk) instead of in each tile's loads:
@@ -160,18 +220,27 @@ static void widen_chunk(const bf16_t *w, int np, int64_t panel_elems, int64_t kc
             nv_storef(wide + p * kc * 16 + i, nv_load_weight(w, p * panel_elems + i, 1));
 }
 
+static int stream_out(int bf16, const float *out, int64_t rows, int64_t n, int64_t k) {
+    const int64_t weight_bytes = n * k * (bf16 ? 2 : 4), out_bytes = rows * n * (int64_t)sizeof(float);
+    return GEMM_STREAM_MIN_WEIGHT_BYTES > 0 && weight_bytes >= GEMM_STREAM_MIN_WEIGHT_BYTES && out_bytes >= GEMM_STREAM_MIN_OUT_BYTES &&
+           (uintptr_t)out % 64 == 0; /* n is whole 16-column panels: every row's lines then aligned too */
+}
+
 /* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
 static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     const int64_t base = rows / tiles, extra = rows % tiles;
     return t * base + (t < extra ? t : extra);
 }
 
-/* One block of at most GEMM_MC rows. */
+/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
-                       int num_threads) {
+                       int num_threads, int stream) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
-    const int64_t k_blocks = (k + GEMM_KC - 1) / GEMM_KC, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
+    /* a bfloat16 chunk widened once goes to a buffer of GEMM_KC steps (widen_chunk) */
+    const int widen = bf16 && tiles >= GEMM_WIDEN_MIN_TILES;
+    const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
+    const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t g = 0; g < groups; g++) {
@@ -183,13 +252,13 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * last the next panel's first */
             const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
-            if (bf16 && tiles >= GEMM_WIDEN_MIN_TILES) { /* widen the chunk once for every row tile (widen_chunk) */
+            if (widen) { /* widen the chunk once for every row tile (widen_chunk) */
                 float wide[GEMM_NP * GEMM_KC * 16];
                 widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
                     gemm_tile_rows_f32((int)mr, np, x + r0 * k + k0, k, wide, kc * 16, kc, out + r0 * n + p0 * 16, n,
-                                       k0 == 0, 0, 0);
+                                       k0 == 0, 0, 0, stream && k0 + kc >= k);
                 }
                 continue;
             }
@@ -198,9 +267,13 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
                 const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
                 (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
-                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0);
+                                                                  out + r0 * n + p0 * 16, n, k0 == 0, kc + pf0, pf1 - pf0,
+                                                                  stream && k0 + kc >= k);
             }
         }
+#if GEMM_STREAM_MIN_WEIGHT_BYTES
+        if (stream) _mm_sfence(); /* the streamed lines ordered before the team's barrier and any reader */
+#endif
     }
 }
 
@@ -214,10 +287,11 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         memset(out, 0, (size_t)(rows * n) * sizeof(float));
         return KERNEL_OK;
     }
+    const int stream = stream_out(bf16, out, rows, n, k); /* by the whole call's out, of which each pass writes its rows */
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream);
     }
     return KERNEL_OK;
 }
