@@ -594,6 +594,22 @@ static inline __m256 pa_weights8(__m256 x) {
     return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
 }
 
+/* dst rows k < 8 (dst + k * dst_stride) = column k of the 8 x 8 block at src (rows src_stride apart), times scale. */
+static inline void pa_transpose8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, float scale) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(dst + k * dst_stride, _mm256_mul_ps(_mm256_permute2f128_ps(u[k], u[k + 4], 0x20), sc));
+        _mm256_storeu_ps(dst + (k + 4) * dst_stride, _mm256_mul_ps(_mm256_permute2f128_ps(u[k], u[k + 4], 0x31), sc));
+    }
+}
+
 /* S^T rows [key j][nv vectors of 8 rows] of PA_GEMM_KEYS keys (kr[j]: key j's D values) against Q^T
  * (qt: dim d's rows at qt + d * RB), into st (key j at st + j * RB). */
 static inline __attribute__((always_inline)) void pa_scores_tile(const float *const *kr, const float *qt, int64_t RB,
@@ -603,7 +619,12 @@ static inline __attribute__((always_inline)) void pa_scores_tile(const float *co
         for (int v = 0; v < nv; v++) s[j][v] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         __m256 qv[3];
-        for (int v = 0; v < nv; v++) qv[v] = _mm256_loadu_ps(qt + d * RB + v * 8);
+        for (int v = 0; v < nv; v++) {
+            qv[v] = _mm256_loadu_ps(qt + d * RB + v * 8);
+            /* in a register: GCC otherwise folds the load into each of the 4 keys' FMAs, 16 loads a
+             * dim step for 12 FMAs, and the 2 load ports bound the tile */
+            __asm__("" : "+x"(qv[v]));
+        }
         for (int j = 0; j < PA_GEMM_KEYS; j++) {
             const __m256 k = _mm256_broadcast_ss(kr[j] + d);
             for (int v = 0; v < nv; v++) s[j][v] = _mm256_fmadd_ps(k, qv[v], s[j][v]);
@@ -658,12 +679,18 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
         const int64_t rr = r < rows ? r : rows - 1;
         pos[r] = (int32_t)(prefix + tok0 + rr / n_rep);
         row_max[r] = -INFINITY, row_sum[r] = 0.0f;
-        if (r < rows) {
-            load_row(row, q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es, D, a->bf16);
-            for (int64_t d = 0; d < D; d++) qt[d * RB + r] = row[d] * a->scale;
-        } else {
-            for (int64_t d = 0; d < D; d++) qt[d * RB + r] = 0.0f;
+    }
+    for (int64_t r8 = 0; r8 < RB; r8 += 8) { /* Q^T by 8x8 blocks: one scalar store per element took a
+                                              * quarter of a 4 x 128-token step's time */
+        float q8[8][D];
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t r = r8 + i;
+            if (r < rows)
+                load_row(q8[i], q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es, D, a->bf16);
+            else
+                memset(q8[i], 0, sizeof(q8[i]));
         }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) pa_transpose8(&q8[0][d0], D, qt + d0 * RB + r8, RB, a->scale);
     }
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs);
