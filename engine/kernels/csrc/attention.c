@@ -311,7 +311,9 @@ int paged_decode_attention_invariant(int bf16, const void *q, int64_t q_stride, 
  * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
- * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
+ * values per row. head_dim a multiple of 16. In AVX2 builds, items of PA_GEMM_MIN_ROWS or more
+ * query rows (prefill chunks) take pa_tile_gemm instead: the same maths as small register-tiled
+ * GEMMs. bfloat16 caches on AMX CPUs take paged_attention_amx
  * (below) instead, which also beats torch's SDPA on prefill chunks. Which steps CpuKernelBackend
  * hands this path: paged_attention_takes_decodes and paged_attention_takes_chunks (the end of this
  * file). */
@@ -1194,7 +1196,9 @@ int paged_attention_takes_decodes(int bf16) {
 /* 1 where a step with prefill chunks should run all its sequences, chunks and decodes, in one
  * paged_attention call instead of SDPA per chunk: on AMX tiles (paged_attention_on_tiles), and on
  * AVX builds below AVX-512, where the 8-lane pa_tile ran a step's chunks 1.6x faster than torch's
- * float32 SDPA (an AVX2 Zen 2, 4 prompts of 128 tokens and a 512-token mixed step of the demo;
+ * float32 SDPA, and pa_tile_gemm (AVX2) 1.5-1.7x faster again on 4 x 128-token prompts (an AVX2
+ * Zen 2, 4 prompts of 128 tokens and a 512-token mixed step of the demo; bench/NOTES.md 'Prefill
+ * chunks as small GEMMs';
  * bench/NOTES.md 'AVX2 paged attention') and a bfloat16 128-token chunk 2.8x faster than torch's
  * bfloat16 SDPA, which has no native bfloat16 instructions there (bench/NOTES.md 'bfloat16 on AVX2').
  * Elsewhere (AVX-512 without AMX, bfloat16 off tiles, the SSE build) SDPA keeps them: not measured
