@@ -677,9 +677,9 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
     const float *kr[PA_KEYS], *vr[PA_KEYS];
     memset(zeros, 0, sizeof(zeros));
     memset(o, 0, sizeof(o));
-    for (int64_t r = 0; r < RB; r++) {
-        const int64_t rr = r < rows ? r : rows - 1;
-        pos[r] = (int32_t)(prefix + tok0 + rr / n_rep);
+    for (int64_t r = 0, tok = prefix + tok0, rep = 0; r < RB; r++) { /* tok: row r's position (no division a row) */
+        pos[r] = (int32_t)tok;
+        if (++rep == n_rep && r + 1 < rows) rep = 0, tok++;
         row_max[r] = -INFINITY, row_sum[r] = 0.0f;
     }
     for (int64_t r8 = 0; r8 < RB; r8 += 8) { /* Q^T by 8x8 blocks: one scalar store per element took a
