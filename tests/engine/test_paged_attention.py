@@ -73,12 +73,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 # (new tokens, K/V lengths): prefills without a prefix, with one (odd lengths, across blocks),
-# decodes, and a step mixing them, decodes first and last
+# decodes, a step mixing them, decodes first and last, and long chunks (AVX2: many query rows per
+# item go through the small-GEMM tiles) behind prefixes off the 16-key runs, so the causal diagonal
+# cuts runs and row vectors at odd places
 BATCHES = {
     "prefill": ([7, 1, 33, 16], [7, 1, 33, 16]),
     "prefix": ([5, 20, 3], [21, 52, 3 + 16]),
     "decodes": ([1, 1, 1, 1, 1], [1, 15, 16, 17, 100]),
     "mixed": ([1, 40, 1, 9, 1], [30, 57, 1, 9, 64]),
+    "long": ([100, 1, 37], [130, 50, 37 + 21]),
 }
 
 

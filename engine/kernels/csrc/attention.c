@@ -311,7 +311,9 @@ int paged_decode_attention_invariant(int bf16, const void *q, int64_t q_stride, 
  * head, so a tile's keys and values are converted to float32 once and used by every row. Keys go 16 at a time (never across a block):
  * a row's 16 scores come from 16 vector dot products and one transposing add tree (no horizontal
  * sum per key), then an online softmax (flash attention) keeps a running max, sum and weighted
- * values per row. head_dim a multiple of 16. bfloat16 caches on AMX CPUs take paged_attention_amx
+ * values per row. head_dim a multiple of 16. In AVX2 builds, items of PA_GEMM_MIN_ROWS or more
+ * query rows (prefill chunks) take pa_tile_gemm instead: the same maths as small register-tiled
+ * GEMMs. bfloat16 caches on AMX CPUs take paged_attention_amx
  * (below) instead, which also beats torch's SDPA on prefill chunks. Which steps CpuKernelBackend
  * hands this path: paged_attention_takes_decodes and paged_attention_takes_chunks (the end of this
  * file). */
@@ -556,6 +558,230 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
 }
 
+#if NV_LANES == 8 && defined(__AVX2__) && defined(__FMA__)
+/* ------------------------------------------------------------------------------------------ paged attention as small GEMMs (AVX2)
+ * pa_tile for items with many query rows (prefill chunks): per run of 16 keys, S^T = K Q^T and then
+ * O += P V as register-tiled small GEMMs, as gemm.c's 6x16 tile, instead of a dot product and an
+ * add tree per (row, key). pa_tile leaves most of the FMA rate unused there: a row's 16 scores
+ * cost 16 dot products plus a transposing add tree, and its softmax runs one row at a time.
+ * - Q^T [D][rows] is packed once per item, so a run's K rows are read as they lie in the cache (no
+ *   per-run transpose): a 4-key x 24-row tile of scores takes each K element as a broadcast and Q^T
+ *   as 3 vectors a dim step (12 ymm accumulators).
+ * - The scores land as S^T [16 keys][rows]: a vector holds 8 rows' scores of one key, so the online
+ *   softmax (running max, sum, rescale per row) and the causal mask run across rows, 8 at a time,
+ *   with no horizontal operation.
+ * - O [rows][D] += P V in 6-row x 16-dim tiles: P's weights broadcast, the run's V rows read in place
+ *   (2 vectors a key), each O tile rescaled as it is loaded.
+ * Each row's sums still run in key order (the weighted values) and dim order (the scores); the
+ * result does not depend on the item's other rows. Decodes (a token's n_rep rows) keep pa_tile. */
+#define PA_GEMM 1
+#define PA_GEMM_MR 6 /* rows of a P V tile */
+#define PA_GEMM_MIN_ROWS (2 * PA_GEMM_MR)
+#define PA_GEMM_KEYS 4 /* keys of a scores tile */
+
+/* exp_approx on 8 lanes (the same polynomial), 0 where x < -46 as pa_tile's weights (and for -inf). */
+static inline __m256 pa_weights8(__m256 x) {
+    const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-46.0f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, k);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP2_C6), f, _mm256_set1_ps(EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+/* dst rows k < 8 (dst + k * dst_stride) = column k of the 8 x 8 block at src (rows src_stride apart), times scale. */
+static inline void pa_transpose8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, float scale) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(dst + k * dst_stride, _mm256_mul_ps(_mm256_permute2f128_ps(u[k], u[k + 4], 0x20), sc));
+        _mm256_storeu_ps(dst + (k + 4) * dst_stride, _mm256_mul_ps(_mm256_permute2f128_ps(u[k], u[k + 4], 0x31), sc));
+    }
+}
+
+/* S^T rows [key j][nv vectors of 8 rows] of PA_GEMM_KEYS keys (kr[j]: key j's D values) against Q^T
+ * (qt: dim d's rows at qt + d * RB), into st (key j at st + j * RB). */
+static inline __attribute__((always_inline)) void pa_scores_tile(const float *const *kr, const float *qt, int64_t RB,
+                                                                 int64_t D, float *st, const int nv) {
+    __m256 s[PA_GEMM_KEYS][3];
+    for (int j = 0; j < PA_GEMM_KEYS; j++)
+        for (int v = 0; v < nv; v++) s[j][v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 qv[3];
+        for (int v = 0; v < nv; v++) {
+            qv[v] = _mm256_loadu_ps(qt + d * RB + v * 8);
+            /* in a register: GCC otherwise folds the load into each of the 4 keys' FMAs, 16 loads a
+             * dim step for 12 FMAs, and the 2 load ports bound the tile */
+            __asm__("" : "+x"(qv[v]));
+        }
+        for (int j = 0; j < PA_GEMM_KEYS; j++) {
+            const __m256 k = _mm256_broadcast_ss(kr[j] + d);
+            for (int v = 0; v < nv; v++) s[j][v] = _mm256_fmadd_ps(k, qv[v], s[j][v]);
+        }
+    }
+    for (int j = 0; j < PA_GEMM_KEYS; j++)
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(st + j * RB + v * 8, s[j][v]);
+}
+
+/* O rows [nr][dims c .. c + 15] (o: row i's dim c at o + i * D) = O * rescale[i] + sum over keys j < m of
+ * P[i][j] (pt + j * RB + i) V[j] (vr[j] + c), in key order. */
+static inline __attribute__((always_inline)) void pa_values_tile(const float *const *vr, const float *pt, int64_t RB,
+                                                                 int64_t m, float *o, int64_t D, int64_t c,
+                                                                 const float *rescale, const int nr) {
+    __m256 acc[PA_GEMM_MR][2];
+    for (int i = 0; i < nr; i++) {
+        const __m256 sc = _mm256_broadcast_ss(rescale + i);
+        acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D), sc);
+        acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8), sc);
+    }
+    for (int64_t j = 0; j < m; j++) {
+        const __m256 v0 = _mm256_loadu_ps(vr[j] + c), v1 = _mm256_loadu_ps(vr[j] + c + 8);
+        for (int i = 0; i < nr; i++) {
+            const __m256 p = _mm256_broadcast_ss(pt + j * RB + i);
+            acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        _mm256_storeu_ps(o + i * D, acc[i][0]);
+        _mm256_storeu_ps(o + i * D + 8, acc[i][1]);
+    }
+}
+
+/* pa_tile's work item (query rows [tok0, tok1) x the n_rep heads of KV head g) as small GEMMs; rows
+ * at least PA_GEMM_MIN_ROWS, D a multiple of 16. */
+static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *a, const int64_t D, const char *q,
+                                                               char *out, const int32_t *table, int64_t prefix,
+                                                               int64_t tok0, int64_t tok1, int64_t g) {
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, RB = (rows + 7) / 8 * 8, RV = RB / 8;
+    const int64_t bs = a->block_size;
+    const size_t es = a->bf16 ? 2 : 4, slot_bytes = (size_t)a->slot_elems * es, head_off = (size_t)(g * D) * es;
+    const int64_t n_keys = prefix + tok1, head_lines = (D * (int64_t)es + 63) / 64;
+    /* Q^T [D][RB] scaled (rows past `rows` zero), O [RB][D], S^T then P^T [PA_KEYS][RB] */
+    float qt[D * RB], o[RB * D], st[PA_KEYS * RB], row[D], kf[PA_KEYS][D], vf[PA_KEYS][D], zeros[D];
+    float row_max[RB], row_sum[RB], rescale[RB];
+    int32_t pos[RB]; /* row r sees keys 0 .. pos[r]; rows past `rows` repeat the last one's */
+    const float *kr[PA_KEYS], *vr[PA_KEYS];
+    memset(zeros, 0, sizeof(zeros));
+    memset(o, 0, sizeof(o));
+    for (int64_t r = 0, tok = prefix + tok0, rep = 0; r < RB; r++) { /* tok: row r's position (no division a row) */
+        pos[r] = (int32_t)tok;
+        if (++rep == n_rep && r + 1 < rows) rep = 0, tok++;
+        row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+    }
+    for (int64_t r8 = 0; r8 < RB; r8 += 8) { /* Q^T by 8x8 blocks: one scalar store per element took a
+                                              * quarter of a 4 x 128-token step's time */
+        float q8[8][D];
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t r = r8 + i;
+            if (r < rows)
+                load_row(q8[i], q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es, D, a->bf16);
+            else
+                memset(q8[i], 0, sizeof(q8[i]));
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) pa_transpose8(&q8[0][d0], D, qt + d0 * RB + r8, RB, a->scale);
+    }
+    for (int64_t key0 = 0; key0 < n_keys;) {
+        const int64_t n = pa_run_length(key0, n_keys, bs);
+        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
+        PaRunPrefetch pf = {NULL, NULL, slot_bytes, head_lines, 0, 0};
+        if (key0 + n < n_keys) {
+            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
+            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
+            pf = (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0, n1};
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
+            if (a->bf16) {
+                load_row(kf[j], k, D, 1);
+                load_row(vf[j], v, D, 1);
+                k = (const char *)kf[j], v = (const char *)vf[j];
+            }
+            kr[j] = (const float *)k, vr[j] = (const float *)v;
+        }
+        for (int64_t j = n; j < PA_KEYS; j++) kr[j] = vr[j] = zeros; /* keys past the run: masked */
+        /* rows sorted by position: the first vector with a row that sees key0 (the last row sees all) */
+        int64_t v0 = 0;
+        while (pos[v0 * 8 + 7] < key0) v0++;
+        const int64_t r0 = v0 * 8, key_groups = (n + PA_GEMM_KEYS - 1) / PA_GEMM_KEYS;
+        /* the next run's K/V line pairs spread over this run's tiles */
+        const int64_t ticks = key_groups * ((RV - v0 + 2) / 3) + (RB - r0 + PA_GEMM_MR - 1) / PA_GEMM_MR * (D / 16);
+        const int64_t pairs = pf.slots_left * head_lines;
+        int64_t credit = 0;
+#define PA_GEMM_TICK() for (credit += pairs; credit >= ticks; credit -= ticks) pa_prefetch_pair(&pf)
+        for (int64_t j0 = 0; j0 < n; j0 += PA_GEMM_KEYS)
+            for (int64_t v = v0; v < RV; v += 3) {
+                const float *qv = qt + v * 8;
+                float *sv = st + j0 * RB + v * 8;
+                PA_GEMM_TICK();
+                switch (RV - v < 3 ? RV - v : 3) {
+                case 1: pa_scores_tile(kr + j0, qv, RB, D, sv, 1); break;
+                case 2: pa_scores_tile(kr + j0, qv, RB, D, sv, 2); break;
+                default: pa_scores_tile(kr + j0, qv, RB, D, sv, 3); break;
+                }
+            }
+        for (int64_t v = v0; v < RV; v++) { /* online softmax, 8 rows at a time */
+            const __m256i last = _mm256_loadu_si256((const __m256i *)(pos + v * 8));
+            const __m256 old_max = _mm256_loadu_ps(row_max + v * 8);
+            __m256 new_max = old_max;
+            for (int64_t j = 0; j < n; j++) { /* keys past a row's position: -inf */
+                const __m256i seen = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(key0 + j)), last);
+                const __m256 s = _mm256_blendv_ps(_mm256_loadu_ps(st + j * RB + v * 8), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(seen));
+                _mm256_storeu_ps(st + j * RB + v * 8, s);
+                new_max = _mm256_max_ps(new_max, s);
+            }
+            const __m256 sc = pa_weights8(_mm256_sub_ps(old_max, new_max)); /* 0 where old_max was -inf */
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const __m256 w = pa_weights8(_mm256_sub_ps(_mm256_loadu_ps(st + j * RB + v * 8), new_max));
+                _mm256_storeu_ps(st + j * RB + v * 8, w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            _mm256_storeu_ps(row_sum + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum + v * 8), sc, sum));
+            _mm256_storeu_ps(row_max + v * 8, new_max);
+            _mm256_storeu_ps(rescale + v * 8, sc);
+        }
+        for (int64_t r = r0; r < RB; r += PA_GEMM_MR) {
+            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, seen = pos[r + nr - 1] - key0 + 1;
+            const int64_t m = seen < n ? seen : n; /* keys of the run any of the tile's rows sees */
+            for (int64_t c = 0; c < D; c += 16) {
+                PA_GEMM_TICK();
+                if (m <= 0) continue; /* its rows' maxima did not move: rescale 1, nothing to add */
+                float *ot = o + r * D + c; /* the tile's first row at its dims c */
+                const float *pt = st + r;
+                switch (nr) {
+                case 2: pa_values_tile(vr, pt, RB, m, ot, D, c, rescale + r, 2); break;
+                case 4: pa_values_tile(vr, pt, RB, m, ot, D, c, rescale + r, 4); break;
+                default: pa_values_tile(vr, pt, RB, m, ot, D, c, rescale + r, 6); break;
+                }
+            }
+        }
+#undef PA_GEMM_TICK
+        while (pf.slots_left > 0) pa_prefetch_pair(&pf);
+        key0 += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * es;
+        const float inv_sum = 1.0f / row_sum[r];
+        for (int64_t d = 0; d < D; d++) row[d] = o[r * D + d] * inv_sum;
+        store_row(dst, row, D, a->bf16);
+    }
+}
+#endif
+
 #ifdef AMX_COMPILED
 #define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
@@ -609,6 +835,15 @@ int paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, cons
         char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * es;
         const int32_t *table = block_tables + b * max_blocks;
         const int64_t prefix = seq_lens[b] - n_new;
+#ifdef PA_GEMM
+        if ((tok1 - tok0) * n_rep >= PA_GEMM_MIN_ROWS && head_dim % 16 == 0) {
+            if (head_dim == 64)
+                pa_tile_gemm(&args, 64, q, o, table, prefix, tok0, tok1, g);
+            else
+                pa_tile_gemm(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+            continue;
+        }
+#endif
         if (head_dim == 64)
             pa_tile(&args, 64, q, o, table, prefix, tok0, tok1, g);
         else if (head_dim == 128)
@@ -961,7 +1196,9 @@ int paged_attention_takes_decodes(int bf16) {
 /* 1 where a step with prefill chunks should run all its sequences, chunks and decodes, in one
  * paged_attention call instead of SDPA per chunk: on AMX tiles (paged_attention_on_tiles), and on
  * AVX builds below AVX-512, where the 8-lane pa_tile ran a step's chunks 1.6x faster than torch's
- * float32 SDPA (an AVX2 Zen 2, 4 prompts of 128 tokens and a 512-token mixed step of the demo;
+ * float32 SDPA, and pa_tile_gemm (AVX2) 1.5-1.7x faster again on 4 x 128-token prompts (an AVX2
+ * Zen 2, 4 prompts of 128 tokens and a 512-token mixed step of the demo; bench/NOTES.md 'Prefill
+ * chunks as small GEMMs';
  * bench/NOTES.md 'AVX2 paged attention') and a bfloat16 128-token chunk 2.8x faster than torch's
  * bfloat16 SDPA, which has no native bfloat16 instructions there (bench/NOTES.md 'bfloat16 on AVX2').
  * Elsewhere (AVX-512 without AMX, bfloat16 off tiles, the SSE build) SDPA keeps them: not measured
