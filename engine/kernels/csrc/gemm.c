@@ -90,6 +90,18 @@
 #else
 #define GEMM_MC 256
 #endif
+/* Rows per pass for a float32 weight (a bfloat16 one keeps GEMM_MC, from whose 16 tiles its chunk is
+ * widened once): on AVX2 112, so the demo's k of 576 is one k block (GEMM_X_L2_BYTES: a pass of 103
+ * rows at 512, 64 at 128, 108 at 2048 holds x's whole k of 576 in 256 KiB), each tile's sums in
+ * registers over the whole k, stored once. One thread, cold, huge pages, against 128 (k blocks of
+ * 288 there): 512 rows, time, wqkv 0.95-0.97, w13 0.96-0.97, wo 0.96-0.97, w2 (k 1536: 3 blocks
+ * either way) 0.97-1.0, the 1.1B's 3072 x 2048 0.99-1.01; 128 rows 0.96-0.99, 2048 rows 0.95-1.0
+ * (bench/NOTES.md 'gemm.c at 512 rows'). Elsewhere GEMM_MC. */
+#if NV_LANES == 8
+#define GEMM_MC_F32 112
+#else
+#define GEMM_MC_F32 GEMM_MC
+#endif
 /* Sums stored past the caches (non-temporal, whole 64-byte lines: a panel row) where the weight is
  * at least GEMM_STREAM_MIN_WEIGHT_BYTES and the call's out at least GEMM_STREAM_MIN_OUT_BYTES: such a
  * weight streams through every cache level, so out's lines would leave them before anyone read them,
@@ -247,7 +259,7 @@ static inline void prefetch_out_tile(float *out, int64_t n, int64_t r0, int64_t 
         for (int p = 0; p < np; p++) __builtin_prefetch(out + r * n + c0 + p * 16, 1, 3);
 }
 
-/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
+/* One block of at most GEMM_MC (float32: GEMM_MC_F32) rows; stream: its sums stored non-temporally (stream_out). */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
                        int num_threads, int stream) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
@@ -305,7 +317,8 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         return KERNEL_OK;
     }
     const int stream = stream_out(bf16, out, rows, n, k); /* by the whole call's out, of which each pass writes its rows */
-    const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
+    const int64_t mc = bf16 ? GEMM_MC : GEMM_MC_F32;
+    const int64_t blocks = (rows + mc - 1) / mc, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
         gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream);
