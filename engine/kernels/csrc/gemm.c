@@ -58,9 +58,15 @@
  * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
  * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; with GEMM_MC's passes of 128
  * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once keeps GEMM_KC: its
- * buffer). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
+ * buffer). 384 KiB of Zen 2's 512 (256 before): a pass of 128 rows then takes the demo's k of 576 in
+ * one block (2 of 288 before: each tile's sums stored and loaded back, its setup twice), k 1536 in 2
+ * and 2048 in 3 (3 and 4 before), with room left for the weight chunk and out. One thread, cold, huge
+ * pages, both with the out prefetch (prefetch_out_tile), time: 512 rows, the demo's wqkv 0.97-0.99,
+ * w13 0.95-0.97, wo 0.96-0.97, w2 0.97-1.01, the 1.1B's 3072 x 2048 0.98-0.99, 2048 x 8192 0.98-1.0;
+ * 128 rows 0.96-0.99; 32 rows level; 9 and 16 rows level at 448 KiB (bench/NOTES.md 'gemm.c at 512
+ * rows'). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
 #if NV_LANES == 8
-#define GEMM_X_L2_BYTES (256 << 10)
+#define GEMM_X_L2_BYTES (384 << 10)
 #else
 #define GEMM_X_L2_BYTES 0
 #endif
@@ -89,18 +95,6 @@
 #define GEMM_MC 128
 #else
 #define GEMM_MC 256
-#endif
-/* Rows per pass for a float32 weight (a bfloat16 one keeps GEMM_MC, from whose 16 tiles its chunk is
- * widened once): on AVX2 112, so the demo's k of 576 is one k block (GEMM_X_L2_BYTES: a pass of 103
- * rows at 512, 64 at 128, 108 at 2048 holds x's whole k of 576 in 256 KiB), each tile's sums in
- * registers over the whole k, stored once. One thread, cold, huge pages, against 128 (k blocks of
- * 288 there): 512 rows, time, wqkv 0.95-0.97, w13 0.96-0.97, wo 0.96-0.97, w2 (k 1536: 3 blocks
- * either way) 0.97-1.0, the 1.1B's 3072 x 2048 0.99-1.01; 128 rows 0.96-0.99, 2048 rows 0.95-1.0
- * (bench/NOTES.md 'gemm.c at 512 rows'). Elsewhere GEMM_MC. */
-#if NV_LANES == 8
-#define GEMM_MC_F32 112
-#else
-#define GEMM_MC_F32 GEMM_MC
 #endif
 /* Sums stored past the caches (non-temporal, whole 64-byte lines: a panel row) where the weight is
  * at least GEMM_STREAM_MIN_WEIGHT_BYTES and the call's out at least GEMM_STREAM_MIN_OUT_BYTES: such a
@@ -259,7 +253,7 @@ static inline void prefetch_out_tile(float *out, int64_t n, int64_t r0, int64_t 
         for (int p = 0; p < np; p++) __builtin_prefetch(out + r * n + c0 + p * 16, 1, 3);
 }
 
-/* One block of at most GEMM_MC (float32: GEMM_MC_F32) rows; stream: its sums stored non-temporally (stream_out). */
+/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
                        int num_threads, int stream) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
@@ -317,8 +311,7 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
         return KERNEL_OK;
     }
     const int stream = stream_out(bf16, out, rows, n, k); /* by the whole call's out, of which each pass writes its rows */
-    const int64_t mc = bf16 ? GEMM_MC : GEMM_MC_F32;
-    const int64_t blocks = (rows + mc - 1) / mc, block_rows = (rows + blocks - 1) / blocks; /* balanced */
+    const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
         gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream);
