@@ -87,8 +87,8 @@
  * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
  * bytes once more, little beside 256 rows of FMAs on each. AVX2: 128 rows, whose x then fills the L2
- * budget of GEMM_X_L2_BYTES with k blocks of 512 steps instead of 256 (fewer tile setups, as at few
- * rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
+ * budget of GEMM_X_L2_BYTES with k blocks of 768 steps (512 when the budget was 256 KiB) instead of 256
+ * (fewer tile setups, as at few rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
  * 2048 x 8192 (64 rows: about the same, but a bfloat16 chunk is widened once only from 16 tiles, 96
  * rows, on AVX2). Elsewhere not measured: 256. */
 #if NV_LANES == 8
