@@ -246,8 +246,9 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
  * prefetch takes the line exclusive). One thread, cold, huge pages, 512 rows, time: the demo's wqkv
  * 0.91-0.95, w13 0.96-0.98, wo 0.96-1.0, w2 0.98-0.99; the 1.1B's (k 2048 and 8192: 4-16 k blocks, so
  * the first block's misses weigh less) 0.95-1.01, level; 32 and 128 rows (the driver's out in the
- * caches) level (bench/NOTES.md 'gemm.c at 512 rows'). Measured on AVX2 only; a prefetch changes no
- * result, so every build does it. */
+ * caches) level (bench/NOTES.md 'gemm.c at 512 rows'). The head (streamed sums): prefetched too,
+ * 1.02-1.04x the time at 32 rows; not, 1.0-1.02. Measured on AVX2 only; a prefetch changes no result,
+ * so every build does it. */
 static inline void prefetch_out_tile(float *out, int64_t n, int64_t r0, int64_t r1, int64_t c0, int np) {
     for (int64_t r = r0; r < r1; r++)
         for (int p = 0; p < np; p++) __builtin_prefetch(out + r * n + c0 + p * 16, 1, 3);
@@ -273,12 +274,16 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * last the next panel's first */
             const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
+            /* out's lines fetched ahead (prefetch_out_tile) in the first k block only (the later ones find
+             * them cached), and never for sums stored past the caches (stream_out: the fetch is the read
+             * those stores avoid) */
+            const int pf_out = k0 == 0 && !(stream && k0 + kc >= k);
             if (widen) { /* widen the chunk once for every row tile (widen_chunk) */
                 float wide[GEMM_NP * GEMM_KC * 16];
                 widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-                    if (t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
+                    if (pf_out && t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
                     gemm_tile_rows_f32((int)mr, np, x + r0 * k + k0, k, wide, kc * 16, kc, out + r0 * n + p0 * 16, n,
                                        k0 == 0, 0, 0, stream && k0 + kc >= k);
                 }
@@ -286,7 +291,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
             }
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
-                if (t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
+                if (pf_out && t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
                 const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
                 (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
