@@ -51,17 +51,18 @@ def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 301: balanced blocks of rows (gemm.c GEMM_MC), each its own pass over the weights; 128: on AVX2 k in 2
-# blocks where a row alone has 1 (GEMM_X_L2_BYTES: longer k blocks for fewer rows)
+# 301: balanced blocks of rows (gemm.c GEMM_MC), each its own pass over the weights; 128 and 301: on AVX2 k
+# (1000) in 2 blocks where a row alone has 1 (GEMM_X_L2_BYTES: longer k blocks for fewer rows; bfloat16 from
+# 16 tiles: 4 widened chunks)
 @pytest.mark.parametrize("rows", [70, 128, 301])
 def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     """One FMA chain per output, in k order: a row alone and in any batch gives the same bits. bfloat16
     weights: a call of many row tiles widens each chunk once (gemm.c widen_chunk), a row alone widens
     in its loads: the same values in the same order."""
     g = gen(rows)
-    weight = torch.randn(96, 600, generator=g).to(dtype)
+    weight = torch.randn(96, 1000, generator=g).to(dtype)
     gemm = kernels.bind_gemm(kernels.interleave(weight))
-    x = torch.randn(rows, 600, generator=g)
+    x = torch.randn(rows, 1000, generator=g)
     batched = gemm(x, THREADS)
     assert_within_f32_rounding(batched, x, weight)
     for row in (0, 5, 6, 13, rows - 1):
@@ -76,10 +77,10 @@ def test_sums_streamed_past_the_caches_are_the_same_bits(kernels):
     g = gen(32)
     weight = torch.randn(8192, 1024, generator=g)  # 32 MiB of float32
     gemm = kernels.bind_gemm(kernels.interleave(weight))
-    x = torch.randn(130, 1024, generator=g)  # out 130 x 8192 floats: 4.06 MiB; on AVX2 2 passes of rows, k in 2 blocks
+    x = torch.randn(230, 1024, generator=g)  # out 230 x 8192 floats: 7.2 MiB; on AVX2 2 passes of 115 rows, k in 2 blocks
     batched = gemm(x, THREADS)
     assert_within_f32_rounding(batched, x, weight)
-    for row in (0, 7, 129):
+    for row in (0, 7, 229):
         assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
 
 

@@ -58,9 +58,15 @@
  * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
  * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; with GEMM_MC's passes of 128
  * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once keeps GEMM_KC: its
- * buffer). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
+ * buffer). 384 KiB of Zen 2's 512 (256 before): a pass of 128 rows then takes the demo's k of 576 in
+ * one block (2 of 288 before: each tile's sums stored and loaded back, its setup twice), k 1536 in 2
+ * and 2048 in 3 (3 and 4 before), with room left for the weight chunk and out. One thread, cold, huge
+ * pages, both with the out prefetch (prefetch_out_tile), time: 512 rows, the demo's wqkv 0.97-0.99,
+ * w13 0.95-0.97, wo 0.96-0.97, w2 0.97-1.01, the 1.1B's 3072 x 2048 0.98-0.99, 2048 x 8192 0.98-1.0;
+ * 128 rows 0.96-0.99; 32 rows level; 9 and 16 rows level at 448 KiB (bench/NOTES.md 'gemm.c at 512
+ * rows'). AVX2 only: 0 elsewhere, where it was not measured (GEMM_KC's blocks at every row count). */
 #if NV_LANES == 8
-#define GEMM_X_L2_BYTES (256 << 10)
+#define GEMM_X_L2_BYTES (384 << 10)
 #else
 #define GEMM_X_L2_BYTES 0
 #endif
@@ -81,8 +87,8 @@
  * stays in L2 while the panels stream past it. Without it, 2048 rows ran at 0.84-0.91x oneDNN
  * (x from L3 for every panel) where 1024 still ran 1.1x; another pass over the weights costs their
  * bytes once more, little beside 256 rows of FMAs on each. AVX2: 128 rows, whose x then fills the L2
- * budget of GEMM_X_L2_BYTES with k blocks of 512 steps instead of 256 (fewer tile setups, as at few
- * rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
+ * budget of GEMM_X_L2_BYTES with k blocks of 768 steps (512 when the budget was 256 KiB) instead of 256
+ * (fewer tile setups, as at few rows): one thread, cold, 512 rows 0.93-0.97x the time on the demo's blocks, 0.88x on the 1.1B's
  * 2048 x 8192 (64 rows: about the same, but a bfloat16 chunk is widened once only from 16 tiles, 96
  * rows, on AVX2). Elsewhere not measured: 256. */
 #if NV_LANES == 8
@@ -232,6 +238,22 @@ static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
     return t * base + (t < extra ? t : extra);
 }
 
+/* The next row tile's lines of `out` (rows r0 .. r1, np panels from column c0) fetched for writing while
+ * this tile runs: a tile's first k block stores its sums over lines no cache may hold (at 512 rows
+ * the call's out is 1.2-6.3 MB on the demo's shapes), and each such store first reads its line from
+ * L3 or DRAM; fetched a tile ahead, the reads overlap a tile's FMAs (thousands of cycles) instead of
+ * holding its stores. The thread's own next tile only (never a line another thread writes: a write
+ * prefetch takes the line exclusive). One thread, cold, huge pages, 512 rows, time: the demo's wqkv
+ * 0.91-0.95, w13 0.96-0.98, wo 0.96-1.0, w2 0.98-0.99; the 1.1B's (k 2048 and 8192: 4-16 k blocks, so
+ * the first block's misses weigh less) 0.95-1.01, level; 32 and 128 rows (the driver's out in the
+ * caches) level (bench/NOTES.md 'gemm.c at 512 rows'). The head (streamed sums): prefetched too,
+ * 1.02-1.04x the time at 32 rows; not, 1.0-1.02. Measured on AVX2 only; a prefetch changes no result,
+ * so every build does it. */
+static inline void prefetch_out_tile(float *out, int64_t n, int64_t r0, int64_t r1, int64_t c0, int np) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int p = 0; p < np; p++) __builtin_prefetch(out + r * n + c0 + p * 16, 1, 3);
+}
+
 /* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
                        int num_threads, int stream) {
@@ -252,11 +274,16 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * last the next panel's first */
             const int64_t next = k0 + kc < k ? (k - k0 - kc < kc_full ? k - k0 - kc : kc_full) : kc_full;
             const void *w = (const char *)weight + (size_t)(p0 * panel_floats + k0 * 16) * (bf16 ? 2 : 4);
+            /* out's lines fetched ahead (prefetch_out_tile) in the first k block only (the later ones find
+             * them cached), and never for sums stored past the caches (stream_out: the fetch is the read
+             * those stores avoid) */
+            const int pf_out = k0 == 0 && !(stream && k0 + kc >= k);
             if (widen) { /* widen the chunk once for every row tile (widen_chunk) */
                 float wide[GEMM_NP * GEMM_KC * 16];
                 widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+                    if (pf_out && t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
                     gemm_tile_rows_f32((int)mr, np, x + r0 * k + k0, k, wide, kc * 16, kc, out + r0 * n + p0 * 16, n,
                                        k0 == 0, 0, 0, stream && k0 + kc >= k);
                 }
@@ -264,6 +291,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
             }
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;
+                if (pf_out && t + 1 < tiles) prefetch_out_tile(out, n, r0 + mr, tile_start(t + 2, rows, tiles), p0 * 16, np);
                 const int64_t share = t - (tiles - pf_tiles); /* this tile's share of the prefetch, if >= 0 */
                 const int64_t pf0 = share < 0 ? 0 : next * share / pf_tiles, pf1 = share < 0 ? 0 : next * (share + 1) / pf_tiles;
                 (bf16 ? gemm_tile_rows_bf16 : gemm_tile_rows_f32)((int)mr, np, x + r0 * k + k0, k, w, panel_floats, kc,
