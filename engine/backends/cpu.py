@@ -250,6 +250,11 @@ class PackedCpuLinear(nn.Module):
         (engine/backends/cpu_step.py)."""
         return self._few_rows
 
+    def gemm_rows(self) -> int:
+        """The most rows forward sends csrc/gemm.c (past few_rows, an input of the copy's dtype; 0 where
+        it sends none), for a compiled decode step of many float32 sequences (engine/backends/cpu_step.py)."""
+        return self._gemm_max_rows if self._gemm is not None else 0
+
     def tile_rows(self) -> int:
         """The most rows (from 2) forward runs on the AMX tiles from the one-row copy, for a compiled
         decode step of many sequences (engine/backends/cpu_step.py); 0 without tiles."""

@@ -18,7 +18,10 @@ steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those r
 tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would;
 without tiles, steps of 2..N decodes where every block linear runs N rows through its interleaved
 copy's few-rows kernel (PackedCpuLinear.few_rows: N by the build's vector width, 8 on AVX2): the
-step's max_rows. Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
+step's max_rows; and a float32 model whose block linears send the rows past N to csrc/gemm.c
+(PackedCpuLinear.gemm_rows: AVX2 builds) serves up to STEP_GEMM_MAX_ROWS decodes, those rows
+through the same gemm (a 32-decode demo step on 2 threads on a Zen 2: 75.5 ms op by op, 65.0 ms
+in one call; bench/stream_profile.py --ab). Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
 pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
 interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
 compiler, build_decode_step returns None and the model runs its per-op path.
@@ -42,6 +45,11 @@ from engine.kernels.decode_step import (
 from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
+
+# The most decodes a float32 step runs through gemm.c's linears in one C call: its scratch holds this
+# many rows (the demo: 4.5 MiB; the 1.1B: 18 MiB). Larger pure-decode steps run op by op (the same
+# kernels: the same bits). The per-op path's Python and ctypes cost ~4 ms of a 76 ms 32-decode step.
+STEP_GEMM_MAX_ROWS = 128
 
 
 def _one_row(linear: nn.Module, dtype: torch.dtype) -> StepLinear | None:
@@ -133,39 +141,44 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     first = model.layers[0]
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
-    max_rows, on_tiles = _max_rows(model, layers, amx)
+    max_rows, on_tiles, few_rows = _max_rows(model, layers, amx, dtype)
     scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if on_tiles else max_rows
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
     if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
         addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
-    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if on_tiles else None)
+    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if on_tiles else None,
+                               interleaved_gemm=kernels.address("interleaved_gemm") if few_rows < max_rows else None)
     layer_array = (StepLayer * len(layers))(*layers)
     scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})
     program = StepProgram(
         ctypes.pointer(kernel_table), layer_array, ctypes.pointer(scratch_table), model.norm.weight.data_ptr(),
         len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, DTYPE_CODES[dtype], max_rows, TILE_ROWS,
-        model.norm.eps, heads.head_dim**-0.5,
+        few_rows, model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
     return DecodeStep(lib.decode_step, program, keep)
 
 
-def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> tuple[int, bool]:
-    """(the most decodes a step serves, whether its 2+ rows run on the AMX tiles): every block
-    linear's tile_rows (the rows its forward runs on the tiles from its pairs copy) where all have
-    some; else, where every one is an interleaved copy, their few_rows (the rows their forward runs
-    through the interleaved kernel); else 1 (one-row linears only)."""
+def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None, dtype: torch.dtype) -> tuple[int, bool, int]:
+    """(the most decodes a step serves, whether its 2+ rows run on the AMX tiles, the most rows its
+    linears run through the interleaved kernel): every block linear's tile_rows (the rows its forward
+    runs on the tiles from its pairs copy) where all have some; else, where every one is an
+    interleaved copy, their few_rows (the rows their forward runs through the interleaved kernel),
+    and for a float32 model whose linears all send the rows past those to csrc/gemm.c (AVX2 builds),
+    up to STEP_GEMM_MAX_ROWS of them too; else 1 (one-row linears only)."""
     linears = [linear for block in model.layers for linear in block_linears(block)]
     kinds = {getattr(layer, name).kind for layer in layers for name in BLOCK_LINEARS}
     if amx is not None and kinds == {LINEAR_KINDS["pairs"]}:
         rows = min(linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for linear in linears)
         if rows > 1:
-            return rows, True
+            return rows, True, rows
     if kinds == {LINEAR_KINDS["interleaved"]}:
-        return max(1, min(linear.few_rows() if hasattr(linear, "few_rows") else 1 for linear in linears)), False
-    return 1, False
+        few = max(1, min(linear.few_rows() if hasattr(linear, "few_rows") else 1 for linear in linears))
+        gemm = min(linear.gemm_rows() if hasattr(linear, "gemm_rows") else 0 for linear in linears) if dtype == torch.float32 else 0
+        return (min(gemm, STEP_GEMM_MAX_ROWS), False, few) if gemm > few else (few, False, few)
+    return 1, False, 1
 
 
 def _scratch(widths: dict[str, int], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class StepKernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "amx_linear")]
+    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "amx_linear", "interleaved_gemm")]
 
 
 class StepLinear(ctypes.Structure):
@@ -55,7 +55,7 @@ class StepProgram(ctypes.Structure):
     _fields_ = [
         ("kernels", ctypes.POINTER(StepKernels)), ("layers", ctypes.POINTER(StepLayer)), ("scratch", ctypes.POINTER(StepScratch)),
         ("final_norm", _p),
-        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows")),
+        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows", "few_rows")),
         ("eps", _f32), ("scale", _f32),
     ]  # fmt: skip
 

@@ -260,7 +260,8 @@ def cpu_step_max_rows() -> int:
 def _caches(model, seed: int):
     from engine.models.llama import allocate_kv_caches
 
-    num_blocks = cpu_step_max_rows() * MANY_BLOCKS_PER_SEQ + MANY_BLOCKS_PER_SEQ
+    # every sequence a step of the model may serve, and one more (a step past its bound)
+    num_blocks = (max(cpu_step_max_rows(), getattr(model.decode_step, "max_rows", 1)) + 1) * MANY_BLOCKS_PER_SEQ
     caches = allocate_kv_caches(model.params, 1, num_blocks, MANY_BLOCK_SIZE, dtype=model.backend.dtype, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     for k_cache, v_cache in caches:  # K/V already cached for every context, random
@@ -351,10 +352,21 @@ def float32_model():
     return model
 
 
-def test_float32_serves_up_to_the_few_rows_cutoff(float32_model):
+def float32_step_rows() -> int:
+    """The most decodes a float32 compiled step serves: STEP_GEMM_MAX_ROWS where csrc/gemm.c takes the
+    block linears' rows past the few-rows cutoff (AVX2 builds), else the cutoff."""
+    from engine.backends.cpu_step import STEP_GEMM_MAX_ROWS
+    from engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    return STEP_GEMM_MAX_ROWS if kernels is not None and kernels.gemm_max_rows() > 0 else few_rows_cutoff()
+
+
+def test_float32_serves_up_to_its_step_rows(float32_model):
     """float32 has no tiles: the step serves 1..N decodes, N the build's few-rows cutoff (the block
-    linears' interleaved kernel takes up to N rows, as in the per-op path); more run op by op."""
-    model, rows = float32_model, few_rows_cutoff()
+    linears' interleaved kernel takes up to N rows, as in the per-op path), or where gemm.c takes
+    the rows past it (AVX2 builds) STEP_GEMM_MAX_ROWS; more run op by op."""
+    model, rows = float32_model, float32_step_rows()
     assert model.decode_step.max_rows == rows
     caches = _caches(model, seed=2)
     assert plan(model, _step(1), caches).compiled and plan(model, _step(rows), caches).compiled
@@ -363,12 +375,15 @@ def test_float32_serves_up_to_the_few_rows_cutoff(float32_model):
 
 @pytest.mark.parametrize("threads", [2, 1])
 def test_few_decodes_without_tiles_equal_the_per_op_path_bit_for_bit(float32_model, threads):
-    """float32 (no AMX): the fused step's logits and K/V writes at every 1..N decodes equal the
-    per-op path's exactly (the same interleaved kernel over the same rows, the same attention)."""
+    """float32 (no AMX): the fused step's logits and K/V writes at every 1..N decodes, and past N
+    where gemm.c takes those rows, equal the per-op path's exactly (the same kernels over the same
+    rows, the same attention)."""
     model, old_threads = float32_model, torch.get_num_threads()
+    cutoff = few_rows_cutoff()
+    past = [n for n in (cutoff + 1, 17, 32, cpu_step_max_rows()) if n <= model.decode_step.max_rows]
     torch.set_num_threads(threads)
     try:
-        for num_seqs in range(1, few_rows_cutoff() + 1):
+        for num_seqs in [*range(1, cutoff + 1), *past]:
             inputs = _step(num_seqs)
             fused_caches, per_op_caches = _caches(model, seed=num_seqs), _caches(model, seed=num_seqs)
             assert plan(model, inputs, fused_caches).compiled

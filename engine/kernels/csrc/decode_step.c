@@ -10,8 +10,9 @@
  * themselves (the cpu_kernels, quant_kernels and amx_linear libraries, loaded separately and
  * passed in by address, so this file holds no kernel code of its own and the step computes exactly
  * what the per-op path computes, call for call: one row through the one-row linears, 2+ rows
- * through the AMX tiles or, without them, 2..max_rows rows through the interleaved linears' few-rows
- * path, attention through whichever paged kernel the step's metadata names).
+ * through the AMX tiles or, without them, 2..few_rows rows through the interleaved linears' few-rows
+ * path and float32 rows past few_rows (up to max_rows) through gemm.c, attention through whichever
+ * paged kernel the step's metadata names).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -31,6 +32,7 @@ typedef int (*interleaved_fn)(int, const void *, const void *, void *, int64_t, 
 typedef void (*pairs_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef int (*quant_fn)(const void *, int, const void *, int64_t, void *, int);
 typedef int (*amx_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
+typedef int (*gemm_fn)(int, const float *, const void *, float *, int64_t, int64_t, int64_t, int);
 
 /* The kernels, by address (engine.kernels.cpu.CpuKernels.address, QuantKernels.linear_address,
  * AmxLinear.address). */
@@ -44,6 +46,7 @@ typedef struct {
     pairs_fn interleaved_linear_bf16_pairs; /* NULL where the library has none */
     quant_fn quant_linear;                  /* NULL without the quantized kernels */
     amx_fn amx_linear;                      /* NULL without AMX tiles (2+ rows: the interleaved linears) */
+    gemm_fn interleaved_gemm;               /* float32 rows past the program's few_rows (gemm.c) */
 } step_kernels;
 
 /* One linear: its one-row form, kind 0 interleaved ([n / 16, k, 16]), 1 bfloat16 column pairs
@@ -77,6 +80,7 @@ typedef struct {
     const void *final_norm;
     int64_t n_layers, dim, heads, kv_heads, head_dim, hidden, block_size, bf16;
     int64_t max_rows, tile_rows; /* rows served (1: one-row linears only); AMX tile height (16) */
+    int64_t few_rows; /* float32 interleaved linears: rows past this go to interleaved_gemm (max_rows: never) */
     float eps, scale;
 } step_program;
 
@@ -105,7 +109,10 @@ static int run_linear(const step_program *p, const step_linear *l, const void *x
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
         return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads);
     }
-    /* more than one row only for kind 0 (the program's max_rows says so) */
+    /* more than one row only for kind 0 (the program's max_rows says so); past few_rows float32 rows
+     * take gemm.c, as PackedCpuLinear.forward sends them (the same kernel: the same bits) */
+    if (rows > p->few_rows && l->kind == LINEAR_INTERLEAVED && !bf16)
+        return kn->interleaved_gemm(0, (const float *)x, l->weight, (float *)out, rows, l->n, l->k, threads);
     switch (l->kind) {
     case LINEAR_BF16_PAIRS: kn->interleaved_linear_bf16_pairs(x, l->weight, out, rows, l->n, l->k, threads); return 0;
     case LINEAR_QUANT: return kn->quant_linear(l->weight, bf16, x, rows, out, threads);
