@@ -450,6 +450,25 @@ static inline void pa_prefetch_pair(PaRunPrefetch *pf) {
     }
 }
 
+/* Byte offset in a cache of key `key`'s slot for one KV head (head_off into the slot), through the
+ * sequence's block table. */
+static inline size_t pa_slot_offset(const int32_t *table, int64_t key, int64_t block_size, size_t slot_bytes,
+                                    size_t head_off) {
+    return ((size_t)table[key / block_size] * block_size + key % block_size) * slot_bytes + head_off;
+}
+
+/* The prefetch of the run after the one at key0 (n keys): its K/V rows while this run computes (they
+ * come back from memory: the layer's weights evicted them); none past the last key. */
+static inline PaRunPrefetch pa_next_run_prefetch(const PagedArgs *a, const int32_t *table, int64_t key0, int64_t n,
+                                                 int64_t n_keys, size_t slot_bytes, size_t head_off,
+                                                 int64_t head_lines) {
+    const int64_t key1 = key0 + n;
+    if (key1 >= n_keys) return (PaRunPrefetch){NULL, NULL, slot_bytes, head_lines, 0, 0};
+    const size_t next = pa_slot_offset(table, key1, a->block_size, slot_bytes, head_off);
+    return (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0,
+                           pa_run_length(key1, n_keys, a->block_size)};
+}
+
 /* Vectors of a row's weighted values accumulated at once (pa_tile): they stay in registers while
  * the run's keys stream past, instead of one dependent chain of FMAs per vector. */
 #define PA_ACC_VECS 8
@@ -480,14 +499,8 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
     }
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs);
-        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
-        PaRunPrefetch pf = {NULL, NULL, slot_bytes, head_lines, 0, 0};
-        if (key0 + n < n_keys) { /* the next run's rows while this one computes: K/V come back from
-                                  * memory (the layer's weights evicted them) */
-            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
-            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
-            pf = (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0, n1};
-        }
+        const size_t first = pa_slot_offset(table, key0, bs, slot_bytes, head_off);
+        PaRunPrefetch pf = pa_next_run_prefetch(a, table, key0, n, n_keys, slot_bytes, head_off, head_lines);
         /* ticks: a row's dot products count DV per NV_LANES keys, its weighted values one per key */
         const int64_t ticks = rows * (PA_KEYS / NV_LANES * DV + n), pairs = pf.slots_left * head_lines;
         int64_t credit = 0;
@@ -696,13 +709,8 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
     }
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs);
-        const size_t first = ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + head_off;
-        PaRunPrefetch pf = {NULL, NULL, slot_bytes, head_lines, 0, 0};
-        if (key0 + n < n_keys) {
-            const int64_t key1 = key0 + n, n1 = pa_run_length(key1, n_keys, bs);
-            const size_t next = ((size_t)table[key1 / bs] * bs + key1 % bs) * slot_bytes + head_off;
-            pf = (PaRunPrefetch){a->k_cache + next, a->v_cache + next, slot_bytes, head_lines, 0, n1};
-        }
+        const size_t first = pa_slot_offset(table, key0, bs, slot_bytes, head_off);
+        PaRunPrefetch pf = pa_next_run_prefetch(a, table, key0, n, n_keys, slot_bytes, head_off, head_lines);
         for (int64_t j = 0; j < n; j++) {
             const char *k = a->k_cache + first + j * slot_bytes, *v = a->v_cache + first + j * slot_bytes;
             if (a->bf16) {
