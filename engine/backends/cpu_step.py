@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 # The most decodes a float32 step runs through gemm.c's linears in one C call: its scratch holds this
 # many rows (the demo: 4.5 MiB; the 1.1B: 18 MiB). Larger pure-decode steps run op by op (the same
-# kernels: the same bits). The per-op path's Python and ctypes cost ~4 ms of a 76 ms 32-decode step.
+# kernels: the same bits). Op by op, a 32-decode demo step took 75.5 ms against 65.0 in one call.
 STEP_GEMM_MAX_ROWS = 128
 
 
