@@ -306,16 +306,31 @@ class InterleavedHeadLinear(nn.Module):
         super().__init__()
         self.register_buffer("interleaved", head.interleaved, persistent=False)
         self.out_features, self.in_features = head.out_features, head.in_features
-        self._rows = kernels.bind_interleaved(head.interleaved, f32_out=True)
+        self._kernels, self._widens = kernels, widen
+        self._few_rows = few_rows_cutoff(kernels)
+        self._bind(head.interleaved)
+
+    def _bind(self, weight: torch.Tensor) -> None:
+        kernels = self._kernels
+        self._rows = kernels.bind_interleaved(weight, f32_out=True)
         # widen: WIDEN_MIN_ROWS rows and more through widened float32 tiles and a float32 GEMM, as
         # PackedCpuLinear without oneDNN (float32 sums too, in the GEMM's order: the logits then
         # depend on the rows; never in the batch-invariant mode)
         # (where csrc/gemm.c serves bfloat16 weights, rows past the few-rows cutoff run it instead:
         # bfloat16 widened per load, no tiles written and read back)
-        gemm = widen and head.interleaved.dim() == 3 and gemm_serves(head.interleaved.dtype, head.out_features, kernels, onednn=False)
-        self._gemm = kernels.bind_gemm(head.interleaved) if gemm else None
-        self._few_rows = few_rows_cutoff(kernels)
-        self._widen = kernels.bind_widen(head.interleaved) if widen and not gemm else None
+        gemm = self._widens and weight.dim() == 3 and gemm_serves(weight.dtype, self.out_features, kernels, onednn=False)
+        self._gemm = kernels.bind_gemm(weight) if gemm else None
+        self._widen = kernels.bind_widen(weight) if self._widens and not gemm else None
+
+    def move_one_row_copy(self, copy: torch.Tensor) -> None:
+        """Serve every row from `copy`, an equal copy of the interleaved weight placed elsewhere: the
+        compiled decode step's huge-page arena, right after the last block's weights
+        (engine/backends/cpu_step.py gather_one_row_copies; on 4 KiB pages the one-row head of the
+        demo took x1.11 the time, bench/NOTES.md 'One stream, bfloat16: the accumulators in registers')."""
+        if copy.shape != self.interleaved.shape or copy.dtype != self.interleaved.dtype:
+            raise ValueError("move_one_row_copy: not a copy of this head's interleaved weight")
+        self.interleaved = copy
+        self._bind(copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemm is not None and x.shape[0] > self._few_rows:

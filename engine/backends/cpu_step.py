@@ -124,7 +124,8 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     dtype = model.backend.dtype
     if dtype not in DTYPE_CODES:
         return None
-    gather_one_row_copies([linear for block in model.layers for linear in block_linears(block)])
+    # the output head last: a step reads it right after the blocks (a one-row head's copy moves too)
+    gather_one_row_copies([linear for block in model.layers for linear in block_linears(block)] + [model.output])
     layers, keep = [], []
     for i, block in enumerate(model.layers):
         forms = {name: _one_row(linear, dtype) for name, linear in zip(BLOCK_LINEARS, block_linears(block))}

@@ -12,7 +12,7 @@ import torch
 
 from engine.backends import cpu_step
 from engine.backends.base import AttentionPath
-from engine.backends.cpu import WIDEN_MIN_ROWS
+from engine.backends.cpu import WIDEN_MIN_ROWS, InterleavedHead
 from engine.backends.cpu_step import DecodeStep
 from engine.kernels.decode_step import BLOCK_LINEARS, load_decode_step_library
 from engine.quant.linear import QuantLinear
@@ -103,6 +103,25 @@ def test_the_steps_one_row_weights_lie_in_one_arena_in_step_order(tiny_checkpoin
         # the moved copy serves one row; the many-rows path (oneDNN's copy, or widened tiles of the moved copy) agrees
         many = linears[0]._onednn(x) if linears[0].packed_weight is not None else linears[0](x.expand(WIDEN_MIN_ROWS, -1))[:1]
         torch.testing.assert_close(linears[0](x), many, rtol=2e-2, atol=2e-2)
+    finally:
+        executor.shutdown()
+
+
+def test_the_bfloat16_head_follows_the_blocks_in_their_arena(tiny_checkpoint):
+    """The one-row output head (InterleavedHeadLinear: bfloat16 weights, float32 logits) moves into the
+    blocks' arena right after the last block's weights, the next thing a step reads; every row count
+    it serves (one row, and the many-rows path) reads the moved copy and gives what the copy it had gives."""
+    executor = make_executor(tiny_checkpoint, dtype="bfloat16")
+    try:
+        model = executor._shard.model
+        assert model.decode_step is not None
+        head, last = model.output, model.layers[-1].feed_forward.w2
+        assert head.interleaved.untyped_storage().data_ptr() == last.interleaved.untyped_storage().data_ptr()
+        assert head.interleaved.data_ptr() >= last.interleaved.data_ptr() + last.interleaved.numel() * last.interleaved.element_size()
+        unmoved = type(head)(InterleavedHead(head.interleaved.clone(), head.out_features, head.in_features), head._kernels, widen=head._widens)
+        for rows in (1, WIDEN_MIN_ROWS + 1):
+            x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+            assert torch.equal(head(x), unmoved(x)), rows
     finally:
         executor.shutdown()
 
