@@ -18,6 +18,12 @@ compiled step ('step'), each the best of two runs of --steps steps, and their ra
 --decodes N,...: steps of N sequences each decoding one token (same context each; speculative
 verification and small batches run such steps), timed plainly and with --ab for each N; the
 per-op profile below stays the first N's.
+--split ROUNDS: the compiled step's own parts, median per step over ROUNDS runs of --steps steps:
+the blocks (the one C call), the output head, the embedding and the step plan (attention
+metadata), wall and thread CPU ms, and the blocks' and head's weight bytes over their wall time.
+--baseline OLD.so (with --split): another build of the cpu_kernels library serves a second
+compiled step and head over the same weights, alternating with this tree's by round (the
+kernels A/B of one process; the weights' layout is this tree's).
 """
 
 from __future__ import annotations
@@ -121,6 +127,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="A/B rounds: per-op path vs the compiled step")
     parser.add_argument("--decodes", default="1", help="sequences per step, each decoding one token (comma-separated)")
+    parser.add_argument("--split", type=int, default=0, metavar="ROUNDS", help="the compiled step's parts: blocks, head, embedding, plan")
+    parser.add_argument("--baseline", type=Path, help="with --split: another cpu_kernels build (.so) for a second compiled step and head")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -142,6 +150,8 @@ def main() -> None:
             ab_rounds(model, compiled, steps, opts.ab)
         first_steps = first_steps or steps
     steps = first_steps
+    if opts.split and compiled is not None:
+        split_rounds(model, steps, opts.split, opts.baseline)
     model.decode_step = None  # the profile below times the per-op calls
     times, counts = instrument(model)
     steps()
@@ -153,6 +163,75 @@ def main() -> None:
         print(f"  {label:22s} {per_step:7.3f} ms/step {per_step / total:6.1%}  {counts[label] // opts.steps:3d} calls  {seconds / counts[label] * 1e6:8.1f} us/call")
     untimed = total - sum(times.values()) / opts.steps * 1e3
     print(f"  {'untimed':22s} {untimed:7.3f} ms/step {untimed / total:6.1%}")
+
+
+def split_rounds(model, steps, rounds: int, baseline: Path | None) -> None:
+    """The compiled step's parts per step (median over rounds of the per-step medians), for this
+    tree's kernels and, with a baseline library, that one's, alternating by round."""
+    import ctypes
+    import statistics
+
+    from engine.backends import cpu_step
+    from engine.kernels.cpu import CpuKernels
+
+    head = model.output
+    variants = {"ours": (model.decode_step, getattr(head, "_rows", None))}
+    if baseline is not None:
+        if not hasattr(head, "_rows"):
+            sys.exit("--baseline: the head is not an InterleavedHeadLinear (a bfloat16 model on the C kernels)")
+        kernels = CpuKernels(ctypes.CDLL(str(baseline)), partial=True)
+        gather, cpu_step.gather_one_row_copies = cpu_step.gather_one_row_copies, lambda linears: None  # keep our arena: the first program points into it
+        try:
+            variants["baseline"] = (cpu_step.build_decode_step(model, kernels), kernels.bind_interleaved(head.interleaved, f32_out=True))
+        finally:
+            cpu_step.gather_one_row_copies = gather
+    parts: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+
+    def timer(label: str, fn):
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[label].append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+        return timed
+
+    originals = {"output": head.forward, "embedding": model.tok_embeddings.forward, "plan": model.backend.plan_step}
+    head.forward = timer("head", head.forward)
+    model.tok_embeddings.forward = timer("embedding", model.tok_embeddings.forward)
+    model.backend.plan_step = timer("plan", model.backend.plan_step)
+    block_bytes = sum(linear.interleaved.numel() * linear.interleaved.element_size() for block in model.layers for linear in cpu_step.block_linears(block))
+    head_bytes = head.interleaved.numel() * head.interleaved.element_size() if getattr(head, "interleaved", None) is not None else 0
+    results = {name: collections.defaultdict(list) for name in variants}
+    names = list(variants)
+    try:
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                step, rows = variants[name]
+                model.decode_step = timer("blocks", step)
+                model.decode_step.max_rows = step.max_rows  # what the step's plan reads
+                if rows is not None:
+                    head._rows = rows
+                parts.clear()
+                wall, cpu = steps()
+                results[name]["step"].append((wall / 1e3, cpu / 1e3))
+                for label, samples in parts.items():
+                    results[name][label].append((statistics.median(w for w, _ in samples), statistics.median(c for _, c in samples)))
+    finally:
+        head.forward, model.tok_embeddings.forward, model.backend.plan_step = originals["output"], originals["embedding"], originals["plan"]
+        model.decode_step, rows = variants["ours"]
+        if rows is not None:
+            head._rows = rows
+    print(f"compiled step's parts, median of {rounds} rounds (ms wall / thread CPU; step: process CPU); load average {load_average()}")
+    for name in names:
+        cells = []
+        for label in ("step", "blocks", "head", "embedding", "plan"):
+            samples = results[name][label]
+            wall, cpu = statistics.median(w for w, _ in samples), statistics.median(c for _, c in samples)
+            rate = {"blocks": block_bytes, "head": head_bytes}.get(label)
+            cells.append(f"{label} {wall * 1e3:.3f} / {cpu * 1e3:.3f}" + (f" ({rate / wall / 1e9:.1f} GB/s)" if rate else ""))
+        print(f"  {name}: " + "  ".join(cells))
 
 
 def ab_rounds(model, compiled, steps, rounds: int) -> None:
