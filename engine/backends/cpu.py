@@ -325,8 +325,8 @@ class InterleavedHeadLinear(nn.Module):
     def move_one_row_copy(self, copy: torch.Tensor) -> None:
         """Serve every row from `copy`, an equal copy of the interleaved weight placed elsewhere: the
         compiled decode step's huge-page arena, right after the last block's weights
-        (engine/backends/cpu_step.py gather_one_row_copies; on 4 KiB pages the one-row head of the
-        demo took x1.11 the time, bench/NOTES.md 'One stream, bfloat16: the accumulators in registers')."""
+        (engine/backends/cpu_step.py gather_one_row_copies; on 4 KiB pages the demo's one-row head
+        took x1.08-1.30 the time at 1 thread, bench/NOTES.md 'One stream, bfloat16: the accumulators in registers')."""
         if copy.shape != self.interleaved.shape or copy.dtype != self.interleaved.dtype:
             raise ValueError("move_one_row_copy: not a copy of this head's interleaved weight")
         self.interleaved = copy
