@@ -142,9 +142,12 @@ int interleaved_linear_simd_bits(void) { return LINEAR_SIMD_BITS; }
  * block to prefetch as this pass streams its own (NULL: none). A call of several groups reads each
  * block from memory in its first group's pass and from the caches in the others', during which the
  * memory would sit idle: the first pass fetches the next block ahead (at 8 rows, cold weights,
- * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). One row needs none: its blocks'
- * passes are the streams the hardware prefetchers follow (a software prefetch ahead of a plain read
- * slowed it, bench/NOTES.md 'One stream: the one-row read rate'). */
+ * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). A call of one group of 2+ rows (2-3 on
+ * AVX2) too: one block's single stream read alone ran at half one row's rate; with the next block as a
+ * second stream 2 rows took x0.83-0.92 the time and 3 rows x0.73-0.90, cold, one thread, both dtypes
+ * (bench/NOTES.md 'One stream, bfloat16: the accumulators in registers'). One row needs none: its
+ * blocks' passes are the streams the hardware prefetchers follow (a software prefetch ahead of a
+ * plain read slowed it, bench/NOTES.md 'One stream: the one-row read rate'). */
 static inline __attribute__((always_inline)) void block_rows(const char *w, const float *x, int64_t k, int bf16, int group,
                                                              float (*sums)[16], const char *next) {
     const size_t step = 16 * elem_size(bf16);
@@ -316,7 +319,7 @@ static inline void block_group(int bf16, const char *w, const float *xm, int64_t
             for (int64_t g = 0, m = 0; g < groups; g++) {                                                          \
                 /* the rows left split evenly over the groups left */                                              \
                 const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));                             \
-                const char *next = g == 0 && groups > 1 && b + 1 < n / 16 ? w + k * step : NULL;                   \
+                const char *next = g == 0 && rows > 1 && b + 1 < n / 16 ? w + k * step : NULL;                     \
                 float sums[FEW_ROWS_GROUP][16];                                                                    \
                 block_group(BF16, w, xf + m * k, k, group, sums, next);                                            \
                 for (int r = 0; r < group; r++, m++) {                                                             \
