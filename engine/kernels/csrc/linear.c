@@ -144,7 +144,7 @@ int interleaved_linear_simd_bits(void) { return LINEAR_SIMD_BITS; }
  * memory would sit idle: the first pass fetches the next block ahead (at 8 rows, cold weights,
  * 10-13% faster on Zen 2, bench/NOTES.md 'Few-rows linear'). A call of one group of 2+ rows (2-3 on
  * AVX2) too: one block's single stream read alone ran at half one row's rate; with the next block as a
- * second stream 2 rows took x0.83-0.92 the time and 3 rows x0.73-0.90, cold, one thread, both dtypes
+ * second stream 2 rows took x0.81-0.92 the time and 3 rows x0.72-0.90, cold, one thread, both dtypes
  * (bench/NOTES.md 'One stream, bfloat16: the accumulators in registers'). One row needs none: its
  * blocks' passes are the streams the hardware prefetchers follow (a software prefetch ahead of a
  * plain read slowed it, bench/NOTES.md 'One stream: the one-row read rate'). */
