@@ -324,6 +324,49 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
     return KERNEL_OK;
 }
 
+/* Row conversions for interleaved_gemm_bf16, over the rows [r0, r1) of x (widened: exact) or out
+ * (rounded: vec.h's f32_to_bf16, torch's round to nearest even; a NaN stays a quiet NaN, where
+ * torch's .to(bfloat16) writes 0xffff), split over the threads from GEMM_CONVERT_PARALLEL_MIN_ELEMS. */
+#define GEMM_CONVERT_PARALLEL_MIN_ELEMS (PARALLEL_MIN_ELEMS / 4)
+
+static void widen_rows(const bf16_t *x, float *xf, int64_t rows, int64_t k, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * k >= GEMM_CONVERT_PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) load_row(xf + r * k, x + r * k, k, 1);
+}
+
+static void round_rows(const float *sums, bf16_t *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= GEMM_CONVERT_PARALLEL_MIN_ELEMS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) store_row(out + r * n, sums + r * n, n, 1);
+}
+
+/* out [rows, n] bfloat16 = x [rows, k] bfloat16 @ W^T, W interleaved bfloat16 [n / 16, k, 16]: a
+ * bfloat16 model's many rows (CPUs without oneDNN's bfloat16; PackedCpuLinear's per-op rows and the
+ * compiled decode step call this one function, so both get the same bits). x widened exactly to
+ * float32, interleaved_gemm's float32 sums (the same chains: the result of a row does not depend on
+ * the others), each rounded once to bfloat16, as torch's `x.float()`, the gemm and `.to(bfloat16)`
+ * gave; done GEMM_MC rows at a time, so a pass's x and sums are converted while they are in the
+ * caches. scratch: rows x (k + n) floats (the widened x, then the sums), or NULL: allocated here for
+ * one pass. Returns KERNEL_OK, or KERNEL_NO_MEMORY (that allocation failed; out undefined). */
+int interleaved_gemm_bf16(const bf16_t *x, const bf16_t *weight, bf16_t *out, float *scratch, int64_t rows, int64_t n,
+                          int64_t k, int num_threads) {
+    if (rows <= 0 || n <= 0) return KERNEL_OK;
+    const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* interleaved_gemm's passes */
+    float *owned = scratch ? NULL : kernel_malloc((size_t)(block_rows * (k + n)) * sizeof(float));
+    if (!scratch && !owned) return KERNEL_NO_MEMORY;
+    float *xf = scratch ? scratch : owned, *sums = xf + block_rows * k;
+    for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
+        const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
+        widen_rows(x + m0 * k, xf, mb, k, num_threads);
+        if (k > 0)
+            gemm_block(1, xf, weight, sums, mb, n, k, num_threads, 0); /* sums read back at once: never streamed past the caches */
+        else
+            memset(sums, 0, (size_t)(mb * n) * sizeof(float));
+        round_rows(sums, out + m0 * n, mb, n, num_threads);
+    }
+    free(owned);
+    return KERNEL_OK;
+}
+
 /* The most rows PackedCpuLinear sends interleaved_gemm (float32; from 2 rows up: one row has the
  * one-row kernel) from a weight that also has oneDNN's copy, by this build's vector width, where
  * measured faster than oneDNN's packed float32 kernel with the weights cold (bench/gemm_linear.py,
