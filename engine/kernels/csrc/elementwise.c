@@ -26,7 +26,15 @@ static inline void row16_store(void *row, int64_t i, __mmask16 m, __m512 x, int 
 }
 #endif
 
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
+/* The value bfloat16 stores, bf16_to_f32(f32_to_bf16(x)), kept in 32-bit lanes: the rounded bits'
+ * high half, a NaN quieted (f32_to_bf16's cases, the same bits). Through bf16_t the vectorized loops
+ * narrowed every lane to 16 bits and widened it back (AVX2: a bfloat16 add + RMSNorm of 32 x 576 on 1
+ * thread took 3.7x float32's time; bench/NOTES.md 'bfloat16 steps past 8 decodes'). */
+static inline float round_bf16(float x) {
+    union { uint32_t u; float f; } v = {.f = x};
+    v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u & 0xffff0000u) | 0x00400000u : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
 
 /* Row-wise elementwise kernels (norm, SiLU, RoPE) split sooner than PARALLEL_MIN_ELEMS: at 32
  * decode rows x 1536, 49K elements, two threads already beat one (bench/NOTES.md); RoPE + cache
