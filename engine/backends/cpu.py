@@ -12,7 +12,8 @@ builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups); in builds wher
 faster than oneDNN (AVX2), float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that
 same copy, and every float32 weight keeps that copy in place of oneDNN's (one copy, not two).
 Where oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too,
-every linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
+every linear on its interleaved copy alone: many rows on gemm.c as float32's (x widened and the sums
+rounded back in the same C call), or in builds without it PackedCpuLinear._without_onednn.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ serves up to STEP_GEMM_MAX_ROWS decodes, those rows through the same gemm (a 32-
 step on 2 threads on a Zen 2: 75.5 ms op by op, 65.0 ms in one call; bench/stream_profile.py
 --ab). bfloat16 rows go through interleaved_gemm_bf16, the one C function both paths call: x widened
 into a float32 scratch the program holds (max_rows x the widest k + n), the sums rounded back to
-bfloat16 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
-pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
+bfloat16 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). Which steps it runs is the step plan's
+choice (CpuKernelBackend.plan_step: pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
 interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
 compiler, build_decode_step returns None and the model runs its per-op path.
 """
@@ -50,8 +50,8 @@ from engine.kernels.memory import WeightArena
 log = logging.getLogger(__name__)
 
 # The most decodes a step runs through gemm.c's linears in one C call: its scratch holds this many
-# rows (the demo: 4.5 MiB in float32; in bfloat16 2.3 MiB plus 2.3 MiB of float32 for the gemm's
-# widened x and sums; the 1.1B: 18 MiB). Larger pure-decode steps run op by op (the same kernels: the
+# rows (the demo: 3.8 MiB in float32; in bfloat16 1.9 MiB plus 2.25 MiB of float32 for the gemm's
+# widened x and sums; the 1.1B: 18 MiB in float32). Larger pure-decode steps run op by op (the same kernels: the
 # same bits). Op by op, a 32-decode float32 demo step took 75.5 ms against 65.0 in one call.
 STEP_GEMM_MAX_ROWS = 128
 

@@ -1,7 +1,8 @@
 """csrc/gemm.c's many-rows float32 linear (CpuKernels.bind_gemm) against float64 maths at every row
 count from 1 to 70 (tiles of 12, 6 or 3 rows, balanced, and their remainders), several 16-column
 panel counts (odd ones: the AVX-512 build's two-panel tiles) and k past its 256-step blocks, in the
-native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; and
+native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; the
+bfloat16-in, bfloat16-out call (interleaved_gemm_bf16) equal to torch's rounding of the float32 sums; and
 PackedCpuLinear's routing: which rows it sends there, every float32 weight's single copy there, the
 batch-invariant mode kept off it."""
 
