@@ -263,7 +263,8 @@ def main() -> None:
         seconds["untimed (python, modules)"] = forward_s - timed
         linear_s = sum(s for k, s in seconds.items() if k.startswith("linear"))
         linear_flops = sum(flops.values())
-        linears = f"linears {linear_s / forward_s:.0%} at {linear_flops / linear_s / 1e9:.0f} GFLOP/s ({linear_flops / linear_s / peak:.0%} of roofline)" if linear_s else "no linear timed"
+        rate = linear_flops / linear_s if linear_s else 0.0
+        linears = f"linears {linear_s / forward_s:.0%} at {rate / 1e9:.0f} GFLOP/s ({rate / peak:.0%} of roofline)" if linear_s else "no linear timed"
         print(f"\n== {name}: {len(seqs)} seqs, {tokens} tokens; forward {forward_s * 1e3:.1f} ms ({tokens / forward_s:.0f} tok/s); {linears}")
         for key, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: opts.top]:
             rate = f"  {flops[key] / s / 1e9:6.0f} GFLOP/s" if flops.get(key) else ""

@@ -151,8 +151,8 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
     gemm_rows = few_rows < max_rows  # rows past few_rows through gemm.c
     if gemm_rows and dtype == torch.bfloat16:  # interleaved_gemm_bf16's widened x and float32 sums, rows x (k + n)
-        widest = max(getattr(layer, name).k for layer in layers for name in BLOCK_LINEARS) + max(getattr(layer, name).n for layer in layers for name in BLOCK_LINEARS)
-        scratch["gemm_f32"] = _scratch({"gemm_f32": widest}, max_rows, torch.float32)["gemm_f32"]
+        step_linears = [getattr(layer, name) for layer in layers for name in BLOCK_LINEARS]
+        scratch["gemm_f32"] = _scratch({"gemm_f32": max(f.k for f in step_linears) + max(f.n for f in step_linears)}, max_rows, torch.float32)["gemm_f32"]
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
     if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
         addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
