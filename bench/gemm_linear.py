@@ -16,6 +16,12 @@ more threads: wall time. Read the ratios on a shared machine.
     python bench/gemm_linear.py --shapes 3072x576 --rows 128,512 --baseline OLD_cpu_kernels.so
     python bench/gemm_linear.py --dtype bfloat16 --shapes blocks --rows 32,512,2048 --rounds 3
     python bench/gemm_linear.py --shapes blocks --rows 32 --huge-pages --baseline OLD_cpu_kernels.so
+    python bench/gemm_linear.py --dtype bfloat16 --io --shapes blocks --rows 9,32,64,128 --rounds 5
+
+--io (bfloat16): what a bfloat16 model's rows cost around the gemm instead: "gemm" on a float32 x with
+float32 sums (the gemm alone), "bf16 io" interleaved_gemm_bf16 (x widened and the sums rounded in C,
+what PackedCpuLinear and the compiled decode step call), "torch io" x.float(), the gemm and
+.to(bfloat16) (the per-op path before it).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ def main() -> None:
                              "its block linears (engine/backends/cpu_step.py); oneDNN's packed copies stay where torch put them")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the weights' (bfloat16: against widened tiles + float32 GEMM, not oneDNN)")
+    parser.add_argument("--io", action="store_true", help="bfloat16: the gemm alone against its bfloat16 in and out (module docstring)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -107,6 +114,11 @@ def main() -> None:
             }
             if baseline:
                 paths["old"] = (lambda g: g(x, args.threads), olds)
+            if args.io and dtype == torch.bfloat16:
+                x_f32, rounded = x.float(), [kernels.bind_gemm(t, out_dtype=torch.bfloat16) for t in interleaved]
+                other = ("torch io", lambda g: g(x, args.threads).to(torch.bfloat16))  # x.float() inside bind_gemm's float32 call
+                paths = {other[0]: (other[1], gemms), "gemm": (lambda g: g(x_f32, args.threads), gemms),
+                         "bf16 io": (lambda g: g(x, args.threads), rounded)}  # fmt: skip
             times = {name: [] for name in paths}
             for fn, ws in paths.values():  # warm-up: primitives created, pages touched
                 fn(ws[0])

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import load_average, model_args  # noqa: E402
 from bench.forward import matmul_flops_per_s  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
-from engine.backends.cpu import PackedCpuLinear  # noqa: E402
+from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear  # noqa: E402
 from engine.loading.checkpoint import random_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.models.llama import Transformer, allocate_kv_caches  # noqa: E402
@@ -119,7 +119,7 @@ def instrument(model: Transformer, timers: Timers) -> None:
 
     backend.attention = timed_attention
     for module_name, module in model.named_modules():
-        if isinstance(module, PackedCpuLinear):
+        if isinstance(module, (PackedCpuLinear, InterleavedHeadLinear)):  # the latter: a bfloat16 head (float32 logits)
             role = "head" if module_name.startswith("output") else module_name.rsplit(".", 1)[-1]
             forward = module.forward
 
@@ -263,10 +263,9 @@ def main() -> None:
         seconds["untimed (python, modules)"] = forward_s - timed
         linear_s = sum(s for k, s in seconds.items() if k.startswith("linear"))
         linear_flops = sum(flops.values())
-        print(
-            f"\n== {name}: {len(seqs)} seqs, {tokens} tokens; forward {forward_s * 1e3:.1f} ms ({tokens / forward_s:.0f} tok/s); "
-            f"linears {linear_s / forward_s:.0%} at {linear_flops / linear_s / 1e9:.0f} GFLOP/s ({linear_flops / linear_s / peak:.0%} of roofline)"
-        )
+        rate = linear_flops / linear_s if linear_s else 0.0
+        linears = f"linears {linear_s / forward_s:.0%} at {rate / 1e9:.0f} GFLOP/s ({rate / peak:.0%} of roofline)" if linear_s else "no linear timed"
+        print(f"\n== {name}: {len(seqs)} seqs, {tokens} tokens; forward {forward_s * 1e3:.1f} ms ({tokens / forward_s:.0f} tok/s); {linears}")
         for key, s in sorted(seconds.items(), key=lambda kv: -kv[1])[: opts.top]:
             rate = f"  {flops[key] / s / 1e9:6.0f} GFLOP/s" if flops.get(key) else ""
             share = f"{s / forward_s:5.1%}" if key not in ("forward (all)",) else "     "

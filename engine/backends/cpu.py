@@ -12,7 +12,8 @@ builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups); in builds wher
 faster than oneDNN (AVX2), float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that
 same copy, and every float32 weight keeps that copy in place of oneDNN's (one copy, not two).
 Where oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too,
-every linear on its interleaved copy alone (PackedCpuLinear._without_onednn).
+every linear on its interleaved copy alone: many rows on gemm.c as float32's (x widened and the sums
+rounded back in the same C call), or in builds without it PackedCpuLinear._without_onednn.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ class PackedCpuLinear(nn.Module):
         self._many_rows = self._amx.bind(interleaved) if supported else None
         gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
                 and gemm_serves(interleaved.dtype, self.out_features, self._kernels, onednn=self.packed_weight is not None))  # fmt: skip
-        self._gemm = self._kernels.bind_gemm(interleaved) if gemm else None
+        # its rows out in the model dtype: a bfloat16 weight's sums rounded in C (interleaved_gemm_bf16)
+        self._gemm = self._kernels.bind_gemm(interleaved, out_dtype=interleaved.dtype) if gemm else None
         # the most rows it takes: every count for a weight without oneDNN's copy (every float32 weight
         # pack_weight makes where the gemm serves); with both copies (built by hand) the measured cutoff
         self._gemm_max_rows = (sys.maxsize if self.packed_weight is None else self._kernels.gemm_max_rows()) if gemm else 0
@@ -197,7 +199,7 @@ class PackedCpuLinear(nn.Module):
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
         if rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
-            return self._gemm(x.contiguous(), torch.get_num_threads()).to(x.dtype)
+            return self._gemm(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         if self._widen is not None:

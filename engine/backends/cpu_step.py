@@ -18,11 +18,14 @@ steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those r
 tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would;
 without tiles, steps of 2..N decodes where every block linear runs N rows through its interleaved
 copy's few-rows kernel (PackedCpuLinear.few_rows: N by the build's vector width, 8 on AVX2): the
-step's max_rows; and a float32 model whose block linears send the rows past N to csrc/gemm.c
-(PackedCpuLinear.gemm_rows: AVX2 builds) serves up to STEP_GEMM_MAX_ROWS decodes, those rows
-through the same gemm (a 32-decode demo step on 2 threads on a Zen 2: 75.5 ms op by op, 65.0 ms
-in one call; bench/stream_profile.py --ab). Which steps it runs is the step plan's choice (CpuKernelBackend.plan_step:
-pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
+step's max_rows; and a model whose block linears send the rows past N to csrc/gemm.c
+(PackedCpuLinear.gemm_rows, AVX2 builds: float32, and bfloat16 where oneDNN has no bfloat16 kernel)
+serves up to STEP_GEMM_MAX_ROWS decodes, those rows through the same gemm (a 32-decode float32 demo
+step on 2 threads on a Zen 2: 75.5 ms op by op, 65.0 ms in one call; bench/stream_profile.py
+--ab). bfloat16 rows go through interleaved_gemm_bf16, the one C function both paths call: x widened
+into a float32 scratch the program holds (max_rows x the widest k + n), the sums rounded back to
+bfloat16 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). Which steps it runs is the step plan's
+choice (CpuKernelBackend.plan_step: pure-decode steps of 1..max_rows sequences); where a weight has no one-row form (too large for an
 interleaved copy, a quantized path that another kernel serves faster at one row) or there is no
 compiler, build_decode_step returns None and the model runs its per-op path.
 """
@@ -46,9 +49,10 @@ from engine.kernels.memory import WeightArena
 
 log = logging.getLogger(__name__)
 
-# The most decodes a float32 step runs through gemm.c's linears in one C call: its scratch holds this
-# many rows (the demo: 4.5 MiB; the 1.1B: 18 MiB). Larger pure-decode steps run op by op (the same
-# kernels: the same bits). Op by op, a 32-decode demo step took 75.5 ms against 65.0 in one call.
+# The most decodes a step runs through gemm.c's linears in one C call: its scratch holds this many
+# rows (the demo: 3.8 MiB in float32; in bfloat16 1.9 MiB plus 2.25 MiB of float32 for the gemm's
+# widened x and sums; the 1.1B: 18 MiB in float32). Larger pure-decode steps run op by op (the same kernels: the
+# same bits). Op by op, a 32-decode float32 demo step took 75.5 ms against 65.0 in one call.
 STEP_GEMM_MAX_ROWS = 128
 
 
@@ -142,15 +146,20 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     first = model.layers[0]
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
-    max_rows, on_tiles, few_rows = _max_rows(model, layers, amx, dtype)
+    max_rows, on_tiles, few_rows = _max_rows(model, layers, amx)
     scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if on_tiles else max_rows
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
+    gemm_rows = few_rows < max_rows  # rows past few_rows through gemm.c
+    if gemm_rows and dtype == torch.bfloat16:  # interleaved_gemm_bf16's widened x and float32 sums, rows x (k + n)
+        step_linears = [getattr(layer, name) for layer in layers for name in BLOCK_LINEARS]
+        scratch["gemm_f32"] = _scratch({"gemm_f32": max(f.k for f in step_linears) + max(f.n for f in step_linears)}, max_rows, torch.float32)["gemm_f32"]
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
     if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
         addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
     kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if on_tiles else None,
-                               interleaved_gemm=kernels.address("interleaved_gemm") if few_rows < max_rows else None)
+                               interleaved_gemm=kernels.address("interleaved_gemm") if gemm_rows else None,
+                               interleaved_gemm_bf16=kernels.address("interleaved_gemm_bf16") if gemm_rows else None)
     layer_array = (StepLayer * len(layers))(*layers)
     scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})
     program = StepProgram(
@@ -162,13 +171,14 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     return DecodeStep(lib.decode_step, program, keep)
 
 
-def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None, dtype: torch.dtype) -> tuple[int, bool, int]:
+def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> tuple[int, bool, int]:
     """(the most decodes a step serves, whether its 2+ rows run on the AMX tiles, the most rows its
     linears run through the interleaved kernel): every block linear's tile_rows (the rows its forward
     runs on the tiles from its pairs copy) where all have some; else, where every one is an
     interleaved copy, their few_rows (the rows their forward runs through the interleaved kernel),
-    and for a float32 model whose linears all send the rows past those to csrc/gemm.c (AVX2 builds),
-    up to STEP_GEMM_MAX_ROWS of them too; else 1 (one-row linears only)."""
+    and where the linears all send the rows past those to csrc/gemm.c (AVX2 builds: float32, and
+    bfloat16 without oneDNN's bfloat16), up to STEP_GEMM_MAX_ROWS of them too; else 1 (one-row
+    linears only)."""
     linears = [linear for block in model.layers for linear in block_linears(block)]
     kinds = {getattr(layer, name).kind for layer in layers for name in BLOCK_LINEARS}
     if amx is not None and kinds == {LINEAR_KINDS["pairs"]}:
@@ -177,7 +187,7 @@ def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None, 
             return rows, True, rows
     if kinds == {LINEAR_KINDS["interleaved"]}:
         few = max(1, min(linear.few_rows() if hasattr(linear, "few_rows") else 1 for linear in linears))
-        gemm = min(linear.gemm_rows() if hasattr(linear, "gemm_rows") else 0 for linear in linears) if dtype == torch.float32 else 0
+        gemm = min(linear.gemm_rows() if hasattr(linear, "gemm_rows") else 0 for linear in linears)
         return (min(gemm, STEP_GEMM_MAX_ROWS), False, few) if gemm > few else (few, False, few)
     return 1, False, 1
 

@@ -53,6 +53,9 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "interleaved_linear_bf16_pairs_f32_out": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
     # bf16 (weight), x (float32), weight (interleaved), out (float32), rows, n, k, threads: the many-rows linear (csrc/gemm.c)
     "interleaved_gemm": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
+    # x (bfloat16), weight (interleaved bfloat16), out (bfloat16), scratch (float32 rows x (k + n), or NULL), rows, n, k, threads:
+    # interleaved_gemm with x widened and the sums rounded in C (csrc/gemm.c)
+    "interleaved_gemm_bf16": ((_p, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # -> the most rows interleaved_gemm beats oneDNN's float32 linear at in this build (0: none measured)
     "interleaved_gemm_max_rows": ((), _i64),
     # dtype, qkv, q_stride, out, row_start, new_tokens, seq_lens, block_tables, max_blocks, num_seqs,
@@ -282,25 +285,35 @@ class CpuKernels:
         faster, and oneDNN keeps every row count."""
         return int(self._lib.interleaved_gemm_max_rows())
 
-    def bind_gemm(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def bind_gemm(self, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """csrc/gemm.c's many-rows linear for one float32 or bfloat16 weight as interleave() made it
         ([n / 16, k, 16]: the one-row kernel's copy, read as the microkernel's panels): call(x [rows,
         k] contiguous, float32 (or bfloat16 for a bfloat16 weight: widened here); threads) -> [rows, n]
-        float32 (bfloat16 weights are widened per load, the sums float32). Each row's result is the
-        same whatever the number of rows (one chain over k per output)."""
+        float32 (bfloat16 weights are widened per load, the sums float32). out_dtype bfloat16 (a
+        bfloat16 weight: a bfloat16 model's block linears): x bfloat16, the sums rounded to bfloat16,
+        both conversions in C (interleaved_gemm_bf16, which the compiled decode step calls too: the
+        same bits; one call, no float32 tensors). Each row's result is the same whatever the number
+        of rows (one chain over k per output)."""
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 3 or weight.shape[2] != 16 or not weight.is_contiguous():
             raise ValueError(f"interleaved_gemm takes a contiguous float32 or bfloat16 [n / 16, k, 16] weight, got {weight.dtype} "
                              f"{list(weight.shape)}")  # fmt: skip
-        fn, n, k, weight_ptr = self._lib.interleaved_gemm, weight.shape[0] * 16, weight.shape[1], weight.data_ptr()
-        bf16, inputs = DTYPE_CODES[weight.dtype], (torch.float32, weight.dtype)
+        if out_dtype not in (torch.float32, weight.dtype):
+            raise ValueError(f"interleaved_gemm: {out_dtype} out from a {weight.dtype} weight")
+        n, k, weight_ptr = weight.shape[0] * 16, weight.shape[1], weight.data_ptr()
+        bf16, inputs = DTYPE_CODES[weight.dtype], (weight.dtype,) if out_dtype == torch.bfloat16 else (torch.float32, weight.dtype)
+        fn = self._lib.interleaved_gemm_bf16 if out_dtype == torch.bfloat16 else self._lib.interleaved_gemm
 
         def many_rows(x: torch.Tensor, threads: int) -> torch.Tensor:
             # the kernel reads x through raw offsets: another shape or layout is refused here
             if x.dtype not in inputs or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
                 raise ValueError(f"interleaved_gemm takes contiguous {str(weight.dtype)[6:]} x [rows, {k}], got {x.dtype} {list(x.shape)}")
-            x = x.float()  # the kernel's x is float32 (a bfloat16 x widened exactly)
-            out = torch.empty(x.shape[0], n, dtype=torch.float32)
-            if failed := fn(bf16, x.data_ptr(), weight_ptr, out.data_ptr(), x.shape[0], n, k, threads):
+            out = torch.empty(x.shape[0], n, dtype=out_dtype)
+            if out_dtype == torch.bfloat16:  # x widened and the sums rounded in C, its scratch its own
+                failed = fn(x.data_ptr(), weight_ptr, out.data_ptr(), None, x.shape[0], n, k, threads)
+            else:
+                x = x.float()  # the kernel's x is float32 (a bfloat16 x widened exactly)
+                failed = fn(bf16, x.data_ptr(), weight_ptr, out.data_ptr(), x.shape[0], n, k, threads)
+            if failed:
                 check_kernel(failed, "interleaved gemm")
             return out
 

@@ -36,7 +36,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class StepKernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "amx_linear", "interleaved_gemm")]
+    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "amx_linear", "interleaved_gemm", "interleaved_gemm_bf16")]
 
 
 class StepLinear(ctypes.Structure):
@@ -48,7 +48,7 @@ class StepLayer(ctypes.Structure):
 
 
 class StepScratch(ctypes.Structure):
-    _fields_ = [(name, _p) for name in SCRATCH_BUFFERS]
+    _fields_ = [(name, _p) for name in (*SCRATCH_BUFFERS, "gemm_f32")]
 
 
 class StepProgram(ctypes.Structure):

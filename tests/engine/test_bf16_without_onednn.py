@@ -13,6 +13,7 @@ import torch
 import engine.backends.cpu as cpu_backends
 from engine.backends import select_backend
 from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, few_rows_cutoff, pack_weight
+from engine.backends.cpu_step import STEP_GEMM_MAX_ROWS
 from engine.config import EngineConfig
 from tests.engine.test_cpu_kernels import kernels  # noqa: F401 - a fixture (the native cpu_kernels build)
 from tests.engine.test_exact_logits import assert_within_f32_rounding
@@ -143,8 +144,10 @@ def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
     assert linears and all(m.packed_weight is None and (m._gemm is not None) == gemm and (m._widen is None) == gemm for m in linears)
     assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
     # decodes run the compiled step: one, or up to the build's few-rows cutoff (the interleaved kernel's
-    # register-blocked rows: 8 on AVX2 builds)
-    assert model.decode_step is not None and model.decode_step.max_rows == few_rows_cutoff(model.backend.kernels)
+    # register-blocked rows: 8 on AVX2 builds), and where csrc/gemm.c takes the rows past it up to
+    # STEP_GEMM_MAX_ROWS (interleaved_gemm_bf16)
+    step_rows = STEP_GEMM_MAX_ROWS if gemm else few_rows_cutoff(model.backend.kernels)
+    assert model.decode_step is not None and model.decode_step.max_rows == step_rows
 
 
 def test_logits_and_greedy_against_float64_and_the_torch_path(executors):

@@ -2,7 +2,8 @@
 per-op path's logits: at one decode for float32 and bfloat16 dense weights and every quantized
 format with a one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included),
 at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles and at 2..N decodes through the interleaved
-linears' few-rows kernel without them (bit for bit); steps it does not cover and weights without a
+linears' few-rows kernel without them, and past N through gemm.c where it takes those rows (float32,
+and bfloat16 without oneDNN's bfloat16) (bit for bit); steps it does not cover and weights without a
 one-row (many-row) form run the per-op path."""
 
 from __future__ import annotations
@@ -364,16 +365,24 @@ def few_rows_cutoff() -> int:
     return cutoff(load_cpu_kernels())
 
 
-@pytest.fixture(scope="module")
-def float32_model():
-    model = _amx_model(torch.float32)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def tileless_model(request):
+    """The many-decodes model without AMX tiles: float32, and bfloat16 where neither the tiles nor
+    oneDNN's bfloat16 take its rows (AVX2 CPUs: every block linear on its interleaved copy alone)."""
+    from engine.backends.cpu import packing_available
+    from engine.kernels.amx import load_amx_linear
+
+    dtype = getattr(torch, request.param)
+    if dtype == torch.bfloat16 and (load_amx_linear() is not None or packing_available(dtype)):
+        pytest.skip("bfloat16 rows run on AMX tiles or oneDNN here (their own tests)")
+    model = _amx_model(dtype)
     assert model.decode_step is not None
     return model
 
 
-def float32_step_rows() -> int:
-    """The most decodes a float32 compiled step serves: STEP_GEMM_MAX_ROWS where csrc/gemm.c takes the
-    block linears' rows past the few-rows cutoff (AVX2 builds), else the cutoff."""
+def gemm_step_rows() -> int:
+    """The most decodes a compiled step without tiles serves: STEP_GEMM_MAX_ROWS where csrc/gemm.c takes
+    the block linears' rows past the few-rows cutoff (AVX2 builds), else the cutoff."""
     from engine.backends.cpu_step import STEP_GEMM_MAX_ROWS
     from engine.kernels.cpu import load_cpu_kernels
 
@@ -381,23 +390,27 @@ def float32_step_rows() -> int:
     return STEP_GEMM_MAX_ROWS if kernels is not None and kernels.gemm_max_rows() > 0 else few_rows_cutoff()
 
 
-def test_float32_serves_up_to_its_step_rows(float32_model):
-    """float32 has no tiles: the step serves 1..N decodes, N the build's few-rows cutoff (the block
-    linears' interleaved kernel takes up to N rows, as in the per-op path), or where gemm.c takes
-    the rows past it (AVX2 builds) STEP_GEMM_MAX_ROWS; more run op by op."""
-    model, rows = float32_model, float32_step_rows()
+def test_steps_without_tiles_serve_up_to_their_step_rows(tileless_model):
+    """float32 (and bfloat16 without oneDNN's bfloat16) has no tiles: the step serves 1..N decodes, N
+    the build's few-rows cutoff (the block linears' interleaved kernel takes up to N rows, as in the
+    per-op path), or where gemm.c takes the rows past it (AVX2 builds) STEP_GEMM_MAX_ROWS; more run
+    op by op. A bfloat16 program then holds gemm.c's float32 scratch (interleaved_gemm_bf16)."""
+    model, rows = tileless_model, gemm_step_rows()
     assert model.decode_step.max_rows == rows
+    scratch = model.decode_step._program.scratch.contents.gemm_f32
+    assert bool(scratch) == (model.backend.dtype == torch.bfloat16 and rows > few_rows_cutoff())
     caches = _caches(model, seed=2)
     assert plan(model, _step(1), caches).compiled and plan(model, _step(rows), caches).compiled
     assert not plan(model, _step(rows + 1), caches).compiled
 
 
 @pytest.mark.parametrize("threads", [2, 1])
-def test_few_decodes_without_tiles_equal_the_per_op_path_bit_for_bit(float32_model, threads):
-    """float32 (no AMX): the fused step's logits and K/V writes at every 1..N decodes, and past N
-    where gemm.c takes those rows, equal the per-op path's exactly (the same kernels over the same
-    rows, the same attention)."""
-    model, old_threads = float32_model, torch.get_num_threads()
+def test_few_decodes_without_tiles_equal_the_per_op_path_bit_for_bit(tileless_model, threads):
+    """No AMX (float32; bfloat16 without oneDNN's bfloat16): the fused step's logits and K/V writes at
+    every 1..N decodes, and past N where gemm.c takes those rows (bfloat16: x widened and the sums
+    rounded by interleaved_gemm_bf16), equal the per-op path's exactly (the same kernels over the
+    same rows, the same attention)."""
+    model, old_threads = tileless_model, torch.get_num_threads()
     cutoff = few_rows_cutoff()
     past = [n for n in (cutoff + 1, 17, 32, cpu_step_max_rows()) if n <= model.decode_step.max_rows]
     torch.set_num_threads(threads)

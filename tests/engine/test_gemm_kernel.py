@@ -1,7 +1,8 @@
 """csrc/gemm.c's many-rows float32 linear (CpuKernels.bind_gemm) against float64 maths at every row
 count from 1 to 70 (tiles of 12, 6 or 3 rows, balanced, and their remainders), several 16-column
 panel counts (odd ones: the AVX-512 build's two-panel tiles) and k past its 256-step blocks, in the
-native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; and
+native build and the x86-64-v3 / v2 ones; each row's result independent of the other rows; the
+bfloat16-in, bfloat16-out call (interleaved_gemm_bf16) equal to torch's rounding of the float32 sums; and
 PackedCpuLinear's routing: which rows it sends there, every float32 weight's single copy there, the
 batch-invariant mode kept off it."""
 
@@ -84,6 +85,59 @@ def test_sums_streamed_past_the_caches_are_the_same_bits(kernels):
         assert torch.equal(gemm(x[row : row + 1].clone(), THREADS)[0], batched[row])
 
 
+def bfloat16_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """bfloat16 x whose sums, with a bfloat16 weight, land on rounding ties, overflow to inf, and
+    include infs and NaNs (rows 1 and 2, where there are 3 rows or more), besides random rows."""
+    x = torch.randn(rows, k, generator=g)
+    x[0, :] = 0.0
+    x[0, 0] = 1.0 + 2.0**-7  # times a weight of 1.5: 1.5 + 2^-7 + 2^-8, a tie between two bfloat16 values (row 0, column 0)
+    if rows >= 3:
+        x[1, :] = 3.0e38  # sums past float32's max: inf and -inf
+        x[2, 1], x[2, 2] = float("inf"), float("nan")
+    return x.to(torch.bfloat16)
+
+
+def assert_same_bfloat16(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The same bits, but for NaNs: NaN where torch's NaN is (torch writes 0xffff, the kernels a
+    quiet NaN of the sum's sign and payload, vec.h's f32_to_bf16)."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17, 32, 64, 130, 301])
+def test_bfloat16_out_is_the_float32_sums_rounded_as_torch_does(kernels, rows):
+    """bind_gemm(out_dtype=bfloat16) (interleaved_gemm_bf16: x widened and the sums rounded in C, the
+    function a bfloat16 compiled decode step calls too) gives torch's `.to(bfloat16)` of the float32
+    gemm's sums bit for bit: round to nearest even (ties, overflow to inf), NaNs as NaNs; 130 and 301
+    rows: several passes of rows (GEMM_MC), each converted on its own."""
+    g = gen(rows + 7)
+    for n, k in SHAPES:
+        weight = torch.randn(n, k, generator=g)
+        weight[0, 0] = 1.5
+        weight = weight.to(torch.bfloat16)
+        interleaved = kernels.interleave(weight)
+        x = bfloat16_rows(rows, k, g)
+        sums = kernels.bind_gemm(interleaved)(x, THREADS)
+        assert sums[0, 0] == 1.5 + 2.0**-7 + 2.0**-8  # the tie (rounded to even: 1.5 + 2^-6)
+        assert_same_bfloat16(kernels.bind_gemm(interleaved, out_dtype=torch.bfloat16)(x, THREADS), sums.to(torch.bfloat16))
+    assert sums.isinf().any() and sums.isnan().any() or rows < 3
+
+
+def test_bfloat16_out_reports_its_scratch_failing(kernels, failing):  # noqa: F811
+    """interleaved_gemm_bf16 allocates its float32 rows when called without a scratch (the per-op
+    path): a failed allocation is a MemoryError, not a crash."""
+    gemm = kernels.bind_gemm(kernels.interleave(torch.randn(32, 64).to(torch.bfloat16)), out_dtype=torch.bfloat16)
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    expected = gemm(x, THREADS)
+    failing(0)
+    with pytest.raises(MemoryError):
+        gemm(x, THREADS)
+    failing(-1)
+    assert torch.equal(gemm(x, THREADS), expected)
+
+
 def test_gemm_of_no_columns_is_zeros(kernels):
     gemm = kernels.bind_gemm(torch.empty(2, 0, 16))
     assert torch.equal(gemm(torch.empty(3, 0), THREADS), torch.zeros(3, 32))
@@ -125,6 +179,7 @@ def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
 def test_gemm_at_each_level_within_f32_rounding(level_kernels):
     check_rows_1_to_70(level_kernels[1])
     check_rows_1_to_70(level_kernels[1], torch.bfloat16)
+    test_bfloat16_out_is_the_float32_sums_rounded_as_torch_does(level_kernels[1], 70)
 
 
 def test_each_level_takes_the_rows_it_was_measured_faster_at(level_kernels):

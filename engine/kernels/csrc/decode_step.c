@@ -11,7 +11,8 @@
  * passed in by address, so this file holds no kernel code of its own and the step computes exactly
  * what the per-op path computes, call for call: one row through the one-row linears, 2+ rows
  * through the AMX tiles or, without them, 2..few_rows rows through the interleaved linears' few-rows
- * path and float32 rows past few_rows (up to max_rows) through gemm.c, attention through whichever
+ * path and rows past few_rows (up to max_rows) through gemm.c (bfloat16: interleaved_gemm_bf16, x
+ * widened and the sums rounded in C), attention through whichever
  * paged kernel the step's metadata names).
  */
 #include <stdint.h>
@@ -33,6 +34,7 @@ typedef void (*pairs_fn)(const void *, const void *, void *, int64_t, int64_t, i
 typedef int (*quant_fn)(const void *, int, const void *, int64_t, void *, int);
 typedef int (*amx_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef int (*gemm_fn)(int, const float *, const void *, float *, int64_t, int64_t, int64_t, int);
+typedef int (*gemm_bf16_fn)(const void *, const void *, void *, float *, int64_t, int64_t, int64_t, int);
 
 /* The kernels, by address (engine.kernels.cpu.CpuKernels.address, QuantKernels.linear_address,
  * AmxLinear.address). */
@@ -47,6 +49,7 @@ typedef struct {
     quant_fn quant_linear;                  /* NULL without the quantized kernels */
     amx_fn amx_linear;                      /* NULL without AMX tiles (2+ rows: the interleaved linears) */
     gemm_fn interleaved_gemm;               /* float32 rows past the program's few_rows (gemm.c) */
+    gemm_bf16_fn interleaved_gemm_bf16;     /* bfloat16 rows past few_rows: x widened, the sums rounded (gemm.c) */
 } step_kernels;
 
 /* One linear: its one-row form, kind 0 interleaved ([n / 16, k, 16]), 1 bfloat16 column pairs
@@ -68,9 +71,11 @@ typedef struct {
 } step_layer;
 
 /* Scratch, each buffer max_rows (on AMX rounded up to whole 16-row tiles, tile_rows) rows of its width,
- * in the model dtype. */
+ * in the model dtype; gemm_f32: a bfloat16 program's float32 rows for interleaved_gemm_bf16 (max_rows x
+ * (the widest k + the widest n) floats: the widened x, then the sums), NULL where it has none. */
 typedef struct {
     void *normed, *qkv, *attn, *attn_out, *gate_up, *act, *ffn_out;
+    float *gemm_f32;
 } step_scratch;
 
 typedef struct {
@@ -80,7 +85,7 @@ typedef struct {
     const void *final_norm;
     int64_t n_layers, dim, heads, kv_heads, head_dim, hidden, block_size, bf16;
     int64_t max_rows, tile_rows; /* rows served (1: one-row linears only); AMX tile height (16) */
-    int64_t few_rows; /* float32 interleaved linears: rows past this go to interleaved_gemm (max_rows: never) */
+    int64_t few_rows; /* interleaved linears: rows past this go to gemm.c (max_rows: never) */
     float eps, scale;
 } step_program;
 
@@ -109,10 +114,13 @@ static int run_linear(const step_program *p, const step_linear *l, const void *x
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
         return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads);
     }
-    /* more than one row only for kind 0 (the program's max_rows says so); past few_rows float32 rows
-     * take gemm.c, as PackedCpuLinear.forward sends them (the same kernel: the same bits) */
-    if (rows > p->few_rows && l->kind == LINEAR_INTERLEAVED && !bf16)
-        return kn->interleaved_gemm(0, (const float *)x, l->weight, (float *)out, rows, l->n, l->k, threads);
+    /* more than one row only for kind 0 (the program's max_rows says so); past few_rows the rows take
+     * gemm.c, as PackedCpuLinear.forward sends them (the same kernel: the same bits): float32 as they
+     * are, bfloat16 through interleaved_gemm_bf16 (x widened into the program's float32 scratch, the
+     * sums rounded back), the function the per-op path calls */
+    if (rows > p->few_rows && l->kind == LINEAR_INTERLEAVED)
+        return bf16 ? kn->interleaved_gemm_bf16(x, l->weight, out, p->scratch->gemm_f32, rows, l->n, l->k, threads)
+                    : kn->interleaved_gemm(0, (const float *)x, l->weight, (float *)out, rows, l->n, l->k, threads);
     switch (l->kind) {
     case LINEAR_BF16_PAIRS: kn->interleaved_linear_bf16_pairs(x, l->weight, out, rows, l->n, l->k, threads); return 0;
     case LINEAR_QUANT: return kn->quant_linear(l->weight, bf16, x, rows, out, threads);

@@ -26,7 +26,15 @@ static inline void row16_store(void *row, int64_t i, __mmask16 m, __m512 x, int 
 }
 #endif
 
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); } /* the value bfloat16 stores */
+/* The value bfloat16 stores, bf16_to_f32(f32_to_bf16(x)), kept in 32-bit lanes: the rounded bits'
+ * high half, a NaN quieted (f32_to_bf16's cases, the same bits). Through bf16_t the vectorized loops
+ * narrowed every lane to 16 bits and widened it back (AVX2: a bfloat16 add + RMSNorm of 32 x 576 on 1
+ * thread took 3.7x float32's time; bench/NOTES.md 'bfloat16 steps past 8 decodes'). */
+static inline float round_bf16(float x) {
+    union { uint32_t u; float f; } v = {.f = x};
+    v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? (v.u & 0xffff0000u) | 0x00400000u : (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
 
 /* Row-wise elementwise kernels (norm, SiLU, RoPE) split sooner than PARALLEL_MIN_ELEMS: at 32
  * decode rows x 1536, 49K elements, two threads already beat one (bench/NOTES.md); RoPE + cache
@@ -55,7 +63,7 @@ static void add_rms_norm_f32(float *res, const float *delta, const float *w, flo
  * floats of scratch (both the caller's, per thread). */
 #define NORM_ROWS 8 /* sum_sq_rows keeps one accumulator a row, all in registers */
 
-#ifdef HAVE_AVX512_ROWS
+#if defined(HAVE_AVX512_ROWS) || (defined(__AVX2__) && defined(__FMA__))
 /* The sums of x[i]^2 in the order the portable loop had under -march=native on AVX-512 Intel CPUs
  * (GCC prefers 256 bits there), so results keep their bits: a 16-lane order changed a few outputs in
  * a million by an ulp, which turned greedy answers of a batch-dependent test (test_demo_model's
@@ -92,6 +100,9 @@ static void sum_sq_rows(const float *x, int64_t n, int64_t dim, float sums[NORM_
     }
     for (int64_t r = 0; r < n; r++) sums[r] = sum_sq_finish(acc[r], row[r], i, dim);
 }
+#endif
+
+#ifdef HAVE_AVX512_ROWS
 
 /* res[i..i+16) (+= delta, rounded and stored back), as float32 into x */
 static inline void add_row16_bf16(bf16_t *res, const bf16_t *delta, float *x, int64_t i, __mmask16 m) {
@@ -132,6 +143,63 @@ static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float
     float sums[NORM_ROWS];
     sum_sq_rows(x, n, dim, sums);
     for (int64_t r = 0; r < n; r++) norm_row_bf16(x + r * dim, w, out + r * dim, dim, 1.0f / sqrtf(sums[r] / (float)dim + eps));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 builds: the AVX-512 rows' structure in 8 lanes (the sums side by side, sum_sq_rows, in the order
+ * the portable loop had: the same bits), each value converted once; the portable loop's five passes
+ * (widen, add and round, sum, two roundings, narrow) ran a 32 x 576 bfloat16 add + RMSNorm at 3x
+ * float32's time on a Zen 2 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). */
+static inline __m256 bf16x8_load(const bf16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 bf16x8_round(__m256 x) { /* round_bf16 on 8 lanes: the rounded bits' high half, a NaN quieted */
+    const __m256i u = _mm256_castps_si256(x), high = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), high);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, high), _mm256_set1_epi32(0x00400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))));
+}
+
+static inline void bf16x8_store(bf16_t *p, __m256 rounded) { /* rounded: bf16x8_round's (low halves zero) */
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08)));
+}
+
+/* n <= NORM_ROWS consecutive rows; x: NORM_ROWS * dim floats of scratch */
+static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,
+                                   int64_t dim, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        bf16_t *res_r = res + r * dim;
+        const bf16_t *delta_r = delta ? delta + r * dim : NULL;
+        float *x_r = x + r * dim;
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = bf16x8_load(res_r + i);
+            if (delta_r != NULL) {
+                v = bf16x8_round(_mm256_add_ps(v, bf16x8_load(delta_r + i)));
+                bf16x8_store(res_r + i, v);
+            }
+            _mm256_storeu_ps(x_r + i, v);
+        }
+        for (; i < dim; i++) {
+            float v = bf16_to_f32(res_r[i]);
+            if (delta_r != NULL) res_r[i] = f32_to_bf16(v = round_bf16(v + bf16_to_f32(delta_r[i])));
+            x_r[i] = v;
+        }
+    }
+    float sums[NORM_ROWS];
+    sum_sq_rows(x, n, dim, sums);
+    for (int64_t r = 0; r < n; r++) {
+        const float *x_r = x + r * dim;
+        bf16_t *out_r = out + r * dim;
+        const float inv_rms = 1.0f / sqrtf(sums[r] / (float)dim + eps);
+        const __m256 scale = _mm256_set1_ps(inv_rms);
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8)
+            bf16x8_store(out_r + i, bf16x8_round(_mm256_mul_ps(bf16x8_round(_mm256_mul_ps(_mm256_loadu_ps(x_r + i), scale)), _mm256_loadu_ps(w + i))));
+        for (; i < dim; i++) out_r[i] = f32_to_bf16(round_bf16(x_r[i] * inv_rms) * w[i]);
+    }
 }
 #else
 static void add_rms_norm_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t dim, float eps) {
@@ -228,6 +296,36 @@ static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out,
     if (i < hidden) {
         const __mmask16 m = row_mask(hidden - i);
         _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
+    }
+}
+#elif defined(__AVX2__)
+/* AVX2 builds: the AVX-512 build's table of round_bf16(silu(g)) by g's bits, filled by the portable
+ * loop's own expression (the same bits as computing it in the row), read with 8-lane gathers: the
+ * computed loop (exp_approx, a division, two roundings and the conversions, every lane) ran a
+ * 32-decode demo step's silu_mul (32 x 1536) at 2.5x float32's time on a Zen 2, 1 thread
+ * (bench/NOTES.md 'bfloat16 steps past 8 decodes'). The products are rounded by store_row, as before. */
+static float silu_bf16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+    for (int32_t i = 0; i < (1 << 16); i++) silu_bf16_table[i] = bf16_to_f32((bf16_t)i);
+#pragma omp simd
+    for (int32_t i = 0; i < (1 << 16); i++) silu_bf16_table[i] = round_bf16(silu(silu_bf16_table[i]));
+}
+
+static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
+    enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
+    float p[CHUNK];
+    for (int64_t start = 0; start < hidden; start += CHUNK) {
+        const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
+        const bf16_t *g = gate + start, *u = up + start;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 s = _mm256_i32gather_ps(silu_bf16_table, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i))), 4);
+            const __m256 up8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + i))), 16));
+            _mm256_storeu_ps(p + i, _mm256_mul_ps(s, up8));
+        }
+        for (; i < n; i++) p[i] = silu_bf16_table[g[i]] * bf16_to_f32(u[i]);
+        store_row(out + start, p, n, 1);
     }
 }
 #else

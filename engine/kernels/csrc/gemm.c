@@ -254,9 +254,15 @@ static inline void prefetch_out_tile(float *out, int64_t n, int64_t r0, int64_t 
         for (int p = 0; p < np; p++) __builtin_prefetch(out + r * n + c0 + p * 16, 1, 3);
 }
 
-/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). */
+/* One block of at most GEMM_MC rows; stream: its sums stored non-temporally (stream_out). For
+ * interleaved_gemm_bf16 (else NULL): widen_x, bfloat16 rows widened into x (the caller's float32
+ * scratch) by the same team before any tile reads them; rounded, each panel group's sums also rounded
+ * to bfloat16 there [rows, n] as soon as its last k block is stored, by the thread that summed them,
+ * while they are in its caches. One parallel region for the three: under other jobs on the cores each
+ * region can wait a time slice for its second thread (a 32-row call on 2 threads at load 3.4: 7.7 ms
+ * a region, bench/NOTES.md 'bfloat16 steps past 8 decodes'), and quiet a fork and join is ~microseconds. */
 static void gemm_block(int bf16, const float *x, const void *weight, float *out, int64_t rows, int64_t n, int64_t k,
-                       int num_threads, int stream) {
+                       int num_threads, int stream, const bf16_t *widen_x, bf16_t *rounded) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
     /* a bfloat16 chunk widened once goes to a buffer of GEMM_KC steps (widen_chunk) */
@@ -264,7 +270,13 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
     const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
     const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
+#pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
+    {
+    if (widen_x) { /* the loop's implicit barrier: every row widened before the tiles read any */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) load_row((float *)x + r * k, widen_x + r * k, k, 1);
+    }
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * GEMM_NP;
         const int np = panels - p0 < GEMM_NP ? (int)(panels - p0) : GEMM_NP;
@@ -302,6 +314,9 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
 #if GEMM_STREAM_MIN_WEIGHT_BYTES
         if (stream) _mm_sfence(); /* the streamed lines ordered before the team's barrier and any reader */
 #endif
+        if (rounded)
+            for (int64_t r = 0; r < rows; r++) store_row(rounded + r * n + p0 * 16, out + r * n + p0 * 16, np * 16, 1);
+    }
     }
 }
 
@@ -319,8 +334,35 @@ int interleaved_gemm(int bf16, const float *x, const void *weight, float *out, i
     const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* balanced */
     for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
-        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream);
+        gemm_block(bf16, x + m0 * k, weight, out + m0 * n, mb, n, k, num_threads, stream, NULL, NULL);
     }
+    return KERNEL_OK;
+}
+
+/* out [rows, n] bfloat16 = x [rows, k] bfloat16 @ W^T, W interleaved bfloat16 [n / 16, k, 16]: a
+ * bfloat16 model's many rows (CPUs without oneDNN's bfloat16; PackedCpuLinear's per-op rows and the
+ * compiled decode step call this one function, so both get the same bits). x widened exactly to
+ * float32, interleaved_gemm's float32 sums (the same chains: the result of a row does not depend on
+ * the others), each rounded once to bfloat16 (vec.h's f32_to_bf16: torch's round to nearest even; a
+ * NaN stays a quiet NaN of its sign and payload, where torch's .to(bfloat16) writes 0xffff), as
+ * torch's `x.float()`, the gemm and `.to(bfloat16)` gave; done GEMM_MC rows at a time, so a pass's x
+ * and sums are converted while they are in the caches (gemm_block). scratch: rows x (k + n) floats (the widened x, then the sums), or NULL: allocated here for
+ * one pass. Returns KERNEL_OK, or KERNEL_NO_MEMORY (that allocation failed; out undefined). */
+int interleaved_gemm_bf16(const bf16_t *x, const bf16_t *weight, bf16_t *out, float *scratch, int64_t rows, int64_t n,
+                          int64_t k, int num_threads) {
+    if (rows <= 0 || n <= 0) return KERNEL_OK;
+    const int64_t blocks = (rows + GEMM_MC - 1) / GEMM_MC, block_rows = (rows + blocks - 1) / blocks; /* interleaved_gemm's passes */
+    float *owned = scratch ? NULL : kernel_malloc((size_t)(block_rows * (k + n)) * sizeof(float));
+    if (!scratch && !owned) return KERNEL_NO_MEMORY;
+    float *xf = scratch ? scratch : owned, *sums = xf + block_rows * k;
+    for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
+        const int64_t mb = rows - m0 < block_rows ? rows - m0 : block_rows;
+        if (k > 0) /* x widened, the sums rounded, in the gemm's own region (never streamed past the caches) */
+            gemm_block(1, xf, weight, sums, mb, n, k, num_threads, 0, x + m0 * k, out + m0 * n);
+        else /* an empty sum: +0, whose bfloat16 bits are zeros */
+            memset(out + m0 * n, 0, (size_t)(mb * n) * sizeof(bf16_t));
+    }
+    free(owned);
     return KERNEL_OK;
 }
 
