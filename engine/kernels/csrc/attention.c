@@ -3,6 +3,53 @@
  * chunks and decodes in one call) and its AMX tile path. */
 #include "vec.h"
 
+/* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for NV_LANES vectors of partial
+ * products (one per key): a transposing add tree, no horizontal sum per key. */
+#if NV_LANES == 8 && defined(__AVX__)
+#include <immintrin.h>
+/* AVX: hadd's pairwise sums within 128-bit halves, two levels, then the halves added across (GCC's
+ * lowering of the generic 8-lane tree's cross-half level took more shuffles than these). */
+static inline nvf pa_sum_lanes(const nvf *p) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[4], (__m256)p[5]), _mm256_hadd_ps((__m256)p[6], (__m256)p[7]));
+    /* a: lanes 0-3 the low halves' sums of p[0..3], lanes 4-7 their high halves'; b likewise for p[4..7] */
+    return (nvf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#elif NV_LANES == 4 && defined(__SSE3__)
+#include <pmmintrin.h>
+static inline nvf pa_sum_lanes(const nvf *p) {
+    return (nvf)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
+}
+#else
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
+ * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
+#if NV_LANES == 16
+#define PA_MASK(I, w)                                                                                      \
+    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
+               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
+#elif NV_LANES == 8
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
+#else
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
+#endif
+#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
+
+static inline nvf pa_sum_lanes(const nvf *p) {
+    nvf t[NV_LANES / 2];
+    for (int i = 0; i < NV_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
+    for (int i = 0; i < NV_LANES / 4; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 2);
+#if NV_LANES >= 8
+    for (int i = 0; i < NV_LANES / 8; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 4);
+#endif
+#if NV_LANES >= 16
+    t[0] = PA_COMBINE(t[0], t[1], 8);
+#endif
+    return t[0];
+}
+#endif
+
 /* ------------------------------------------------------------------------------------------ paged decode attention
  * One query token per sequence, attending to its seq_lens[b] cached keys read in place through
  * its block table. q rows are rows[b] of q (row stride q_stride elements, heads * head_dim used),
@@ -83,6 +130,39 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
     return task;
 }
 
+/* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
+ * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i], 4 vectors of dims at a
+ * time for the RC heads together, each value vector loaded once for them. One head's 8 vectors at a
+ * time were bound by the FMA latency (each accumulator took one FMA per key: 5 cycles a key on Zen 2)
+ * and, as a float array, kept in memory by GCC. The next block pass's lines go out as the keys are
+ * read (head_lines per key and head, over n_rep; see attend_blocks). */
+static inline __attribute__((always_inline)) void weigh_values(const float *rows, int64_t stride, int64_t n, const float *p,
+                                                               int64_t p_stride, float *sum, const int64_t D, const int RC,
+                                                               BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
+                                                               int64_t n_rep) {
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * NV_LANES) {
+        const int64_t m = (D - d0 < 4 * NV_LANES ? D - d0 : 4 * NV_LANES) / NV_LANES;
+        nvf sv[3][4];
+        for (int r = 0; r < RC; r++)
+            for (int c = 0; c < 4; c++) sv[r][c] = c < m ? nv_loadf(sum + r * D + d0 + c * NV_LANES) : (nvf){0};
+        for (int64_t j = 0; j < n; j++) {
+            const float *kv = rows + j * stride + d0;
+            if (d0 == 0)
+                for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+            nvf w[3];
+            for (int r = 0; r < RC; r++) w[r] = (nvf){0} + p[r * p_stride + j];
+            for (int c = 0; c < 4; c++)
+                if (c < m) {
+                    const nvf v = nv_loadf(kv + c * NV_LANES);
+                    for (int r = 0; r < RC; r++) sv[r][c] += w[r] * v;
+                }
+        }
+        for (int r = 0; r < RC; r++)
+            for (int c = 0; c < 4; c++)
+                if (c < m) nv_storef(sum + r * D + d0 + c * NV_LANES, sv[r][c]);
+    }
+}
+
 /* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
  * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
  * Loops run block outermost (a block is one contiguous run: read in order, the next one prefetched),
@@ -107,6 +187,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
         if (pass == 1) {
             for (int64_t h = 0; h < heads; h++) {
                 float *s = scores + h * n_keys, max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
                 for (int64_t t = 0; t < n_keys; t++) max = s[t] > max ? s[t] : max;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t t = 0; t < n_keys; t++) {
@@ -142,7 +223,14 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
                 int64_t stride = a->slot_elems;
                 if (a->bf16) {
-                    for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
+                    /* widened a vector at a time (vpmovzxwd + vpslld on AVX2): load_row's loop as
+                     * GCC vectorizes it took a third of a bfloat16 call's time hot */
+                    if (D % NV_LANES == 0)
+                        for (int64_t j = 0; j < n; j++)
+                            for (int64_t i = 0; i < D; i += NV_LANES)
+                                nv_storef(&conv[j][i], nv_load_weight(block + (size_t)j * a->slot_bytes, i, 1));
+                    else
+                        for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
                     rows_f32 = &conv[0][0];
                     stride = D;
                 }
@@ -150,7 +238,22 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     if (pass == 0) {
                         const float *qh = qf + h * D;
                         float *s = scores + h * n_keys + t0;
-                        for (int64_t j = 0; j < n; j++) {
+                        int64_t j = 0;
+                        /* NV_LANES keys' dot products at once, in as many accumulators, summed across
+                         * by one transposing add tree (pa_sum_lanes): one key at a time ended each dot
+                         * product in a horizontal sum and its 8 FMAs in one dependent chain */
+                        if (D % NV_LANES == 0)
+                            for (; j + NV_LANES <= n; j += NV_LANES) {
+                                nvf part[NV_LANES];
+                                for (int k = 0; k < NV_LANES; k++) part[k] = (nvf){0};
+                                for (int64_t i = 0; i < D; i += NV_LANES) {
+                                    const nvf qv = nv_loadf(qh + i);
+                                    for (int k = 0; k < NV_LANES; k++) part[k] += qv * nv_loadf(rows_f32 + (j + k) * stride + i);
+                                }
+                                nv_storef(s + j, pa_sum_lanes(part));
+                                for (credit += NV_LANES * head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
+                            }
+                        for (; j < n; j++) {
                             const float *kv = rows_f32 + j * stride;
                             for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
                             float dot = 0.0f;
@@ -160,15 +263,24 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         }
                     } else {
                         const float *p = scores + h * n_keys + t0;
-                        float sum[D];
-                        memcpy(sum, acc + h * D, sizeof(sum));
-                        for (int64_t j = 0; j < n; j++) {
-                            const float *kv = rows_f32 + j * stride, w = p[j];
-                            for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
+                        float *sum = acc + h * D;
+                        if (D % NV_LANES == 0) {
+                            const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
+                            if (rc == 3)
+                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 3, &pf, &credit, head_lines, n_rep);
+                            else if (rc == 2)
+                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 2, &pf, &credit, head_lines, n_rep);
+                            else
+                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 1, &pf, &credit, head_lines, n_rep);
+                            h += rc - 1;
+                        } else {
+                            for (int64_t j = 0; j < n; j++) {
+                                const float *kv = rows_f32 + j * stride, w = p[j];
+                                for (credit += head_lines; credit >= n_rep; credit -= n_rep) prefetch_line(&pf);
 #pragma omp simd
-                            for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
+                                for (int64_t i = 0; i < D; i++) sum[i] += w * kv[i];
+                            }
                         }
-                        memcpy(acc + h * D, sum, sizeof(sum));
                     }
                 }
             }
@@ -366,53 +478,6 @@ static inline void pa_unpermute(float *dst, const nvf *src, int64_t DV, int bf16
             }
     memcpy(dst + c * NV_LANES, f + c * NV_LANES, (size_t)(DV - c) * NV_LANES * sizeof(float));
 }
-
-/* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for NV_LANES vectors of partial
- * products (one per key): a transposing add tree, no horizontal sum per key. */
-#if NV_LANES == 8 && defined(__AVX__)
-#include <immintrin.h>
-/* AVX: hadd's pairwise sums within 128-bit halves, two levels, then the halves added across (GCC's
- * lowering of the generic 8-lane tree's cross-half level took more shuffles than these). */
-static inline nvf pa_sum_lanes(const nvf *p) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[4], (__m256)p[5]), _mm256_hadd_ps((__m256)p[6], (__m256)p[7]));
-    /* a: lanes 0-3 the low halves' sums of p[0..3], lanes 4-7 their high halves'; b likewise for p[4..7] */
-    return (nvf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-#elif NV_LANES == 4 && defined(__SSE3__)
-#include <pmmintrin.h>
-static inline nvf pa_sum_lanes(const nvf *p) {
-    return (nvf)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
-}
-#else
-/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
- * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
-#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
-#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
-#if NV_LANES == 16
-#define PA_MASK(I, w)                                                                                      \
-    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
-               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
-#elif NV_LANES == 8
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
-#else
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
-#endif
-#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
-
-static inline nvf pa_sum_lanes(const nvf *p) {
-    nvf t[NV_LANES / 2];
-    for (int i = 0; i < NV_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
-    for (int i = 0; i < NV_LANES / 4; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 2);
-#if NV_LANES >= 8
-    for (int i = 0; i < NV_LANES / 8; i++) t[i] = PA_COMBINE(t[2 * i], t[2 * i + 1], 4);
-#endif
-#if NV_LANES >= 16
-    t[0] = PA_COMBINE(t[0], t[1], 8);
-#endif
-    return t[0];
-}
-#endif
 
 typedef struct {
     const char *k_cache, *v_cache;
