@@ -416,8 +416,8 @@ class CpuKernelBackend(OneDnnBackend):
         size not a multiple of the block size); every sequence in one paged_attention call where it
         beats SDPA on prefill chunks (AMX tiles; AVX2: paged_attention_takes_chunks) and a
         sequence has 2+ new tokens (a prefill chunk); the decodes in one
-        paged_attention call from two per thread in builds where it is the faster (512-bit vectors,
-        AVX2 bfloat16; prefill chunks: SDPA); else paged_decode_attention."""
+        paged_attention call from two per thread in builds where it is the faster (512-bit vectors;
+        prefill chunks: SDPA); else paged_decode_attention."""
         num_blocks, block_size, _, head_dim = cache[0].shape
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
             return TorchBackend.attention_metadata(self, inputs, freqs_cis, cache, chunk_size)

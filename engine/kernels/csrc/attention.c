@@ -1247,19 +1247,17 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 
 /* 1 where paged_attention should take a step's decodes (two or more per thread) of caches in this
  * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
- * thread), and bfloat16 caches in 8-lane (AVX) builds, where paged_attention widens a run's K/V once
- * for the KV head's query rows (an AVX2 Zen 2, 32 decodes x 160 keys over 30 layers' caches on huge
- * pages, 1 thread: 1.20x; 8 x 512 keys 1.16x; after both spread their prefetches 1.19x, 1.17x). On
- * float32 decodes paged_decode_attention is the faster there (level before; 1.33x once both spread
- * their prefetches: bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a KV head's query
- * rows', 'Decode attention: reads overlapped with the maths'), so float32 pure-decode steps keep it;
- * its splitting of a sequence's blocks also serves a few long decodes. */
+ * thread). In 8-lane (AVX) builds paged_decode_attention is the faster on both dtypes (an AVX2 Zen
+ * 2, 30 layers' caches on huge pages, 1 thread): float32 1.33x once both spread their prefetches;
+ * bfloat16, where paged_attention was 1.17-1.20x ahead while paged_decode_attention widened K/V per
+ * query head with GCC's loop, 1.11-1.15x since its scores take NV_LANES keys at a time and its values
+ * a KV head's query heads together (bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
+ * KV head's query rows', 'Decode attention: reads overlapped with the maths', 'Decode attention at
+ * long context'). Its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
 #if defined(__AVX512F__)
     (void)bf16;
     return 1;
-#elif defined(__AVX__)
-    return bf16 != 0;
 #else
     (void)bf16;
     return 0;
