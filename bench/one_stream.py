@@ -175,7 +175,7 @@ def main() -> None:
 
     checkpoint = Path(args.checkpoint).expanduser()
     engine = load_engine(ModelSpec(model_id=checkpoint.name, checkpoint_dir=checkpoint, trusted=True),  # a descriptor names the family
-                         EngineConfig(dtype=args.dtype, max_seq_len=1024))
+                         EngineConfig(dtype=args.dtype, max_seq_len=max(1024, args.prompt_tokens + args.output_tokens)))
     probe = Probe(engine)
     print(f"threads {__import__('torch').get_num_threads()}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
