@@ -135,7 +135,7 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
  * time for the RC heads together, each value vector loaded once for them. One head's 8 vectors at a
  * time were bound by the FMA latency (each accumulator took one FMA per key: 5 cycles a key on Zen 2)
  * and, as a float array, kept in memory by GCC. The next block pass's lines go out as the keys are
- * read (head_lines per key and head, over n_rep; see attend_blocks). */
+ * read (head_lines per key and head, over n_rep; see attend_blocks; *credit here in lines x D). */
 static inline __attribute__((always_inline)) void weigh_values(const float *rows, int64_t stride, int64_t n, const float *p,
                                                                int64_t p_stride, float *sum, const int64_t D, const int RC,
                                                                BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
@@ -147,8 +147,10 @@ static inline __attribute__((always_inline)) void weigh_values(const float *rows
             for (int c = 0; c < 4; c++) sv[r][c] = c < m ? nv_loadf(sum + r * D + d0 + c * NV_LANES) : (nvf){0};
         for (int64_t j = 0; j < n; j++) {
             const float *kv = rows + j * stride + d0;
-            if (d0 == 0)
-                for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+            /* credit in lines x D: this chunk's m vectors of the RC rows' head_lines, spread over
+             * every chunk (all on the first chunk, twice the rate, made cold float32 calls 1.1-1.2x
+             * slower, as denser spreading did before) */
+            for (*credit += RC * head_lines * m * NV_LANES; *credit >= n_rep * D; *credit -= n_rep * D) prefetch_line(pf);
             nvf w[3];
             for (int r = 0; r < RC; r++) w[r] = (nvf){0} + p[r * p_stride + j];
             for (int c = 0; c < 4; c++)
