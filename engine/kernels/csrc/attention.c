@@ -131,14 +131,15 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
 }
 
 /* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
- * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i], 4 vectors of dims at a
- * time for the RC heads together, each value vector loaded once for them. One head's 8 vectors at a
+ * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i] (float32, or BF16:
+ * bfloat16 widened here, once for the RC heads, with no float32 copy stored and read back), 4
+ * vectors of dims at a time for the RC heads together, each value vector loaded once for them. One head's 8 vectors at a
  * time were bound by the FMA latency (each accumulator took one FMA per key: 5 cycles a key on Zen 2)
  * and, as a float array, kept in memory by GCC. The next block pass's lines go out as the keys are
  * read (head_lines per key and head, over n_rep; see attend_blocks; *credit here in lines x D). */
-static inline __attribute__((always_inline)) void weigh_values(const float *rows, int64_t stride, int64_t n, const float *p,
+static inline __attribute__((always_inline)) void weigh_values(const void *rows, int64_t stride, int64_t n, const float *p,
                                                                int64_t p_stride, float *sum, const int64_t D, const int RC,
-                                                               BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
+                                                               const int BF16, BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
                                                                int64_t n_rep) {
     for (int64_t d0 = 0; d0 < D; d0 += 4 * NV_LANES) {
         const int64_t m = (D - d0 < 4 * NV_LANES ? D - d0 : 4 * NV_LANES) / NV_LANES;
@@ -146,7 +147,6 @@ static inline __attribute__((always_inline)) void weigh_values(const float *rows
         for (int r = 0; r < RC; r++)
             for (int c = 0; c < 4; c++) sv[r][c] = c < m ? nv_loadf(sum + r * D + d0 + c * NV_LANES) : (nvf){0};
         for (int64_t j = 0; j < n; j++) {
-            const float *kv = rows + j * stride + d0;
             /* credit in lines x D: this chunk's m vectors of the RC rows' head_lines, spread over
              * every chunk (all on the first chunk, twice the rate, made cold float32 calls 1.1-1.2x
              * slower, as denser spreading did before) */
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *rows
             for (int r = 0; r < RC; r++) w[r] = (nvf){0} + p[r * p_stride + j];
             for (int c = 0; c < 4; c++)
                 if (c < m) {
-                    const nvf v = nv_loadf(kv + c * NV_LANES);
+                    const nvf v = nv_load_weight(rows, j * stride + d0 + c * NV_LANES, BF16);
                     for (int r = 0; r < RC; r++) sv[r][c] += w[r] * v;
                 }
         }
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
                 const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
                 int64_t stride = a->slot_elems;
-                if (a->bf16) {
+                if (a->bf16 && !(pass == 1 && D % NV_LANES == 0)) { /* weigh_values widens its own */
                     /* widened a vector at a time (vpmovzxwd + vpslld on AVX2): load_row's loop as
                      * GCC vectorizes it took a third of a bfloat16 call's time hot */
                     if (D % NV_LANES == 0)
@@ -268,12 +268,12 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         float *sum = acc + h * D;
                         if (D % NV_LANES == 0) {
                             const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
-                            if (rc == 3)
-                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 3, &pf, &credit, head_lines, n_rep);
-                            else if (rc == 2)
-                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 2, &pf, &credit, head_lines, n_rep);
+#define WEIGH(RC, BF16) weigh_values(block, a->slot_elems, n, p, n_keys, sum, D, RC, BF16, &pf, &credit, head_lines, n_rep)
+                            if (a->bf16)
+                                rc == 3 ? WEIGH(3, 1) : rc == 2 ? WEIGH(2, 1) : WEIGH(1, 1);
                             else
-                                weigh_values(rows_f32, stride, n, p, n_keys, sum, D, 1, &pf, &credit, head_lines, n_rep);
+                                rc == 3 ? WEIGH(3, 0) : rc == 2 ? WEIGH(2, 0) : WEIGH(1, 0);
+#undef WEIGH
                             h += rc - 1;
                         } else {
                             for (int64_t j = 0; j < n; j++) {
