@@ -130,6 +130,45 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
     return task;
 }
 
+#if NV_LANES == 8 && defined(__AVX2__)
+#define SCORE_HEADS_BF16 1
+/* bfloat16 scores of query heads [h, h + RC) of one KV head (RC <= 3) over the block's n keys (rows
+ * of bfloat16, stride elements apart), 4 keys at a time: each K vector widened in registers once for
+ * the RC heads (3 x 4 accumulators; q read as the FMA's memory operand), no float32 copy of K stored
+ * and read back. s[r * s_stride + j] = q[r * D ..] . row j. */
+static inline __attribute__((always_inline)) void score_heads_bf16(const void *rows, int64_t stride, int64_t n,
+                                                                   const float *q, const int64_t D, const int RC,
+                                                                   float *s, int64_t s_stride, BlockPrefetch *pf,
+                                                                   int64_t *credit, int64_t head_lines, int64_t n_rep) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256 acc[3][4];
+        for (int r = 0; r < RC; r++)
+            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            for (int k = 0; k < 4; k++) {
+                const __m256 kv = (__m256)nv_load_weight(rows, (j + k) * stride + i, 1);
+                for (int r = 0; r < RC; r++) acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), kv, acc[r][k]);
+            }
+        }
+        for (int r = 0; r < RC; r++) {
+            /* 4 vectors to 4 sums: two hadd levels within the 128-bit halves, then the halves added */
+            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+            _mm_storeu_ps(s + r * s_stride + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+        }
+        for (*credit += 4 * RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+    }
+    for (; j < n; j++) {
+        for (int r = 0; r < RC; r++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < D; i++) dot += q[r * D + i] * bf16_to_f32(((const bf16_t *)rows)[j * stride + i]);
+            s[r * s_stride + j] = dot;
+        }
+        for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+    }
+}
+#endif
+
 /* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
  * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i] (float32, or BF16:
  * bfloat16 widened here, once for the RC heads, with no float32 copy stored and read back), 4
@@ -224,7 +263,12 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
                 const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
                 int64_t stride = a->slot_elems;
-                if (a->bf16 && !(pass == 1 && D % NV_LANES == 0)) { /* weigh_values widens its own */
+#ifdef SCORE_HEADS_BF16
+                const int own_widening = D % NV_LANES == 0; /* score_heads_bf16 and weigh_values widen their own */
+#else
+                const int own_widening = pass == 1 && D % NV_LANES == 0; /* weigh_values widens its own */
+#endif
+                if (a->bf16 && !own_widening) {
                     /* widened a vector at a time (vpmovzxwd + vpslld on AVX2): load_row's loop as
                      * GCC vectorizes it took a third of a bfloat16 call's time hot */
                     if (D % NV_LANES == 0)
@@ -237,6 +281,20 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     stride = D;
                 }
                 for (int64_t h = g * n_rep; h < (g + 1) * n_rep; h++) {
+#ifdef SCORE_HEADS_BF16
+                    if (pass == 0 && a->bf16 && own_widening) {
+                        const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
+                        float *s = scores + h * n_keys + t0;
+                        if (rc == 3)
+                            score_heads_bf16(block, a->slot_elems, n, qf + h * D, D, 3, s, n_keys, &pf, &credit, head_lines, n_rep);
+                        else if (rc == 2)
+                            score_heads_bf16(block, a->slot_elems, n, qf + h * D, D, 2, s, n_keys, &pf, &credit, head_lines, n_rep);
+                        else
+                            score_heads_bf16(block, a->slot_elems, n, qf + h * D, D, 1, s, n_keys, &pf, &credit, head_lines, n_rep);
+                        h += rc - 1;
+                        continue;
+                    }
+#endif
                     if (pass == 0) {
                         const float *qh = qf + h * D;
                         float *s = scores + h * n_keys + t0;
