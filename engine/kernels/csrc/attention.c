@@ -1310,8 +1310,8 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
  * thread). In 8-lane (AVX) builds paged_decode_attention is the faster on both dtypes (an AVX2 Zen
  * 2, 30 layers' caches on huge pages, 1 thread): float32 1.33x once both spread their prefetches;
  * bfloat16, where paged_attention was 1.17-1.20x ahead while paged_decode_attention widened K/V per
- * query head with GCC's loop, 1.11-1.15x since its scores take NV_LANES keys at a time and its values
- * a KV head's query heads together (bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
+ * query head with GCC's loop, 1.38-1.51x since it widens K and V in registers once for a KV head's
+ * query heads (score_heads_bf16, weigh_values; bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
  * KV head's query rows', 'Decode attention: reads overlapped with the maths', 'Decode attention at
  * long context'). Its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
