@@ -218,9 +218,9 @@ static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, con
  * the block a GEMM_MC-row pass takes under GEMM_X_L2_BYTES (768 steps on AVX2: the demo's k of 576 in
  * one block, 1536 in 2; 48 KiB of float32 a panel, in L2 as float32's long chunks are), GEMM_KC where
  * the longer blocks are off. With GEMM_KC's 256-step blocks at every row count a bfloat16 model's
- * 512-row linears ran 1.06-1.09x the float32 ones' time (k 576 in 3 blocks where float32 takes 1, each
+ * 512-row linears ran 1.06-1.07x the float32 ones' time (k 576 in 3 blocks where float32 takes 1, each
  * tile's setup and its sums' store and reload thrice); with these 1.01-1.02x (one thread, cold, huge
- * pages; 128 rows 1.07-1.10x -> 1.02-1.04x: bench/NOTES.md 'bfloat16 prefill on AVX2'). */
+ * pages, fastest of 15 calls; 128 rows 1.06-1.09x -> 1.03-1.04x: bench/NOTES.md 'bfloat16 prefill on AVX2'). */
 #if GEMM_X_L2_BYTES / (GEMM_MC * 4) > GEMM_KC
 #define GEMM_WIDE_KC (GEMM_X_L2_BYTES / (GEMM_MC * 4))
 #else
