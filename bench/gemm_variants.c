@@ -8,7 +8,8 @@
  *
  * Weights: enough copies of [N, K] to pass 200 MB, rotated call after call, so each call reads its
  * weight from DRAM as a decode step does (HOT=1: one copy, for the micro-kernel's own rate);
- * BF16=1: bfloat16 weights (widened per load); HUGE=1: the weights on huge pages (madvise), as the server's
+ * BF16=1: bfloat16 weights (widened per load); IO=1 (with BF16): interleaved_gemm_bf16, x and out bfloat16
+ * as a bfloat16 model's linears call it (x widened, the sums rounded, a caller's scratch); HUGE=1: the weights on huge pages (madvise), as the server's
  * WeightArena holds them (else 4 KiB pages: a TLB miss per page of a cold weight). Prints the median and the fastest call's thread CPU time (steady on
  * a shared machine; one thread) and wall time, as GFLOP/s; PEAK=1 also the one-thread FMA peak of
  * this core (12 independent vfmadd231ps chains on ymm registers: AVX2 builds), the roofline to read
@@ -76,12 +77,19 @@ int main(int argc, char **argv) {
         }
     }
     for (int64_t i = 0; i < rows * k; i++) x[i] = (float)((i * 104729) % 1000) / 1000.f - 0.5f;
+    /* IO=1: x and out in bfloat16, through interleaved_gemm_bf16 (its scratch: rows x (k + n) floats) */
+    const int io = bf16 && getenv("IO") != NULL;
+    bf16_t *x16 = io ? aligned_alloc(64, (size_t)(rows * k * 2 + 64)) : NULL, *out16 = io ? aligned_alloc(64, (size_t)(rows * n * 2 + 64)) : NULL;
+    float *scratch = io ? aligned_alloc(64, (size_t)(rows * (k + n) * 4)) : NULL;
+    if (io && (!x16 || !out16 || !scratch)) return 1;
+    for (int64_t i = 0; io && i < rows * k; i++) x16[i] = f32_to_bf16(x[i]);
     interleaved_gemm(bf16, x, w, out, rows, n, k, threads); /* pages touched */
     double cpu_s[1000], wall_s[1000];
     for (int c = 0; c < calls; c++) {
         const char *weight = w + (size_t)((c % copies) * n * k * elem);
         const double cpu0 = seconds(CLOCK_THREAD_CPUTIME_ID), wall0 = seconds(CLOCK_MONOTONIC);
-        interleaved_gemm(bf16, x, weight, out, rows, n, k, threads);
+        if (io) interleaved_gemm_bf16(x16, (const bf16_t *)weight, out16, scratch, rows, n, k, threads);
+        else interleaved_gemm(bf16, x, weight, out, rows, n, k, threads);
         cpu_s[c] = seconds(CLOCK_THREAD_CPUTIME_ID) - cpu0;
         wall_s[c] = seconds(CLOCK_MONOTONIC) - wall0;
     }

@@ -6,9 +6,9 @@ Builds the demo-shaped model (SmolLM2-135M's shape, random weights, bfloat16 unl
 otherwise, the CPU backend WorkerGroup picks) and runs the step shapes a 32- or 64-stream run of 128 prompt + 64 output
 tokens produces, timing every backend call and every linear (by its [M, N, K] shape) with wall
 clocks around each (CPU ops are synchronous). Each linear's achieved GFLOP/s is printed next to
-the matmul rate of the dtype measured at start (the roofline of the moment; on CPUs without bf16
-compute, such as AVX2-only ones, bfloat16 is emulated and its rate takes minutes to sample: profile
-float32 there). Step shapes:
+the matmul rate of the dtype measured at start (the roofline of the moment; on CPUs without oneDNN's
+bfloat16, such as AVX2-only ones, float32's: the kernels run a bfloat16 model's linears as float32
+FMAs on widened weights). Step shapes:
 
     d8 / d32 / d64  8 / 32 / 64 decodes at 160 tokens of context (the middle of 128 + 64)
     m32           28 decodes + 3 whole prompts + the first 100 tokens of a 4th (a 512 budget)
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import load_average, model_args  # noqa: E402
 from bench.forward import matmul_flops_per_s  # noqa: E402
 from engine.backends import select_backend  # noqa: E402
-from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear  # noqa: E402
+from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear, packing_available  # noqa: E402
 from engine.loading.checkpoint import random_state_dict  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.models.llama import Transformer, allocate_kv_caches  # noqa: E402
@@ -232,8 +232,11 @@ def main() -> None:
     caches = allocate_kv_caches(args, 1, 70 * math.ceil(MAX_TOKENS / BLOCK_SIZE), BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))
     for k_cache, v_cache in caches:  # K/V values of a realistic size
         k_cache.normal_(), v_cache.normal_()
-    peak = matmul_flops_per_s(dtype)
-    print(f"backend {backend.name}, prefill attention {opts.prefill_attention}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), {opts.dtype} matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
+    # without oneDNN's bfloat16 (AVX2) a bfloat16 model's linears are float32 FMAs on widened weights
+    # (gemm.c), and torch's emulated bfloat16 matmul took minutes to sample a meaningless 1 GFLOP/s
+    roofline_dtype = dtype if packing_available(dtype) else torch.float32
+    peak = matmul_flops_per_s(roofline_dtype)
+    print(f"backend {backend.name}, prefill attention {opts.prefill_attention}, {opts.threads} threads ({'thread CPU time' if opts.threads == 1 else 'wall'}), {str(roofline_dtype).removeprefix('torch.')} matmul roofline {peak / 1e9:.0f} GFLOP/s, load average {load_average()}")
     if opts.ab:
         compare_decode_step(model, caches, opts.steps.split(","), opts.repeats)
     if opts.decode_step == "off":

@@ -54,7 +54,7 @@ def test_gemm_rows_1_to_70_within_f32_rounding(kernels, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 301: balanced blocks of rows (gemm.c GEMM_MC), each its own pass over the weights; 128 and 301: on AVX2 k
 # (1000) in 2 blocks where a row alone has 1 (GEMM_X_L2_BYTES: longer k blocks for fewer rows; bfloat16 from
-# 16 tiles: 4 widened chunks)
+# 16 tiles: widened chunks of 500 steps, 301's passes of 101 rows at GEMM_WIDE_KC's cap)
 @pytest.mark.parametrize("rows", [70, 128, 301])
 def test_each_row_is_the_same_whatever_the_other_rows(kernels, rows, dtype):
     """One FMA chain per output, in k order: a row alone and in any batch gives the same bits. bfloat16

@@ -148,23 +148,8 @@ static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float
 /* AVX2 builds: the AVX-512 rows' structure in 8 lanes (the sums side by side, sum_sq_rows, in the order
  * the portable loop had: the same bits), each value converted once; the portable loop's five passes
  * (widen, add and round, sum, two roundings, narrow) ran a 32 x 576 bfloat16 add + RMSNorm at 3x
- * float32's time on a Zen 2 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). */
-static inline __m256 bf16x8_load(const bf16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline __m256 bf16x8_round(__m256 x) { /* round_bf16 on 8 lanes: the rounded bits' high half, a NaN quieted */
-    const __m256i u = _mm256_castps_si256(x), high = _mm256_set1_epi32((int)0xffff0000u);
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), high);
-    const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, high), _mm256_set1_epi32(0x00400000));
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))));
-}
-
-static inline void bf16x8_store(bf16_t *p, __m256 rounded) { /* rounded: bf16x8_round's (low halves zero) */
-    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08)));
-}
+ * float32's time on a Zen 2 (bench/NOTES.md 'bfloat16 steps past 8 decodes'). The 8-lane conversions
+ * (bf16x8_load, bf16x8_round, bf16x8_store) are vec.h's, which load_row and store_row use too. */
 
 /* n <= NORM_ROWS consecutive rows; x: NORM_ROWS * dim floats of scratch */
 static void add_rms_norm_rows_bf16(bf16_t *res, const bf16_t *delta, const float *w, bf16_t *out, float *x, int64_t n,

@@ -57,8 +57,8 @@
  * demo's shapes at 32 rows ran 95 GFLOP/s on one thread against 101 with one block over k (107: the
  * FMA peak). One thread, cold, against 256-step blocks (bench/NOTES.md 'gemm.c toward the FMA peak'):
  * 16-64 rows 0.93-0.98x the time, 128 rows 0.96-1.0x, 9 rows 0.95-1.02x; with GEMM_MC's passes of 128
- * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once keeps GEMM_KC: its
- * buffer). 384 KiB of Zen 2's 512 (256 before): a pass of 128 rows then takes the demo's k of 576 in
+ * rows every pass runs blocks of 512 steps or more (a bfloat16 chunk widened once too, up to
+ * GEMM_WIDE_KC steps: its buffer). 384 KiB of Zen 2's 512 (256 before): a pass of 128 rows then takes the demo's k of 576 in
  * one block (2 of 288 before: each tile's sums stored and loaded back, its setup twice), k 1536 in 2
  * and 2048 in 3 (3 and 4 before), with room left for the weight chunk and out. One thread, cold, huge
  * pages, both with the out prefetch (prefetch_out_tile), time: 512 rows, the demo's wqkv 0.97-0.99,
@@ -214,8 +214,20 @@ static void gemm_tile_rows_bf16(int mr, int np, const float *x, int64_t ldx, con
  * widened chunk has no software prefetch of the next one, and few tiles share it); 48-64 rows within
  * the noise either way. */
 #define GEMM_WIDEN_MIN_TILES 16
+/* The longest k block of a bfloat16 chunk widened once (widen_chunk; its buffer on the thread's stack):
+ * the block a GEMM_MC-row pass takes under GEMM_X_L2_BYTES (768 steps on AVX2: the demo's k of 576 in
+ * one block, 1536 in 2; 48 KiB of float32 a panel, in L2 as float32's long chunks are), GEMM_KC where
+ * the longer blocks are off. With GEMM_KC's 256-step blocks at every row count a bfloat16 model's
+ * 512-row linears ran 1.06-1.07x the float32 ones' time (k 576 in 3 blocks where float32 takes 1, each
+ * tile's setup and its sums' store and reload thrice); with these 1.01-1.02x (one thread, cold, huge
+ * pages, fastest of 15 calls; 128 rows 1.06-1.09x -> 1.03-1.04x: bench/NOTES.md 'bfloat16 prefill on AVX2'). */
+#if GEMM_X_L2_BYTES / (GEMM_MC * 4) > GEMM_KC
+#define GEMM_WIDE_KC (GEMM_X_L2_BYTES / (GEMM_MC * 4))
+#else
+#define GEMM_WIDE_KC GEMM_KC
+#endif
 /* np panels' chunks of kc steps (bfloat16, panel_elems apart) widened to float32, panel after panel
- * ([np][kc][16], at most GEMM_NP x GEMM_KC x 16 floats: 16 KiB on AVX2, in L1 beside the tiles' x):
+ * ([np][kc][16], at most GEMM_NP x GEMM_WIDE_KC x 16 floats: 48 KiB on AVX2, in L2 beside the tiles' x):
  * a bfloat16 weight's chunk is widened once for all the row tiles that read it, instead of once per
  * tile in the tile's loads (2 ops a vector beside its GEMM_MR FMAs). Widening is exact, and the
  * tiles then run the float32 code on the same values in the same order: the same bits. The chunk
@@ -265,9 +277,10 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
                        int num_threads, int stream, const bf16_t *widen_x, bf16_t *rounded) {
     const int64_t tiles = (rows + GEMM_MR - 1) / GEMM_MR;
     const int64_t panels = n / 16, groups = (panels + GEMM_NP - 1) / GEMM_NP, panel_floats = k * 16;
-    /* a bfloat16 chunk widened once goes to a buffer of GEMM_KC steps (widen_chunk) */
+    /* a bfloat16 chunk widened once goes to a buffer of at most GEMM_WIDE_KC steps (widen_chunk) */
     const int widen = bf16 && tiles >= GEMM_WIDEN_MIN_TILES;
-    const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float)), kc_max = widen || kc_l2 < GEMM_KC ? GEMM_KC : kc_l2;
+    const int64_t kc_l2 = GEMM_X_L2_BYTES / (rows * (int64_t)sizeof(float));
+    const int64_t kc_long = widen && kc_l2 > GEMM_WIDE_KC ? GEMM_WIDE_KC : kc_l2, kc_max = kc_long < GEMM_KC ? GEMM_KC : kc_long;
     const int64_t k_blocks = (k + kc_max - 1) / kc_max, kc_full = (k + k_blocks - 1) / k_blocks; /* balanced */
     const int64_t pf_tiles = tiles < GEMM_PF_TILES ? tiles : GEMM_PF_TILES;
 #pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
@@ -291,7 +304,7 @@ static void gemm_block(int bf16, const float *x, const void *weight, float *out,
              * those stores avoid) */
             const int pf_out = k0 == 0 && !(stream && k0 + kc >= k);
             if (widen) { /* widen the chunk once for every row tile (widen_chunk) */
-                float wide[GEMM_NP * GEMM_KC * 16];
+                float wide[GEMM_NP * GEMM_WIDE_KC * 16];
                 widen_chunk((const bf16_t *)w, np, panel_floats, kc, wide);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = tile_start(t, rows, tiles), mr = tile_start(t + 1, rows, tiles) - r0;

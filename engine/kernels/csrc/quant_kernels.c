@@ -664,18 +664,6 @@ static AI int qlinear(const int fmt, int bf16, const void *x, int64_t rows, cons
     return 0;
 }
 
-#ifdef QK_AVX2
-/* f32_to_bf16 on 8 lanes (round to nearest even, NaNs quieted), as 8 words */
-static AI __m128i bf16x8_round(__m256 x) {
-    const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); /* words <= 0xffff: no saturation */
-}
-#endif
-
 static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t row1, int bf16, void *out, int num_threads) {
     const int64_t k = q->k;
 #ifdef QK_AVX2
@@ -692,7 +680,7 @@ static AI void qdequantize(const int fmt, const qmat *q, int64_t row0, int64_t r
             const size_t at = (size_t)((r - row0) * k + j);
             if (cnt == BLOCK) {
                 for (int i = 0; i < 4; i++) {
-                    if (bf16) _mm_storeu_si128((__m128i *)((bf16_t *)out + at + 8 * i), bf16x8_round(v[i]));
+                    if (bf16) bf16x8_store((bf16_t *)out + at + 8 * i, bf16x8_round(v[i])); /* vec.h's f32_to_bf16 on 8 lanes */
                     else _mm256_storeu_ps((float *)out + at + 8 * i, v[i]);
                 }
                 continue;
