@@ -268,15 +268,8 @@ static inline __attribute__((always_inline)) void attend_blocks(
 #else
                 const int own_widening = pass == 1 && D % NV_LANES == 0; /* weigh_values widens its own */
 #endif
-                if (a->bf16 && !own_widening) {
-                    /* widened a vector at a time (vpmovzxwd + vpslld on AVX2): load_row's loop as
-                     * GCC vectorizes it took a third of a bfloat16 call's time hot */
-                    if (D % NV_LANES == 0)
-                        for (int64_t j = 0; j < n; j++)
-                            for (int64_t i = 0; i < D; i += NV_LANES)
-                                nv_storef(&conv[j][i], nv_load_weight(block + (size_t)j * a->slot_bytes, i, 1));
-                    else
-                        for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
+                if (a->bf16 && !own_widening) { /* load_row: vector rows on AVX-512 and AVX2 (vec.h) */
+                    for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
                     rows_f32 = &conv[0][0];
                     stride = D;
                 }

@@ -283,12 +283,13 @@ static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out,
         _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
     }
 }
-#elif defined(__AVX2__)
+#elif defined(HAVE_AVX2_ROWS)
 /* AVX2 builds: the AVX-512 build's table of round_bf16(silu(g)) by g's bits, filled by the portable
  * loop's own expression (the same bits as computing it in the row), read with 8-lane gathers: the
  * computed loop (exp_approx, a division, two roundings and the conversions, every lane) ran a
  * 32-decode demo step's silu_mul (32 x 1536) at 2.5x float32's time on a Zen 2, 1 thread
- * (bench/NOTES.md 'bfloat16 steps past 8 decodes'). The products are rounded by store_row, as before. */
+ * (bench/NOTES.md 'bfloat16 steps past 8 decodes'). The products rounded as store_row rounds them
+ * (vec.h's 8-lane conversions). */
 static float silu_bf16_table[1 << 16];
 
 __attribute__((constructor)) static void fill_silu_bf16_table(void) {
@@ -298,20 +299,12 @@ __attribute__((constructor)) static void fill_silu_bf16_table(void) {
 }
 
 static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
-    enum { CHUNK = 512 }; /* bounded stack use whatever the FFN width */
-    float p[CHUNK];
-    for (int64_t start = 0; start < hidden; start += CHUNK) {
-        const int64_t n = hidden - start < CHUNK ? hidden - start : CHUNK;
-        const bf16_t *g = gate + start, *u = up + start;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const __m256 s = _mm256_i32gather_ps(silu_bf16_table, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i))), 4);
-            const __m256 up8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + i))), 16));
-            _mm256_storeu_ps(p + i, _mm256_mul_ps(s, up8));
-        }
-        for (; i < n; i++) p[i] = silu_bf16_table[g[i]] * bf16_to_f32(u[i]);
-        store_row(out + start, p, n, 1);
+    int64_t i = 0;
+    for (; i + 8 <= hidden; i += 8) {
+        const __m256 s = _mm256_i32gather_ps(silu_bf16_table, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i))), 4);
+        bf16x8_store(out + i, bf16x8_round(_mm256_mul_ps(s, bf16x8_load(up + i))));
     }
+    for (; i < hidden; i++) out[i] = f32_to_bf16(silu_bf16_table[gate[i]] * bf16_to_f32(up[i]));
 }
 #else
 static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
