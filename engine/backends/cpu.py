@@ -254,7 +254,8 @@ class PackedCpuLinear(nn.Module):
 
     def gemm_rows(self) -> int:
         """The most rows forward sends csrc/gemm.c (past few_rows, an input of the copy's dtype; 0 where
-        it sends none), for a compiled decode step of many float32 sequences (engine/backends/cpu_step.py)."""
+        it sends none), for a compiled decode step of many sequences (engine/backends/cpu_step.py: float32, and
+        bfloat16 where oneDNN has no bfloat16 kernel)."""
         return self._gemm_max_rows if self._gemm is not None else 0
 
     def tile_rows(self) -> int:
