@@ -44,6 +44,12 @@ def test_decode_profile_smoke():
     for part in ("decode step", "wqkv", "w13", "attention", "output head", "untimed"):
         assert part in out, out
 
+
+def test_step_gaps_smoke():
+    out = run_script("bench/step_gaps.py", "--config", "tiny", "--dtype", "bfloat16", "--threads", "1", "--rounds", "1", "--steps", "2")
+    for part in ("summed over 4 layers", "  attention ", "  w13 ", "past the best rate", "between them", "head best call", "barrier"):
+        assert part in out, out
+
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
     run_script("bench/throughput.py", "--config", "tiny", "--concurrency", "1,2", "--checkpoint-dir", str(tmp_path / "ckpt"),
