@@ -65,16 +65,26 @@ static inline nvf pa_sum_lanes(const nvf *p) {
 #define MIN_BLOCKS_PER_TASK 4
 
 /* Prefetch of the blocks a task reads next. A task's K blocks then its V blocks are one stream of
- * block passes; while one is computed, the next one's lines are prefetched evenly over its key rows
- * (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread over the maths. One burst of a block's 192 prefetches
- * (12 KiB, float32) at its start, as before, filled Zen 2's ~22 L1 miss buffers: the rest of the
- * burst waited for them as demand reads would and the maths behind it with them, so a cold call
- * took the hot call's time plus the read time (no overlap; 1.5x slower than spread, bench/NOTES.md
- * 'Decode attention: reads overlapped with the maths'). Into all cache levels (T0): the
- * non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30 layers' caches,
- * its lines evicted before they were read; T1 and two or four blocks ahead were level or slower. */
+ * block passes; while one is computed, the lines of the pass PREFETCH_PASSES_AHEAD on are prefetched
+ * evenly over its key rows (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread
+ * over the maths. One burst of a block's 192 prefetches (12 KiB, float32) at its start, as before,
+ * filled Zen 2's ~22 L1 miss buffers: the rest of the burst waited for them as demand reads would
+ * and the maths behind it with them, so a cold call took the hot call's time plus the read time (no
+ * overlap; 1.5x slower than spread, bench/NOTES.md 'Decode attention: reads overlapped with the
+ * maths'). The non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30
+ * layers' caches, its lines evicted before they were read.
+ *
+ * Into L2 (prefetcht1), two passes ahead: a prefetch into L1 (T0) holds one of L1's few miss
+ * buffers until its line arrives, so on Zen 4 a read of blocks in shuffled order took 14 GB/s a
+ * thread with T0 prefetches at any distance (or none), 25-28 GB/s with T1 ones 8-24 KiB ahead
+ * (a contiguous read: 30 GB/s); the kernel, one thread, float32 1 x 4096 keys cold 1.7-1.9x, bfloat16
+ * 1.3-1.5x (bench/NOTES.md 'Decode attention from L2 prefetches'). On Zen 2, T1 one pass ahead was
+ * level with T0 (within the noise). */
+#define PREFETCH_LOCALITY 2 /* __builtin_prefetch's: prefetcht1 */
+#define PREFETCH_PASSES_AHEAD 2
+
 static inline void prefetch_block(const char *block, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, PREFETCH_LOCALITY);
 }
 
 typedef struct {
@@ -83,7 +93,7 @@ typedef struct {
 
 static inline void prefetch_line(BlockPrefetch *pf) {
     if (pf->next < pf->end) {
-        __builtin_prefetch(pf->next, 0, 3);
+        __builtin_prefetch(pf->next, 0, PREFETCH_LOCALITY);
         pf->next += 64;
     }
 }
@@ -97,10 +107,10 @@ typedef struct {
 } AttendArgs;
 
 /* A call's tasks, handed out one at a time (dynamic scheduling by hand, as paged_attention_amx's
- * PaItems): a thread claims its next task at the start of its current one's last block pass and
- * prefetches that task's first K block over it, which otherwise came from memory unprefetched
- * (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1 thread). A task's result does not
- * depend on which thread runs it. */
+ * PaItems): a thread claims its next task PREFETCH_PASSES_AHEAD block passes before the end of its
+ * current one and prefetches that task's first K block over the first of those, which otherwise
+ * came from memory unprefetched (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1
+ * thread). A task's result does not depend on which thread runs it. */
 typedef struct {
     int64_t next; /* the first unclaimed task (atomic) */
     int64_t tasks;
@@ -221,7 +231,9 @@ static inline __attribute__((always_inline)) void attend_blocks(
     /* block pass i of the task's stream: K block blk_begin + i, then (i >= blocks) V block i - blocks */
     const int64_t blocks = blk_end - blk_begin;
 #define BLOCK_PASS(i) (((i) < blocks ? a->k_cache : a->v_cache) + (size_t)a->table[blk_begin + (i) % blocks] * block_bytes)
-    if (blocks > 0) prefetch_block(BLOCK_PASS(0), block_bytes); /* the claim before it prefetched at most part of it */
+    /* the passes before the spread prefetch's first (the claim before it prefetched at most part of the first) */
+    for (int64_t i = 0; i < PREFETCH_PASSES_AHEAD && i < 2 * blocks; i++) prefetch_block(BLOCK_PASS(i), block_bytes);
+    int claimed = 0; /* the thread's next task */
     const int64_t head_lines = (D * es + 63) / 64; /* a slot's lines of one KV head */
     for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
         const char *cache = pass == 0 ? a->k_cache : a->v_cache;
@@ -248,12 +260,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
              * last lines go out with this block's last rows. Faster was slower: 2 lines a row
              * (float32 9/3 heads of 64) 1.2x, all of a row's lines on a KV head's first head's rows
              * (bfloat16) 1.08x. */
-            const int64_t ahead = pass * blocks + (blk - blk_begin) + 1;
+            const int64_t ahead = pass * blocks + (blk - blk_begin) + PREFETCH_PASSES_AHEAD;
             BlockPrefetch pf = {NULL, NULL};
             int64_t credit = 0;
             if (ahead < 2 * blocks) {
                 pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
-            } else { /* the last block pass: the thread's next task is claimed now, its first K block read ahead */
+            } else if (!claimed) { /* past the task's last pass: the thread's next task is claimed now, its first K block read ahead */
+                claimed = 1;
                 const char *first = NULL;
                 *next_task = claim_task(queue, a->k_cache, block_bytes, &first);
                 if (first) pf = (BlockPrefetch){first, first + block_bytes};
@@ -339,7 +352,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
     }
-    if (blocks == 0) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
+    if (!claimed) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
 }
 #undef BLOCK_PASS
 
