@@ -3,6 +3,22 @@
  * chunks and decodes in one call) and its AMX tile path. */
 #include "vec.h"
 
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
+ * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
+#if NV_LANES == 16
+#define PA_MASK(I, w)                                                                                      \
+    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
+               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
+#elif NV_LANES == 8
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
+#else
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
+#endif
+#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
+#define PA_FOLD4(w, l) ((l) ^ 4) /* lanes 4-7 of each 8 onto 0-3 and back */
+
 /* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for NV_LANES vectors of partial
  * products (one per key): a transposing add tree, no horizontal sum per key. */
 #if NV_LANES == 8 && defined(__AVX__)
@@ -21,21 +37,6 @@ static inline nvf pa_sum_lanes(const nvf *p) {
     return (nvf)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
 }
 #else
-/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
- * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
-#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
-#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
-#if NV_LANES == 16
-#define PA_MASK(I, w)                                                                                      \
-    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
-               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
-#elif NV_LANES == 8
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
-#else
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
-#endif
-#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
-
 static inline nvf pa_sum_lanes(const nvf *p) {
     nvf t[NV_LANES / 2];
     for (int i = 0; i < NV_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
@@ -140,31 +141,51 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
     return task;
 }
 
-#if NV_LANES == 8 && defined(__AVX2__)
-#define SCORE_HEADS_BF16 1
+/* pa_sum4(p): lanes 0-3 of the result are the sums of p[0..3]'s lanes (the lanes past them: partial
+ * sums, unused), for 4 vectors of partial products (one per key). */
+#if NV_LANES == 8 && defined(__AVX__)
+/* two hadd levels within the 128-bit halves, then the halves added */
+static inline nvf pa_sum4(const nvf *p) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
+    return (nvf)_mm256_castps128_ps256(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+#else
+/* pa_sum_lanes' first two levels (lane l of the result holds key l % 4's sums), then the upper
+ * halves folded down */
+static inline nvf pa_sum4(const nvf *p) {
+    nvf t = PA_COMBINE(PA_COMBINE(p[0], p[1], 1), PA_COMBINE(p[2], p[3], 1), 2);
+#if NV_LANES == 16
+    t += __builtin_shuffle(t, (nvi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+#if NV_LANES >= 8
+    t += __builtin_shuffle(t, PA_MASK(PA_FOLD4, 0));
+#endif
+    return t;
+}
+#endif
+
 /* bfloat16 scores of query heads [h, h + RC) of one KV head (RC <= 3) over the block's n keys (rows
- * of bfloat16, stride elements apart), 4 keys at a time: each K vector widened in registers once for
- * the RC heads (3 x 4 accumulators; q read as the FMA's memory operand), no float32 copy of K stored
- * and read back. s[r * s_stride + j] = q[r * D ..] . row j. */
+ * of bfloat16, stride elements apart; D a multiple of NV_LANES), 4 keys at a time: each K vector
+ * widened in registers once for the RC heads (3 x 4 accumulators; q read as the FMA's memory
+ * operand), no float32 copy of K stored and read back. s[r * s_stride + j] = q[r * D ..] . row j. */
 static inline __attribute__((always_inline)) void score_heads_bf16(const void *rows, int64_t stride, int64_t n,
                                                                    const float *q, const int64_t D, const int RC,
                                                                    float *s, int64_t s_stride, BlockPrefetch *pf,
                                                                    int64_t *credit, int64_t head_lines, int64_t n_rep) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        __m256 acc[3][4];
+        nvf acc[3][4];
         for (int r = 0; r < RC; r++)
-            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8) {
+            for (int k = 0; k < 4; k++) acc[r][k] = (nvf){0};
+        for (int64_t i = 0; i < D; i += NV_LANES) {
             for (int k = 0; k < 4; k++) {
-                const __m256 kv = (__m256)nv_load_weight(rows, (j + k) * stride + i, 1);
-                for (int r = 0; r < RC; r++) acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), kv, acc[r][k]);
+                const nvf kv = nv_load_weight(rows, (j + k) * stride + i, 1);
+                for (int r = 0; r < RC; r++) acc[r][k] += nv_loadf(q + r * D + i) * kv;
             }
         }
         for (int r = 0; r < RC; r++) {
-            /* 4 vectors to 4 sums: two hadd levels within the 128-bit halves, then the halves added */
-            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
-            _mm_storeu_ps(s + r * s_stride + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            const nvf sums = pa_sum4(acc[r]);
+            memcpy(s + r * s_stride + j, &sums, 4 * sizeof(float));
         }
         for (*credit += 4 * RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
     }
@@ -177,7 +198,6 @@ static inline __attribute__((always_inline)) void score_heads_bf16(const void *r
         for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
     }
 }
-#endif
 
 /* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
  * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i] (float32, or BF16:
@@ -276,18 +296,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
                 const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
                 int64_t stride = a->slot_elems;
-#ifdef SCORE_HEADS_BF16
                 const int own_widening = D % NV_LANES == 0; /* score_heads_bf16 and weigh_values widen their own */
-#else
-                const int own_widening = pass == 1 && D % NV_LANES == 0; /* weigh_values widens its own */
-#endif
                 if (a->bf16 && !own_widening) { /* load_row: vector rows on AVX-512 and AVX2 (vec.h) */
                     for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
                     rows_f32 = &conv[0][0];
                     stride = D;
                 }
                 for (int64_t h = g * n_rep; h < (g + 1) * n_rep; h++) {
-#ifdef SCORE_HEADS_BF16
                     if (pass == 0 && a->bf16 && own_widening) {
                         const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
                         float *s = scores + h * n_keys + t0;
@@ -300,7 +315,6 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         h += rc - 1;
                         continue;
                     }
-#endif
                     if (pass == 0) {
                         const float *qh = qf + h * D;
                         float *s = scores + h * n_keys + t0;
