@@ -1328,18 +1328,19 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 }
 
 /* 1 where paged_attention should take a step's decodes (two or more per thread) of caches in this
- * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
- * thread). In 8-lane (AVX) builds paged_decode_attention is the faster on both dtypes (an AVX2 Zen
- * 2, 30 layers' caches on huge pages, 1 thread): float32 1.33x once both spread their prefetches;
- * bfloat16, where paged_attention was 1.17-1.20x ahead while paged_decode_attention widened K/V per
- * query head with GCC's loop, 1.38-1.51x since it widens K and V in registers once for a KV head's
- * query heads (score_heads_bf16, weigh_values; bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
+ * dtype instead of paged_decode_attention: bfloat16 where the CPU grants AMX tiles (the tile path
+ * where the cache's shape suits it, paged_attention_on_tiles). Elsewhere paged_decode_attention is
+ * the faster on both dtypes: on an AVX2 Zen 2 (30 layers' caches on huge pages, 1 thread) float32
+ * 1.33x once both spread their prefetches, bfloat16 1.38-1.51x since it widens K and V in registers
+ * once for a KV head's query heads (bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
  * KV head's query rows', 'Decode attention: reads overlapped with the maths', 'Decode attention at
- * long context'). Its splitting of a sequence's blocks also serves a few long decodes. */
+ * long context'); with 512-bit vectors on Zen 4 (no AMX), where paged_attention had been chosen for
+ * them (1.8x at 32 decodes on an AMX Xeon, before paged_decode_attention's register blocking),
+ * float32 1.36-1.44x and bfloat16 1.77-1.97x at 4-64 decodes (bench/NOTES.md 'Decode attention from
+ * L2 prefetches'). Its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
-#if defined(__AVX512F__)
-    (void)bf16;
-    return 1;
+#ifdef PA_AMX
+    return bf16 && amx_tiles_permitted();
 #else
     (void)bf16;
     return 0;
