@@ -5,7 +5,10 @@ demo-shaped decode step (9/3 heads of 64, 16-key blocks in shuffled order), each
 kernels interleaved round by round, the caches on 4 KiB pages and on huge pages (as
 engine.models.llama.allocate_kv_caches places them on the CPU).
 
-    PYTHONPATH=. python bench/decode_attention.py [--threads 1] [--baseline OLD.so] [--shapes 32x128,32x192,p512,m32]
+    PYTHONPATH=. python bench/decode_attention.py [--threads 1] [--baseline OLD.so] [--ours NEW.so] [--shapes 32x128,32x192,p512,m32]
+
+--ours: a build to measure in place of this tree's -march=native one (another ISA level of this
+tree: `python -m engine.kernels.build prebuild DIR x86-64-v3`).
 
 Shapes: DxK, D decodes at K keys of context; p512, 4 whole 128-token prompts (a 512-token prefill
 step); m32, 28 decodes at 160 keys + 3 whole 128-token prompts + the first 100 tokens of a 4th (as
@@ -20,6 +23,7 @@ flops per (query row, key, dim) of the scores and the weighted values; GB/s the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -30,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import kernel_builds, load_average  # noqa: E402
+from engine.kernels.cpu import CpuKernels  # noqa: E402
 from engine.kernels.memory import huge_page_zeros  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -94,12 +99,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", type=Path, help="another build of the cpu_kernels library (.so)")
+    parser.add_argument("--ours", type=Path, help="the build to measure as ours (default: this tree's -march=native one)")
     parser.add_argument("--shapes", default="32x128,32x192", help="decodes x keys, comma-separated")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=7)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     libs = kernel_builds(opts.baseline)
+    if opts.ours:
+        libs["ours"] = CpuKernels(ctypes.CDLL(str(opts.ours)), partial=True)
     print(f"{opts.threads} threads, load average {load_average()} at the start; us per call ({'thread CPU' if opts.threads == 1 else 'wall'}), median of {opts.rounds} x {LAYERS} layers")
     for dtype_name in opts.dtypes.split(","):
         dtype = getattr(torch, dtype_name)

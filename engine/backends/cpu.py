@@ -417,7 +417,7 @@ class CpuKernelBackend(OneDnnBackend):
         size not a multiple of the block size); every sequence in one paged_attention call where it
         beats SDPA on prefill chunks (AMX tiles; AVX2: paged_attention_takes_chunks) and a
         sequence has 2+ new tokens (a prefill chunk); the decodes in one
-        paged_attention call from two per thread in builds where it is the faster (512-bit vectors;
+        paged_attention call from two per thread where it is the faster (bfloat16 on AMX tiles;
         prefill chunks: SDPA); else paged_decode_attention."""
         num_blocks, block_size, _, head_dim = cache[0].shape
         if chunk_size is not None and chunk_size % block_size:  # the kernel reads whole blocks: torch's masks
@@ -492,13 +492,13 @@ class CpuKernelBackend(OneDnnBackend):
 
 
 # paged_attention takes all of a step's sequences on AMX tiles (1.3-2.5x faster than SDPA on prefill
-# chunks, bench/NOTES.md) and on AVX2 (float32 1.6x, bfloat16 2.8x); elsewhere it gets the decodes only and
-# prefill chunks stay with torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32
-# loops on chunks past a few dozen tokens (bench/NOTES.md 'Many streams').
+# chunks, bench/NOTES.md) and on AVX2 (float32 1.6x, bfloat16 2.8x); elsewhere prefill chunks stay with
+# torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32 loops on chunks past a few
+# dozen tokens (bench/NOTES.md 'Many streams'), and decodes with paged_decode_attention.
 def _paged_decode_sequences(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedSequences:
-    """For steps with at least two decodes per thread: paged_decode_attention's splitting of one
-    sequence's blocks over the threads is what a few decodes need, paged_attention's one item per
-    (sequence, KV head) is faster from there (1.8x at 32 decodes, 1 thread)."""
+    """For steps with at least two decodes per thread where paged_attention takes them (bfloat16 on
+    AMX tiles: paged_attention_takes_decodes); paged_decode_attention's splitting of one sequence's
+    blocks over the threads is what a few decodes need."""
     row_start, tables, seq_lens = _decode_rows(inputs, decodes, starts, torch.int32)
     return PagedSequences(row_start, torch.ones(len(decodes), dtype=torch.int32), seq_lens, tables)
 

@@ -63,7 +63,7 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "paged_attention": ((_i32, _p, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _f32, _i32), _i32),
     # dtype, head_dim, block_size -> 1 where paged_attention runs them on AMX tiles
     "paged_attention_on_tiles": ((_i32, _i64, _i64), ctypes.c_int),
-    # dtype -> 1 where paged_attention beats paged_decode_attention on a step's decodes (512-bit builds; AVX2 bfloat16)
+    # dtype -> 1 where paged_attention beats paged_decode_attention on a step's decodes (bfloat16 on AMX tiles)
     "paged_attention_takes_decodes": ((_i32,), ctypes.c_int),
     # dtype, head_dim, block_size -> 1 where paged_attention beats SDPA on prefill chunks (tiles; AVX2 float32)
     "paged_attention_takes_chunks": ((_i32, _i64, _i64), ctypes.c_int),
@@ -209,8 +209,8 @@ class CpuKernels:
 
     def paged_attention_takes_decodes(self, dtype: torch.dtype) -> bool:
         """Whether paged_attention is the faster kernel for a step's many decodes over caches of
-        this dtype in this build (512-bit vectors; AVX2 bfloat16: there the float32 ones are level
-        and paged_decode_attention keeps them)."""
+        this dtype here: bfloat16 where the CPU grants AMX tiles; elsewhere paged_decode_attention
+        keeps them (csrc/attention.c)."""
         return dtype in DTYPE_CODES and bool(self._lib.paged_attention_takes_decodes(DTYPE_CODES[dtype]))
 
     def paged_attention_takes_chunks(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

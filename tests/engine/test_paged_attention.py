@@ -151,7 +151,7 @@ def test_many_decodes_beside_prefill_chunks_match_torch(fused_model, monkeypatch
     calls = []
     kernels = fused_model[0].backend.kernels
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or type(kernels).paged_attention(kernels, *a, **k))
-    # the route under test on every build (below AVX-512 the backend keeps decodes on paged_decode_attention),
+    # the route under test on every build (off AMX tiles the backend keeps decodes on paged_decode_attention),
     # prefill chunks with SDPA (where the kernel takes them too: the test below)
     monkeypatch.setattr(kernels, "paged_attention_takes_decodes", lambda *args: True)
     monkeypatch.setattr(kernels, "paged_attention_takes_chunks", lambda *args: False)
@@ -214,8 +214,8 @@ def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
 
 
 # --------------------------------------------------------------------------- each x86-64 level's build
-# level: (takes prefill chunks, takes float32 decodes, takes bfloat16 decodes)
-LEVELS = {"x86-64-v3": (True, False, False), "x86-64-v2": (False, False, False)}
+# level: takes prefill chunks (decodes: paged_decode_attention's at every level, bfloat16 on AMX tiles aside)
+LEVELS = {"x86-64-v3": True, "x86-64-v2": False}
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
@@ -249,7 +249,7 @@ DECODE_BATCHES = {"decodes": BATCHES["decodes"], "split": ([1, 1], [300, 37])}
 @pytest.mark.parametrize("batch", list(DECODE_BATCHES))
 @pytest.mark.parametrize("invariant", [False, True], ids=["batched", "invariant"])
 def test_paged_decode_attention_at_each_level_matches_reference(level_kernels, dtype, heads, kv_heads, head_dim, batch, invariant):
-    """paged_decode_attention (float32 pure-decode steps below AVX-512) in each level's build against
+    """paged_decode_attention (pure-decode steps off AMX tiles) in each level's build against
     float64 maths, rows of a slot's KV head of 1 to 8 cache lines shared over 1 to 24 query heads
     (the prefetch of the next block spread over them), NaN in every slot no sequence owns."""
     _, lib = level_kernels
@@ -264,11 +264,11 @@ def test_paged_decode_attention_at_each_level_matches_reference(level_kernels, d
 
 def test_each_level_routes_as_measured(level_kernels):
     level, lib = level_kernels
-    takes_chunks, takes_f32_decodes, takes_bf16_decodes = LEVELS[level]
+    takes_chunks, tiles = LEVELS[level], on_tiles(lib, 64, 16)
     assert lib.paged_attention_takes_chunks(torch.float32, 64, 16) == takes_chunks
-    assert lib.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == takes_chunks  # no tiles below AVX-512
-    assert lib.paged_attention_takes_decodes(torch.float32) == takes_f32_decodes
-    assert lib.paged_attention_takes_decodes(torch.bfloat16) == takes_bf16_decodes
+    assert lib.paged_attention_takes_chunks(torch.bfloat16, 64, 16) == (takes_chunks or tiles)
+    assert not lib.paged_attention_takes_decodes(torch.float32)
+    assert lib.paged_attention_takes_decodes(torch.bfloat16) == tiles
 
 
 # --------------------------------------------------------------------------- on AMX tiles (bfloat16)
@@ -319,14 +319,12 @@ def test_paged_attention_on_tiles_shapes(kernels):
     assert not kernels.paged_attention_on_tiles(torch.bfloat16, 64, 24)
 
 
-def test_many_decodes_take_paged_attention_with_512_bit_vectors(kernels):
-    """This machine's build (-march=native) routes a step's decodes to paged_attention where the CPU
-    has AVX-512; below it (8 and 4 lanes) both dtypes keep paged_decode_attention, the faster there
-    (engine/kernels/csrc/attention.c)."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    assert kernels.paged_attention_takes_decodes(torch.float32) == ("avx512f" in flags)
-    assert kernels.paged_attention_takes_decodes(torch.bfloat16) == ("avx512f" in flags)
+def test_many_decodes_take_paged_attention_on_amx_tiles_only(kernels):
+    """This machine's build (-march=native) routes a step's decodes to paged_attention for bfloat16
+    caches on AMX tiles only; elsewhere (AVX2, AVX-512 without AMX, float32) paged_decode_attention
+    keeps them, the faster there (engine/kernels/csrc/attention.c)."""
+    assert not kernels.paged_attention_takes_decodes(torch.float32)
+    assert kernels.paged_attention_takes_decodes(torch.bfloat16) == on_tiles(kernels, 64, 16)
     assert not kernels.paged_attention_takes_decodes(torch.float16)  # no such caches in the kernels
 
 

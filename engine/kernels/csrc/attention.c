@@ -3,6 +3,22 @@
  * chunks and decodes in one call) and its AMX tile path. */
 #include "vec.h"
 
+/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
+ * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
+#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
+#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
+#if NV_LANES == 16
+#define PA_MASK(I, w)                                                                                      \
+    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
+               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
+#elif NV_LANES == 8
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
+#else
+#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
+#endif
+#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
+#define PA_FOLD4(w, l) ((l) ^ 4) /* lanes 4-7 of each 8 onto 0-3 and back */
+
 /* pa_sum_lanes(p): lane j of the result is the sum of p[j]'s lanes, for NV_LANES vectors of partial
  * products (one per key): a transposing add tree, no horizontal sum per key. */
 #if NV_LANES == 8 && defined(__AVX__)
@@ -21,21 +37,6 @@ static inline nvf pa_sum_lanes(const nvf *p) {
     return (nvf)_mm_hadd_ps(_mm_hadd_ps((__m128)p[0], (__m128)p[1]), _mm_hadd_ps((__m128)p[2], (__m128)p[3]));
 }
 #else
-/* out[l] = (l & w) == 0 ? a[l] + a[l + w] : b[l - w] + b[l]: one level of the add tree that turns
- * NV_LANES vectors of partial products into one vector of as many dot products (lane j: key j). */
-#define PA_I1(w, l) (((l) & (w)) == 0 ? (l) : NV_LANES + (l) - (w))
-#define PA_I2(w, l) (((l) & (w)) == 0 ? (l) + (w) : NV_LANES + (l))
-#if NV_LANES == 16
-#define PA_MASK(I, w)                                                                                      \
-    ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7), I(w, 8), I(w, 9), \
-               I(w, 10), I(w, 11), I(w, 12), I(w, 13), I(w, 14), I(w, 15)})
-#elif NV_LANES == 8
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3), I(w, 4), I(w, 5), I(w, 6), I(w, 7)})
-#else
-#define PA_MASK(I, w) ((nvi){I(w, 0), I(w, 1), I(w, 2), I(w, 3)})
-#endif
-#define PA_COMBINE(a, b, w) (__builtin_shuffle((a), (b), PA_MASK(PA_I1, w)) + __builtin_shuffle((a), (b), PA_MASK(PA_I2, w)))
-
 static inline nvf pa_sum_lanes(const nvf *p) {
     nvf t[NV_LANES / 2];
     for (int i = 0; i < NV_LANES / 2; i++) t[i] = PA_COMBINE(p[2 * i], p[2 * i + 1], 1);
@@ -65,16 +66,26 @@ static inline nvf pa_sum_lanes(const nvf *p) {
 #define MIN_BLOCKS_PER_TASK 4
 
 /* Prefetch of the blocks a task reads next. A task's K blocks then its V blocks are one stream of
- * block passes; while one is computed, the next one's lines are prefetched evenly over its key rows
- * (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread over the maths. One burst of a block's 192 prefetches
- * (12 KiB, float32) at its start, as before, filled Zen 2's ~22 L1 miss buffers: the rest of the
- * burst waited for them as demand reads would and the maths behind it with them, so a cold call
- * took the hot call's time plus the read time (no overlap; 1.5x slower than spread, bench/NOTES.md
- * 'Decode attention: reads overlapped with the maths'). Into all cache levels (T0): the
- * non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30 layers' caches,
- * its lines evicted before they were read; T1 and two or four blocks ahead were level or slower. */
+ * block passes; while one is computed, the lines of the pass PREFETCH_PASSES_AHEAD on are prefetched
+ * evenly over its key rows (BlockPrefetch: 4 lines per 3 rows for float32 9/3 heads of 64), spread
+ * over the maths. One burst of a block's 192 prefetches (12 KiB, float32) at its start, as before,
+ * filled Zen 2's ~22 L1 miss buffers: the rest of the burst waited for them as demand reads would
+ * and the maths behind it with them, so a cold call took the hot call's time plus the read time (no
+ * overlap; 1.5x slower than spread, bench/NOTES.md 'Decode attention: reads overlapped with the
+ * maths'). The non-temporal hint (prefetchnta) made the decode attention 1.7-3.4x slower over 30
+ * layers' caches, its lines evicted before they were read.
+ *
+ * Into L2 (prefetcht1), two passes ahead: a prefetch into L1 (T0) holds one of L1's few miss
+ * buffers until its line arrives, so on Zen 4 a read of blocks in shuffled order took 14 GB/s a
+ * thread with T0 prefetches at any distance (or none), 25-28 GB/s with T1 ones 8-24 KiB ahead
+ * (a contiguous read: 30 GB/s); the kernel, one thread, float32 1 x 4096 keys cold 1.7-1.9x, bfloat16
+ * 1.3-1.5x (bench/NOTES.md 'Decode attention from L2 prefetches'). On Zen 2, T1 one pass ahead was
+ * level with T0 (within the noise). */
+#define PREFETCH_LOCALITY 2 /* __builtin_prefetch's: prefetcht1 */
+#define PREFETCH_PASSES_AHEAD 2
+
 static inline void prefetch_block(const char *block, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, 3);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, PREFETCH_LOCALITY);
 }
 
 typedef struct {
@@ -83,7 +94,7 @@ typedef struct {
 
 static inline void prefetch_line(BlockPrefetch *pf) {
     if (pf->next < pf->end) {
-        __builtin_prefetch(pf->next, 0, 3);
+        __builtin_prefetch(pf->next, 0, PREFETCH_LOCALITY);
         pf->next += 64;
     }
 }
@@ -97,10 +108,10 @@ typedef struct {
 } AttendArgs;
 
 /* A call's tasks, handed out one at a time (dynamic scheduling by hand, as paged_attention_amx's
- * PaItems): a thread claims its next task at the start of its current one's last block pass and
- * prefetches that task's first K block over it, which otherwise came from memory unprefetched
- * (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1 thread). A task's result does not
- * depend on which thread runs it. */
+ * PaItems): a thread claims its next task PREFETCH_PASSES_AHEAD block passes before the end of its
+ * current one and prefetches that task's first K block over the first of those, which otherwise
+ * came from memory unprefetched (1.05x float32, 1.03x bfloat16 on 32 decodes x 160 keys cold, 1
+ * thread). A task's result does not depend on which thread runs it. */
 typedef struct {
     int64_t next; /* the first unclaimed task (atomic) */
     int64_t tasks;
@@ -130,31 +141,51 @@ static inline int64_t claim_task(DecodeTasks *q, const char *k_cache, size_t blo
     return task;
 }
 
-#if NV_LANES == 8 && defined(__AVX2__)
-#define SCORE_HEADS_BF16 1
+/* pa_sum4(p): lanes 0-3 of the result are the sums of p[0..3]'s lanes (the lanes past them: partial
+ * sums, unused), for 4 vectors of partial products (one per key). */
+#if NV_LANES == 8 && defined(__AVX__)
+/* two hadd levels within the 128-bit halves, then the halves added */
+static inline nvf pa_sum4(const nvf *p) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)p[0], (__m256)p[1]), _mm256_hadd_ps((__m256)p[2], (__m256)p[3]));
+    return (nvf)_mm256_castps128_ps256(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+#else
+/* pa_sum_lanes' first two levels (lane l of the result holds key l % 4's sums), then the upper
+ * halves folded down */
+static inline nvf pa_sum4(const nvf *p) {
+    nvf t = PA_COMBINE(PA_COMBINE(p[0], p[1], 1), PA_COMBINE(p[2], p[3], 1), 2);
+#if NV_LANES == 16
+    t += __builtin_shuffle(t, (nvi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+#if NV_LANES >= 8
+    t += __builtin_shuffle(t, PA_MASK(PA_FOLD4, 0));
+#endif
+    return t;
+}
+#endif
+
 /* bfloat16 scores of query heads [h, h + RC) of one KV head (RC <= 3) over the block's n keys (rows
- * of bfloat16, stride elements apart), 4 keys at a time: each K vector widened in registers once for
- * the RC heads (3 x 4 accumulators; q read as the FMA's memory operand), no float32 copy of K stored
- * and read back. s[r * s_stride + j] = q[r * D ..] . row j. */
+ * of bfloat16, stride elements apart; D a multiple of NV_LANES), 4 keys at a time: each K vector
+ * widened in registers once for the RC heads (3 x 4 accumulators; q read as the FMA's memory
+ * operand), no float32 copy of K stored and read back. s[r * s_stride + j] = q[r * D ..] . row j. */
 static inline __attribute__((always_inline)) void score_heads_bf16(const void *rows, int64_t stride, int64_t n,
                                                                    const float *q, const int64_t D, const int RC,
                                                                    float *s, int64_t s_stride, BlockPrefetch *pf,
                                                                    int64_t *credit, int64_t head_lines, int64_t n_rep) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        __m256 acc[3][4];
+        nvf acc[3][4];
         for (int r = 0; r < RC; r++)
-            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8) {
+            for (int k = 0; k < 4; k++) acc[r][k] = (nvf){0};
+        for (int64_t i = 0; i < D; i += NV_LANES) {
             for (int k = 0; k < 4; k++) {
-                const __m256 kv = (__m256)nv_load_weight(rows, (j + k) * stride + i, 1);
-                for (int r = 0; r < RC; r++) acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), kv, acc[r][k]);
+                const nvf kv = nv_load_weight(rows, (j + k) * stride + i, 1);
+                for (int r = 0; r < RC; r++) acc[r][k] += nv_loadf(q + r * D + i) * kv;
             }
         }
         for (int r = 0; r < RC; r++) {
-            /* 4 vectors to 4 sums: two hadd levels within the 128-bit halves, then the halves added */
-            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
-            _mm_storeu_ps(s + r * s_stride + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+            const nvf sums = pa_sum4(acc[r]);
+            memcpy(s + r * s_stride + j, &sums, 4 * sizeof(float));
         }
         for (*credit += 4 * RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
     }
@@ -167,7 +198,6 @@ static inline __attribute__((always_inline)) void score_heads_bf16(const void *r
         for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
     }
 }
-#endif
 
 /* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
  * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i] (float32, or BF16:
@@ -221,7 +251,9 @@ static inline __attribute__((always_inline)) void attend_blocks(
     /* block pass i of the task's stream: K block blk_begin + i, then (i >= blocks) V block i - blocks */
     const int64_t blocks = blk_end - blk_begin;
 #define BLOCK_PASS(i) (((i) < blocks ? a->k_cache : a->v_cache) + (size_t)a->table[blk_begin + (i) % blocks] * block_bytes)
-    if (blocks > 0) prefetch_block(BLOCK_PASS(0), block_bytes); /* the claim before it prefetched at most part of it */
+    /* the passes before the spread prefetch's first (the claim before it prefetched at most part of the first) */
+    for (int64_t i = 0; i < PREFETCH_PASSES_AHEAD && i < 2 * blocks; i++) prefetch_block(BLOCK_PASS(i), block_bytes);
+    int claimed = 0; /* the thread's next task */
     const int64_t head_lines = (D * es + 63) / 64; /* a slot's lines of one KV head */
     for (int pass = 0; pass < 2; pass++) { /* 0: scores from K; 1: values weighted by them */
         const char *cache = pass == 0 ? a->k_cache : a->v_cache;
@@ -248,12 +280,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
              * last lines go out with this block's last rows. Faster was slower: 2 lines a row
              * (float32 9/3 heads of 64) 1.2x, all of a row's lines on a KV head's first head's rows
              * (bfloat16) 1.08x. */
-            const int64_t ahead = pass * blocks + (blk - blk_begin) + 1;
+            const int64_t ahead = pass * blocks + (blk - blk_begin) + PREFETCH_PASSES_AHEAD;
             BlockPrefetch pf = {NULL, NULL};
             int64_t credit = 0;
             if (ahead < 2 * blocks) {
                 pf = (BlockPrefetch){BLOCK_PASS(ahead), BLOCK_PASS(ahead) + block_bytes};
-            } else { /* the last block pass: the thread's next task is claimed now, its first K block read ahead */
+            } else if (!claimed) { /* past the task's last pass: the thread's next task is claimed now, its first K block read ahead */
+                claimed = 1;
                 const char *first = NULL;
                 *next_task = claim_task(queue, a->k_cache, block_bytes, &first);
                 if (first) pf = (BlockPrefetch){first, first + block_bytes};
@@ -263,18 +296,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 const int64_t n = last_key - blk * bs < bs ? last_key - blk * bs : bs, t0 = blk * bs - first_key;
                 const float *rows_f32 = (const float *)block; /* slot j's head g at j * slot_elems */
                 int64_t stride = a->slot_elems;
-#ifdef SCORE_HEADS_BF16
                 const int own_widening = D % NV_LANES == 0; /* score_heads_bf16 and weigh_values widen their own */
-#else
-                const int own_widening = pass == 1 && D % NV_LANES == 0; /* weigh_values widens its own */
-#endif
                 if (a->bf16 && !own_widening) { /* load_row: vector rows on AVX-512 and AVX2 (vec.h) */
                     for (int64_t j = 0; j < n; j++) load_row(conv[j], block + (size_t)j * a->slot_bytes, D, 1);
                     rows_f32 = &conv[0][0];
                     stride = D;
                 }
                 for (int64_t h = g * n_rep; h < (g + 1) * n_rep; h++) {
-#ifdef SCORE_HEADS_BF16
                     if (pass == 0 && a->bf16 && own_widening) {
                         const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
                         float *s = scores + h * n_keys + t0;
@@ -287,7 +315,6 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         h += rc - 1;
                         continue;
                     }
-#endif
                     if (pass == 0) {
                         const float *qh = qf + h * D;
                         float *s = scores + h * n_keys + t0;
@@ -339,7 +366,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
     }
-    if (blocks == 0) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
+    if (!claimed) *next_task = claim_task(queue, a->k_cache, block_bytes, NULL);
 }
 #undef BLOCK_PASS
 
@@ -550,7 +577,9 @@ static inline int64_t pa_run_length(int64_t key0, int64_t n_keys, int64_t block_
  * evenly over this run's rows (pa_tile), as paged_decode_attention's BlockPrefetch: the run's 128
  * prefetches in one burst at its start (float32, heads of 64) filled Zen 2's ~22 L1 miss buffers
  * and stalled the maths behind them (32 decodes x 160 keys cold: 1.18x float32, 1.24x bfloat16;
- * bench/NOTES.md 'Decode attention: reads overlapped with the maths'). */
+ * bench/NOTES.md 'Decode attention: reads overlapped with the maths'). Into L2, as BlockPrefetch's
+ * (PREFETCH_LOCALITY): on Zen 4, 1 thread, cold, 4 x 2048 and 32 x 160 decodes float32 1.43-1.55x,
+ * bfloat16 1.14-1.22x. */
 typedef struct {
     const char *k, *v; /* the slot being prefetched, at its line `line` */
     size_t slot_bytes;
@@ -559,8 +588,8 @@ typedef struct {
 
 static inline void pa_prefetch_pair(PaRunPrefetch *pf) {
     if (pf->slots_left <= 0) return;
-    __builtin_prefetch(pf->k + pf->line * 64, 0, 3);
-    __builtin_prefetch(pf->v + pf->line * 64, 0, 3);
+    __builtin_prefetch(pf->k + pf->line * 64, 0, PREFETCH_LOCALITY);
+    __builtin_prefetch(pf->v + pf->line * 64, 0, PREFETCH_LOCALITY);
     if (++pf->line == pf->head_lines) {
         pf->line = 0;
         pf->slots_left--;
@@ -1299,18 +1328,19 @@ int paged_attention_on_tiles(int bf16, int64_t head_dim, int64_t block_size) {
 }
 
 /* 1 where paged_attention should take a step's decodes (two or more per thread) of caches in this
- * dtype instead of paged_decode_attention: builds with 512-bit vectors (1.8x at 32 decodes, 1
- * thread). In 8-lane (AVX) builds paged_decode_attention is the faster on both dtypes (an AVX2 Zen
- * 2, 30 layers' caches on huge pages, 1 thread): float32 1.33x once both spread their prefetches;
- * bfloat16, where paged_attention was 1.17-1.20x ahead while paged_decode_attention widened K/V per
- * query head with GCC's loop, 1.38-1.51x since it widens K and V in registers once for a KV head's
- * query heads (score_heads_bf16, weigh_values; bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
+ * dtype instead of paged_decode_attention: bfloat16 where the CPU grants AMX tiles (the tile path
+ * where the cache's shape suits it, paged_attention_on_tiles). Elsewhere paged_decode_attention is
+ * the faster on both dtypes: on an AVX2 Zen 2 (30 layers' caches on huge pages, 1 thread) float32
+ * 1.33x once both spread their prefetches, bfloat16 1.38-1.51x since it widens K and V in registers
+ * once for a KV head's query heads (bench/NOTES.md 'AVX2 paged attention', 'Decode attention over a
  * KV head's query rows', 'Decode attention: reads overlapped with the maths', 'Decode attention at
- * long context'). Its splitting of a sequence's blocks also serves a few long decodes. */
+ * long context'); with 512-bit vectors on Zen 4 (no AMX), where paged_attention had been chosen for
+ * them (1.8x at 32 decodes on an AMX Xeon, before paged_decode_attention's register blocking),
+ * float32 1.36-1.44x and bfloat16 1.77-1.97x at 4-64 decodes (bench/NOTES.md 'Decode attention from
+ * L2 prefetches'). Its splitting of a sequence's blocks also serves a few long decodes. */
 int paged_attention_takes_decodes(int bf16) {
-#if defined(__AVX512F__)
-    (void)bf16;
-    return 1;
+#ifdef PA_AMX
+    return bf16 && amx_tiles_permitted();
 #else
     (void)bf16;
     return 0;

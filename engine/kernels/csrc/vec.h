@@ -54,7 +54,7 @@ typedef float nvf __attribute__((vector_size(NV_LANES * 4)));
 typedef uint16_t nvh __attribute__((vector_size(NV_LANES * 2)));
 typedef uint32_t nvu __attribute__((vector_size(NV_LANES * 4)));
 typedef int32_t nvi __attribute__((vector_size(NV_LANES * 4)));
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,10 @@ static inline __attribute__((always_inline)) nvf nv_load_weight(const void *w, i
      * linear, part 2') */
     if (bf16)
         return (nvf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + index))), 16);
+#elif NV_LANES == 16 && defined(__AVX512F__)
+    /* the same at 16 lanes: GCC's widening was two 8-lane zero-extends and an insert */
+    if (bf16)
+        return (nvf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + index))), 16);
 #endif
     if (bf16) {
         nvh h;
