@@ -166,13 +166,15 @@ def test_gemm_needs_no_scratch(kernels, failing):  # noqa: F811
 
 
 # --------------------------------------------------------------------------- each x86-64 level's build
-LEVELS = {"x86-64-v3": True, "x86-64-v2": False}  # level: takes rows from oneDNN (measured faster: AVX2)
+# level: takes rows from oneDNN (measured faster: AVX2)
+LEVELS = {"x86-64-v3": True, "x86-64-v2": False, "x86-64-v3-16-lanes": False}
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
 def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
     """The cpu_kernels library built for one x86-64 level (v3: 6 x 16 tiles of 8-lane AVX2 vectors; v2:
-    3 x 16 of 4-lane SSE), as the image prebuilds them; skipped where this CPU cannot run it."""
+    3 x 16 of 4-lane SSE; v3 with 16 lanes: AVX-512's 12 x 32), as the image prebuilds them; skipped
+    where this CPU cannot run it."""
     return request.param, cpu_kernels_for_level(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -180,6 +182,11 @@ def test_gemm_at_each_level_within_f32_rounding(level_kernels):
     check_rows_1_to_70(level_kernels[1])
     check_rows_1_to_70(level_kernels[1], torch.bfloat16)
     test_bfloat16_out_is_the_float32_sums_rounded_as_torch_does(level_kernels[1], 70)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_level_keeps_a_row_the_same_whatever_the_other_rows(level_kernels, dtype):
+    test_each_row_is_the_same_whatever_the_other_rows(level_kernels[1], 301, dtype)
 
 
 def test_each_level_takes_the_rows_it_was_measured_faster_at(level_kernels):
