@@ -26,7 +26,7 @@
  * half is two registers) keeps groups of 1. One row (a batch-1 decode) runs ONE_ROW_BLOCKS blocks
  * side by side instead (block_blocks_row: more FMA chains in flight and more streams for the
  * prefetchers, the same sums). */
-#if defined(__AVX512F__)
+#if NV_LANES == 16 /* the AVX-512 builds (and the 16-lane test build of x86-64-v3, vec.h) */
 typedef v16f lvec;
 #define LINEAR_HALVES 1
 #define LINEAR_CHAINS 4
@@ -51,7 +51,17 @@ static inline void store_halves(float *sums, const lvec *s, int bf16) {
     (void)bf16;
     memcpy(sums, s, sizeof(*s));
 }
-static inline lvec chain_sum(const lvec *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
+/* (c0 + c1) + (c2 + c3), in that order at every call: the asm hides each pair's sum from GCC's
+ * reassociation, which -fassociative-math (build.py) lets regroup the four into a chain, in an order
+ * that differed between the instances (the v4 build's reassoc1 dump: (c0 + c1 + c2) + c3 for one
+ * group's row, (c0 + c1 + c3) + c2 for another's), so a row's bits changed with its batch. Through
+ * memory (a 64-byte vector has no register in the 16-lane x86-64-v3 test build): two stores and
+ * loads a row and block, beside its k steps of FMAs. */
+static inline lvec chain_sum(const lvec *c) {
+    lvec low = c[0] + c[1], high = c[2] + c[3];
+    __asm__("" : "+m"(low), "+m"(high));
+    return low + high;
+}
 #else
 typedef float lvec __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
