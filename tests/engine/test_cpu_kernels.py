@@ -96,7 +96,8 @@ def test_interleaved_linear(kernels, dtype, rows, n, k):
 
 
 # the portable loops; AVX2 with FMA; the AVX-512 builds' 16-lane generic code (as pairs of ymm)
-LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v3-16-lanes": 512}
+# and x86-64-v4 (AVX-512 CPUs only): bfloat16 weights widened per load, not in vdpbf16ps pairs
+LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v3-16-lanes": 512, "x86-64-v4": 512}
 
 
 @pytest.mark.parametrize("level", ["native", *LEVEL_SIMD_BITS])

@@ -175,7 +175,7 @@ def test_gemm_needs_no_scratch(kernels, failing):  # noqa: F811
 
 # --------------------------------------------------------------------------- each x86-64 level's build
 # level: takes rows from oneDNN (measured faster: AVX2)
-LEVELS = {"x86-64-v3": True, "x86-64-v2": False, "x86-64-v3-16-lanes": False}
+LEVELS = {"x86-64-v3": True, "x86-64-v2": False, "x86-64-v3-16-lanes": False, "x86-64-v4": False}  # v4: AVX-512 CPUs only
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))

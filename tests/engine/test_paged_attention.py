@@ -215,8 +215,9 @@ def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
 
 # --------------------------------------------------------------------------- each x86-64 level's build
 # level: (takes prefill chunks, takes float32 decodes, takes bfloat16 decodes); the routing follows
-# the instruction set, not the lanes: the 16-lane v3 build routes as v3
-LEVELS = {"x86-64-v3": (True, False, False), "x86-64-v2": (False, False, False), "x86-64-v3-16-lanes": (True, False, False)}
+# the instruction set, not the lanes: the 16-lane v3 build routes as v3; x86-64-v4 on AVX-512 CPUs only
+LEVELS = {"x86-64-v3": (True, False, False), "x86-64-v2": (False, False, False), "x86-64-v3-16-lanes": (True, False, False),
+          "x86-64-v4": (False, True, True)}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
