@@ -1,14 +1,16 @@
 """The C kernels that compile differently by ISA level, against torch on the same inputs (a script,
 not a test): the one-row linear, the two decode attention kernels and the greedy argmax.
 
-    PYTHONPATH=. python bench/isa_kernels.py [--threads 1] [--baseline OLD.so]
+    PYTHONPATH=. python bench/isa_kernels.py [--threads 1] [--baseline OLD.so] [--ours NEW.so]
 
 Below AVX-512 GCC lowers the kernels' 16-lane generic vectors poorly unless they are spelled as
 native halves (bench/NOTES.md 'AVX2 one-row linear'); this prints where each kernel stands against
 torch's own op on this CPU (demo shapes: dim 576, FFN 1536, 9/3 heads of 64, vocab 49152), best of 5
 rounds, microseconds per call, the weight-stream rate for the linears. --baseline loads a second build
 of the cpu_kernels library (a .so from the kernel cache of another checkout) and times it beside
-this one, round for round: on a shared machine only such ratios carry over.
+this one, round for round: on a shared machine only such ratios carry over. --ours takes another
+build in place of this tree's native one (e.g. both trees' x86-64-v2 builds from `python -m
+engine.kernels.build prebuild DIR x86-64-v2`).
 """
 
 from __future__ import annotations
@@ -89,10 +91,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", type=Path, help="another build of the cpu_kernels library (.so)")
+    parser.add_argument("--ours", type=Path, help="a build of the cpu_kernels library (.so) in place of the native one")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     libs = kernel_builds(opts.baseline)
+    if opts.ours:
+        import ctypes
+
+        libs["ours"] = CpuKernels(ctypes.CDLL(str(opts.ours)), partial=True)
     print(f"torch {torch.__version__}, {opts.threads} threads, load average {load_average()}; us per call, best of {ROUNDS} x {CALLS}")
     linears(libs, opts.threads)
     attention(libs, opts.threads)

@@ -1,5 +1,7 @@
 """The C kernel libraries built for one x86-64 level, for tests that run another level's code on this
-CPU (the AVX2 intrinsics, x86-64-v3; the portable loops, x86-64-v2) beside the native build."""
+CPU (the AVX2 intrinsics, x86-64-v3; the portable loops, x86-64-v2) beside the native build, or for
+a variant of a level: its build with vec.h's vector width forced (x86-64-v3-16-lanes: the AVX-512
+builds' 16-lane generic code, which GCC lowers to pairs of ymm, run where no CPU has AVX-512)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ from engine.kernels import cpu as ck
 from engine.kernels import quant as qk
 
 
+# variant: (the level it builds for, its extra compiler flags)
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {"x86-64-v3-16-lanes": ("x86-64-v3", ("-DLLAMASERVE_NV_LANES=16",))}
+
+
 def library_for_level(tmp_path: Path, library: build.Library, level: str) -> Path:
-    """`library` compiled for `level` (skipped where this CPU cannot run it or no compiler builds it)."""
+    """`library` compiled for `level`, an x86-64 level or one of VARIANTS (skipped where this CPU
+    cannot run it or no compiler builds it)."""
+    march, defines = VARIANTS.get(level, (level, ()))
     levels = list(build.X86_LEVELS)
     here = build.cpu_level()
-    if here is None or levels.index(here) < levels.index(level):
-        pytest.skip(f"this CPU cannot run {level} code")
+    if here is None or levels.index(here) < levels.index(march):
+        pytest.skip(f"this CPU cannot run {march} code")
     target = tmp_path / f"{library.name}_{level}.so"
     try:
-        build.compile_library(library, target, [*build.compiler_flags([f"-march={level}"]), *build.PREBUILT_EXTRA_FLAGS])
+        build.compile_library(library, target, [*build.compiler_flags([f"-march={march}", *defines]), *build.PREBUILT_EXTRA_FLAGS])
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot build a {level} variant here: {str(exc)[-300:]}")
     return target

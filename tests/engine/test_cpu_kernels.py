@@ -95,13 +95,16 @@ def test_interleaved_linear(kernels, dtype, rows, n, k):
     assert_close(out.double(), expected.to(dtype).double(), dtype)
 
 
-LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256}  # the portable loops; AVX2 with FMA
+# the portable loops; AVX2 with FMA; the AVX-512 builds' 16-lane generic code (as pairs of ymm)
+# and x86-64-v4 (AVX-512 CPUs only): bfloat16 weights widened per load, not in vdpbf16ps pairs
+LEVEL_SIMD_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v3-16-lanes": 512, "x86-64-v4": 512}
 
 
-@pytest.mark.parametrize("level", ["native", "x86-64-v3", "x86-64-v2"])
+@pytest.mark.parametrize("level", ["native", *LEVEL_SIMD_BITS])
 def test_few_rows_linear_every_build_level(kernels, tmp_path, level):
     """native: the build the server loads; x86-64-v3: AVX2's groups of 3 rows; x86-64-v2: the portable
-    loops (groups of 1). Rows 1..9 (across group boundaries), both dtypes, both outputs (x's dtype
+    loops (groups of 1); x86-64-v3-16-lanes: AVX-512's groups of 4 rows, four chains and two blocks
+    for one row (its bfloat16 vdpbf16ps pairs excepted). Rows 1..9 (across group boundaries), both dtypes, both outputs (x's dtype
     and float32), odd k and k below one round of chains, a weight large enough for the parallel
     branch: against the float64 product, and each row bit for bit the same alone, in any prefix of
     the batch, and at another thread count (its sums keep one order whatever the rows)."""

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.executor.step_inputs import StepInputs
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.lora.layers import LORA_LINEARS, LoraLinear, LoraSlots
+from tests.engine.kernel_levels import cpu_kernels_for_level
 
 SCALE = 1.75
 
@@ -167,6 +168,20 @@ def test_each_row_is_the_same_alone_batched_and_on_one_or_two_threads(kernels, d
     last = sum(new_tokens[:3])  # the fourth sequence's rows (adapter 2), alone in a step of their own
     alone = forward(layer, slots, x[last : last + 23].contiguous(), [23], [2])
     assert torch.equal(alone, two[last : last + 23])
+
+
+@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3-16-lanes"])
+def level_kernels(request, tmp_path_factory) -> CpuKernels:
+    """lora.c in other vector widths than the native build's: the 4-lane SSE loops, and the AVX-512
+    builds' 16 lanes (as pairs of ymm on x86-64-v3); skipped where this CPU cannot run them."""
+    return cpu_kernels_for_level(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_level_equals_the_float64_reference_and_keeps_rows_the_same(level_kernels, dtype):
+    for linear, in_features, sizes in CASES:
+        test_kernel_equals_the_float64_reference_and_the_torch_path(level_kernels, dtype, linear, in_features, sizes)
+    test_each_row_is_the_same_alone_batched_and_on_one_or_two_threads(level_kernels, dtype)
 
 
 def test_swapped_and_removed_adapters_reuse_their_slots(kernels):

@@ -214,14 +214,17 @@ def test_native_build_takes_chunks_where_it_beats_sdpa(kernels):
 
 
 # --------------------------------------------------------------------------- each x86-64 level's build
-# level: takes prefill chunks (decodes: paged_decode_attention's at every level, bfloat16 on AMX tiles aside)
-LEVELS = {"x86-64-v3": True, "x86-64-v2": False}
+# level: takes prefill chunks (decodes: paged_decode_attention's at every level, bfloat16 on AMX tiles
+# aside); the routing follows the instruction set, not the lanes: the 16-lane v3 build routes as v3;
+# x86-64-v4 on AVX-512 CPUs only
+LEVELS = {"x86-64-v3": True, "x86-64-v2": False, "x86-64-v3-16-lanes": True, "x86-64-v4": False}
 
 
 @pytest.fixture(scope="module", params=list(LEVELS))
 def level_kernels(request, tmp_path_factory) -> tuple[str, ck.CpuKernels]:
     """The cpu_kernels library built for one x86-64 level (v3: the 8-lane AVX2 tile; v2: the 4-lane
-    SSE one), as the image prebuilds them; skipped where this CPU cannot run it."""
+    SSE one), as the image prebuilds them, or v3 with 16 lanes (the AVX-512 builds' pa_tile and
+    16-keys-at-a-time decode scoring, their add tree generic); skipped where this CPU cannot run it."""
     return request.param, cpu_kernels_for_level(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -260,6 +263,35 @@ def test_paged_decode_attention_at_each_level_matches_reference(level_kernels, d
     rows = torch.arange(len(kv_lens), dtype=torch.int64)
     lib.paged_decode_attention(qkv, out, rows, k_cache, v_cache, tables, seq_lens, heads, kv_heads, head_dim**-0.5, THREADS, invariant=invariant)
     assert_close(out, reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 48])
+def test_each_level_over_block_sizes(level_kernels, dtype, block_size):
+    """Blocks smaller than a level's lanes (1, 8: no whole run of NV_LANES keys in a block), not a
+    multiple of them (24), and holding 3 runs of 16 (48), keys past a run's end in each: paged_attention
+    (a prompt behind a prefix, decodes) and paged_decode_attention (batched and invariant) against
+    float64 maths; in the invariant mode each sequence alone gives the bits it gives batched."""
+    _, lib = level_kernels
+    heads, kv_heads, head_dim = 6, 2, 64
+    new_tokens, kv_lens = [1, 30, 1, 1], [50, 45, 7, 113]
+    qkv, k_cache, v_cache, index = paged_batch(new_tokens, kv_lens, heads, kv_heads, head_dim, block_size, dtype, seed=block_size)
+    expected = reference(qkv, k_cache, v_cache, index, heads, kv_heads, head_dim)
+    out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
+    lib.paged_attention(qkv, out, *index, k_cache, v_cache, heads, kv_heads, head_dim**-0.5, THREADS)
+    assert_close(out, expected, dtype)
+    decodes = [0, 2, 3]  # sequences with one new token
+    starts, _, seq_lens, tables = index
+    rows, lens, tabs = starts[decodes].long(), seq_lens[decodes], tables[decodes]
+    for invariant in (False, True):
+        out = torch.full((qkv.shape[0], heads * head_dim), 123.0, dtype=dtype)
+        lib.paged_decode_attention(qkv, out, rows, k_cache, v_cache, tabs, lens, heads, kv_heads, head_dim**-0.5, THREADS, invariant=invariant)
+        assert_close(out[rows], expected[rows], dtype)
+    for b in range(len(decodes)):
+        alone = torch.full_like(out, 123.0)
+        lib.paged_decode_attention(qkv, alone, rows[b : b + 1], k_cache, v_cache, tabs[b : b + 1], lens[b : b + 1], heads, kv_heads,
+                                   head_dim**-0.5, THREADS, invariant=True)  # fmt: skip
+        assert torch.equal(alone[rows[b]], out[rows[b]])
 
 
 def test_each_level_routes_as_measured(level_kernels):

@@ -18,17 +18,18 @@
  * many rows the call has or which group it lands in: batch-invariant by construction.
  *
  * AVX-512 builds: one 16-lane vector per step of k, four chains (hiding the FMA latency at one
- * row), groups of 4 rows (16 accumulators of the 32 zmm registers). Narrower builds: two native
- * 8-lane halves per step (GCC lowers a 64-byte generic vector poorly where the widest register is
- * 32 bytes: the accumulators went through the stack each step, bench/NOTES.md 'AVX2 one-row
- * linear'); two chains, so a row holds 4 accumulators and AVX2's 16 ymm registers take groups of 3
- * rows (12 accumulators, the two weight halves, one broadcast); the portable build (SSE: each 8-lane
- * half is two registers) keeps groups of 1. One row (a batch-1 decode) runs ONE_ROW_BLOCKS blocks
+ * row), groups of 4 rows (16 accumulators of the 32 zmm registers). Narrower builds: LINEAR_VECS
+ * native vectors per step (vec.h's nvf: two of 8 lanes on AVX, four of 4 on SSE; GCC lowers a
+ * generic vector wider than the widest register poorly: the accumulators went through the stack
+ * each step, bench/NOTES.md 'AVX2 one-row linear', and in the portable build '... and the SSE one-row linear');
+ * two chains, so a row holds 4 accumulators and AVX2's 16 ymm registers take groups of 3 rows (12
+ * accumulators, the two weight vectors, one broadcast); the portable build (SSE: 8 accumulators, 4
+ * weight vectors) keeps groups of 1. One row (a batch-1 decode) runs ONE_ROW_BLOCKS blocks
  * side by side instead (block_blocks_row: more FMA chains in flight and more streams for the
  * prefetchers, the same sums). */
-#if defined(__AVX512F__)
+#if NV_LANES == 16 /* the AVX-512 builds (and the 16-lane test build of x86-64-v3, vec.h) */
 typedef v16f lvec;
-#define LINEAR_HALVES 1
+#define LINEAR_VECS 1
 #define LINEAR_CHAINS 4
 #define FEW_ROWS_GROUP 4
 #define LINEAR_SIMD_BITS 512
@@ -45,75 +46,101 @@ static inline lvec load_lvec(const char *p, int bf16) {
     }
     return f;
 }
-static inline void load_halves(const char *p, int bf16, lvec *wv) { wv[0] = load_lvec(p, bf16); }
-static inline void load_halves_tight(const char *p, int bf16, lvec *wv) { load_halves(p, bf16, wv); }
-static inline void store_halves(float *sums, const lvec *s, int bf16) {
+static inline void load_vecs(const char *p, int bf16, lvec *wv) { wv[0] = load_lvec(p, bf16); }
+static inline void load_vecs_tight(const char *p, int bf16, lvec *wv) { load_vecs(p, bf16, wv); }
+static inline void store_vecs(float *sums, const lvec *s, int bf16) {
     (void)bf16;
     memcpy(sums, s, sizeof(*s));
 }
-static inline lvec chain_sum(const lvec *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
+/* (c0 + c1) + (c2 + c3), in that order at every call: the asm hides each pair's sum from GCC's
+ * reassociation, which -fassociative-math (build.py) lets regroup the four into a chain, in an order
+ * that differed between the instances (the v4 build's reassoc1 dump: (c0 + c1 + c2) + c3 for one
+ * group's row, (c0 + c1 + c3) + c2 for another's), so a row's bits changed with its batch. Through
+ * memory (a 64-byte vector has no register in the 16-lane x86-64-v3 test build): two stores and
+ * loads a row and block, beside its k steps of FMAs. */
+static inline lvec chain_sum(const lvec *c) {
+    lvec low = c[0] + c[1], high = c[2] + c[3];
+    __asm__("" : "+m"(low), "+m"(high));
+    return low + high;
+}
 #else
-typedef float lvec __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-#define LINEAR_HALVES 2
+typedef nvf lvec;
+typedef nvu lvec_u;
+#define LINEAR_VECS (16 / NV_LANES)
 #define LINEAR_CHAINS 2
 #if defined(__AVX2__) && defined(__FMA__)
 #define FEW_ROWS_GROUP 3
 #define LINEAR_SIMD_BITS 256
-#define ONE_ROW_BLOCKS 3 /* 12 accumulators, the two weight halves, one broadcast: 15 of 16 ymm */
+#define ONE_ROW_BLOCKS 3 /* 12 accumulators, the two weight vectors, one broadcast: 15 of 16 ymm */
 #else
 #define FEW_ROWS_GROUP 1
 #define LINEAR_SIMD_BITS 128
-#define ONE_ROW_BLOCKS 1 /* SSE: a row's 4 accumulators are 8 registers already; more blocks' would spill */
+#define ONE_ROW_BLOCKS 1 /* SSE: a row's 8 accumulators and 4 weight vectors; more blocks' would spill */
 #endif
-/* One step of k of a 16-output block as the two halves the accumulators take. float32: outputs 0-7
- * and 8-15. bfloat16: the even outputs (0, 2, .., 14) and the odd ones, from one 32-byte load: 32-bit
- * lane i holds output 2i in its low 16 bits and 2i + 1 in its high ones, so a shift and a mask
- * widen all 16 (two ALU ops, where zero-extending each 8 took a shuffle and a shift: 4; bench/NOTES.md
- * 'One stream: the one-row read rate'). Each output's products and sums are the same as widened in
- * order; store_halves puts the lanes back in output order. */
-static inline void load_halves(const char *p, int bf16, lvec *wv) {
+/* One step of k of a 16-output block as the LINEAR_VECS vectors the accumulators take. float32:
+ * outputs in order (AVX: 0-7 and 8-15). bfloat16: each load of 2 * NV_LANES values as its even
+ * outputs and its odd ones (AVX, one 32-byte load: 0, 2, .., 14 and 1, 3, .., 15): 32-bit lane i
+ * holds output 2i in its low 16 bits and 2i + 1 in its high ones, so a shift and a mask widen them
+ * all (two ALU ops, where zero-extending each 8 took a shuffle and a shift: 4; bench/NOTES.md 'One
+ * stream: the one-row read rate'). Each output's products and sums are the same as widened in
+ * order; store_vecs puts the lanes back in output order. */
+static inline void load_vecs(const char *p, int bf16, lvec *wv) {
+    /* (the SSE build's second pair spelled out, not a loop over pairs: a loop changed GCC's inlining
+     * and register choices in the AVX2 build's hot loops) */
     if (bf16) {
-        v8u u;
+        lvec_u u;
         memcpy(&u, p, sizeof(u));
         /* (written as two shifts GCC folds them into the mask; with 3 blocks' or 3 rows' 12
          * accumulators the mask is rebuilt each round: interleaved_rows_bf16's pragma below) */
-        const v8u even = u << 16, odd = u & 0xffff0000u;
+        const lvec_u even = u << 16, odd = u & 0xffff0000u;
         memcpy(&wv[0], &even, sizeof(lvec));
         memcpy(&wv[1], &odd, sizeof(lvec));
+#if LINEAR_VECS == 4
+        memcpy(&u, p + sizeof(u), sizeof(u));
+        const lvec_u even2 = u << 16, odd2 = u & 0xffff0000u;
+        memcpy(&wv[2], &even2, sizeof(lvec));
+        memcpy(&wv[3], &odd2, sizeof(lvec));
+#endif
     } else {
         memcpy(&wv[0], p, sizeof(lvec));
         memcpy(&wv[1], p + sizeof(lvec), sizeof(lvec));
+#if LINEAR_VECS == 4
+        memcpy(&wv[2], p + 2 * sizeof(lvec), sizeof(lvec));
+        memcpy(&wv[3], p + 3 * sizeof(lvec), sizeof(lvec));
+#endif
     }
 }
-/* load_halves for the one-row loop of 3 blocks (AVX2: 12 accumulators, block_blocks_row): the odd
+/* load_vecs for the one-row loop of 3 blocks (AVX2: 12 accumulators, block_blocks_row): the odd
  * outputs' mask read from memory by each AND (an asm: GCC would turn it back into a mask register,
  * which it then rebuilds every round, or without interleaved_rows_bf16's pragma spills an
  * accumulator for). Cache-hot, one thread, Zen 2, one row [3072, 576]: 73.9 -> 68.4 us (x0.93; 89.9
  * before the pragma). Not in the few-rows groups: used there too, 3 rows ran x0.80 but 2 rows x1.13-1.28
- * (the same function's other group sizes; not understood), so they keep load_halves (bench/NOTES.md
+ * (the same function's other group sizes; not understood), so they keep load_vecs (bench/NOTES.md
  * 'One stream, bfloat16: the accumulators in registers'). The same values either way. */
-static inline void load_halves_tight(const char *p, int bf16, lvec *wv) {
-#if defined(__AVX2__)
+static inline void load_vecs_tight(const char *p, int bf16, lvec *wv) {
+#if NV_LANES == 8 && defined(__AVX2__)
     if (bf16) {
-        static const v8u high = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
-                                 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
-        v8u u, odd;
+        static const lvec_u high = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                    0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+        lvec_u u, odd;
         memcpy(&u, p, sizeof(u));
-        const v8u even = u << 16;
+        const lvec_u even = u << 16;
         __asm__("vpand %1, %2, %0" : "=x"(odd) : "m"(high), "x"(u));
         memcpy(&wv[0], &even, sizeof(lvec));
         memcpy(&wv[1], &odd, sizeof(lvec));
         return;
     }
 #endif
-    load_halves(p, bf16, wv);
+    load_vecs(p, bf16, wv);
 }
-static inline void store_halves(float *sums, const lvec *s, int bf16) {
+static inline void store_vecs(float *sums, const lvec *s, int bf16) {
     if (bf16) {
-        for (int i = 0; i < 8; i++) sums[2 * i] = s[0][i], sums[2 * i + 1] = s[1][i];
+        for (int i = 0; i < NV_LANES; i++) sums[2 * i] = s[0][i], sums[2 * i + 1] = s[1][i];
+#if LINEAR_VECS == 4
+        for (int i = 0; i < NV_LANES; i++) sums[8 + 2 * i] = s[2][i], sums[8 + 2 * i + 1] = s[3][i];
+#endif
     } else {
-        memcpy(sums, s, 2 * sizeof(*s));
+        memcpy(sums, s, LINEAR_VECS * sizeof(*s));
     }
 }
 static inline lvec chain_sum(const lvec *c) { return c[0] + c[1]; }
@@ -151,11 +178,11 @@ int interleaved_linear_simd_bits(void) { return LINEAR_SIMD_BITS; }
 static inline __attribute__((always_inline)) void block_rows(const char *w, const float *x, int64_t k, int bf16, int group,
                                                              float (*sums)[16], const char *next) {
     const size_t step = 16 * elem_size(bf16);
-    lvec acc[FEW_ROWS_GROUP][LINEAR_HALVES][LINEAR_CHAINS];
+    lvec acc[FEW_ROWS_GROUP][LINEAR_VECS][LINEAR_CHAINS];
 #pragma GCC unroll 8
     for (int r = 0; r < group; r++)
-#pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++)
+#pragma GCC unroll 4
+        for (int h = 0; h < LINEAR_VECS; h++)
 #pragma GCC unroll 4
             for (int c = 0; c < LINEAR_CHAINS; c++) acc[r][h][c] = (lvec){0};
     int64_t i = 0;
@@ -166,38 +193,38 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
 #pragma GCC unroll 4
         for (int c = 0; c < LINEAR_CHAINS; c++) {
             if (next) __builtin_prefetch(next + (size_t)(i + c) * step, 0, 3);
-            lvec wv[LINEAR_HALVES];
-            load_halves(w + (size_t)(i + c) * step, bf16, wv);
+            lvec wv[LINEAR_VECS];
+            load_vecs(w + (size_t)(i + c) * step, bf16, wv);
 #pragma GCC unroll 8
             for (int r = 0; r < group; r++) {
                 const float xs = x[r * k + i + c];
-#pragma GCC unroll 2
-                for (int h = 0; h < LINEAR_HALVES; h++) acc[r][h][c] += wv[h] * xs;
+#pragma GCC unroll 4
+                for (int h = 0; h < LINEAR_VECS; h++) acc[r][h][c] += wv[h] * xs;
             }
         }
     }
     for (; i < k; i++) {
-        lvec wv[LINEAR_HALVES];
-        load_halves(w + (size_t)i * step, bf16, wv);
+        lvec wv[LINEAR_VECS];
+        load_vecs(w + (size_t)i * step, bf16, wv);
 #pragma GCC unroll 8
         for (int r = 0; r < group; r++) {
             const float xs = x[r * k + i];
-#pragma GCC unroll 2
-            for (int h = 0; h < LINEAR_HALVES; h++) acc[r][h][0] += wv[h] * xs;
+#pragma GCC unroll 4
+            for (int h = 0; h < LINEAR_VECS; h++) acc[r][h][0] += wv[h] * xs;
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < group; r++) {
-        lvec s[LINEAR_HALVES];
-#pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++) s[h] = chain_sum(acc[r][h]);
-        store_halves(sums[r], s, bf16);
+        lvec s[LINEAR_VECS];
+#pragma GCC unroll 4
+        for (int h = 0; h < LINEAR_VECS; h++) s[h] = chain_sum(acc[r][h]);
+        store_vecs(sums[r], s, bf16);
     }
 }
 
 /* One row of `nb` (a literal, 1..ONE_ROW_BLOCKS) consecutive 16-output blocks at once, from w
  * (each block as block_rows reads it, k * 16 elements): sums[j] for block j. One row of one block
- * keeps only LINEAR_HALVES x LINEAR_CHAINS accumulators (AVX2: 4) busy, each a chain of dependent
+ * keeps only LINEAR_VECS x LINEAR_CHAINS accumulators (AVX2: 4) busy, each a chain of dependent
  * FMAs, and reads one sequential stream: at Zen 2's 5-cycle FMA latency 4 chains cap the loop at 4
  * FMAs per 5 cycles, and a core's read rate grows with the streams its prefetchers follow side by
  * side (bench/NOTES.md 'One stream: the one-row read rate'). nb blocks keep nb times the chains in
@@ -206,11 +233,11 @@ static inline __attribute__((always_inline)) void block_rows(const char *w, cons
 static inline __attribute__((always_inline)) void block_blocks_row(const char *w, int nb, const float *x, int64_t k, int bf16,
                                                                    float (*sums)[16]) {
     const size_t step = 16 * elem_size(bf16), block = (size_t)k * step;
-    lvec acc[ONE_ROW_BLOCKS][LINEAR_HALVES][LINEAR_CHAINS];
+    lvec acc[ONE_ROW_BLOCKS][LINEAR_VECS][LINEAR_CHAINS];
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++)
-#pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++)
+#pragma GCC unroll 4
+        for (int h = 0; h < LINEAR_VECS; h++)
 #pragma GCC unroll 4
             for (int c = 0; c < LINEAR_CHAINS; c++) acc[b][h][c] = (lvec){0};
     int64_t i = 0;
@@ -231,29 +258,29 @@ static inline __attribute__((always_inline)) void block_blocks_row(const char *w
             const float xs = x[i + c];
 #pragma GCC unroll 4
             for (int b = 0; b < nb; b++) {
-                lvec wv[LINEAR_HALVES];
-                if (nb * LINEAR_HALVES * LINEAR_CHAINS >= 12) load_halves_tight(w + b * block + (size_t)(i + c) * step, bf16, wv);
-                else load_halves(w + b * block + (size_t)(i + c) * step, bf16, wv); /* registers to spare */
-#pragma GCC unroll 2
-                for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][c] += wv[h] * xs;
+                lvec wv[LINEAR_VECS];
+                if (nb * LINEAR_VECS * LINEAR_CHAINS >= 12) load_vecs_tight(w + b * block + (size_t)(i + c) * step, bf16, wv);
+                else load_vecs(w + b * block + (size_t)(i + c) * step, bf16, wv); /* registers to spare */
+#pragma GCC unroll 4
+                for (int h = 0; h < LINEAR_VECS; h++) acc[b][h][c] += wv[h] * xs;
             }
         }
     }
     for (; i < k; i++) {
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {
-            lvec wv[LINEAR_HALVES];
-            load_halves(w + b * block + (size_t)i * step, bf16, wv);
-#pragma GCC unroll 2
-            for (int h = 0; h < LINEAR_HALVES; h++) acc[b][h][0] += wv[h] * x[i];
+            lvec wv[LINEAR_VECS];
+            load_vecs(w + b * block + (size_t)i * step, bf16, wv);
+#pragma GCC unroll 4
+            for (int h = 0; h < LINEAR_VECS; h++) acc[b][h][0] += wv[h] * x[i];
         }
     }
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) {
-        lvec s[LINEAR_HALVES];
-#pragma GCC unroll 2
-        for (int h = 0; h < LINEAR_HALVES; h++) s[h] = chain_sum(acc[b][h]);
-        store_halves(sums[b], s, bf16);
+        lvec s[LINEAR_VECS];
+#pragma GCC unroll 4
+        for (int h = 0; h < LINEAR_VECS; h++) s[h] = chain_sum(acc[b][h]);
+        store_vecs(sums[b], s, bf16);
     }
 }
 

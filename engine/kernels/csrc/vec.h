@@ -43,7 +43,15 @@ typedef int32_t v16i __attribute__((vector_size(64)));
  * GCC moves its halves through the stack in register-blocked loops (measured 10x slower in the
  * one-row linear and the LoRA kernel: bench/NOTES.md 'AVX2 one-row linear'). Kernels that block
  * their accumulators in registers (gemm.c, lora.c, attention.c) spell them in nvf. */
-#if defined(__AVX512F__)
+#if defined(LLAMASERVE_NV_LANES)
+/* a test build's width (-DLLAMASERVE_NV_LANES=16 on x86-64-v3): the 16-lane generic code of the
+ * AVX-512 builds runs as pairs of ymm on a CPU without AVX-512 (tests/engine/kernel_levels.py) */
+#if LLAMASERVE_NV_LANES == 4 || LLAMASERVE_NV_LANES == 8 || LLAMASERVE_NV_LANES == 16
+#define NV_LANES LLAMASERVE_NV_LANES
+#else
+#error "LLAMASERVE_NV_LANES must be 4, 8 or 16"
+#endif
+#elif defined(__AVX512F__)
 #define NV_LANES 16
 #elif defined(__AVX__)
 #define NV_LANES 8
