@@ -209,7 +209,7 @@ class PackedCpuLinear(nn.Module):
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
+        if self._gemm is not None and rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
             return self._gemm(x.contiguous(), torch.get_num_threads())
         if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
