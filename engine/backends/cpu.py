@@ -85,11 +85,15 @@ def few_rows_cutoff(kernels: CpuKernels | None) -> int:
 WIDEN_MIN_ROWS = 16
 WIDEN_TILE_ELEMS = 1 << 18
 
-# A float32 weight holds the interleaved copy in place of oneDNN's (one copy) only where csrc/gemm.c
-# was measured faster than oneDNN up to at least this many rows: a prefill step of the default token
-# budget (EngineConfig.max_num_batched_tokens), so oneDNN's copy would be read by no common step. AVX2
-# (cutoff 2048) does; AVX-512 (Zen 4, cutoff 64: 0.91-0.98x oneDNN at 512 rows, one thread) keeps
-# both copies, as it held them before, and oneDNN takes the rows past the cutoff.
+# A float32 weight small enough for two copies holds the interleaved copy in place of oneDNN's (one
+# copy) only where csrc/gemm.c was measured faster than oneDNN up to at least this many rows: a prefill
+# step of the default token budget (EngineConfig.max_num_batched_tokens), so oneDNN's copy would be read
+# by no common step. AVX2 (cutoff 2048) does; AVX-512 (Zen 4, cutoff 64: 0.91-0.98x oneDNN at 512 rows,
+# one thread) keeps both copies, as it held them before, and oneDNN takes the rows past the cutoff. A
+# weight too large for two copies (the demo's 113 MB head) takes the interleaved one wherever the gemm
+# serves: on Zen 4 (one thread, cold, CPU time) the head's one row ran 1.49x oneDNN's speed on the
+# one-row kernel, 2 rows 1.43x, 4 rows 0.93x, 8-32 rows on the gemm 1.02-1.09x, 64 rows 0.94x
+# (bench/NOTES.md 'Zen 4: float32 steps of 2..64 decodes').
 ONE_COPY_MIN_GEMM_ROWS = 512
 
 
@@ -115,7 +119,8 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
     Likewise a float32 weight of any size gets the interleaved copy in place of oneDNN's where
-    csrc/gemm.c serves it up to ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2 builds): one row on the one-row kernel 1.2-1.3x, 2..64
+    csrc/gemm.c serves it up to ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2 builds), and one too large for
+    two copies wherever the gemm serves (AVX-512 too: the head, ONE_COPY_MIN_GEMM_ROWS); AVX2: one row on the one-row kernel 1.2-1.3x, 2..64
     rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048 rows on two threads (bench/NOTES.md
     'AVX2 many-rows linear' and its part 2), past the default 512-token step budget, so oneDNN's copy
     would never be read there and held the demo's block weights twice (bench/NOTES.md 'One float32
@@ -127,9 +132,11 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     if kernels is not None and weight.shape[0] % 16 == 0:
         # one copy: the row kernel (batch-invariant mode), the widened tiles (no oneDNN kernel for the
         # dtype) or the gemm serve every row count from the interleaved copy
-        if invariant or not onednn or (gemm_serves(weight.dtype, weight.shape[0], kernels) and kernels.gemm_max_rows() >= ONE_COPY_MIN_GEMM_ROWS):
+        small = weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES
+        gemm_copy = gemm_serves(weight.dtype, weight.shape[0], kernels) and (not small or kernels.gemm_max_rows() >= ONE_COPY_MIN_GEMM_ROWS)
+        if invariant or not onednn or gemm_copy:
             return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
-        if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
+        if small:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)

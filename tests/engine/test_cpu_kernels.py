@@ -179,10 +179,9 @@ def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("cutoff", [1, 8])
 def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutoff, gemm, monkeypatch):
-    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: where csrc/gemm.c serves it up to
-    ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2), one copy, the interleaved one (no oneDNN copy), its rows
-    up to the few-rows cutoff on the interleaved kernel, more on the gemm; without the gemm, or where
-    it takes decode rows only (AVX-512), oneDNN's copy alone for every row count."""
+    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: where csrc/gemm.c serves it (AVX2,
+    AVX-512), one copy, the interleaved one (no oneDNN copy), its rows up to the few-rows cutoff on the
+    interleaved kernel, more on the gemm; without the gemm, oneDNN's copy alone for every row count."""
     if not cpu_packing_available(torch.float32):
         pytest.skip("no oneDNN here")
     if gemm and kernels.gemm_max_rows() == 0:
@@ -194,7 +193,6 @@ def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutof
     backend = CpuKernelBackend(torch.device("cpu"), torch.float32, kernels)
     weight = torch.randn(96, 40, generator=gen(3))
     head = backend.head_linear(backend.prepare_head(weight))
-    gemm = gemm and kernels.gemm_max_rows() >= cpu_backends.ONE_COPY_MIN_GEMM_ROWS
     assert isinstance(head, PackedCpuLinear) and (head.packed_weight is None) == gemm and (head.interleaved is not None) == gemm
     assert head.resident_bytes() == weight.numel() * 4  # one copy either way
     few = (cutoff if cutoff > 1 else 1) if gemm else 0
@@ -226,7 +224,7 @@ def test_packed_linear_one_row_path(kernels, dtype):
     assert PackedCpuLinear(pack_weight(weight)).interleaved is None  # no kernels: oneDNN only
     big = torch.empty(16, (8 << 20) // (16 * weight.element_size()) + 16, dtype=dtype)
     big_layer = PackedCpuLinear(pack_weight(big, kernels), kernels)
-    if dtype == torch.float32 and kernels.gemm_max_rows() >= cpu_backends.ONE_COPY_MIN_GEMM_ROWS:  # csrc/gemm.c: its copy in place of oneDNN's
+    if dtype == torch.float32 and kernels.gemm_max_rows() > 0:  # csrc/gemm.c serves it: its copy in place of oneDNN's
         assert big_layer.packed_weight is None and big_layer.interleaved is not None
     else:
         assert big_layer.interleaved is None

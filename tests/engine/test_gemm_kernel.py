@@ -233,7 +233,8 @@ def test_a_decode_rows_cutoff_keeps_onednn_for_the_rows_past_it(decode_gemm_kern
     """Where the gemm was measured faster for decode rows only, a float32 weight keeps both copies:
     up to the few-rows cutoff the interleaved kernel, then up to gemm_max_rows the gemm (its bits
     exactly), past it oneDNN (its bits exactly), each within float32 rounding of the float64 product;
-    a weight too large for a second copy keeps oneDNN's alone (no gemm)."""
+    a weight too large for a second copy (the head) the interleaved copy alone, every row past the
+    few-rows cutoff on the gemm."""
     lib = decode_gemm_kernels
     g = gen(9)
     weight = torch.randn(64, 96, generator=g)
@@ -248,8 +249,10 @@ def test_a_decode_rows_cutoff_keeps_onednn_for_the_rows_past_it(decode_gemm_kern
         expected = one_row(x, THREADS) if rows <= few else gemm(x, THREADS) if rows <= max_rows else layer._onednn(x)
         assert torch.equal(out, expected), rows
     monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)  # the demo's head: 113 MB
-    large = pack_weight(weight, lib)
-    assert large.packed is not None and large.interleaved is None and PackedCpuLinear(large, lib).gemm_rows() == 0
+    large = PackedCpuLinear(pack_weight(weight, lib), lib)
+    assert large.packed_weight is None and large.gemm_rows() > ONE_COPY_MIN_GEMM_ROWS
+    x = torch.randn(max_rows + 1, 96, generator=g)
+    assert torch.equal(large(x), gemm(x, THREADS))
 
 
 def test_a_float32_linear_holds_one_copy_and_the_gemm_serves_every_row_count(serving_kernels):
@@ -315,8 +318,6 @@ def test_large_float32_head_keeps_one_copy_and_serves_every_row_count(kernels, m
     of oneDNN's (no more memory), one row (up to the few-rows cutoff) on the interleaved kernel, any
     more (past gemm_max_rows too) on the gemm; the batch-invariant mode keeps the row kernel for every count."""
     lib = gemm_kernels(kernels)
-    if lib.gemm_max_rows() < ONE_COPY_MIN_GEMM_ROWS:
-        pytest.skip("this build's gemm takes decode rows only: a large weight keeps oneDNN's copy alone")
     g = gen(4)
     weight = torch.randn(128, 64, generator=g)
     monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)  # the demo's head: 113 MB
