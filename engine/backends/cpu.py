@@ -9,8 +9,9 @@ engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place th
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
 builds up to FEW_ROWS_MAX_ROWS rows, in register-blocked groups); in builds where it measured
-faster than oneDNN (AVX2), float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that
-same copy, and every float32 weight keeps that copy in place of oneDNN's (one copy, not two).
+faster than oneDNN, float32 inputs of more rows run csrc/gemm.c's many-rows kernel on that same copy
+(AVX2: every row count, and every float32 weight keeps that copy in place of oneDNN's, one copy not
+two; AVX-512: decode rows up to its cutoff, oneDNN's copy kept for prefill rows).
 Where oneDNN has no kernel for bfloat16 (AVX2 CPUs), a bfloat16 model runs CpuKernelBackend too,
 every linear on its interleaved copy alone: many rows on gemm.c as float32's (x widened and the sums
 rounded back in the same C call), or in builds without it PackedCpuLinear._without_onednn.
@@ -63,9 +64,12 @@ AMX_MAX_ROWS = 64
 # in register-blocked groups, each weight load feeding every row of its group) instead of oneDNN, by the
 # loaded build's vector width (CpuKernels.simd_bits). AVX2 (Zen 2, cold weights: a stack of layers past
 # the L3): 1.1-1.6x faster than oneDNN at 2..8 rows on the demo's block linears (bench/few_rows_linear.py,
-# bench/NOTES.md 'Few-rows linear'). Widths not listed: one row only (512-bit builds: unmeasured, and AMX
-# takes bfloat16 from 2 rows; the portable build has groups of one row, no gain).
-FEW_ROWS_MAX_ROWS: dict[int, int] = {256: 8}
+# bench/NOTES.md 'Few-rows linear'). AVX-512 (Zen 4, float32, cold, one thread, CPU time): 1.3-1.9x oneDNN
+# at 2..4 rows (one group of 4) and level with gemm.c there; from 5 rows (two groups) gemm.c, which takes
+# the rows past the cutoff, ran 0.74-0.86x the few-rows kernel's time (bench/NOTES.md 'Zen 4: float32
+# steps of 2..64 decodes'). Widths not listed: one row only (the portable build has groups of one row,
+# no gain; AMX takes bfloat16 from 2 rows).
+FEW_ROWS_MAX_ROWS: dict[int, int] = {256: 8, 512: 4}
 
 
 def few_rows_cutoff(kernels: CpuKernels | None) -> int:
@@ -80,6 +84,17 @@ def few_rows_cutoff(kernels: CpuKernels | None) -> int:
 # engine.quant.linear's dequantized tiles do.
 WIDEN_MIN_ROWS = 16
 WIDEN_TILE_ELEMS = 1 << 18
+
+# A float32 weight small enough for two copies holds the interleaved copy in place of oneDNN's (one
+# copy) only where csrc/gemm.c was measured faster than oneDNN up to at least this many rows: a prefill
+# step of the default token budget (EngineConfig.max_num_batched_tokens), so oneDNN's copy would be read
+# by no common step. AVX2 (cutoff 2048) does; AVX-512 (Zen 4, cutoff 64: 0.91-0.98x oneDNN at 512 rows,
+# one thread) keeps both copies, as it held them before, and oneDNN takes the rows past the cutoff. A
+# weight too large for two copies (the demo's 113 MB head) takes the interleaved one wherever the gemm
+# serves: on Zen 4 (one thread, cold, CPU time) the head's one row ran 1.49x oneDNN's speed on the
+# one-row kernel, 2 rows 1.43x, 4 rows 0.93x, 8-32 rows on the gemm 1.02-1.09x, 64 rows 0.94x
+# (bench/NOTES.md 'Zen 4: float32 steps of 2..64 decodes').
+ONE_COPY_MIN_GEMM_ROWS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +119,8 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
     Likewise a float32 weight of any size gets the interleaved copy in place of oneDNN's where
-    csrc/gemm.c serves it (gemm_serves: AVX2 builds): one row on the one-row kernel 1.2-1.3x, 2..64
+    csrc/gemm.c serves it up to ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2 builds), and one too large for
+    two copies wherever the gemm serves (AVX-512 too: the head, ONE_COPY_MIN_GEMM_ROWS); AVX2: one row on the one-row kernel 1.2-1.3x, 2..64
     rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048 rows on two threads (bench/NOTES.md
     'AVX2 many-rows linear' and its part 2), past the default 512-token step budget, so oneDNN's copy
     would never be read there and held the demo's block weights twice (bench/NOTES.md 'One float32
@@ -116,9 +132,11 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     if kernels is not None and weight.shape[0] % 16 == 0:
         # one copy: the row kernel (batch-invariant mode), the widened tiles (no oneDNN kernel for the
         # dtype) or the gemm serve every row count from the interleaved copy
-        if invariant or not onednn or gemm_serves(weight.dtype, weight.shape[0], kernels):
+        small = weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES
+        gemm_copy = gemm_serves(weight.dtype, weight.shape[0], kernels) and (not small or kernels.gemm_max_rows() >= ONE_COPY_MIN_GEMM_ROWS)
+        if invariant or not onednn or gemm_copy:
             return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
-        if weight.numel() * weight.element_size() <= INTERLEAVED_MAX_WEIGHT_BYTES:
+        if small:
             interleaved = kernels.interleave(weight)
         elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
             return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)

@@ -19,8 +19,8 @@ tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the p
 without tiles, steps of 2..N decodes where every block linear runs N rows through its interleaved
 copy's few-rows kernel (PackedCpuLinear.few_rows: N by the build's vector width, 8 on AVX2): the
 step's max_rows; and a model whose block linears send the rows past N to csrc/gemm.c
-(PackedCpuLinear.gemm_rows, AVX2 builds: float32, and bfloat16 where oneDNN has no bfloat16 kernel)
-serves up to STEP_GEMM_MAX_ROWS decodes, those rows through the same gemm (a 32-decode float32 demo
+(PackedCpuLinear.gemm_rows: float32 on AVX2 and AVX-512 builds, and bfloat16 where oneDNN has no bfloat16
+kernel) serves up to STEP_GEMM_MAX_ROWS decodes (or the gemm's cutoff: 64 on AVX-512), those rows through the same gemm (a 32-decode float32 demo
 step on 2 threads on a Zen 2: 75.5 ms op by op, 65.0 ms in one call; bench/stream_profile.py
 --ab). bfloat16 rows go through interleaved_gemm_bf16, the one C function both paths call: x widened
 into a float32 scratch the program holds (max_rows x the widest k + n), the sums rounded back to

@@ -22,6 +22,13 @@ from tests.engine.test_model import make_executor, random_prompts, run_random_sc
 CPU = torch.device("cpu")
 
 
+def bf16_gemm(kernels) -> bool:
+    """Whether csrc/gemm.c takes a bfloat16 weight's many rows in this build: it has the gemm (AVX2,
+    AVX-512) and interleave() lays bfloat16 out as [n / 16, k, 16] (not AVX512_BF16's pairs copy, which
+    the gemm does not read: such CPUs have oneDNN's bfloat16, so these tests force a case no CPU has)."""
+    return kernels.gemm_max_rows() > 0 and kernels.interleave(torch.zeros(16, 2, dtype=torch.bfloat16)).dim() == 3
+
+
 @pytest.fixture
 def no_onednn_bf16(monkeypatch):
     """oneDNN as an AVX2 CPU has it: float32, no bfloat16."""
@@ -56,8 +63,8 @@ def test_each_path_is_taken(kernels, gemm, monkeypatch):
     """Few rows on the interleaved kernel; more on csrc/gemm.c where the build has it (bfloat16 widened
     per load), else from WIDEN_MIN_ROWS on widened tiles: the test above covers each only if the
     cutoffs split its row counts."""
-    if gemm and kernels.gemm_max_rows() == 0:
-        pytest.skip("this build has no many-rows kernel")
+    if gemm and not bf16_gemm(kernels):
+        pytest.skip("this build has no many-rows kernel for a bfloat16 copy")
     if not gemm:
         monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args, **kwargs: False)
     layer = PackedCpuLinear(pack_weight(torch.randn(32, 16).bfloat16(), kernels, onednn=False), kernels)
@@ -108,8 +115,8 @@ def test_the_head_gives_float32_logits_at_every_row_count(kernels, no_onednn_bf1
     """Few rows on the interleaved kernel, many on csrc/gemm.c where the build has it, else on
     widened tiles (a float32 GEMM): float32 sums of the bfloat16 products either way; the
     batch-invariant mode keeps the row kernel."""
-    if gemm and kernels.gemm_max_rows() == 0:
-        pytest.skip("this build has no many-rows kernel")
+    if gemm and not bf16_gemm(kernels):
+        pytest.skip("this build has no many-rows kernel for a bfloat16 copy")
     if not gemm:
         monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args, **kwargs: False)
     backend = select_backend(EngineConfig(dtype="bfloat16"), CPU)
@@ -140,13 +147,13 @@ def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
     assert model.backend.name == "cpu_kernels" and not model.backend.onednn
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
     # many rows: csrc/gemm.c where the build has it (bfloat16 widened per load), else widened tiles
-    gemm = model.backend.kernels.gemm_max_rows() > 0
+    gemm = bf16_gemm(model.backend.kernels)
     assert linears and all(m.packed_weight is None and (m._gemm is not None) == gemm and (m._widen is None) == gemm for m in linears)
     assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
     # decodes run the compiled step: one, or up to the build's few-rows cutoff (the interleaved kernel's
     # register-blocked rows: 8 on AVX2 builds), and where csrc/gemm.c takes the rows past it up to
     # STEP_GEMM_MAX_ROWS (interleaved_gemm_bf16)
-    step_rows = STEP_GEMM_MAX_ROWS if gemm else few_rows_cutoff(model.backend.kernels)
+    step_rows = STEP_GEMM_MAX_ROWS if gemm else min(linear.few_rows() for linear in linears)  # pairs copies: 1
     assert model.decode_step is not None and model.decode_step.max_rows == step_rows
 
 

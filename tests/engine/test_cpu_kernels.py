@@ -151,9 +151,9 @@ class _Build:
 
 
 def test_few_rows_cutoff_follows_the_loaded_build():
-    """AVX2 builds: up to 8 rows through the interleaved kernel; AVX-512 (unmeasured) and the
-    portable build: one row; no kernels: none beyond oneDNN's one row default."""
-    assert [cpu_backends.few_rows_cutoff(_Build(bits)) for bits in (128, 256, 512)] == [1, 8, 1]
+    """AVX2 builds: up to 8 rows through the interleaved kernel; AVX-512: 4 (one group; gemm.c takes
+    more); the portable build: one row; no kernels: none beyond oneDNN's one row default."""
+    assert [cpu_backends.few_rows_cutoff(_Build(bits)) for bits in (128, 256, 512)] == [1, 8, 4]
     assert cpu_backends.few_rows_cutoff(None) == 1
 
 
@@ -182,9 +182,9 @@ def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("cutoff", [1, 8])
 def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutoff, gemm, monkeypatch):
-    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: where csrc/gemm.c serves it, one copy,
-    the interleaved one (no oneDNN copy), its rows up to the few-rows cutoff on the interleaved kernel,
-    more on the gemm; without the gemm, oneDNN's copy alone for every row count."""
+    """A float32 head larger than INTERLEAVED_MAX_WEIGHT_BYTES: where csrc/gemm.c serves it (AVX2,
+    AVX-512), one copy, the interleaved one (no oneDNN copy), its rows up to the few-rows cutoff on the
+    interleaved kernel, more on the gemm; without the gemm, oneDNN's copy alone for every row count."""
     if not cpu_packing_available(torch.float32):
         pytest.skip("no oneDNN here")
     if gemm and kernels.gemm_max_rows() == 0:

@@ -381,13 +381,14 @@ def tileless_model(request):
 
 
 def gemm_step_rows() -> int:
-    """The most decodes a compiled step without tiles serves: STEP_GEMM_MAX_ROWS where csrc/gemm.c takes
-    the block linears' rows past the few-rows cutoff (AVX2 builds), else the cutoff."""
+    """The most decodes a compiled step without tiles serves: where csrc/gemm.c takes the block linears'
+    rows past the few-rows cutoff, its cutoff (64 on AVX-512 builds) up to STEP_GEMM_MAX_ROWS (AVX2's
+    2048), else the few-rows cutoff."""
     from engine.backends.cpu_step import STEP_GEMM_MAX_ROWS
     from engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    return STEP_GEMM_MAX_ROWS if kernels is not None and kernels.gemm_max_rows() > 0 else few_rows_cutoff()
+    return min(STEP_GEMM_MAX_ROWS, kernels.gemm_max_rows()) if kernels is not None and kernels.gemm_max_rows() > 0 else few_rows_cutoff()
 
 
 def test_steps_without_tiles_serve_up_to_their_step_rows(tileless_model):

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends import cpu as cpu_backend
-from engine.backends.cpu import CpuKernelBackend, PackedCpuLinear, PackedWeight, few_rows_cutoff, gemm_serves, pack_weight
+from engine.backends.cpu import (
+    ONE_COPY_MIN_GEMM_ROWS, CpuKernelBackend, PackedCpuLinear, PackedWeight, few_rows_cutoff, gemm_serves, pack_weight,
+)  # fmt: skip
 from engine.backends.torch_ops import TorchBackend
 from engine.kernels import cpu as ck
 from tests.engine.kernel_levels import cpu_kernels_for_level
@@ -215,12 +217,57 @@ FORCED_GEMM_MAX_ROWS = 2048
 
 @pytest.fixture(params=["build", "forced"])
 def serving_kernels(request, kernels, monkeypatch) -> ck.CpuKernels:
-    """The native kernels where csrc/gemm.c serves float32 (AVX2 builds; skipped elsewhere), and
-    forced on any build by giving it AVX2's cutoff (the kernel itself runs in every build; only
-    gemm_max_rows says where it is the faster one)."""
+    """The native kernels where csrc/gemm.c serves float32 on one copy (AVX2 builds: their cutoff
+    reaches ONE_COPY_MIN_GEMM_ROWS; skipped elsewhere), and forced on any build by giving it AVX2's
+    cutoff (the kernel itself runs in every build; only gemm_max_rows says where it is the faster one)."""
     if request.param == "forced":
         monkeypatch.setattr(kernels, "gemm_max_rows", lambda: FORCED_GEMM_MAX_ROWS)
+    if 0 < kernels.gemm_max_rows() < ONE_COPY_MIN_GEMM_ROWS:
+        pytest.skip("this build's gemm takes decode rows only: oneDNN's copy kept for prefill rows")
     return gemm_kernels(kernels)
+
+
+# a cutoff short of ONE_COPY_MIN_GEMM_ROWS, as AVX-512 builds measured (decode rows only), for forcing it elsewhere
+FORCED_DECODE_GEMM_MAX_ROWS = 64
+
+
+@pytest.fixture(params=["build", "forced"])
+def decode_gemm_kernels(request, kernels, monkeypatch) -> ck.CpuKernels:
+    """The native kernels where csrc/gemm.c takes float32 decode rows only (AVX-512 builds; skipped
+    elsewhere), and forced on any build with oneDNN's float32 by giving it such a cutoff."""
+    if not cpu_backend.packing_available(torch.float32):
+        pytest.skip("no oneDNN float32 kernel here")
+    if request.param == "forced":
+        monkeypatch.setattr(kernels, "gemm_max_rows", lambda: FORCED_DECODE_GEMM_MAX_ROWS)
+    if not 0 < kernels.gemm_max_rows() < ONE_COPY_MIN_GEMM_ROWS:
+        pytest.skip("this build's gemm takes every row count, or none")
+    return kernels
+
+
+def test_a_decode_rows_cutoff_keeps_onednn_for_the_rows_past_it(decode_gemm_kernels, monkeypatch):
+    """Where the gemm was measured faster for decode rows only, a float32 weight keeps both copies:
+    up to the few-rows cutoff the interleaved kernel, then up to gemm_max_rows the gemm (its bits
+    exactly), past it oneDNN (its bits exactly), each within float32 rounding of the float64 product;
+    a weight too large for a second copy (the head) the interleaved copy alone, every row past the
+    few-rows cutoff on the gemm."""
+    lib = decode_gemm_kernels
+    g = gen(9)
+    weight = torch.randn(64, 96, generator=g)
+    packed = pack_weight(weight, lib)
+    layer = PackedCpuLinear(packed, lib)
+    assert packed.packed is not None and packed.interleaved is not None and layer.gemm_rows() == lib.gemm_max_rows()
+    gemm, one_row, max_rows, few = lib.bind_gemm(packed.interleaved), lib.bind_interleaved(packed.interleaved), lib.gemm_max_rows(), few_rows_cutoff(lib)
+    for rows in sorted({1, few, few + 1, max_rows, max_rows + 1, 512}):
+        x = torch.randn(rows, 96, generator=g)
+        out = layer(x)
+        assert_within_f32_rounding(out, x, weight)
+        expected = one_row(x, THREADS) if rows <= few else gemm(x, THREADS) if rows <= max_rows else layer._onednn(x)
+        assert torch.equal(out, expected), rows
+    monkeypatch.setattr(cpu_backend, "INTERLEAVED_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)  # the demo's head: 113 MB
+    large = PackedCpuLinear(pack_weight(weight, lib), lib)
+    assert large.packed_weight is None and large.gemm_rows() > ONE_COPY_MIN_GEMM_ROWS
+    x = torch.randn(max_rows + 1, 96, generator=g)
+    assert torch.equal(large(x), gemm(x, THREADS))
 
 
 def test_a_float32_linear_holds_one_copy_and_the_gemm_serves_every_row_count(serving_kernels):

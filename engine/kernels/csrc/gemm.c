@@ -390,7 +390,12 @@ int interleaved_gemm_bf16(const bf16_t *x, const bf16_t *weight, bf16_t *out, fl
 int64_t interleaved_gemm_max_rows(void) {
 #if NV_LANES == 8
     return 2048;
+#elif NV_LANES == 16
+    /* Zen 4, one thread, cold, CPU time (bench/gemm_linear.py; bench/NOTES.md 'Zen 4: float32 steps of
+     * 2..64 decodes'): 1.07-1.38x oneDNN at 8-32 rows, level to 1.08x at 64, 0.94-1.06x by shape at 128
+     * (a layer's four 0.97-0.98x), 0.91-0.98x at 512-2048 (oneDNN near the FMA peak there). */
+    return 64;
 #else
-    return 0; /* AVX-512 and SSE builds: not measured (no such CPU here) */
+    return 0; /* SSE builds: not measured faster */
 #endif
 }
