@@ -460,4 +460,97 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
                                            int64_t k, int num_threads) {
     pairs_linear_impl(x, weight, out, rows, n, k, num_threads, 1);
 }
+
+/* ------------------------------------------------------------------------------------------ pairs gemm
+ * bfloat16 many-rows linear over the same pairs copy, for CPUs with AVX512_BF16 and no AMX tiles (Zen
+ * 4; Cooper Lake, Ice Lake): decode steps of many streams, where the one-row kernel above would
+ * stream the weight once per row. A register tile of PAIRS_MR rows x PAIRS_NP 16-column panels of
+ * float32 accumulators takes each 64-byte weight vector (two steps of k of a panel) once per tile
+ * and each pair of x as one 32-bit broadcast: PAIRS_NP loads and PAIRS_MR broadcasts feed PAIRS_MR x
+ * PAIRS_NP vdpbf16ps a pair step (8 x 3: 24 accumulators, 3 weights, 1 broadcast of 32 zmm). A
+ * panel group's pairs (k / 2 x 64 bytes a panel: 55 KiB for 3 panels at k 576) stay in L2 across a
+ * pass's row tiles; passes of at most PAIRS_X_L2_BYTES of x keep x in L2 across the groups.
+ * Threads split the panel groups (static): each output is one chain of vdpbf16ps over k in order, so
+ * a row's sums depend neither on the other rows nor on the thread count, though they are not the
+ * one-row kernel's (eight chains). Rounded to bfloat16 as the one-row kernel's (store_row). */
+#define PAIRS_MR 8
+#define PAIRS_NP 3
+#define PAIRS_X_L2_BYTES (512 << 10)
+
+/* One tile: out[mr rows, np panels] = x [mr rows, k apart] @ the panels' pairs (w: the first panel's,
+ * the next ones panel_bytes further). mr and np literals at each call (pairs_tile_rows' switch): the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void pairs_tile(const int mr, const int np, const bf16_t *x, int64_t k,
+                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n) {
+    __m512 acc[PAIRS_MR][PAIRS_NP];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k / 2; i++) {
+        __m512bh wv[PAIRS_NP];
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_bytes + i * 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i));
+#pragma GCC unroll 4
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xb);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) _mm256_storeu_si256((__m256i *)(out + r * n + p * 16), bf16x16_round(acc[r][p]));
+}
+
+#define PAIRS_TILE_CASE(m)                                                    \
+    case m:                                                                   \
+        if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n); \
+        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n);     \
+        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n);                  \
+        break;
+
+static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
+                            int64_t n) {
+    switch (mr) {
+        PAIRS_TILE_CASE(1)
+        PAIRS_TILE_CASE(2)
+        PAIRS_TILE_CASE(3)
+        PAIRS_TILE_CASE(4)
+        PAIRS_TILE_CASE(5)
+        PAIRS_TILE_CASE(6)
+        PAIRS_TILE_CASE(7)
+        PAIRS_TILE_CASE(8)
+        default: break;
+    }
+}
+
+/* out [rows, n] bfloat16 = x [rows, k] bfloat16 @ W^T, W the pairs copy [n / 16, k / 2, 16, 2]
+ * (amx_linear_bf16's signature: the compiled decode step calls either through one slot). Returns 0,
+ * or -1 for a shape it does not take (n not whole panels, k odd), before touching anything. */
+int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (rows < 1 || n < 16 || n % 16 || k < 2 || k % 2 || num_threads < 1) return -1;
+    const int64_t panels = n / 16, groups = (panels + PAIRS_NP - 1) / PAIRS_NP, panel_bytes = k / 2 * 64;
+    const int64_t x_rows = PAIRS_X_L2_BYTES / (k * 2), pass_rows_max = x_rows < PAIRS_MR ? PAIRS_MR : x_rows;
+    const int64_t passes = (rows + pass_rows_max - 1) / pass_rows_max, pass_rows = (rows + passes - 1) / passes;
+#pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
+        const int64_t mb = rows - m0 < pass_rows ? rows - m0 : pass_rows, tiles = (mb + PAIRS_MR - 1) / PAIRS_MR;
+        const bf16_t *xm = (const bf16_t *)x + m0 * k;
+        bf16_t *om = (bf16_t *)out + m0 * n;
+        /* the same groups to each thread every pass: no barrier needed between passes */
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * PAIRS_NP;
+            const int np = panels - p0 < PAIRS_NP ? (int)(panels - p0) : PAIRS_NP;
+            const char *w = (const char *)weight + p0 * panel_bytes;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
+                pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n);
+            }
+        }
+    }
+    return 0;
+}
 #endif
