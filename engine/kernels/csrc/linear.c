@@ -477,11 +477,23 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
 #define PAIRS_NP 3
 #define PAIRS_X_L2_BYTES (512 << 10)
 
+/* A pass's first row tile reads each panel group from memory, the others from L2: where there are
+ * others (PAIRS_PREFETCH_MIN_TILES), it prefetches each panel's stream PAIRS_PREFETCH_BYTES ahead.
+ * Zen 4, one thread, CPU time, cold weights, the demo's block shapes, against none: 16-64 rows
+ * 0.92-0.96x the time (16 rows 0.93-1.0), 12 rows 1.01-1.05 (noise: about +-5%); for one tile (2-8
+ * rows) 4 rows ran 1.06-1.11x, so none there; 512 and 2048 bytes within the noise of 1024 (bench/NOTES.md
+ * 'bfloat16 many rows without AMX'). -D to A/B. */
+#ifndef PAIRS_PREFETCH_BYTES
+#define PAIRS_PREFETCH_BYTES 1024
+#endif
+#ifndef PAIRS_PREFETCH_MIN_TILES
+#define PAIRS_PREFETCH_MIN_TILES 2
+#endif
 /* One tile: out[mr rows, np panels] = x [mr rows, k apart] @ the panels' pairs (w: the first panel's,
- * the next ones panel_bytes further). mr and np literals at each call (pairs_tile_rows' switch): the
- * accumulators live in registers. */
+ * the next ones panel_bytes further); pf: prefetch the panels' streams ahead. mr and np literals at
+ * each call (pairs_tile_rows' switch): the accumulators live in registers. */
 static inline __attribute__((always_inline)) void pairs_tile(const int mr, const int np, const bf16_t *x, int64_t k,
-                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n) {
+                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n, int pf) {
     __m512 acc[PAIRS_MR][PAIRS_NP];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
@@ -490,7 +502,10 @@ static inline __attribute__((always_inline)) void pairs_tile(const int mr, const
     for (int64_t i = 0; i < k / 2; i++) {
         __m512bh wv[PAIRS_NP];
 #pragma GCC unroll 4
-        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_bytes + i * 64);
+        for (int p = 0; p < np; p++) {
+            if (PAIRS_PREFETCH_BYTES > 0 && pf) __builtin_prefetch(w + p * panel_bytes + i * 64 + PAIRS_PREFETCH_BYTES, 0, 3);
+            wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_bytes + i * 64);
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i));
@@ -506,13 +521,13 @@ static inline __attribute__((always_inline)) void pairs_tile(const int mr, const
 
 #define PAIRS_TILE_CASE(m)                                                    \
     case m:                                                                   \
-        if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n); \
-        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n);     \
-        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n);                  \
+        if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, pf); \
+        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n, pf);     \
+        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n, pf);                  \
         break;
 
 static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
-                            int64_t n) {
+                            int64_t n, int pf) {
     switch (mr) {
         PAIRS_TILE_CASE(1)
         PAIRS_TILE_CASE(2)
@@ -547,7 +562,7 @@ int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, 
             const char *w = (const char *)weight + p0 * panel_bytes;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
-                pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n);
+                pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n, t == 0 && tiles >= PAIRS_PREFETCH_MIN_TILES);
             }
         }
     }
