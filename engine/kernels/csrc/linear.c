@@ -415,37 +415,65 @@ static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 
     return pair;
 }
 
+/* Rows of one panel in groups of up to PAIRS_ROW_GROUP: each weight vector loaded once feeds every
+ * row of the group (the one-row kernel alone loaded it once per row: one load per vdpbf16ps, which
+ * capped the bfloat16 head's rows). Each row keeps its eight chains and their combine: the same sums
+ * whatever the group, bit for bit those of a lone row. 3 rows: 24 accumulators of 32 zmm. */
+#define PAIRS_ROW_GROUP 3
+
+/* `group` (a literal at each instantiation) rows of x, k apart, against one panel's pairs w: sums[r]. */
+static inline __attribute__((always_inline)) void pairs_rows(const char *w, const bf16_t *x, int64_t k, int group,
+                                                             float (*sums)[16]) {
+    const int64_t pairs = k / 2;
+    /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread, 8
+     * chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
+    __m512 acc[PAIRS_ROW_GROUP][8];
+#pragma GCC unroll 3
+    for (int r = 0; r < group; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= pairs; i += 8) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)(i + c) * 64);
+#pragma GCC unroll 3
+            for (int r = 0; r < group; r++)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i + c)));
+        }
+    }
+    for (; i < pairs; i++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)i * 64);
+#pragma GCC unroll 3
+        for (int r = 0; r < group; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv, (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i)));
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < group; r++) {
+        __m512 *a = acc[r];
+        const __m512 s0 = _mm512_add_ps(a[0], a[4]), s1 = _mm512_add_ps(a[1], a[5]), s2 = _mm512_add_ps(a[2], a[6]),
+                     s3 = _mm512_add_ps(a[3], a[7]);
+        _mm512_storeu_ps(sums[r], _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    }
+}
+
 static inline void pairs_linear_impl(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
                                      int num_threads, int out_f32) {
-    const int64_t pairs = k / 2;
+    const int64_t groups = (rows + PAIRS_ROW_GROUP - 1) / PAIRS_ROW_GROUP;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
-        for (int64_t m = 0; m < rows; m++) {
+        const char *w = (const char *)weight + (size_t)(b * (k / 2)) * 64;
+        for (int64_t g = 0, m = 0; g < groups; g++) {
+            /* the rows left split evenly over the groups left (4 rows: 2 + 2, not 3 + 1) */
+            const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));
             const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
-            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
-             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            int64_t i = 0;
-#define PAIR_STEP(acc, j) \
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
-            for (; i + 8 <= pairs; i += 8) {
-                PAIR_STEP(a0, i);
-                PAIR_STEP(a1, i + 1);
-                PAIR_STEP(a2, i + 2);
-                PAIR_STEP(a3, i + 3);
-                PAIR_STEP(a4, i + 4);
-                PAIR_STEP(a5, i + 5);
-                PAIR_STEP(a6, i + 6);
-                PAIR_STEP(a7, i + 7);
+            float sums[PAIRS_ROW_GROUP][16];
+            if (group == 3) pairs_rows(w, xm, k, 3, sums);
+            else if (group == 2) pairs_rows(w, xm, k, 2, sums);
+            else pairs_rows(w, xm, k, 1, sums);
+            for (int r = 0; r < group; r++, m++) {
+                if (out_f32) memcpy((float *)out + m * n + b * 16, sums[r], sizeof(sums[r]));
+                else store_row((bf16_t *)out + m * n + b * 16, sums[r], 16, 1);
             }
-            for (; i < pairs; i++) PAIR_STEP(a0, i);
-#undef PAIR_STEP
-            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
-            float sums[16];
-            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-            if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
-            else store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
         }
     }
 }
