@@ -176,7 +176,8 @@ class PackedCpuLinear(nn.Module):
         Not the gemm in the batch-invariant mode: its sums differ from the one-row kernel's, which
         serves one row there (each kernel alone does not depend on the rows; the pair would)."""
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
-        # the pairs kernel (4-D copy) runs its rows one by one: one row only
+        # a pairs copy (4-D) serves one row through it: its 2+ rows take the pairs many-rows kernel
+        # (_bind_pairs_rows) or oneDNN, both faster there
         self._few_rows = (few_rows_cutoff(self._kernels) if interleaved.dim() == 3 else 1) if self._one_row is not None else 0
         self._many_rows, self._max_pairs_rows = self._bind_pairs_rows(interleaved)
         gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3

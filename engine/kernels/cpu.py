@@ -248,7 +248,7 @@ class CpuKernels:
         makes four such calls per layer, and each Python-side lookup costs about a microsecond.
         f32_out: float32 out (the output head: exact logits from bfloat16 weights). Each row's
         result is the same whatever the number of rows (one fixed sum order per row); rows in small
-        groups share each weight load (csrc/linear.c), the pairs kernel runs them one by one."""
+        groups share each weight load (csrc/linear.c; the pairs kernel's groups of up to 3 rows too)."""
         n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), DTYPE_CODES[weight.dtype]
         pairs = weight.dim() == 4  # 4-D: bfloat16 pairs
         lib_fn = self._lib.interleaved_linear_f32_out if f32_out else self._lib.interleaved_linear
