@@ -195,15 +195,18 @@ class PackedCpuLinear(nn.Module):
         """The pairs copy's many-rows kernel and the most rows it takes: one seam for 'bfloat16 2+ rows
         from the pairs copy'. AMX tiles where the CPU has them (every row count for a narrow weight or
         one without oneDNN's copy, else AMX_MAX_ROWS); without tiles, on AVX512_BF16 builds, linear.c's
-        pairs gemm up to PAIRS_GEMM_MAX_ROWS, never in the batch-invariant mode (its sums are not the
-        one-row kernel's). (None, 0) without either."""
+        pairs gemm up to PAIRS_GEMM_MAX_ROWS (every row count for a weight without oneDNN's copy: nothing
+        else takes them), never in the batch-invariant mode (its sums are not the one-row kernel's).
+        (None, 0) without either."""
         if self._one_row is None or interleaved.dim() != 4:
             return None, 0
         if self._amx is not None and AmxLinear.supports(interleaved):
             narrow = self.packed_weight is None or self.out_features <= self.in_features
             return self._amx.bind(interleaved), sys.maxsize if narrow else AMX_MAX_ROWS
         gemm = None if self._invariant else self._kernels.bind_pairs_gemm(interleaved)
-        return gemm, PAIRS_GEMM_MAX_ROWS if gemm is not None else 0
+        if gemm is None:
+            return None, 0
+        return gemm, sys.maxsize if self.packed_weight is None else PAIRS_GEMM_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; rows up to

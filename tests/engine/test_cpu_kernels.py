@@ -252,6 +252,11 @@ def test_packed_linear_routes_bfloat16_rows_through_the_pairs_gemm(pairs_gemm, m
         expected = one_row(x, THREADS) if rows == 1 else gemm(x, THREADS) if rows <= 5 else layer._onednn(x)
         assert torch.equal(layer(x), expected), rows
         assert torch.equal(invariant(x), one_row(x, THREADS)), rows
+    # a weight with the pairs copy only (no oneDNN copy to fall back on): the gemm takes every row count
+    pairs_only = PackedCpuLinear(dataclasses.replace(packed, packed=None), pairs_gemm)
+    for rows in (2, 6, 300):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        assert torch.equal(pairs_only(x), gemm(x, THREADS)), rows
 
 
 @pytest.mark.parametrize("gemm", [True, False])
