@@ -503,6 +503,13 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
  * one-row kernel's (eight chains). Rounded to bfloat16 as the one-row kernel's (store_row). */
 #define PAIRS_MR 8
 #define PAIRS_NP 3
+/* A call of at most PAIRS_FEW_ROWS rows (one tile) takes PAIRS_FEW_NP panels a tile instead: 2-4 rows
+ * x 3 panels keep only 6-12 chains of vdpbf16ps in flight on 3 streams. One thread, CPU time, cold,
+ * the demo's block shapes, best of 5 alternating: 4 panels ran 2-4 rows 0.90-0.94x the time of 3; 6
+ * panels 0.97-1.47x (4 x 6 accumulators and 6 weights: 31 of 32 zmm); 6 rows x 4 panels at every row
+ * count, 8-64 rows 1.01-1.31x (8 rows in 2 tiles; bench/NOTES.md 'bfloat16 many rows without AMX'). */
+#define PAIRS_FEW_ROWS 4
+#define PAIRS_FEW_NP 4
 #define PAIRS_X_L2_BYTES (512 << 10)
 
 /* A pass's first row tile reads each panel group from memory, the others from L2: where there are
@@ -522,13 +529,13 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
  * each call (pairs_tile_rows' switch): the accumulators live in registers. */
 static inline __attribute__((always_inline)) void pairs_tile(const int mr, const int np, const bf16_t *x, int64_t k,
                                                              const char *w, int64_t panel_bytes, bf16_t *out, int64_t n, int pf) {
-    __m512 acc[PAIRS_MR][PAIRS_NP];
+    __m512 acc[PAIRS_MR][PAIRS_FEW_NP];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
         for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k / 2; i++) {
-        __m512bh wv[PAIRS_NP];
+        __m512bh wv[PAIRS_FEW_NP];
 #pragma GCC unroll 4
         for (int p = 0; p < np; p++) {
             if (PAIRS_PREFETCH_BYTES > 0 && pf) __builtin_prefetch(w + p * panel_bytes + i * 64 + PAIRS_PREFETCH_BYTES, 0, 3);
@@ -569,12 +576,36 @@ static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const ch
     }
 }
 
+#define PAIRS_FEW_CASE(m)                                                                          \
+    case m:                                                                                        \
+        switch (np) {                                                                              \
+        case 4: pairs_tile(m, 4, x, k, w, panel_bytes, out, n, 0); break;                           \
+        case 3: pairs_tile(m, 3, x, k, w, panel_bytes, out, n, 0); break;                           \
+        case 2: pairs_tile(m, 2, x, k, w, panel_bytes, out, n, 0); break;                           \
+        default: pairs_tile(m, 1, x, k, w, panel_bytes, out, n, 0); break;                          \
+        }                                                                                          \
+        break;
+
+/* pairs_tile for a call of at most PAIRS_FEW_ROWS rows: np in 1..PAIRS_FEW_NP (4; one tile: no prefetch) */
+static void pairs_tile_few(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
+                           int64_t n) {
+    switch (mr) {
+        PAIRS_FEW_CASE(1)
+        PAIRS_FEW_CASE(2)
+        PAIRS_FEW_CASE(3)
+        PAIRS_FEW_CASE(4)
+        default: break;
+    }
+}
+
 /* out [rows, n] bfloat16 = x [rows, k] bfloat16 @ W^T, W the pairs copy [n / 16, k / 2, 16, 2]
  * (amx_linear_bf16's signature: the compiled decode step calls either through one slot). Returns 0,
  * or -1 for a shape it does not take (n not whole panels, k odd), before touching anything. */
 int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (rows < 1 || n < 16 || n % 16 || k < 2 || k % 2 || num_threads < 1) return -1;
-    const int64_t panels = n / 16, groups = (panels + PAIRS_NP - 1) / PAIRS_NP, panel_bytes = k / 2 * 64;
+    const int few = rows <= PAIRS_FEW_ROWS;
+    const int64_t group_panels = few ? PAIRS_FEW_NP : PAIRS_NP;
+    const int64_t panels = n / 16, groups = (panels + group_panels - 1) / group_panels, panel_bytes = k / 2 * 64;
     const int64_t x_rows = PAIRS_X_L2_BYTES / (k * 2), pass_rows_max = x_rows < PAIRS_MR ? PAIRS_MR : x_rows;
     const int64_t passes = (rows + pass_rows_max - 1) / pass_rows_max, pass_rows = (rows + passes - 1) / passes;
 #pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
@@ -585,9 +616,13 @@ int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, 
         /* the same groups to each thread every pass: no barrier needed between passes */
 #pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t p0 = g * PAIRS_NP;
-            const int np = panels - p0 < PAIRS_NP ? (int)(panels - p0) : PAIRS_NP;
+            const int64_t p0 = g * group_panels;
+            const int np = (int)(panels - p0 < group_panels ? panels - p0 : group_panels);
             const char *w = (const char *)weight + p0 * panel_bytes;
+            if (few) { /* one tile of all the rows */
+                pairs_tile_few((int)rows, np, xm, k, w, panel_bytes, om + p0 * 16, n);
+                continue;
+            }
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
                 pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n, t == 0 && tiles >= PAIRS_PREFETCH_MIN_TILES);
