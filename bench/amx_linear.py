@@ -1,4 +1,5 @@
-"""Cold-weight A/B of bfloat16 linears: engine/kernels/csrc/amx_linear.c (AMX tiles) against oneDNN on its
+"""Cold-weight A/B of bfloat16 linears: engine/kernels/csrc/amx_linear.c (AMX tiles) and, on CPUs with
+AVX512_BF16 (with or without AMX), linear.c's pairs gemm (vdpbf16ps, path `pgemm`) against oneDNN on its
 packed weight (PackedCpuLinear._onednn's call) and the one-row pairs kernel, for decode batches and
 prefill chunks.
 
@@ -6,11 +7,13 @@ Each shape gets enough distinct weights (over --cold-mb in all) that every call 
 from DRAM, as in a decode step over 30 layers (at prefill sizes a round stops after --round-gflop of
 work: the weight's stream no longer matters there); the paths run interleaved, round after round,
 and the median per round is printed, as time, weight GB/s and GFLOP/s (the machine may be shared:
-read the ratios).
+read the ratios; --threads 1 times process CPU time, steadier there; --cold-mb 1 keeps one weight
+per shape: warm).
 
     python bench/amx_linear.py --threads 2 --rows 2,8,16,32,64 --rounds 5
     python bench/amx_linear.py --threads 2 --rows 65,128,256,512,1024,2048,4096 --paths onednn,amx
     python bench/amx_linear.py --shapes big1b --rows 64,256,1024 --paths onednn,amx
+    python bench/amx_linear.py --threads 1 --paths onednn,pgemm --rows 2,4,8,16,32,64,128,256,512
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ def with_pairs(weight: torch.Tensor, kernels) -> PackedWeight:
     return dataclasses.replace(pack_weight(weight), interleaved=kernels.interleave(weight))
 
 
-def time_per_call_us(fn, weights: list, calls_per_round: int) -> float:
-    start = time.perf_counter()
+def time_per_call_us(fn, weights: list, calls_per_round: int, clock) -> float:
+    start = clock()
     for i in range(calls_per_round):
         fn(weights[i % len(weights)])
-    return (time.perf_counter() - start) / calls_per_round * 1e6
+    return (clock() - start) / calls_per_round * 1e6
 
 
 def main() -> None:
@@ -63,13 +66,15 @@ def main() -> None:
     parser.add_argument("--cold-mb", type=int, default=600, help="weight bytes rotated per shape")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-gflop", type=float, default=4.0, help="work per path per round, at most (cold weights permitting)")
-    parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel)")
+    parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel), pgemm (linear.c's pairs gemm)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels, amx = load_cpu_kernels(), load_amx_linear()
-    if kernels is None or amx is None:
-        raise SystemExit("needs the CPU kernels and AMX (amx_init failed or no compiler)")
-    print(f"threads {args.threads}, {args.cold_mb} MB of weights per shape, median of {args.rounds} interleaved rounds")
+    if kernels is None or not kernels.has_bf16_pairs or (amx is None and "amx" in args.paths.split(",")):
+        raise SystemExit("needs the CPU kernels with AVX512_BF16's pairs (and for the amx path AMX tiles)")
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    print(f"threads {args.threads}, {args.cold_mb} MB of weights per shape, median of {args.rounds} interleaved rounds, "
+          f"{'process CPU time' if args.threads == 1 else 'wall'}")
     shapes = NAMED_SHAPES.get(args.shapes) or [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     for n, k in shapes:
         copies = max(2, args.cold_mb * 2**20 // (n * k * 2))
@@ -83,16 +88,18 @@ def main() -> None:
             onednn = lambda p: torch.ops.mkldnn._linear_pointwise(x_pad, p.packed, None, "none", [], "")  # noqa: E731
             tiles = lambda p: amx.linear(x, p.interleaved, args.threads)  # noqa: E731
             pairs = lambda p: kernels.interleaved_linear(x, p.interleaved, args.threads)  # noqa: E731
-            paths = {name: fn for name, fn in {"onednn": onednn, "amx": tiles, "pairs": pairs}.items() if name in args.paths.split(",")}
+            pgemm = lambda p: kernels.bind_pairs_gemm(p.interleaved)(x, args.threads)  # noqa: E731
+            paths = {name: fn for name, fn in {"onednn": onednn, "amx": tiles, "pairs": pairs, "pgemm": pgemm}.items() if name in args.paths.split(",")}
             times = {name: [] for name in paths}
             for fn in paths.values():  # warm-up: primitives created, pages touched
                 fn(packed[0])
             for _ in range(args.rounds):
                 for name, fn in paths.items():
-                    times[name].append(time_per_call_us(fn, packed, calls))
+                    times[name].append(time_per_call_us(fn, packed, calls, clock))
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = "  ".join(f"{name} {us:8.1f} us ({weight_gb / us * 1e6:5.1f} GB/s, {gflop / us * 1e6:5.0f} GFLOP/s)" for name, us in med.items())
-            print(f"[{n}x{k}] rows {rows:4d}: {cells}  onednn/amx {med.get('onednn', 0) / med.get('amx', 1):.2f}", flush=True)
+            ratios = "  ".join(f"onednn/{name} {med['onednn'] / med[name]:.2f}" for name in ("amx", "pgemm") if name in med and "onednn" in med)
+            print(f"[{n}x{k}] rows {rows:4d}: {cells}  {ratios}", flush=True)
         del packed
 
 

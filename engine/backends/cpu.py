@@ -60,6 +60,15 @@ INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 # (bench/NOTES.md 'Narrow weights on the tiles').
 AMX_MAX_ROWS = 64
 
+# bfloat16 inputs of 2 to this many rows run linear.c's pairs gemm (vdpbf16ps, register-blocked) on the
+# pairs copy where the CPU has AVX512_BF16 but no AMX tiles (Zen 4; Cooper Lake, Ice Lake): the pairs
+# many-rows kernel in the tiles' place (PackedCpuLinear._bind_pairs_rows). On a Zen 4, one thread, CPU
+# time, cold weights, the demo's block shapes, against oneDNN's packed bfloat16: 1.76-2.03x at 2 rows,
+# 1.28-1.56x at 8, 1.07-1.20x at 32, 1.03-1.13x at 64; at 128-512 rows level (0.98-1.07x), so oneDNN
+# keeps prefill chunks (bench/amx_linear.py --paths onednn,pgemm; bench/NOTES.md 'bfloat16 many rows
+# without AMX').
+PAIRS_GEMM_MAX_ROWS = 64
+
 # Inputs of 2 to this many rows run through the interleaved copy's few-rows kernel (csrc/linear.c: rows
 # in register-blocked groups, each weight load feeding every row of its group) instead of oneDNN, by the
 # loaded build's vector width (CpuKernels.simd_bits). AVX2 (Zen 2, cold weights: a stack of layers past
@@ -160,7 +169,8 @@ class PackedCpuLinear(nn.Module):
     same copy (the interleaved layout is its panel layout: no further copy), in builds where it
     measured faster than oneDNN; with `amx`, bfloat16 inputs of 2..AMX_MAX_ROWS rows (any number,
     for a narrow weight or one without oneDNN's copy) through AMX tiles on that same copy (the
-    pairs layout is the AMX weight-tile layout). A weight with none of oneDNN's copy, the gemm or
+    pairs layout is the AMX weight-tile layout), without it on AVX512_BF16 builds 2..PAIRS_GEMM_MAX_ROWS
+    rows through linear.c's pairs gemm on that copy. A weight with none of oneDNN's copy, the gemm or
     tiles (bfloat16 on AVX2) runs every row count from its interleaved copy (_without_onednn)."""
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
@@ -173,8 +183,6 @@ class PackedCpuLinear(nn.Module):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.register_buffer("interleaved", weight.interleaved if kernels is not None else None, persistent=False)
         self._kernels, self._amx = kernels, amx
-        # the most rows the tiles take: all for a narrow weight or one without oneDNN's copy
-        self._max_tile_rows = sys.maxsize if weight.packed is None or self.out_features <= self.in_features else AMX_MAX_ROWS
         self._bind(weight.interleaved)
         if weight.packed is None and self._many_rows is None and self._gemm is None and self._widen is None and not (invariant and self._one_row is not None):
             raise ValueError("a PackedWeight without oneDNN's copy needs the AMX, many-rows or widening kernel (or the invariant mode's row kernel)")
@@ -186,10 +194,10 @@ class PackedCpuLinear(nn.Module):
         Not the gemm in the batch-invariant mode: its sums differ from the one-row kernel's, which
         serves one row there (each kernel alone does not depend on the rows; the pair would)."""
         self._one_row = self._kernels.bind_interleaved(interleaved) if self._kernels is not None and interleaved is not None else None
-        # the pairs kernel (4-D copy) runs its rows one by one: one row only
+        # a pairs copy (4-D) serves one row through it: its 2+ rows take the pairs many-rows kernel
+        # (_bind_pairs_rows) or oneDNN, both faster there
         self._few_rows = (few_rows_cutoff(self._kernels) if interleaved.dim() == 3 else 1) if self._one_row is not None else 0
-        supported = self._one_row is not None and self._amx is not None and AmxLinear.supports(interleaved)
-        self._many_rows = self._amx.bind(interleaved) if supported else None
+        self._many_rows, self._max_pairs_rows = self._bind_pairs_rows(interleaved)
         gemm = (self._one_row is not None and not self._invariant and interleaved.dim() == 3
                 and gemm_serves(interleaved.dtype, self.out_features, self._kernels, onednn=self.packed_weight is not None))  # fmt: skip
         # its rows out in the model dtype: a bfloat16 weight's sums rounded in C (interleaved_gemm_bf16)
@@ -201,9 +209,27 @@ class PackedCpuLinear(nn.Module):
         no_onednn = self._one_row is not None and self.packed_weight is None and self._many_rows is None and self._gemm is None
         self._widen = self._kernels.bind_widen(interleaved) if no_onednn else None
 
+    def _bind_pairs_rows(self, interleaved: torch.Tensor | None) -> tuple[Callable[[torch.Tensor, int], torch.Tensor] | None, int]:
+        """The pairs copy's many-rows kernel and the most rows it takes: one seam for 'bfloat16 2+ rows
+        from the pairs copy'. AMX tiles where the CPU has them (every row count for a narrow weight or
+        one without oneDNN's copy, else AMX_MAX_ROWS); without tiles, on AVX512_BF16 builds, linear.c's
+        pairs gemm up to PAIRS_GEMM_MAX_ROWS (every row count for a weight without oneDNN's copy: nothing
+        else takes them), never in the batch-invariant mode (its sums are not the one-row kernel's).
+        (None, 0) without either."""
+        if self._one_row is None or interleaved.dim() != 4:
+            return None, 0
+        if self._amx is not None and AmxLinear.supports(interleaved):
+            narrow = self.packed_weight is None or self.out_features <= self.in_features
+            return self._amx.bind(interleaved), sys.maxsize if narrow else AMX_MAX_ROWS
+        gemm = None if self._invariant else self._kernels.bind_pairs_gemm(interleaved)
+        if gemm is None:
+            return None, 0
+        return gemm, sys.maxsize if self.packed_weight is None else PAIRS_GEMM_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Up to _few_rows rows (one, or few_rows_cutoff's): the interleaved kernel; rows up to
-        _gemm_max_rows: csrc/gemm.c (float32 weights, and bfloat16 ones without oneDNN's copy); bfloat16 rows up to _max_tile_rows: the AMX tiles; a weight
+        _gemm_max_rows: csrc/gemm.c (float32 weights, and bfloat16 ones without oneDNN's copy); bfloat16 rows up to _max_pairs_rows: the pairs copy's
+        many-rows kernel (AMX tiles, else linear.c's pairs gemm); a weight
         without oneDNN's copy: _without_onednn; else oneDNN. Chosen here, per call, by the input's
         rows, not in the step's plan: one step's linears see different row counts (the blocks all
         its tokens, the head its sampled rows, each expert its routed tokens)."""
@@ -216,10 +242,9 @@ class PackedCpuLinear(nn.Module):
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        # (_gemm_max_rows is 0 without the gemm: an empty x would reach it)
-        if self._gemm is not None and rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
+        if 0 < rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
             return self._gemm(x.contiguous(), torch.get_num_threads())
-        if rows <= self._max_tile_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+        if 0 < rows <= self._max_pairs_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         if self._widen is not None:
             return self._without_onednn(x)
@@ -277,10 +302,15 @@ class PackedCpuLinear(nn.Module):
         bfloat16 where oneDNN has no bfloat16 kernel)."""
         return self._gemm_max_rows if self._gemm is not None else 0
 
-    def tile_rows(self) -> int:
-        """The most rows (from 2) forward runs on the AMX tiles from the one-row copy, for a compiled
-        decode step of many sequences (engine/backends/cpu_step.py); 0 without tiles."""
-        return AMX_MAX_ROWS if self._many_rows is not None else 0
+    def pairs_rows(self) -> int:
+        """The most rows (from 2) forward runs on the pairs copy's many-rows kernel (AMX tiles, else
+        linear.c's pairs gemm) up to AMX_MAX_ROWS, for a compiled decode step of many sequences
+        (engine/backends/cpu_step.py); 0 without one."""
+        return min(self._max_pairs_rows, AMX_MAX_ROWS) if self._many_rows is not None else 0
+
+    def pairs_on_tiles(self) -> bool:
+        """Whether that kernel is the AMX tiles' (whose step pads its rows to whole tiles)."""
+        return self._many_rows is not None and self._amx is not None
 
     def resident_bytes(self) -> int:
         copies = [t for t in (self.packed_weight, self.interleaved) if t is not None]

@@ -14,8 +14,9 @@ model's own module call after it (one call a step; a dense head is oneDNN's, as 
 copy would be, bench/NOTES.md).
 
 Steps of one decode are served wherever every block linear has a one-row form for the model dtype;
-steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on the AMX
-tiles (bfloat16 pairs copies on an AMX CPU: PackedCpuLinear.tile_rows), as the per-op path would;
+steps of 2..AMX_MAX_ROWS decodes only where every block linear also runs those rows on its pairs
+copy's many-rows kernel (bfloat16 pairs copies: on an AMX CPU the tiles, on other AVX512_BF16 CPUs
+linear.c's pairs gemm up to PAIRS_GEMM_MAX_ROWS; PackedCpuLinear.pairs_rows), as the per-op path would;
 without tiles, steps of 2..N decodes where every block linear runs N rows through its interleaved
 copy's few-rows kernel (PackedCpuLinear.few_rows: N by the build's vector width, 8 on AVX2): the
 step's max_rows; and a model whose block linears send the rows past N to csrc/gemm.c
@@ -121,8 +122,9 @@ class DecodeStep:
 
 def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | None = None, *, invariant: bool = False) -> DecodeStep | None:
     """The compiled step for engine.models.llama.Transformer's blocks, or None (logged) where a block
-    linear has no one-row form or the program cannot be built. With `amx`, and every block linear
-    on its tiles, it also serves steps of 2..AMX_MAX_ROWS decodes; without, where every block linear
+    linear has no one-row form or the program cannot be built. Where every block linear runs 2+ rows
+    on its pairs copy (`amx`'s tiles, else the pairs gemm: one kernel for all), it also serves steps of
+    2..their pairs_rows decodes; else, where every block linear
     is an interleaved copy, steps of up to their few_rows decodes. The KV caches (and their block
     size) are bound at the first step. invariant: the batch-invariant mode's decode attention."""
     dtype = model.backend.dtype
@@ -146,8 +148,9 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     first = model.layers[0]
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
-    max_rows, on_tiles, few_rows = _max_rows(model, layers, amx)
-    scratch_rows = -(-max_rows // TILE_ROWS) * TILE_ROWS if on_tiles else max_rows
+    max_rows, pairs_rows, on_tiles, few_rows = _max_rows(model, layers)
+    tile_rows = TILE_ROWS if on_tiles else 1  # the rows the step pads a pairs linear's input to (whole AMX tiles)
+    scratch_rows = -(-max_rows // tile_rows) * tile_rows
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
     scratch = _scratch(scratch_widths, scratch_rows, dtype)
     gemm_rows = few_rows < max_rows  # rows past few_rows through gemm.c
@@ -157,39 +160,42 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     addresses = {name: kernels.address(name) for name in KERNEL_NAMES}
     if invariant:  # the batch-invariant mode's decode attention, as the per-op path calls it (same signature)
         addresses["paged_decode_attention"] = kernels.address("paged_decode_attention_invariant")
-    kernel_table = StepKernels(**addresses, quant_linear=quant_address, amx_linear=amx.address() if on_tiles else None,
+    pairs_kernel = (amx.address() if on_tiles else kernels.address("pairs_gemm_bf16")) if pairs_rows else None
+    kernel_table = StepKernels(**addresses, quant_linear=quant_address, pairs_many_rows=pairs_kernel,
                                interleaved_gemm=kernels.address("interleaved_gemm") if gemm_rows else None,
                                interleaved_gemm_bf16=kernels.address("interleaved_gemm_bf16") if gemm_rows else None)
     layer_array = (StepLayer * len(layers))(*layers)
     scratch_table = StepScratch(**{name: t.data_ptr() for name, t in scratch.items()})
     program = StepProgram(
         ctypes.pointer(kernel_table), layer_array, ctypes.pointer(scratch_table), model.norm.weight.data_ptr(),
-        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, DTYPE_CODES[dtype], max_rows, TILE_ROWS,
+        len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, DTYPE_CODES[dtype], max_rows, tile_rows,
         few_rows, model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
     return DecodeStep(lib.decode_step, program, keep)
 
 
-def _max_rows(model: nn.Module, layers: list[StepLayer], amx: AmxLinear | None) -> tuple[int, bool, int]:
-    """(the most decodes a step serves, whether its 2+ rows run on the AMX tiles, the most rows its
-    linears run through the interleaved kernel): every block linear's tile_rows (the rows its forward
-    runs on the tiles from its pairs copy) where all have some; else, where every one is an
+def _max_rows(model: nn.Module, layers: list[StepLayer]) -> tuple[int, bool, bool, int]:
+    """(the most decodes a step serves, whether its 2+ rows run the pairs copies' many-rows kernel,
+    whether that is the AMX tiles', the most rows its linears run through the interleaved kernel):
+    every block linear's pairs_rows (the rows its forward runs on the pairs copy's many-rows kernel:
+    AMX tiles, else linear.c's pairs gemm) where all have some; else, where every one is an
     interleaved copy, their few_rows (the rows their forward runs through the interleaved kernel),
     and where the linears all send the rows past those to csrc/gemm.c (AVX2 builds: float32, and
     bfloat16 without oneDNN's bfloat16), up to STEP_GEMM_MAX_ROWS of them too; else 1 (one-row
     linears only)."""
     linears = [linear for block in model.layers for linear in block_linears(block)]
     kinds = {getattr(layer, name).kind for layer in layers for name in BLOCK_LINEARS}
-    if amx is not None and kinds == {LINEAR_KINDS["pairs"]}:
-        rows = min(linear.tile_rows() if hasattr(linear, "tile_rows") else 0 for linear in linears)
-        if rows > 1:
-            return rows, True, rows
+    if kinds == {LINEAR_KINDS["pairs"]}:
+        rows = min(linear.pairs_rows() if hasattr(linear, "pairs_rows") else 0 for linear in linears)
+        on_tiles = {linear.pairs_on_tiles() for linear in linears}
+        if rows > 1 and len(on_tiles) == 1:  # one kernel for all (the step has one slot), as the per-op path runs them
+            return rows, True, on_tiles.pop(), rows
     if kinds == {LINEAR_KINDS["interleaved"]}:
         few = max(1, min(linear.few_rows() if hasattr(linear, "few_rows") else 1 for linear in linears))
         gemm = min(linear.gemm_rows() if hasattr(linear, "gemm_rows") else 0 for linear in linears)
-        return (min(gemm, STEP_GEMM_MAX_ROWS), False, few) if gemm > few else (few, False, few)
-    return 1, False, 1
+        return (min(gemm, STEP_GEMM_MAX_ROWS), False, False, few) if gemm > few else (few, False, False, few)
+    return 1, False, False, 1
 
 
 def _scratch(widths: dict[str, int], rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

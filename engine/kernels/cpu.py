@@ -51,6 +51,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "interleaved_widen": ((_i32, _i32, _p, _i64, _i64, _i64, _p, _i32), None),
     # the pairs kernel with float32 out: only where BF16_PAIRS is
     "interleaved_linear_bf16_pairs_f32_out": ((_p, _p, _p, _i64, _i64, _i64, _i32), None),
+    # x, weight (bfloat16 pairs), out, rows, n, k, threads -> 0, -1 (shape refused): the many-rows pairs kernel, where BF16_PAIRS is
+    "pairs_gemm_bf16": ((_p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # bf16 (weight), x (float32), weight (interleaved), out (float32), rows, n, k, threads: the many-rows linear (csrc/gemm.c)
     "interleaved_gemm": ((_i32, _p, _p, _p, _i64, _i64, _i64, _i32), _i32),
     # x (bfloat16), weight (interleaved bfloat16), out (bfloat16), scratch (float32 rows x (k + n), or NULL), rows, n, k, threads:
@@ -82,6 +84,7 @@ LORA_COL_BLOCK = 64  # csrc/lora.c: the output columns of one expand item, the b
 # built only for a CPU with AVX512_BF16 (-march=native there, the x86-64-v4-bf16 level)
 BF16_PAIRS = "interleaved_linear_bf16_pairs"
 BF16_PAIRS_F32_OUT = "interleaved_linear_bf16_pairs_f32_out"
+PAIRS_GEMM = "pairs_gemm_bf16"
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -106,13 +109,14 @@ class CpuKernels:
         """partial: bind only the entry points `lib` has (bench/elementwise_kernels.py's baseline, an
         older build); else one missing raises AttributeError (BF16_PAIRS may be missing)."""
         for name, (argtypes, restype) in SIGNATURES.items():
-            fn = getattr(lib, name, None) if partial or name in (BF16_PAIRS, BF16_PAIRS_F32_OUT) else getattr(lib, name)
+            fn = getattr(lib, name, None) if partial or name in (BF16_PAIRS, BF16_PAIRS_F32_OUT, PAIRS_GEMM) else getattr(lib, name)
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
         # built for a CPU with AVX512_BF16 (-march=native there): bfloat16 one-row linears in pairs
         self._bf16_pairs = getattr(lib, BF16_PAIRS, None)
         self._bf16_pairs_f32_out = getattr(lib, BF16_PAIRS_F32_OUT, None)
+        self._pairs_gemm = getattr(lib, PAIRS_GEMM, None)
 
     @property
     def has_bf16_pairs(self) -> bool:
@@ -244,7 +248,7 @@ class CpuKernels:
         makes four such calls per layer, and each Python-side lookup costs about a microsecond.
         f32_out: float32 out (the output head: exact logits from bfloat16 weights). Each row's
         result is the same whatever the number of rows (one fixed sum order per row); rows in small
-        groups share each weight load (csrc/linear.c), the pairs kernel runs them one by one."""
+        groups share each weight load (csrc/linear.c; the pairs kernel's groups of up to 3 rows too)."""
         n, weight_ptr, code = weight.shape[0] * 16, weight.data_ptr(), DTYPE_CODES[weight.dtype]
         pairs = weight.dim() == 4  # 4-D: bfloat16 pairs
         lib_fn = self._lib.interleaved_linear_f32_out if f32_out else self._lib.interleaved_linear
@@ -278,6 +282,27 @@ class CpuKernels:
 
         call.weight = weight  # the pointer's owner lives as long as the call
         return call
+
+    def bind_pairs_gemm(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+        """csrc/linear.c's pairs gemm for one bfloat16 pairs copy (interleave()'s 4-D layout):
+        call(x [rows, k] bfloat16 contiguous, threads) -> [rows, n] bfloat16, each output one chain
+        of vdpbf16ps over k (a row's result the same whatever the other rows and the threads); AmxLinear.bind's
+        signature, for CPUs with AVX512_BF16 and no AMX tiles. None where this build has no such kernel."""
+        if self._pairs_gemm is None or weight.dtype != torch.bfloat16 or weight.dim() != 4 or not weight.is_contiguous():
+            return None
+        n, k, weight_ptr, fn = weight.shape[0] * 16, weight.shape[1] * 2, weight.data_ptr(), self._pairs_gemm
+
+        def many_rows(x: torch.Tensor, threads: int) -> torch.Tensor:
+            # the kernel reads x through raw offsets: another shape or layout is refused here
+            if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+                raise ValueError(f"pairs gemm takes contiguous bfloat16 x [rows, {k}], got {x.dtype} {list(x.shape)}")
+            out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+            if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), x.shape[0], n, k, threads):
+                check_kernel(failed, "pairs gemm")
+            return out
+
+        many_rows.weight = weight  # the pointer's owner lives as long as the call
+        return many_rows
 
     def gemm_max_rows(self) -> int:
         """The most rows (from 2) interleaved_gemm ran faster than oneDNN's packed float32 linear at,

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the program's `bf16` flag and the kernels' dtype argument
 LINEAR_KINDS = {"interleaved": 0, "pairs": 1, "quant": 2}  # LINEAR_*: a linear's one-row form
 ATTENTION_DECODE, ATTENTION_PAGED = 0, 1  # ATTENTION_*: paged_decode_attention, paged_attention
-TILE_ROWS = 16  # engine/kernels/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles
-# the kernels the program calls by address, in step_kernels' order (quant_linear, amx_linear after them)
+TILE_ROWS = 16  # engine/kernels/csrc/amx_linear.c's ROW_BLOCK: the step pads its linears' rows to whole tiles (AMX only)
+# the kernels the program calls by address, in step_kernels' order (quant_linear, pairs_many_rows after them)
 KERNEL_NAMES = (
     "add_rms_norm", "silu_mul", "rope_and_cache_write", "paged_decode_attention", "paged_attention", "interleaved_linear",
     "interleaved_linear_bf16_pairs",
@@ -36,7 +36,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class StepKernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "amx_linear", "interleaved_gemm", "interleaved_gemm_bf16")]
+    _fields_ = [(name, _p) for name in (*KERNEL_NAMES, "quant_linear", "pairs_many_rows", "interleaved_gemm", "interleaved_gemm_bf16")]
 
 
 class StepLinear(ctypes.Structure):

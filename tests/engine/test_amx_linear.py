@@ -209,7 +209,8 @@ def test_the_bfloat16_kernel_backend_packs_for_amx(kernels, amx):
 def test_a_large_weight_keeps_the_pairs_copy_only(kernels, amx, monkeypatch):
     """Past INTERLEAVED_MAX_WEIGHT_BYTES a bfloat16 weight the tiles take gets the pairs copy in
     place of oneDNN's: one row through the one-row kernel, every other row count (prefill chunks
-    included) through the tiles; without AMX (or for k the tiles refuse) it stays on oneDNN."""
+    included) through the tiles; without AMX (or for k the tiles refuse) it stays on oneDNN. Such a
+    weight handed no tiles runs its 2+ rows on the pairs gemm (AVX512_BF16 builds), every row count."""
     monkeypatch.setattr(cpu, "INTERLEAVED_MAX_WEIGHT_BYTES", 64 * 96 * 2 - 1)  # a small weight counts as large
     torch.manual_seed(5)
     weight = torch.randn(64, 96).bfloat16()
@@ -222,8 +223,11 @@ def test_a_large_weight_keeps_the_pairs_copy_only(kernels, amx, monkeypatch):
         assert_close_to_reference(layer(x), x, weight)
     assert pack_weight(weight, kernels).packed is not None and pack_weight(weight, kernels).interleaved is None
     assert pack_weight(torch.randn(64, 48).bfloat16(), kernels, amx).packed is not None  # k % 32: oneDNN
-    with pytest.raises(ValueError, match="AMX"):
-        PackedCpuLinear(packed, kernels)
+    without_tiles = PackedCpuLinear(packed, kernels)
+    assert without_tiles.pairs_rows() == cpu.AMX_MAX_ROWS and not without_tiles.pairs_on_tiles()
+    for rows in (2, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        assert_close_to_reference(without_tiles(x), x, weight)
 
 
 def test_moving_the_copy_moves_the_tiles_too(kernels, amx):

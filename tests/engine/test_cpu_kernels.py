@@ -160,7 +160,8 @@ def test_few_rows_cutoff_follows_the_loaded_build():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
     """Rows up to the cutoff go through the interleaved copy (the kernel's bits), more through
-    oneDNN; a pairs copy (AVX512_BF16 builds) serves one row only."""
+    oneDNN; a pairs copy (AVX512_BF16 builds) serves one row only through it, its 2+ rows through
+    the pairs gemm (test_packed_linear_routes_bfloat16_rows_through_the_pairs_gemm)."""
     if not cpu_packing_available(dtype):
         pytest.skip(f"oneDNN cannot run {dtype} here")
     monkeypatch.setitem(cpu_backends.FEW_ROWS_MAX_ROWS, kernels.simd_bits, 4)
@@ -172,11 +173,93 @@ def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
     for rows in range(1, 7):
         x = torch.randn(rows, 32, generator=g).to(dtype)
         via_kernel = rows <= layer.few_rows()
-        # past the cutoff: oneDNN, or where csrc/gemm.c serves float32 (AVX2) the gemm on the one copy
-        many = layer._gemm(x, THREADS) if layer.packed_weight is None else layer._onednn(x)
+        # past the cutoff: oneDNN, or where csrc/gemm.c serves float32 (AVX2) the gemm on the one copy,
+        # or a pairs copy's many-rows kernel
+        many = layer._gemm(x, THREADS) if layer.packed_weight is None else layer._many_rows(x, THREADS) if pairs else layer._onednn(x)
         expected = kernels.interleaved_linear(x, layer.interleaved, THREADS) if via_kernel else many
         assert torch.equal(layer(x), expected), rows
     assert layer(torch.randn(0, 32).to(dtype)).shape == (0, 64)
+
+
+# --------------------------------------------------------------------------- the pairs gemm (AVX512_BF16)
+@pytest.fixture(scope="module")
+def pairs_gemm(kernels):
+    if kernels.address(ck.PAIRS_GEMM) is None:
+        pytest.skip("no AVX512_BF16 pairs kernels in this build")
+    return kernels
+
+
+def assert_within_bf16_of_float32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Within one bfloat16 rounding of the float32 product plus float32 summation-order error."""
+    ref = x.float() @ weight.float().T
+    tol = ref.abs() * 2**-8 + (x.float().abs() @ weight.float().abs().T) * 2**-20
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
+
+
+# [out, in]: the demo's block shapes; one panel; 5 panels (a last group of 2); 4 (a lone last one);
+# k of one pair, of an odd number of pairs
+PAIRS_GEMM_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (16, 2), (80, 34), (64, 96)]
+
+
+@pytest.mark.parametrize("n,k", PAIRS_GEMM_SHAPES)
+def test_pairs_gemm_matches_float32_matmul(pairs_gemm, n, k):
+    """Rows 1..65 across the 8-row tiles' boundaries (balanced tiles of every size), and past one pass
+    of x (512 KiB: 170 rows of k 1536): against the float32 matmul; each row the same alone and at
+    one thread as in the batch at two (one chain over k per output, the panels split statically)."""
+    g = gen(n + k)
+    weight = (torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16()
+    call = pairs_gemm.bind_pairs_gemm(pairs_gemm.interleave(weight))
+    for rows in (1, 2, 3, 7, 8, 9, 17, 33, 64, 65, 400):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        out = call(x, THREADS)
+        assert_within_bf16_of_float32(out, x, weight)
+        assert torch.equal(call(x, 1), out), rows
+        for row in {0, rows // 2, rows - 1}:
+            assert torch.equal(call(x[row : row + 1].clone(), 1), out[row : row + 1]), (rows, row)
+
+
+def test_pairs_gemm_refuses_what_it_cannot_take(pairs_gemm):
+    """The binding takes a contiguous bfloat16 pairs copy and x of its k; the C entry refuses n not
+    whole panels or k odd (-1) before touching anything."""
+    weight = torch.randn(32, 64).bfloat16()
+    assert pairs_gemm.bind_pairs_gemm(weight) is None  # 2-D: not a pairs copy
+    call = pairs_gemm.bind_pairs_gemm(pairs_gemm.interleave(weight))
+    with pytest.raises(ValueError, match="pairs gemm"):
+        call(torch.randn(2, 63).bfloat16(), THREADS)
+    with pytest.raises(ValueError, match="pairs gemm"):
+        call(torch.randn(2, 64), THREADS)
+    fn = pairs_gemm._pairs_gemm
+    x, out = torch.randn(2, 64).bfloat16(), torch.full((2, 32), 7.0).bfloat16()
+    pairs = pairs_gemm.interleave(weight)
+    assert fn(x.data_ptr(), pairs.data_ptr(), out.data_ptr(), 2, 24, 64, THREADS) == -1
+    assert fn(x.data_ptr(), pairs.data_ptr(), out.data_ptr(), 2, 32, 63, THREADS) == -1
+    assert (out == 7).all()
+
+
+def test_packed_linear_routes_bfloat16_rows_through_the_pairs_gemm(pairs_gemm, monkeypatch):
+    """Without AMX tiles a bfloat16 pairs copy runs 2..PAIRS_GEMM_MAX_ROWS rows through the pairs
+    gemm (its bits), one row through the one-row kernel, more through oneDNN; the batch-invariant
+    mode takes the one-row kernel at every row count."""
+    if not cpu_packing_available(torch.bfloat16):
+        pytest.skip("oneDNN cannot run bfloat16 here")
+    monkeypatch.setattr(cpu_backends, "PAIRS_GEMM_MAX_ROWS", 5)
+    g = gen(9)
+    weight = torch.randn(64, 96, generator=g).bfloat16()
+    packed = pack_weight(weight, pairs_gemm)
+    layer, invariant = PackedCpuLinear(packed, pairs_gemm), PackedCpuLinear(packed, pairs_gemm, invariant=True)
+    assert layer.pairs_rows() == 5 and not layer.pairs_on_tiles() and invariant.pairs_rows() == 0
+    gemm, one_row = pairs_gemm.bind_pairs_gemm(layer.interleaved), pairs_gemm.bind_interleaved(layer.interleaved)
+    for rows in range(1, 8):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        expected = one_row(x, THREADS) if rows == 1 else gemm(x, THREADS) if rows <= 5 else layer._onednn(x)
+        assert torch.equal(layer(x), expected), rows
+        assert torch.equal(invariant(x), one_row(x, THREADS)), rows
+    # a weight with the pairs copy only (no oneDNN copy to fall back on): the gemm takes every row count
+    pairs_only = PackedCpuLinear(dataclasses.replace(packed, packed=None), pairs_gemm)
+    for rows in (2, 6, 300):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        assert torch.equal(pairs_only(x), gemm(x, THREADS)), rows
 
 
 @pytest.mark.parametrize("gemm", [True, False])

@@ -1,7 +1,8 @@
 """The compiled decode step (engine/backends/cpu_step.py, engine/kernels/csrc/decode_step.c) gives the
 per-op path's logits: at one decode for float32 and bfloat16 dense weights and every quantized
 format with a one-row kernel (ours and GGUF's Q4_0 / Q4_1 / Q8_0 kept native, tied heads included),
-at 2..AMX_MAX_ROWS decodes for bfloat16 on AMX tiles and at 2..N decodes through the interleaved
+at 2..AMX_MAX_ROWS decodes for bfloat16 on the pairs copies' many-rows kernel (AMX tiles, or without
+them on AVX512_BF16 CPUs linear.c's pairs gemm) and at 2..N decodes through the interleaved
 linears' few-rows kernel without them, and past N through gemm.c where it takes those rows (float32,
 and bfloat16 without oneDNN's bfloat16) (bit for bit); steps it does not cover and weights without a
 one-row (many-row) form run the per-op path."""
@@ -235,8 +236,9 @@ def test_engine_greedy_generation_same_with_and_without_the_step(tiny_checkpoint
         core.runner.shutdown()
 
 
-# --------------------------------------------------------------------------- many decodes (AMX)
-# A shape whose attention also runs on the tiles (head_dim 64, 16-key blocks: pa_amx_applies) and
+# --------------------------------------------------------------------------- many decodes (pairs copies)
+# bfloat16 block linears on their pairs copies: AMX tiles, or without them (AVX512_BF16 CPUs such as Zen
+# 4) linear.c's pairs gemm. A shape whose attention also runs on the tiles (head_dim 64, 16-key blocks: pa_amx_applies) and
 # whose linears all have k a multiple of 32 (the AMX kernel's K_STEP).
 MANY_ARGS = dict(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=512, multiple_of=128, rope_theta=100000.0)
 MANY_BLOCK_SIZE = 16
@@ -260,14 +262,30 @@ def _amx_model(dtype: torch.dtype = torch.bfloat16):
     return Transformer.from_state_dict(args, random_state_dict(args, seed=3, dtype=dtype), backend, max_seq_len=512)
 
 
+def pairs_many_rows_here() -> str | None:
+    """Which kernel runs a bfloat16 model's 2+ rows on the pairs copies here: "amx", "pairs gemm"
+    (AVX512_BF16 without tiles, beside oneDNN's bfloat16), or None (the steps of many decodes run op by op)."""
+    from engine.backends.cpu import packing_available
+    from engine.kernels.amx import load_amx_linear
+    from engine.kernels.cpu import load_cpu_kernels
+
+    if load_amx_linear() is not None:
+        return "amx"
+    kernels = load_cpu_kernels()
+    if kernels is not None and kernels.address("pairs_gemm_bf16") is not None and packing_available(torch.bfloat16):
+        return "pairs gemm"
+    return None
+
+
 @pytest.fixture(scope="module")
 def amx_model():
-    from engine.kernels.amx import load_amx_linear
-
-    if load_amx_linear() is None:
-        pytest.skip("no AMX bfloat16 tiles on this CPU/OS: steps of many decodes run op by op")
+    """The bfloat16 many-decodes model, its 2+ rows on the pairs copies (AMX tiles or the pairs gemm)."""
+    kind = pairs_many_rows_here()
+    if kind is None:
+        pytest.skip("no AMX tiles nor AVX512_BF16's pairs gemm on this CPU: steps of many decodes run op by op")
     model = _amx_model()
     assert model.decode_step is not None and model.decode_step.max_rows == cpu_step_max_rows()
+    assert model.decode_step._program.tile_rows == (16 if kind == "amx" else 1)
     return model
 
 
@@ -322,7 +340,7 @@ def _with_and_without_step(model, inputs, caches, per_op_caches) -> tuple[int, t
 
 @pytest.mark.parametrize(("num_seqs", "threads"), [(2, 2), (2, 1), (17, 2), (32, 2), (64, 2), (64, 1)])
 def test_many_decodes_in_one_call_equal_the_per_op_path_bit_for_bit(amx_model, num_seqs, threads):
-    """bfloat16 on AMX: the fused step's logits and K/V writes equal the per-op path's exactly
+    """bfloat16 on the pairs copies (AMX tiles, or the pairs gemm): the fused step's logits and K/V writes equal the per-op path's exactly
     (same kernels, same order), with the sequences at different lengths, across block boundaries,
     through both paged kernels (2 decodes on 2 threads: paged_decode_attention; else paged_attention)."""
     model, old_threads = amx_model, torch.get_num_threads()
@@ -445,9 +463,8 @@ def test_quantized_linears_have_no_many_row_form(tiny_checkpoint, quantization):
 def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_steps(tiny_checkpoint, dtype):
     """Through EngineCore with 16 requests at once (pure-decode steps of many sequences between
     mixed ones): the same tokens with the compiled step as without it, and the step served steps of
-    several decodes where the build has them (bfloat16: AMX tiles; float32: the few-rows linears)."""
+    several decodes where the build has them (bfloat16: AMX tiles or the pairs gemm; float32: the few-rows linears)."""
     from engine.backends.cpu import packing_available
-    from engine.kernels.amx import load_amx_linear
     from engine.loading.checkpoint import resolve_checkpoint
     from engine.core.engine_core import EngineCore
     from tests.conftest import TINY_DESCRIPTOR
@@ -462,7 +479,7 @@ def test_engine_concurrent_greedy_generation_same_with_and_without_many_row_step
     # block linear is an interleaved copy (float32 on AVX2 builds; bfloat16 there too where oneDNN has no
     # bfloat16 kernel)
     few_rows = few_rows_cutoff() > 1 and (dtype == "float32" or not packing_available(torch.bfloat16))
-    several = (dtype == "bfloat16" and load_amx_linear() is not None) or few_rows
+    several = (dtype == "bfloat16" and pairs_many_rows_here() is not None) or few_rows
 
     def counting(h, meta, kv_caches):
         many_rows.append(h.shape[0] > 1)

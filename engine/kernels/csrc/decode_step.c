@@ -10,7 +10,7 @@
  * themselves (the cpu_kernels, quant_kernels and amx_linear libraries, loaded separately and
  * passed in by address, so this file holds no kernel code of its own and the step computes exactly
  * what the per-op path computes, call for call: one row through the one-row linears, 2+ rows
- * through the AMX tiles or, without them, 2..few_rows rows through the interleaved linears' few-rows
+ * through the pairs copies' many-rows kernel (AMX tiles, or without them linear.c's pairs gemm) or, for interleaved copies, 2..few_rows rows through the interleaved linears' few-rows
  * path and rows past few_rows (up to max_rows) through gemm.c (bfloat16: interleaved_gemm_bf16, x
  * widened and the sums rounded in C), attention through whichever
  * paged kernel the step's metadata names).
@@ -32,7 +32,7 @@ typedef int (*paged_attention_fn)(int, const void *, int64_t, void *, const int3
 typedef int (*interleaved_fn)(int, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef void (*pairs_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef int (*quant_fn)(const void *, int, const void *, int64_t, void *, int);
-typedef int (*amx_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
+typedef int (*pairs_rows_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 typedef int (*gemm_fn)(int, const float *, const void *, float *, int64_t, int64_t, int64_t, int);
 typedef int (*gemm_bf16_fn)(const void *, const void *, void *, float *, int64_t, int64_t, int64_t, int);
 
@@ -47,15 +47,18 @@ typedef struct {
     interleaved_fn interleaved_linear;
     pairs_fn interleaved_linear_bf16_pairs; /* NULL where the library has none */
     quant_fn quant_linear;                  /* NULL without the quantized kernels */
-    amx_fn amx_linear;                      /* NULL without AMX tiles (2+ rows: the interleaved linears) */
+    /* 2+ rows of the bfloat16 pairs copies: amx_linear_bf16 (AMX tiles) or, without tiles,
+     * linear.c's pairs_gemm_bf16 (vdpbf16ps); NULL where the program has no pairs rows (2+ rows: the
+     * interleaved linears) */
+    pairs_rows_fn pairs_many_rows;
     gemm_fn interleaved_gemm;               /* float32 rows past the program's few_rows (gemm.c) */
     gemm_bf16_fn interleaved_gemm_bf16;     /* bfloat16 rows past few_rows: x widened, the sums rounded (gemm.c) */
 } step_kernels;
 
 /* One linear: its one-row form, kind 0 interleaved ([n / 16, k, 16]), 1 bfloat16 column pairs
  * ([n / 16, k / 2, 16, 2]), 2 quantized (weight: quant_kernels.c's quant_weight descriptor). Where
- * the program serves 2+ rows either every linear is of kind 1 and the AMX tiles read the same pairs
- * copy (amx_linear set), or every linear is of kind 0 and interleaved_linear takes the rows (its
+ * the program serves 2+ rows either every linear is of kind 1 and the pairs many-rows kernel (AMX
+ * tiles, or the pairs gemm) reads the same pairs copy (pairs_many_rows set), or every linear is of kind 0 and interleaved_linear takes the rows (its
  * few-rows path, as PackedCpuLinear's forward calls it for up to max_rows rows). */
 enum { LINEAR_INTERLEAVED = 0, LINEAR_BF16_PAIRS = 1, LINEAR_QUANT = 2 };
 typedef struct {
@@ -70,7 +73,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
 } step_layer;
 
-/* Scratch, each buffer max_rows (on AMX rounded up to whole 16-row tiles, tile_rows) rows of its width,
+/* Scratch, each buffer max_rows (rounded up to whole tile_rows: 16 on AMX, else 1) rows of its width,
  * in the model dtype; gemm_f32: a bfloat16 program's float32 rows for interleaved_gemm_bf16 (max_rows x
  * (the widest k + the widest n) floats: the widened x, then the sums), NULL where it has none. */
 typedef struct {
@@ -84,7 +87,7 @@ typedef struct {
     const step_scratch *scratch;
     const void *final_norm;
     int64_t n_layers, dim, heads, kv_heads, head_dim, hidden, block_size, bf16;
-    int64_t max_rows, tile_rows; /* rows served (1: one-row linears only); AMX tile height (16) */
+    int64_t max_rows, tile_rows; /* rows served (1: one-row linears only); the rows a pairs linear's input is padded to a multiple of (AMX tile height 16, else 1) */
     int64_t few_rows; /* interleaved linears: rows past this go to gemm.c (max_rows: never) */
     float eps, scale;
 } step_program;
@@ -104,15 +107,15 @@ typedef struct {
     const float *rope; /* [max_pos, head_dim / 2, 2] float32 cos, sin */
 } step_tokens;
 
-/* Returns 0, or the linear kernel's error: KERNEL_NO_MEMORY (its input copy), -1 (the tiles refused). */
+/* Returns 0, or the linear kernel's error: KERNEL_NO_MEMORY (its input copy), -1 (the pairs kernel refused). */
 static int run_linear(const step_program *p, const step_linear *l, const void *x, void *out, int64_t rows, int threads) {
     const step_kernels *kn = p->kernels;
     const int bf16 = (int)p->bf16;
-    if (rows > 1 && kn->amx_linear) {
-        /* whole tiles: the rows past `rows` are scratch (their outputs unused), which the kernel
+    if (rows > 1 && kn->pairs_many_rows) {
+        /* AMX: whole tiles: the rows past `rows` are scratch (their outputs unused), which the kernel
          * would otherwise copy x into a zero-padded buffer for; each row's sums are the same */
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
-        return kn->amx_linear(x, l->weight, out, padded, l->n, l->k, threads);
+        return kn->pairs_many_rows(x, l->weight, out, padded, l->n, l->k, threads);
     }
     /* more than one row only for kind 0 (the program's max_rows says so); past few_rows the rows take
      * gemm.c, as PackedCpuLinear.forward sends them (the same kernel: the same bits): float32 as they
@@ -144,7 +147,7 @@ static int run_attention(const step_program *p, const step_layer *l, const step_
 
 /* residual [rows, dim] (the tokens' embeddings; the residual stream, updated in place) -> out
  * [rows, dim] = the final norm of the last layer's stream, as Transformer.forward's per-op loop
- * leaves it. Returns 0, -2 (rows outside 1..max_rows), or the first kernel error: -1 (the tiles refused
+ * leaves it. Returns 0, -2 (rows outside 1..max_rows), or the first kernel error: -1 (the pairs kernel refused
  * a linear) or KERNEL_NO_MEMORY (a kernel could not allocate its scratch). */
 int decode_step(const step_program *p, void *residual, void *out, const step_tokens *t, int threads) {
     const step_kernels *kn = p->kernels;

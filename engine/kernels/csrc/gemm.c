@@ -244,12 +244,6 @@ static int stream_out(int bf16, const float *out, int64_t rows, int64_t n, int64
            (uintptr_t)out % 64 == 0; /* n is whole 16-column panels: every row's lines then aligned too */
 }
 
-/* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first). */
-static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
-    const int64_t base = rows / tiles, extra = rows % tiles;
-    return t * base + (t < extra ? t : extra);
-}
-
 /* The next row tile's lines of `out` (rows r0 .. r1, np panels from column c0) fetched for writing while
  * this tile runs: a tile's first k block stores its sums over lines no cache may hold (at 512 rows
  * the call's out is 1.2-6.3 MB on the demo's shapes), and each such store first reads its line from

@@ -442,37 +442,65 @@ static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 
     return pair;
 }
 
+/* Rows of one panel in groups of up to PAIRS_ROW_GROUP: each weight vector loaded once feeds every
+ * row of the group (the one-row kernel alone loaded it once per row: one load per vdpbf16ps, which
+ * capped the bfloat16 head's rows). Each row keeps its eight chains and their combine: the same sums
+ * whatever the group, bit for bit those of a lone row. 3 rows: 24 accumulators of 32 zmm. */
+#define PAIRS_ROW_GROUP 3
+
+/* `group` (a literal at each instantiation) rows of x, k apart, against one panel's pairs w: sums[r]. */
+static inline __attribute__((always_inline)) void pairs_rows(const char *w, const bf16_t *x, int64_t k, int group,
+                                                             float (*sums)[16]) {
+    const int64_t pairs = k / 2;
+    /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread, 8
+     * chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
+    __m512 acc[PAIRS_ROW_GROUP][8];
+#pragma GCC unroll 3
+    for (int r = 0; r < group; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= pairs; i += 8) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)(i + c) * 64);
+#pragma GCC unroll 3
+            for (int r = 0; r < group; r++)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i + c)));
+        }
+    }
+    for (; i < pairs; i++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)i * 64);
+#pragma GCC unroll 3
+        for (int r = 0; r < group; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv, (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i)));
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < group; r++) {
+        __m512 *a = acc[r];
+        const __m512 s0 = _mm512_add_ps(a[0], a[4]), s1 = _mm512_add_ps(a[1], a[5]), s2 = _mm512_add_ps(a[2], a[6]),
+                     s3 = _mm512_add_ps(a[3], a[7]);
+        _mm512_storeu_ps(sums[r], _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    }
+}
+
 static inline void pairs_linear_impl(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
                                      int num_threads, int out_f32) {
-    const int64_t pairs = k / 2;
+    const int64_t groups = (rows + PAIRS_ROW_GROUP - 1) / PAIRS_ROW_GROUP;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * pairs) * 64;
-        for (int64_t m = 0; m < rows; m++) {
+        const char *w = (const char *)weight + (size_t)(b * (k / 2)) * 64;
+        for (int64_t g = 0, m = 0; g < groups; g++) {
+            /* the rows left split evenly over the groups left (4 rows: 2 + 2, not 3 + 1) */
+            const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));
             const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
-            /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread,
-             * 8 chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            int64_t i = 0;
-#define PAIR_STEP(acc, j) \
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + (size_t)(j) * 64), (__m512bh)_mm512_set1_epi32(x_pair(xm, j)))
-            for (; i + 8 <= pairs; i += 8) {
-                PAIR_STEP(a0, i);
-                PAIR_STEP(a1, i + 1);
-                PAIR_STEP(a2, i + 2);
-                PAIR_STEP(a3, i + 3);
-                PAIR_STEP(a4, i + 4);
-                PAIR_STEP(a5, i + 5);
-                PAIR_STEP(a6, i + 6);
-                PAIR_STEP(a7, i + 7);
+            float sums[PAIRS_ROW_GROUP][16];
+            if (group == 3) pairs_rows(w, xm, k, 3, sums);
+            else if (group == 2) pairs_rows(w, xm, k, 2, sums);
+            else pairs_rows(w, xm, k, 1, sums);
+            for (int r = 0; r < group; r++, m++) {
+                if (out_f32) memcpy((float *)out + m * n + b * 16, sums[r], sizeof(sums[r]));
+                else store_row((bf16_t *)out + m * n + b * 16, sums[r], 16, 1);
             }
-            for (; i < pairs; i++) PAIR_STEP(a0, i);
-#undef PAIR_STEP
-            a0 = _mm512_add_ps(a0, a4), a1 = _mm512_add_ps(a1, a5), a2 = _mm512_add_ps(a2, a6), a3 = _mm512_add_ps(a3, a7);
-            float sums[16];
-            _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-            if (out_f32) memcpy((float *)out + m * n + b * 16, sums, sizeof(sums));
-            else store_row((bf16_t *)out + m * n + b * 16, sums, 16, 1);
         }
     }
 }
@@ -486,5 +514,148 @@ void interleaved_linear_bf16_pairs(const void *x, const void *weight, void *out,
 void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, void *out, int64_t rows, int64_t n,
                                            int64_t k, int num_threads) {
     pairs_linear_impl(x, weight, out, rows, n, k, num_threads, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ pairs gemm
+ * bfloat16 many-rows linear over the same pairs copy, for CPUs with AVX512_BF16 and no AMX tiles (Zen
+ * 4; Cooper Lake, Ice Lake): decode steps of many streams, where the one-row kernel above would
+ * stream the weight once per row. A register tile of PAIRS_MR rows x PAIRS_NP 16-column panels of
+ * float32 accumulators takes each 64-byte weight vector (two steps of k of a panel) once per tile
+ * and each pair of x as one 32-bit broadcast: PAIRS_NP loads and PAIRS_MR broadcasts feed PAIRS_MR x
+ * PAIRS_NP vdpbf16ps a pair step (8 x 3: 24 accumulators, 3 weights, 1 broadcast of 32 zmm). A
+ * panel group's pairs (k / 2 x 64 bytes a panel: 55 KiB for 3 panels at k 576) stay in L2 across a
+ * pass's row tiles; passes of at most PAIRS_X_L2_BYTES of x keep x in L2 across the groups.
+ * Threads split the panel groups (static): each output is one chain of vdpbf16ps over k in order, so
+ * a row's sums depend neither on the other rows nor on the thread count, though they are not the
+ * one-row kernel's (eight chains). Rounded to bfloat16 as the one-row kernel's (store_row). */
+#define PAIRS_MR 8
+#define PAIRS_NP 3
+/* A call of at most PAIRS_FEW_ROWS rows (one tile) takes PAIRS_FEW_NP panels a tile instead: 2-4 rows
+ * x 3 panels keep only 6-12 chains of vdpbf16ps in flight on 3 streams. One thread, CPU time, cold,
+ * the demo's block shapes, best of 5 alternating: 4 panels ran 2-4 rows 0.90-0.94x the time of 3; 6
+ * panels 0.97-1.47x (4 x 6 accumulators and 6 weights: 31 of 32 zmm); 6 rows x 4 panels at every row
+ * count, 8-64 rows 1.01-1.31x (8 rows in 2 tiles; bench/NOTES.md 'bfloat16 many rows without AMX'). */
+#define PAIRS_FEW_ROWS 4
+#define PAIRS_FEW_NP 4
+#define PAIRS_X_L2_BYTES (512 << 10)
+
+/* A pass's first row tile reads each panel group from memory, the others from L2: where there are
+ * others (PAIRS_PREFETCH_MIN_TILES), it prefetches each panel's stream PAIRS_PREFETCH_BYTES ahead.
+ * Zen 4, one thread, CPU time, cold weights, the demo's block shapes, against none: 16-64 rows
+ * 0.92-0.96x the time (16 rows 0.93-1.0), 12 rows 1.01-1.05 (noise: about +-5%); for one tile (2-8
+ * rows) 4 rows ran 1.06-1.11x, so none there; 512 and 2048 bytes within the noise of 1024 (bench/NOTES.md
+ * 'bfloat16 many rows without AMX'). -D to A/B. */
+#ifndef PAIRS_PREFETCH_BYTES
+#define PAIRS_PREFETCH_BYTES 1024
+#endif
+#ifndef PAIRS_PREFETCH_MIN_TILES
+#define PAIRS_PREFETCH_MIN_TILES 2
+#endif
+/* One tile: out[mr rows, np panels] = x [mr rows, k apart] @ the panels' pairs (w: the first panel's,
+ * the next ones panel_bytes further); pf: prefetch the panels' streams ahead. mr and np literals at
+ * each call (pairs_tile_rows' switch): the accumulators live in registers. */
+static inline __attribute__((always_inline)) void pairs_tile(const int mr, const int np, const bf16_t *x, int64_t k,
+                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n, int pf) {
+    __m512 acc[PAIRS_MR][PAIRS_FEW_NP];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k / 2; i++) {
+        __m512bh wv[PAIRS_FEW_NP];
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) {
+            if (PAIRS_PREFETCH_BYTES > 0 && pf) __builtin_prefetch(w + p * panel_bytes + i * 64 + PAIRS_PREFETCH_BYTES, 0, 3);
+            wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_bytes + i * 64);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pair(x + r * k, i));
+#pragma GCC unroll 4
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xb);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) _mm256_storeu_si256((__m256i *)(out + r * n + p * 16), bf16x16_round(acc[r][p]));
+}
+
+#define PAIRS_TILE_CASE(m)                                                    \
+    case m:                                                                   \
+        if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, pf); \
+        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n, pf);     \
+        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n, pf);                  \
+        break;
+
+static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
+                            int64_t n, int pf) {
+    switch (mr) {
+        PAIRS_TILE_CASE(1)
+        PAIRS_TILE_CASE(2)
+        PAIRS_TILE_CASE(3)
+        PAIRS_TILE_CASE(4)
+        PAIRS_TILE_CASE(5)
+        PAIRS_TILE_CASE(6)
+        PAIRS_TILE_CASE(7)
+        PAIRS_TILE_CASE(8)
+        default: break;
+    }
+}
+
+#define PAIRS_FEW_CASE(m)                                                                          \
+    case m:                                                                                        \
+        switch (np) {                                                                              \
+        case 4: pairs_tile(m, 4, x, k, w, panel_bytes, out, n, 0); break;                           \
+        case 3: pairs_tile(m, 3, x, k, w, panel_bytes, out, n, 0); break;                           \
+        case 2: pairs_tile(m, 2, x, k, w, panel_bytes, out, n, 0); break;                           \
+        default: pairs_tile(m, 1, x, k, w, panel_bytes, out, n, 0); break;                          \
+        }                                                                                          \
+        break;
+
+/* pairs_tile for a call of at most PAIRS_FEW_ROWS rows: np in 1..PAIRS_FEW_NP (4; one tile: no prefetch) */
+static void pairs_tile_few(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
+                           int64_t n) {
+    switch (mr) {
+        PAIRS_FEW_CASE(1)
+        PAIRS_FEW_CASE(2)
+        PAIRS_FEW_CASE(3)
+        PAIRS_FEW_CASE(4)
+        default: break;
+    }
+}
+
+/* out [rows, n] bfloat16 = x [rows, k] bfloat16 @ W^T, W the pairs copy [n / 16, k / 2, 16, 2]
+ * (amx_linear_bf16's signature: the compiled decode step calls either through one slot). Returns 0,
+ * or -1 for a shape it does not take (n not whole panels, k odd), before touching anything. */
+int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (rows < 1 || n < 16 || n % 16 || k < 2 || k % 2 || num_threads < 1) return -1;
+    const int few = rows <= PAIRS_FEW_ROWS;
+    const int64_t group_panels = few ? PAIRS_FEW_NP : PAIRS_NP;
+    const int64_t panels = n / 16, groups = (panels + group_panels - 1) / group_panels, panel_bytes = k / 2 * 64;
+    const int64_t x_rows = PAIRS_X_L2_BYTES / (k * 2), pass_rows_max = x_rows < PAIRS_MR ? PAIRS_MR : x_rows;
+    const int64_t passes = (rows + pass_rows_max - 1) / pass_rows_max, pass_rows = (rows + passes - 1) / passes;
+#pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
+    for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
+        const int64_t mb = rows - m0 < pass_rows ? rows - m0 : pass_rows, tiles = (mb + PAIRS_MR - 1) / PAIRS_MR;
+        const bf16_t *xm = (const bf16_t *)x + m0 * k;
+        bf16_t *om = (bf16_t *)out + m0 * n;
+        /* the same groups to each thread every pass: no barrier needed between passes */
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * group_panels;
+            const int np = (int)(panels - p0 < group_panels ? panels - p0 : group_panels);
+            const char *w = (const char *)weight + p0 * panel_bytes;
+            if (few) { /* one tile of all the rows */
+                pairs_tile_few((int)rows, np, xm, k, w, panel_bytes, om + p0 * 16, n);
+                continue;
+            }
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
+                pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n, t == 0 && tiles >= PAIRS_PREFETCH_MIN_TILES);
+            }
+        }
+    }
+    return 0;
 }
 #endif

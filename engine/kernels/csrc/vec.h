@@ -252,6 +252,13 @@ static inline float exp_approx(float x) {
         _mm512_fmadd_ps(p_, f_, _mm512_set1_ps(EXP2_C0));                              \
     })
 
+/* Row tile t of `tiles` balanced ones over `rows`: its first row (the larger tiles first; the
+ * register-blocked linears, gemm.c and linear.c's pairs gemm). */
+static inline int64_t tile_start(int64_t t, int64_t rows, int64_t tiles) {
+    const int64_t base = rows / tiles, extra = rows % tiles;
+    return t * base + (t < extra ? t : extra);
+}
+
 /* Work below this many elements runs on the calling thread: a parallel region's fork and join
  * costs more than the work saves. */
 #define PARALLEL_MIN_ELEMS 65536
