@@ -236,15 +236,17 @@ class PackedCpuLinear(nn.Module):
         if x.dim() != 2 and self.packed_weight is None and self._gemm is not None:  # no oneDNN copy to take other shapes
             return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        if rows == 0 and x.dim() == 2:  # a step that samples no row: no kernel takes an empty input (nor oneDNN's absent copy)
+            return x.new_empty(0, self.out_features)
         if self._invariant:
             if self._one_row is not None and x.dim() == 2:
                 return self._one_row(x.contiguous(), torch.get_num_threads())
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
         if 0 < rows <= self._few_rows and x.dim() == 2:
             return self._one_row(x.contiguous(), torch.get_num_threads())
-        if 0 < rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
+        if rows <= self._gemm_max_rows and x.dtype == self.interleaved.dtype and x.dim() == 2:
             return self._gemm(x.contiguous(), torch.get_num_threads())
-        if 0 < rows <= self._max_pairs_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+        if rows <= self._max_pairs_rows and self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self._many_rows(x.contiguous(), torch.get_num_threads())
         if self._widen is not None:
             return self._without_onednn(x)

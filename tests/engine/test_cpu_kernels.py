@@ -181,6 +181,23 @@ def test_packed_linear_few_rows_path(kernels, dtype, monkeypatch):
     assert layer(torch.randn(0, 32).to(dtype)).shape == (0, 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("copies", ["both", "one", "invariant"])
+def test_packed_linear_takes_an_empty_input_whatever_its_copies(kernels, dtype, copies):
+    """A step whose chunk samples no row sends the head an empty input: every kind of weight this
+    build makes (oneDNN's copy beside the interleaved one; the interleaved or pairs copy alone, as
+    a large weight or one without oneDNN's kernel gets; the batch-invariant mode's) gives an empty
+    output, whichever kernels its rows would otherwise take (found on Zen 4, where 0 rows reached
+    an unbound gemm)."""
+    if copies == "both" and not cpu_packing_available(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} here")
+    weight = torch.randn(64, 32, generator=gen(7)).to(dtype)
+    packed = pack_weight(weight, kernels, invariant=copies == "invariant", onednn=copies == "both")
+    layer = PackedCpuLinear(packed, kernels, invariant=copies == "invariant")
+    out = layer(torch.randn(0, 32).to(dtype))
+    assert out.shape == (0, 64) and out.dtype == dtype
+
+
 # --------------------------------------------------------------------------- the pairs gemm (AVX512_BF16)
 @pytest.fixture(scope="module")
 def pairs_gemm(kernels):
