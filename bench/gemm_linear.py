@@ -94,7 +94,7 @@ def main() -> None:
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
         else:  # the path a bfloat16 weight without oneDNN's kernel takes past the few rows
             packed = [kernels.bind_widen(kernels.interleave(w)) for w in weights]
-        interleaved = [kernels.interleave(w) for w in weights]
+        interleaved = [kernels.interleave(w, pairs=False) for w in weights]  # the gemm's panels, where pairs exist too
         if args.huge_pages:  # one arena for every copy (the old kernel's read the same ones)
             arena = WeightArena([(t.shape, t.dtype) for t in interleaved])
             interleaved = [arena.place(i, t) for i, t in enumerate(interleaved)]

@@ -229,12 +229,13 @@ class CpuKernels:
         grant AMX): then it also beats torch's SDPA on prefill chunks."""
         return dtype in DTYPE_CODES and bool(self._lib.paged_attention_on_tiles(DTYPE_CODES[dtype], head_dim, block_size))
 
-    def interleave(self, weight: torch.Tensor) -> torch.Tensor:
+    def interleave(self, weight: torch.Tensor, *, pairs: bool = True) -> torch.Tensor:
         """[n, k] -> [n / 16, k, 16], the layout interleaved_linear reads (n a multiple of 16); bfloat16
         with even k where the library has the AVX512_BF16 kernel: [n / 16, k / 2, 16, 2] (pairs of
-        columns side by side, what vdpbf16ps multiplies)."""
+        columns side by side, what vdpbf16ps multiplies), unless `pairs` is False (the gemm's panels,
+        which its bfloat16 path reads in every build: tests and benches run it where pairs exist too)."""
         n, k = weight.shape
-        if weight.dtype == torch.bfloat16 and k % 2 == 0 and self._bf16_pairs is not None:
+        if pairs and weight.dtype == torch.bfloat16 and k % 2 == 0 and self._bf16_pairs is not None:
             return weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
 

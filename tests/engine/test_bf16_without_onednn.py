@@ -12,7 +12,7 @@ import torch
 
 import engine.backends.cpu as cpu_backends
 from engine.backends import select_backend
-from engine.backends.cpu import WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, few_rows_cutoff, pack_weight
+from engine.backends.cpu import AMX_MAX_ROWS, WIDEN_MIN_ROWS, CpuKernelBackend, InterleavedHeadLinear, PackedCpuLinear, few_rows_cutoff, pack_weight
 from engine.backends.cpu_step import STEP_GEMM_MAX_ROWS
 from engine.config import EngineConfig
 from tests.engine.test_cpu_kernels import kernels  # noqa: F401 - a fixture (the native cpu_kernels build)
@@ -26,7 +26,13 @@ def bf16_gemm(kernels) -> bool:
     """Whether csrc/gemm.c takes a bfloat16 weight's many rows in this build: it has the gemm (AVX2,
     AVX-512) and interleave() lays bfloat16 out as [n / 16, k, 16] (not AVX512_BF16's pairs copy, which
     the gemm does not read: such CPUs have oneDNN's bfloat16, so these tests force a case no CPU has)."""
-    return kernels.gemm_max_rows() > 0 and kernels.interleave(torch.zeros(16, 2, dtype=torch.bfloat16)).dim() == 3
+    return kernels.gemm_max_rows() > 0 and not bf16_pairs(kernels)
+
+
+def bf16_pairs(kernels) -> bool:
+    """Whether interleave() lays bfloat16 out as pairs (AVX512_BF16 builds): a copy whose many rows
+    the pairs gemm takes (linear.c) in place of the gemm or widened tiles."""
+    return kernels.interleave(torch.zeros(16, 2, dtype=torch.bfloat16)).dim() == 4
 
 
 @pytest.fixture
@@ -65,6 +71,8 @@ def test_each_path_is_taken(kernels, gemm, monkeypatch):
     cutoffs split its row counts."""
     if gemm and not bf16_gemm(kernels):
         pytest.skip("this build has no many-rows kernel for a bfloat16 copy")
+    if not gemm and bf16_pairs(kernels):
+        pytest.skip("a pairs copy's many rows take the pairs gemm, not widened tiles (test_the_model_runs_every_linear_on_the_interleaved_copies)")
     if not gemm:
         monkeypatch.setattr(cpu_backends, "gemm_serves", lambda *args, **kwargs: False)
     layer = PackedCpuLinear(pack_weight(torch.randn(32, 16).bfloat16(), kernels, onednn=False), kernels)
@@ -146,14 +154,16 @@ def test_the_model_runs_every_linear_on_the_interleaved_copies(executors):
     model = executors[0]._shard.model
     assert model.backend.name == "cpu_kernels" and not model.backend.onednn
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
-    # many rows: csrc/gemm.c where the build has it (bfloat16 widened per load), else widened tiles
-    gemm = bf16_gemm(model.backend.kernels)
-    assert linears and all(m.packed_weight is None and (m._gemm is not None) == gemm and (m._widen is None) == gemm for m in linears)
+    # many rows: csrc/gemm.c where the build has it (bfloat16 widened per load), the pairs gemm on a
+    # pairs copy (AVX512_BF16 builds), else widened tiles
+    gemm, pairs = bf16_gemm(model.backend.kernels), bf16_pairs(model.backend.kernels)
+    assert linears and all(m.packed_weight is None and (m._gemm is not None) == gemm and (m._many_rows is not None) == pairs
+                           and (m._widen is None) == (gemm or pairs) for m in linears)  # fmt: skip
     assert isinstance(model.output, InterleavedHeadLinear)  # float32 logits
     # decodes run the compiled step: one, or up to the build's few-rows cutoff (the interleaved kernel's
     # register-blocked rows: 8 on AVX2 builds), and where csrc/gemm.c takes the rows past it up to
-    # STEP_GEMM_MAX_ROWS (interleaved_gemm_bf16)
-    step_rows = STEP_GEMM_MAX_ROWS if gemm else min(linear.few_rows() for linear in linears)  # pairs copies: 1
+    # STEP_GEMM_MAX_ROWS (interleaved_gemm_bf16), or the pairs gemm up to AMX_MAX_ROWS (the step's pairs slot)
+    step_rows = STEP_GEMM_MAX_ROWS if gemm else AMX_MAX_ROWS if pairs else min(linear.few_rows() for linear in linears)
     assert model.decode_step is not None and model.decode_step.max_rows == step_rows
 
 

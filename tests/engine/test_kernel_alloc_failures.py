@@ -59,6 +59,8 @@ def paged_attention_call(kernels, dtype: torch.dtype, new_tokens: list[int]) -> 
 def test_interleaved_linear_reports_a_failed_allocation(kernels, failing, dtype):
     g = gen(1)
     x, weight = torch.randn(3, 64, generator=g).to(dtype), kernels.interleave(torch.randn(32, 64, generator=g).to(dtype))
+    if weight.dim() == 4:
+        pytest.skip("a bfloat16 pairs copy (AVX512_BF16 builds): its kernel allocates nothing that could fail")
     assert_fails_then_recovers(lambda: kernels.interleaved_linear(x, weight, THREADS), failing, 0, "interleaved linear")
 
 
