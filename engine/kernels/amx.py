@@ -86,6 +86,6 @@ def load_amx_linear(cache_dir: Path | None = None) -> AmxLinear | None:
         return None
     lib.amx_init.restype = _i32
     if not lib.amx_init():
-        log.info("no AMX bfloat16 tiles on this CPU/OS; bfloat16 linears stay on oneDNN")
+        log.info("no AMX bfloat16 tiles on this CPU/OS; bfloat16 rows stay on oneDNN, or with AVX512_BF16 up to 64 on the pairs gemm (linear.c)")
         return None
     return AmxLinear(lib)
