@@ -127,11 +127,11 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
-    Likewise a float32 weight of any size gets the interleaved copy in place of oneDNN's where
-    csrc/gemm.c serves it up to ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2 builds), and one too large for
-    two copies wherever the gemm serves (AVX-512 too: the head, ONE_COPY_MIN_GEMM_ROWS); AVX2: one row on the one-row kernel 1.2-1.3x, 2..64
-    rows on the gemm 1.3-1.4x oneDNN's speed, ahead up to 2048 rows on two threads (bench/NOTES.md
-    'AVX2 many-rows linear' and its part 2), past the default 512-token step budget, so oneDNN's copy
+    Likewise a float32 weight gets the interleaved copy in place of oneDNN's where csrc/gemm.c serves
+    it up to ONE_COPY_MIN_GEMM_ROWS rows or more (AVX2 builds: any size), or where the gemm serves it at
+    all and it is too large for two copies (AVX-512 too: the head; ONE_COPY_MIN_GEMM_ROWS says why).
+    On AVX2: one row on the one-row kernel 1.2-1.3x, 2..64 rows on the gemm 1.3-1.4x oneDNN's speed,
+    ahead up to 2048 rows on two threads (bench/NOTES.md 'AVX2 many-rows linear' and its part 2), past the default 512-token step budget, so oneDNN's copy
     would never be read there and held the demo's block weights twice (bench/NOTES.md 'One float32
     copy'). Rows past the cutoff (a larger step budget) run the gemm too, in blocks of its own
     (interleaved_gemm cuts any row count): where oneDNN's copy would have been level or slightly
