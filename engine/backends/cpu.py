@@ -4,7 +4,7 @@ OneDnnBackend: the torch backend's operations with every dense linear's weight r
 load, into oneDNN's blocked layout (much faster than F.linear at decode batch sizes, float32 and
 bfloat16 alike; bench/NOTES.md).
 
-CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX, and on AVX2) and SiLU-mul through
+CpuKernelBackend: also norms, RoPE + cache write, paged attention (decodes; prefill chunks too on AMX and on AVX builds) and SiLU-mul through
 engine.kernels.cpu (one call each, no intermediate tensors, K/V read in place through the block
 tables), and a second copy of each small weight in the interleaved layout the one-row kernel reads
 (decode at batch 1, where oneDNN's fixed cost per call is a large part of the multiply; on AVX2
@@ -466,7 +466,7 @@ class CpuKernelBackend(OneDnnBackend):
     def attention_metadata(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> AttentionMetadata:
         """The paths, in order: torch's (GATHERED) for chunk windows the kernels cannot read (chunk
         size not a multiple of the block size); every sequence in one paged_attention call where it
-        beats SDPA on prefill chunks (AMX tiles; AVX2: paged_attention_takes_chunks) and a
+        beats SDPA on prefill chunks (AMX tiles; AVX builds: paged_attention_takes_chunks) and a
         sequence has 2+ new tokens (a prefill chunk); the decodes in one
         paged_attention call from two per thread where it is the faster (bfloat16 on AMX tiles;
         prefill chunks: SDPA); else paged_decode_attention."""
@@ -543,9 +543,9 @@ class CpuKernelBackend(OneDnnBackend):
 
 
 # paged_attention takes all of a step's sequences on AMX tiles (1.3-2.5x faster than SDPA on prefill
-# chunks, bench/NOTES.md) and on AVX2 (float32 1.6x, bfloat16 2.8x); elsewhere prefill chunks stay with
-# torch's SDPA, whose bf16 GEMMs (oneDNN, AMX) beat the kernel's float32 loops on chunks past a few
-# dozen tokens (bench/NOTES.md 'Many streams'), and decodes with paged_decode_attention.
+# chunks, bench/NOTES.md) and on every AVX build (AVX2 Zen 2: float32 1.6x, bfloat16 2.8x; AVX-512
+# Zen 4: float32 4.6x, bfloat16 3.3x); elsewhere (SSE) prefill chunks stay with torch's SDPA, and
+# decodes with paged_decode_attention.
 def _paged_decode_sequences(inputs: StepInputs, decodes: list[int], starts: list[int]) -> PagedSequences:
     """For steps with at least two decodes per thread where paged_attention takes them (bfloat16 on
     AMX tiles: paged_attention_takes_decodes); paged_decode_attention's splitting of one sequence's
