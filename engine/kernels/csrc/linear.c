@@ -1,6 +1,7 @@
 /* Few-rows linears over interleaved weights (the cpu_kernels library; engine/kernels/cpu.py binds
  * them; amx_linear.c reads the same bfloat16 pairs layout). */
 #include "vec.h"
+#include <omp.h>
 
 /* ------------------------------------------------------------------------------------------ few-rows linear
  * out [rows, n] = x [rows, k] @ W^T, W given as [n / 16, k, 16] (16 output rows interleaved, so
@@ -447,10 +448,25 @@ static inline int x_pair(const bf16_t *x, int64_t i) { /* columns 2i and 2i + 1 
  * capped the bfloat16 head's rows). Each row keeps its eight chains and their combine: the same sums
  * whatever the group, bit for bit those of a lone row. 3 rows: 24 accumulators of 32 zmm. */
 #define PAIRS_ROW_GROUP 3
+/* Two groups or more read each panel from memory in the first one's pass and from the caches in
+ * the others', the memory idle there: they fetch the next panel of the thread's run (PAIRS_ROWS_AHEAD),
+ * spread over all the passes (ahead_step bytes an 8-step round: 47 at 32 rows, k 576). Zen 4, one
+ * thread, CPU time, the bfloat16 head [49152x576] against none: 4 rows 0.78x the time, 8 rows 0.58,
+ * 16 0.72, 32 0.82, 64 0.80; an L1 hint 1.07, 0.93, 0.83, 0.79, 0.77 (bench/NOTES.md 'The pairs
+ * kernels: the next weight ahead'). One group (1-3 rows: a batch-1 decode) keeps its plain stream.
+ * Prefetches only: the sums are the same instructions in the same order. -D to A/B. */
+#ifndef PAIRS_ROWS_AHEAD
+#define PAIRS_ROWS_AHEAD 1
+#endif
+/* the cache level both pairs kernels fetch the next weight into: 2, L2 (prefetcht1) */
+#ifndef PAIRS_AHEAD_LOCALITY
+#define PAIRS_AHEAD_LOCALITY 2
+#endif
 
-/* `group` (a literal at each instantiation) rows of x, k apart, against one panel's pairs w: sums[r]. */
+/* `group` (a literal at each instantiation) rows of x, k apart, against one panel's pairs w: sums[r].
+ * ahead (NULL: none): bytes of the next panel to fetch, ahead_step of them an 8-step round. */
 static inline __attribute__((always_inline)) void pairs_rows(const char *w, const bf16_t *x, int64_t k, int group,
-                                                             float (*sums)[16]) {
+                                                             float (*sums)[16], const char *ahead, int64_t ahead_step) {
     const int64_t pairs = k / 2;
     /* eight chains hide vdpbf16ps's latency: streaming 30 demo layers' weights at one thread, 8
      * chains ran 0.8-0.85x the time of 4, 16 no better than 8 (bench/NOTES.md) */
@@ -461,6 +477,8 @@ static inline __attribute__((always_inline)) void pairs_rows(const char *w, cons
         for (int c = 0; c < 8; c++) acc[r][c] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= pairs; i += 8) {
+        if (ahead)
+            for (int64_t off = 0; off < ahead_step; off += 64) __builtin_prefetch(ahead + i / 8 * ahead_step + off, 0, PAIRS_AHEAD_LOCALITY);
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)(i + c) * 64);
@@ -485,21 +503,29 @@ static inline __attribute__((always_inline)) void pairs_rows(const char *w, cons
 
 static inline void pairs_linear_impl(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k,
                                      int num_threads, int out_f32) {
-    const int64_t groups = (rows + PAIRS_ROW_GROUP - 1) / PAIRS_ROW_GROUP;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
-    for (int64_t b = 0; b < n / 16; b++) {
-        const char *w = (const char *)weight + (size_t)(b * (k / 2)) * 64;
-        for (int64_t g = 0, m = 0; g < groups; g++) {
-            /* the rows left split evenly over the groups left (4 rows: 2 + 2, not 3 + 1) */
-            const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));
-            const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
-            float sums[PAIRS_ROW_GROUP][16];
-            if (group == 3) pairs_rows(w, xm, k, 3, sums);
-            else if (group == 2) pairs_rows(w, xm, k, 2, sums);
-            else pairs_rows(w, xm, k, 1, sums);
-            for (int r = 0; r < group; r++, m++) {
-                if (out_f32) memcpy((float *)out + m * n + b * 16, sums[r], sizeof(sums[r]));
-                else store_row((bf16_t *)out + m * n + b * 16, sums[r], 16, 1);
+    const int64_t groups = (rows + PAIRS_ROW_GROUP - 1) / PAIRS_ROW_GROUP, panels = n / 16, panel_bytes = k / 2 * 64;
+    const int64_t rounds = groups * (k / 2 / 8), ahead_step = PAIRS_ROWS_AHEAD && groups > 1 && rounds > 0 ? (panel_bytes + rounds - 1) / rounds : 0;
+#pragma omp parallel num_threads(num_threads) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
+    {
+        /* omp for static's split, spelled out: the panel after a thread's last is another thread's, not fetched */
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t b0 = tile_start(thread, panels, team), b1 = tile_start(thread + 1, panels, team);
+        for (int64_t b = b0; b < b1; b++) {
+            const char *w = (const char *)weight + b * panel_bytes;
+            const char *next = ahead_step && b + 1 < b1 ? w + panel_bytes : NULL;
+            for (int64_t g = 0, m = 0; g < groups; g++) {
+                /* the rows left split evenly over the groups left (4 rows: 2 + 2, not 3 + 1) */
+                const int group = (int)((rows - m + (groups - g) - 1) / (groups - g));
+                const bf16_t *xm = (const bf16_t *)x + m * k; /* pair i: columns 2i, 2i + 1 */
+                const char *ahead = next ? next + g * (k / 2 / 8) * ahead_step : NULL;
+                float sums[PAIRS_ROW_GROUP][16];
+                if (group == 3) pairs_rows(w, xm, k, 3, sums, ahead, ahead_step);
+                else if (group == 2) pairs_rows(w, xm, k, 2, sums, ahead, ahead_step);
+                else pairs_rows(w, xm, k, 1, sums, ahead, ahead_step);
+                for (int r = 0; r < group; r++, m++) {
+                    if (out_f32) memcpy((float *)out + m * n + b * 16, sums[r], sizeof(sums[r]));
+                    else store_row((bf16_t *)out + m * n + b * 16, sums[r], 16, 1);
+                }
             }
         }
     }
@@ -539,29 +565,50 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
 #define PAIRS_FEW_NP 4
 #define PAIRS_X_L2_BYTES (512 << 10)
 
-/* A pass's first row tile reads each panel group from memory, the others from L2: where there are
- * others (PAIRS_PREFETCH_MIN_TILES), it prefetches each panel's stream PAIRS_PREFETCH_BYTES ahead.
- * Zen 4, one thread, CPU time, cold weights, the demo's block shapes, against none: 16-64 rows
- * 0.92-0.96x the time (16 rows 0.93-1.0), 12 rows 1.01-1.05 (noise: about +-5%); for one tile (2-8
- * rows) 4 rows ran 1.06-1.11x, so none there; 512 and 2048 bytes within the noise of 1024 (bench/NOTES.md
- * 'bfloat16 many rows without AMX'). -D to A/B. */
+/* A pass's first row tile would read each panel group from memory, the others from L2, the memory
+ * idle during them: at 32 rows 3 panels' 55 KiB (k 576) in a quarter of the group's time, more than
+ * one core's read rate. So each group's tiles fetch the next group of the thread's run into L2
+ * (PAIRS_AHEAD), spread evenly over all of them: ahead_step bytes a pair step (48 at 32 rows, k 576),
+ * one prefetch a line. Zen 4, one thread, CPU time, cold weights, against the first-tile prefetch
+ * alone, medians of 9 alternating rounds over several runs: the demo's block shapes at k 576, 6-8
+ * rows (one tile) 0.75-0.85x the time, 12-16 rows 0.78-0.91, 32 rows 0.92-0.97; [576x1536] (48 KiB
+ * panels: the hardware prefetchers follow them) 0.90-1.01 at 8-32 rows. At 48-64 rows (6-8 tiles:
+ * the first is a sixth to an eighth of the time) 0.98-1.03 at k 576 and 1.03-1.06 at k 1536 against
+ * the first-tile prefetch alone, so up to PAIRS_AHEAD_MAX_TILES tiles only. An L1 hint in place of L2: the same at 32-64 rows, 16 rows 0.89
+ * where L2 gave 0.81. The few-rows tiles (2-4 rows) gained 0.92-0.95 at k 576 and lost 1.10-1.16
+ * at k 1536: none there (bench/NOTES.md 'The pairs kernels: the next weight ahead'). Where nothing
+ * fetched a group (the thread's first, or no ahead) its first tile prefetches each panel's stream
+ * PAIRS_PREFETCH_BYTES ahead where there are PAIRS_PREFETCH_MIN_TILES tiles (against none: 16-64
+ * rows 0.92-0.96x the time; 4 rows 1.06-1.11x, so none at one tile; 512 and 2048 bytes within the
+ * noise of 1024: bench/NOTES.md 'bfloat16 many rows without AMX'). -D to A/B. */
 #ifndef PAIRS_PREFETCH_BYTES
 #define PAIRS_PREFETCH_BYTES 1024
 #endif
 #ifndef PAIRS_PREFETCH_MIN_TILES
 #define PAIRS_PREFETCH_MIN_TILES 2
 #endif
+#ifndef PAIRS_AHEAD
+#define PAIRS_AHEAD 1
+#endif
+#ifndef PAIRS_AHEAD_MAX_TILES
+#define PAIRS_AHEAD_MAX_TILES 4
+#endif
 /* One tile: out[mr rows, np panels] = x [mr rows, k apart] @ the panels' pairs (w: the first panel's,
- * the next ones panel_bytes further); pf: prefetch the panels' streams ahead. mr and np literals at
- * each call (pairs_tile_rows' switch): the accumulators live in registers. */
+ * the next ones panel_bytes further); pf: prefetch the panels' streams ahead; ahead (NULL: none): the
+ * next group's bytes to fetch, ahead_step of them a pair step. mr and np literals at each call
+ * (pairs_tile_rows' switch): the accumulators live in registers. */
 static inline __attribute__((always_inline)) void pairs_tile(const int mr, const int np, const bf16_t *x, int64_t k,
-                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n, int pf) {
+                                                             const char *w, int64_t panel_bytes, bf16_t *out, int64_t n, int pf,
+                                                             const char *ahead, int64_t ahead_step) {
     __m512 acc[PAIRS_MR][PAIRS_FEW_NP];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
         for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
+    const char *ahead_line = ahead; /* the next line to fetch: one prefetch a line, as the steps reach it */
     for (int64_t i = 0; i < k / 2; i++) {
+        if (ahead)
+            for (; ahead_line <= ahead + i * ahead_step; ahead_line += 64) __builtin_prefetch(ahead_line, 0, PAIRS_AHEAD_LOCALITY);
         __m512bh wv[PAIRS_FEW_NP];
 #pragma GCC unroll 4
         for (int p = 0; p < np; p++) {
@@ -581,15 +628,19 @@ static inline __attribute__((always_inline)) void pairs_tile(const int mr, const
         for (int p = 0; p < np; p++) _mm256_storeu_si256((__m256i *)(out + r * n + p * 16), bf16x16_round(acc[r][p]));
 }
 
-#define PAIRS_TILE_CASE(m)                                                    \
-    case m:                                                                   \
-        if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, pf); \
-        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n, pf);     \
-        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n, pf);                  \
+/* (a full group's three prefetch modes each as its own loop, none tested per step: one loop with
+ * both tests ran 64 rows at 1.04-1.05x the time of the loops before them) */
+#define PAIRS_TILE_CASE(m)                                                                              \
+    case m:                                                                                             \
+        if (np == PAIRS_NP && ahead) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, 0, ahead, ahead_step); \
+        else if (np == PAIRS_NP && pf) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, 1, NULL, 0);          \
+        else if (np == PAIRS_NP) pairs_tile(m, PAIRS_NP, x, k, w, panel_bytes, out, n, 0, NULL, 0);                \
+        else if (np == 2) pairs_tile(m, 2, x, k, w, panel_bytes, out, n, pf, ahead, ahead_step);                  \
+        else pairs_tile(m, 1, x, k, w, panel_bytes, out, n, pf, ahead, ahead_step);                               \
         break;
 
 static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const char *w, int64_t panel_bytes, bf16_t *out,
-                            int64_t n, int pf) {
+                            int64_t n, int pf, const char *ahead, int64_t ahead_step) {
     switch (mr) {
         PAIRS_TILE_CASE(1)
         PAIRS_TILE_CASE(2)
@@ -606,10 +657,10 @@ static void pairs_tile_rows(int mr, int np, const bf16_t *x, int64_t k, const ch
 #define PAIRS_FEW_CASE(m)                                                                          \
     case m:                                                                                        \
         switch (np) {                                                                              \
-        case 4: pairs_tile(m, 4, x, k, w, panel_bytes, out, n, 0); break;                           \
-        case 3: pairs_tile(m, 3, x, k, w, panel_bytes, out, n, 0); break;                           \
-        case 2: pairs_tile(m, 2, x, k, w, panel_bytes, out, n, 0); break;                           \
-        default: pairs_tile(m, 1, x, k, w, panel_bytes, out, n, 0); break;                          \
+        case 4: pairs_tile(m, 4, x, k, w, panel_bytes, out, n, 0, NULL, 0); break;                           \
+        case 3: pairs_tile(m, 3, x, k, w, panel_bytes, out, n, 0, NULL, 0); break;                           \
+        case 2: pairs_tile(m, 2, x, k, w, panel_bytes, out, n, 0, NULL, 0); break;                           \
+        default: pairs_tile(m, 1, x, k, w, panel_bytes, out, n, 0, NULL, 0); break;                          \
         }                                                                                          \
         break;
 
@@ -636,23 +687,34 @@ int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, 
     const int64_t x_rows = PAIRS_X_L2_BYTES / (k * 2), pass_rows_max = x_rows < PAIRS_MR ? PAIRS_MR : x_rows;
     const int64_t passes = (rows + pass_rows_max - 1) / pass_rows_max, pass_rows = (rows + passes - 1) / passes;
 #pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
-    for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
-        const int64_t mb = rows - m0 < pass_rows ? rows - m0 : pass_rows, tiles = (mb + PAIRS_MR - 1) / PAIRS_MR;
-        const bf16_t *xm = (const bf16_t *)x + m0 * k;
-        bf16_t *om = (bf16_t *)out + m0 * n;
-        /* the same groups to each thread every pass: no barrier needed between passes */
-#pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p0 = g * group_panels;
-            const int np = (int)(panels - p0 < group_panels ? panels - p0 : group_panels);
-            const char *w = (const char *)weight + p0 * panel_bytes;
-            if (few) { /* one tile of all the rows */
-                pairs_tile_few((int)rows, np, xm, k, w, panel_bytes, om + p0 * 16, n);
-                continue;
-            }
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
-                pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n, t == 0 && tiles >= PAIRS_PREFETCH_MIN_TILES);
+    {
+        /* each thread its own run of groups (omp for static's split), the same every pass: no
+         * barrier between passes, and the group a pass prefetches ahead is always its own next */
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t g0 = tile_start(thread, groups, team), g1 = tile_start(thread + 1, groups, team);
+        for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
+            const int64_t mb = rows - m0 < pass_rows ? rows - m0 : pass_rows, tiles = (mb + PAIRS_MR - 1) / PAIRS_MR;
+            const bf16_t *xm = (const bf16_t *)x + m0 * k;
+            bf16_t *om = (bf16_t *)out + m0 * n;
+            const int ahead = PAIRS_AHEAD && !few && tiles <= PAIRS_AHEAD_MAX_TILES; /* each group fetches its next */
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t p0 = g * group_panels;
+                const int np = (int)(panels - p0 < group_panels ? panels - p0 : group_panels);
+                const char *w = (const char *)weight + p0 * panel_bytes;
+                if (few) { /* one tile of all the rows */
+                    pairs_tile_few((int)rows, np, xm, k, w, panel_bytes, om + p0 * 16, n);
+                    continue;
+                }
+                /* the next group's panels (contiguous after this group's), ahead_step bytes a pair step */
+                const int64_t next_np = g + 1 < g1 ? (panels - p0 - np < group_panels ? panels - p0 - np : group_panels) : 0;
+                const int64_t steps = tiles * (k / 2), ahead_step = ahead && next_np > 0 ? (next_np * panel_bytes + steps - 1) / steps : 0;
+                const int first = g == g0 || !ahead; /* no group before it fetched this one */
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t r0 = tile_start(t, mb, tiles), mr = tile_start(t + 1, mb, tiles) - r0;
+                    const char *next = ahead_step ? w + np * panel_bytes + t * (k / 2) * ahead_step : NULL;
+                    pairs_tile_rows((int)mr, np, xm + r0 * k, k, w, panel_bytes, om + r0 * n + p0 * 16, n,
+                                    first && t == 0 && tiles >= PAIRS_PREFETCH_MIN_TILES, next, ahead_step);
+                }
             }
         }
     }
