@@ -14,6 +14,7 @@ per shape: warm).
     python bench/amx_linear.py --threads 2 --rows 65,128,256,512,1024,2048,4096 --paths onednn,amx
     python bench/amx_linear.py --shapes big1b --rows 64,256,1024 --paths onednn,amx
     python bench/amx_linear.py --threads 1 --paths onednn,pgemm --rows 2,4,8,16,32,64,128,256,512
+    python bench/amx_linear.py --threads 1 --paths pgemm --rows 8,16,32,64 --baseline /tmp/main/cpu_kernels.so
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels.amx import load_amx_linear  # noqa: E402
 from engine.backends.cpu import PackedWeight, pack_weight  # noqa: E402
+from bench.common import kernel_builds  # noqa: E402
 from engine.kernels.cpu import load_cpu_kernels  # noqa: E402
 from engine.kernels.memory import onednn_rows  # noqa: E402
 
@@ -67,11 +69,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-gflop", type=float, default=4.0, help="work per path per round, at most (cold weights permitting)")
     parser.add_argument("--paths", default="onednn,amx,pairs", help="of onednn, amx, pairs (the one-row kernel), pgemm (linear.c's pairs gemm)")
+    parser.add_argument("--baseline", type=Path, help="another build of the cpu_kernels library (.so): its pairs and pgemm paths run too, as old-pairs, old-pgemm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels, amx = load_cpu_kernels(), load_amx_linear()
     if kernels is None or not kernels.has_bf16_pairs or (amx is None and "amx" in args.paths.split(",")):
         raise SystemExit("needs the CPU kernels with AVX512_BF16's pairs (and for the amx path AMX tiles)")
+    baseline = kernel_builds(args.baseline).get("baseline")
     clock = time.process_time if args.threads == 1 else time.perf_counter
     print(f"threads {args.threads}, {args.cold_mb} MB of weights per shape, median of {args.rounds} interleaved rounds, "
           f"{'process CPU time' if args.threads == 1 else 'wall'}")
@@ -90,6 +94,10 @@ def main() -> None:
             pairs = lambda p: kernels.interleaved_linear(x, p.interleaved, args.threads)  # noqa: E731
             pgemm = lambda p: kernels.bind_pairs_gemm(p.interleaved)(x, args.threads)  # noqa: E731
             paths = {name: fn for name, fn in {"onednn": onednn, "amx": tiles, "pairs": pairs, "pgemm": pgemm}.items() if name in args.paths.split(",")}
+            if baseline is not None:
+                old = {"pairs": lambda p: baseline.interleaved_linear(x, p.interleaved, args.threads),
+                       "pgemm": lambda p: baseline.bind_pairs_gemm(p.interleaved)(x, args.threads)}
+                paths.update({f"old-{name}": fn for name, fn in old.items() if name in paths})
             times = {name: [] for name in paths}
             for fn in paths.values():  # warm-up: primitives created, pages touched
                 fn(packed[0])
@@ -99,6 +107,7 @@ def main() -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = "  ".join(f"{name} {us:8.1f} us ({weight_gb / us * 1e6:5.1f} GB/s, {gflop / us * 1e6:5.0f} GFLOP/s)" for name, us in med.items())
             ratios = "  ".join(f"onednn/{name} {med['onednn'] / med[name]:.2f}" for name in ("amx", "pgemm") if name in med and "onednn" in med)
+            ratios += "".join(f"  {name}/old {med[name] / med[f'old-{name}']:.3f}" for name in ("pairs", "pgemm") if f"old-{name}" in med)
             print(f"[{n}x{k}] rows {rows:4d}: {cells}  {ratios}", flush=True)
         del packed
 
