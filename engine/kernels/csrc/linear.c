@@ -570,11 +570,11 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
  * one core's read rate. So each group's tiles fetch the next group of the thread's run into L2
  * (PAIRS_AHEAD), spread evenly over all of them: ahead_step bytes a pair step (48 at 32 rows, k 576),
  * one prefetch a line. Zen 4, one thread, CPU time, cold weights, against the first-tile prefetch
- * alone, medians of 9 alternating rounds over several runs: the demo's block shapes at k 576, 6-8
- * rows (one tile) 0.75-0.85x the time, 12-16 rows 0.78-0.91, 32 rows 0.92-0.97; [576x1536] (48 KiB
- * panels: the hardware prefetchers follow them) 0.90-1.01 at 8-32 rows. At 48-64 rows (6-8 tiles:
- * the first is a sixth to an eighth of the time) 0.98-1.03 at k 576 and 1.03-1.06 at k 1536 against
- * the first-tile prefetch alone, so up to PAIRS_AHEAD_MAX_TILES tiles only. An L1 hint in place of L2: the same at 32-64 rows, 16 rows 0.89
+ * alone, medians of 7-11 alternating rounds over several runs: the demo's block shapes at k 576, 6-8
+ * rows (one tile) 0.75-0.85x the time, 12-16 rows 0.78-0.91, 32 rows 0.92-0.98. [576x1536] (48 KiB
+ * panels, long enough for the hardware prefetchers) 1.02-1.05 at 8-32 rows (12 rows 0.93): panels of
+ * at most PAIRS_AHEAD_MAX_PANEL_BYTES only. At 48-64 rows (6-8 tiles: the first is a sixth to an
+ * eighth of the time) 0.98-1.03 at k 576, 1.03-1.08 at k 1536: up to PAIRS_AHEAD_MAX_TILES tiles. An L1 hint in place of L2: the same at 32-64 rows, 16 rows 0.89
  * where L2 gave 0.81. The few-rows tiles (2-4 rows) gained 0.92-0.95 at k 576 and lost 1.10-1.16
  * at k 1536: none there (bench/NOTES.md 'The pairs kernels: the next weight ahead'). Where nothing
  * fetched a group (the thread's first, or no ahead) its first tile prefetches each panel's stream
@@ -592,6 +592,9 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
 #endif
 #ifndef PAIRS_AHEAD_MAX_TILES
 #define PAIRS_AHEAD_MAX_TILES 4
+#endif
+#ifndef PAIRS_AHEAD_MAX_PANEL_BYTES
+#define PAIRS_AHEAD_MAX_PANEL_BYTES (32 << 10)
 #endif
 /* One tile: out[mr rows, np panels] = x [mr rows, k apart] @ the panels' pairs (w: the first panel's,
  * the next ones panel_bytes further); pf: prefetch the panels' streams ahead; ahead (NULL: none): the
@@ -696,7 +699,7 @@ int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, 
             const int64_t mb = rows - m0 < pass_rows ? rows - m0 : pass_rows, tiles = (mb + PAIRS_MR - 1) / PAIRS_MR;
             const bf16_t *xm = (const bf16_t *)x + m0 * k;
             bf16_t *om = (bf16_t *)out + m0 * n;
-            const int ahead = PAIRS_AHEAD && !few && tiles <= PAIRS_AHEAD_MAX_TILES; /* each group fetches its next */
+            const int ahead = PAIRS_AHEAD && !few && tiles <= PAIRS_AHEAD_MAX_TILES && panel_bytes <= PAIRS_AHEAD_MAX_PANEL_BYTES;
             for (int64_t g = g0; g < g1; g++) {
                 const int64_t p0 = g * group_panels;
                 const int np = (int)(panels - p0 < group_panels ? panels - p0 : group_panels);
