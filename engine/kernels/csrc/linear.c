@@ -507,7 +507,7 @@ static inline void pairs_linear_impl(const void *x, const void *weight, void *ou
     const int64_t rounds = groups * (k / 2 / 8), ahead_step = PAIRS_ROWS_AHEAD && groups > 1 && rounds > 0 ? (panel_bytes + rounds - 1) / rounds : 0;
 #pragma omp parallel num_threads(num_threads) if (n * k >= 4 * PARALLEL_MIN_ELEMS)
     {
-        /* omp for static's split, spelled out: the panel after a thread's last is another thread's, not fetched */
+        /* a static split spelled out: the panel after a thread's last is another thread's, not fetched */
         const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         const int64_t b0 = tile_start(thread, panels, team), b1 = tile_start(thread + 1, panels, team);
         for (int64_t b = b0; b < b1; b++) {
@@ -574,8 +574,8 @@ void interleaved_linear_bf16_pairs_f32_out(const void *x, const void *weight, vo
  * rows (one tile) 0.75-0.85x the time, 12-16 rows 0.78-0.91, 32 rows 0.92-0.98. [576x1536] (48 KiB
  * panels, long enough for the hardware prefetchers) 1.02-1.05 at 8-32 rows (12 rows 0.93): panels of
  * at most PAIRS_AHEAD_MAX_PANEL_BYTES only. At 48-64 rows (6-8 tiles: the first is a sixth to an
- * eighth of the time) 0.98-1.03 at k 576, 1.03-1.08 at k 1536: up to PAIRS_AHEAD_MAX_TILES tiles. An L1 hint in place of L2: the same at 32-64 rows, 16 rows 0.89
- * where L2 gave 0.81. The few-rows tiles (2-4 rows) gained 0.92-0.95 at k 576 and lost 1.10-1.16
+ * eighth of the time) 0.98-1.03 at k 576, 1.03-1.08 at k 1536: up to PAIRS_AHEAD_MAX_TILES tiles.
+ * An L1 hint in place of L2: the same at 32-64 rows, 16 rows 0.89 where L2 gave 0.81. The few-rows tiles (2-4 rows) gained 0.92-0.95 at k 576 and lost 1.10-1.16
  * at k 1536: none there (bench/NOTES.md 'The pairs kernels: the next weight ahead'). Where nothing
  * fetched a group (the thread's first, or no ahead) its first tile prefetches each panel's stream
  * PAIRS_PREFETCH_BYTES ahead where there are PAIRS_PREFETCH_MIN_TILES tiles (against none: 16-64
@@ -691,7 +691,7 @@ int pairs_gemm_bf16(const void *x, const void *weight, void *out, int64_t rows, 
     const int64_t passes = (rows + pass_rows_max - 1) / pass_rows_max, pass_rows = (rows + passes - 1) / passes;
 #pragma omp parallel num_threads(num_threads) if (rows * n * k >= 4 * PARALLEL_MIN_ELEMS)
     {
-        /* each thread its own run of groups (omp for static's split), the same every pass: no
+        /* each thread its own run of groups (a static split), the same every pass: no
          * barrier between passes, and the group a pass prefetches ahead is always its own next */
         const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
         const int64_t g0 = tile_start(thread, groups, team), g1 = tile_start(thread + 1, groups, team);
