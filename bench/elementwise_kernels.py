@@ -4,8 +4,9 @@
 
 Demo shape (dim 576, FFN 1536, 9/3 heads of 64, vocab 49152), bfloat16: add_rms_norm, silu_mul and
 rope_and_cache_write on inputs hot in the calling threads' caches, and silu_mul / add_rms_norm on
-inputs an AMX linear has just written (as in the model: the linear splits its output columns
-between the threads, so at 2 threads half of each row comes from the other core); the greedy
+inputs a linear has just written (AMX tiles, else torch's bfloat16 linear, oneDNN: as in the model,
+where the linear splits its output columns between the threads, so at 2 threads half of each row
+comes from the other core, and oneDNN leaves its output outside the caches); the greedy
 argmax of [rows, 49152] logits (bfloat16 and float32) against numpy's (after the float32 copy). Median
 microseconds per call. --baseline loads a second build of the cpu_kernels library (engine/kernels/csrc/; a .so from the
 kernel cache of another checkout) and interleaves it with this one, call for call, in the same
@@ -26,6 +27,7 @@ if "OMP_WAIT_POLICY" not in os.environ:  # as bench/stream_profile.py: no libgom
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,14 +79,17 @@ class Inputs:
         self.slots = torch.arange(rows, dtype=torch.int64) + 1024
         self.logits = torch.randn(min(rows, 64), VOCAB, generator=g).bfloat16()
         self.logits32 = self.logits.float()
-        # the linears whose outputs feed silu_mul (w13) and add_rms_norm (w2) in the model
+        # the linears whose outputs feed silu_mul (w13) and add_rms_norm (w2) in the model: AMX tiles
+        # where the CPU has them, else torch's bfloat16 linear (oneDNN, what a prefill step's rows
+        # take on AVX512_BF16 CPUs without tiles), which leaves its output out of the caches
+        self.x = torch.randn(rows, DIM, generator=g).bfloat16()
+        self.h = torch.randn(rows, HIDDEN, generator=g).bfloat16()
+        w13, w2 = (0.05 * torch.randn(2 * HIDDEN, DIM, generator=g)).bfloat16(), (0.03 * torch.randn(DIM, HIDDEN, generator=g)).bfloat16()
         amx = load_amx_linear()
-        self.w13 = self.w2 = None
         if amx is not None:
-            self.x = torch.randn(rows, DIM, generator=g).bfloat16()
-            self.h = torch.randn(rows, HIDDEN, generator=g).bfloat16()
-            self.w13 = amx.bind(kernels.interleave((0.05 * torch.randn(2 * HIDDEN, DIM, generator=g)).bfloat16()))
-            self.w2 = amx.bind(kernels.interleave((0.03 * torch.randn(DIM, HIDDEN, generator=g)).bfloat16()))
+            self.w13, self.w2 = amx.bind(kernels.interleave(w13)), amx.bind(kernels.interleave(w2))
+        else:
+            self.w13, self.w2 = (lambda x, threads: F.linear(x, w13)), (lambda x, threads: F.linear(x, w2))
 
 
 def baseline_build(path: Path) -> CpuKernels:
@@ -105,16 +110,15 @@ def measure(k: CpuKernels, t: Inputs, threads: int, calls: int) -> dict[str, flo
             calls,
         ),
     }
-    if t.w13 is not None:
-        fresh: dict[str, torch.Tensor] = {}
-        row["silu_mul after w13"] = median_us(
-            lambda: k.silu_mul(fresh["gate_up"], t.silu_out, threads), calls, lambda: fresh.update(gate_up=t.w13(t.x, threads))
-        )
-        row["add_rms_norm after w2"] = median_us(
-            lambda: k.add_rms_norm(t.residual, fresh["delta"], t.norm_weight, t.norm_out, EPS, threads),
-            calls,
-            lambda: fresh.update(delta=t.w2(t.h, threads)),
-        )
+    fresh: dict[str, torch.Tensor] = {}
+    row["silu_mul after w13"] = median_us(
+        lambda: k.silu_mul(fresh["gate_up"], t.silu_out, threads), calls, lambda: fresh.update(gate_up=t.w13(t.x, threads))
+    )
+    row["add_rms_norm after w2"] = median_us(
+        lambda: k.add_rms_norm(t.residual, fresh["delta"], t.norm_weight, t.norm_out, EPS, threads),
+        calls,
+        lambda: fresh.update(delta=t.w2(t.h, threads)),
+    )
     if k.address("argmax_rows") is not None:
         row[f"argmax [{t.logits.shape[0]}, {VOCAB}] bf16"] = median_us(lambda: k.argmax_rows(t.logits, threads), calls)
         row[f"argmax [{t.logits.shape[0]}, {VOCAB}] f32"] = median_us(lambda: k.argmax_rows(t.logits32, threads), calls)
