@@ -17,7 +17,11 @@ from engine.kernels import quant as qk
 
 
 # variant: (the level it builds for, its extra compiler flags)
-VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {"x86-64-v3-16-lanes": ("x86-64-v3", ("-DLLAMASERVE_NV_LANES=16",))}
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "x86-64-v3-16-lanes": ("x86-64-v3", ("-DLLAMASERVE_NV_LANES=16",)),
+    # the AVX-512 silu_mul's table read by gathers, which AMD CPUs read by loads instead (csrc/elementwise.c)
+    "x86-64-v4-silu-gather": ("x86-64-v4", ("-DLLAMASERVE_SILU_GATHER",)),
+}
 
 
 def library_for_level(tmp_path: Path, library: build.Library, level: str) -> Path:

@@ -1042,6 +1042,28 @@ def test_portable_build_gives_the_native_builds_bits(kernels, tmp_path):
         assert torch.equal(native, plain) if isinstance(native, torch.Tensor) else native == plain
 
 
+@pytest.mark.parametrize("level", ["x86-64-v3", "x86-64-v4-silu-gather"])
+def test_silu_mul_gives_the_native_builds_bits_at_each_level(kernels, tmp_path, level):
+    """SiLU-mul of the AVX2 build (8-lane gathers; float32: GCC's vectorized loop) and of the AVX-512
+    build that gathers where this CPU's reads the table by loads (AMD), against this machine's build:
+    bfloat16 every gate value times random up, float32 values across the exponent range (the clamps,
+    denormals, infinities, NaN) times random up, bit for bit."""
+    other, g = cpu_kernels_for_level(tmp_path, level), gen(13)
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(64, 1024)
+    gate_up = torch.cat([gate, (4 * torch.randn(64, 1024, generator=g)).bfloat16()], 1)[:, 3:-2]  # rows of 1019 + 1019
+    gate32 = torch.randint(-(2**31), 2**31 - 1, (64, 1000), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    gate32[0, :8] = torch.tensor([-200.0, 200.0, -88.5, 87.5, math.inf, -math.inf, math.nan, -0.0])
+    gate32[1:] = torch.where(gate32[1:].abs() < 1e-30, gate32[1:], torch.randn(63, 1000, generator=g) * 20)
+    gate_up32 = torch.cat([gate32, torch.randn(64, 1000, generator=g)], 1)
+    for inputs in (gate_up, gate_up32):
+        results = []
+        for library in (kernels, other):
+            out = torch.empty(inputs.shape[0], inputs.shape[1] // 2, dtype=inputs.dtype)
+            library.silu_mul(inputs.contiguous(), out, THREADS)
+            results.append(out.view(torch.int16 if inputs.dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(*results), inputs.dtype
+
+
 def test_the_bf16_level_is_built_with_avx512_bf16(tmp_path):
     """The image's best build on an AVX512_BF16 CPU has the bfloat16 pairs kernel (vdpbf16ps), which a
     plain x86-64-v4 build lacks, and computes the same one-row linear as torch."""

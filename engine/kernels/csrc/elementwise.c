@@ -253,12 +253,20 @@ static inline __m512 silu16(__m512 g) {
 }
 
 /* A bfloat16 gate takes one of 65536 values: round_bf16(silu(g)) for each, as float32, indexed by g's
- * bits (256 KiB, filled once when the library loads). A 16-lane gather from it replaces silu16's
- * ~20 vector ops and its division (vdivps alone is ~16 cycles a vector on this class of CPU, the
- * bound of the computed loop); activations cluster in a few exponents, so the lines it touches stay
- * in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's rounding, denormals
- * kept); the multiply by up and its rounding are unchanged. */
+ * bits (256 KiB, filled once when the library loads). Reading it replaces silu16's ~20 vector ops
+ * and its division (vdivps alone is ~16 cycles a vector on the AMX Xeon, the bound of the computed
+ * loop; the whole computed loop ~26 cycles on Zen 4); activations cluster in a few exponents, so the
+ * lines it touches stay in L1. Same bits as round_bf16(silu16(g)) by construction (f32_to_bf16's
+ * rounding, denormals kept); the multiply by up and its rounding are unchanged. */
 static float silu_bf16_table[1 << 16];
+
+/* Whether silu_mul reads the table one gate at a time rather than with vgatherdps: on AMD CPUs a
+ * 16-lane gather is microcoded (Zen 4: ~22 cycles), and sixteen loads inserted into a vector take
+ * ~12 (1 thread, 512 x 1536 hot: 377 -> 204 us; bench/NOTES.md 'Elementwise kernels on Zen 4');
+ * Intel's gathers (the AMX Xeon: ~5 cycles a vector past the stream) keep the gather. Set once
+ * when the library loads, as the table is; builds with LLAMASERVE_SILU_GATHER (a test variant,
+ * tests/engine/kernel_levels.py) gather on every CPU. */
+static int silu_table_by_loads;
 
 __attribute__((constructor)) static void fill_silu_bf16_table(void) {
     for (int32_t i = 0; i < (1 << 16); i += 16) {
@@ -266,18 +274,41 @@ __attribute__((constructor)) static void fill_silu_bf16_table(void) {
         const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
         _mm512_storeu_ps(silu_bf16_table + i, bf16x16_to_f32(bf16x16_round_soft(silu16(g))));
     }
+#ifndef LLAMASERVE_SILU_GATHER
+    __builtin_cpu_init();
+    silu_table_by_loads = __builtin_cpu_is("amd");
+#endif
+}
+
+static inline __m128 silu_bf16_lookup4(const bf16_t *gate) {
+    __m128 v = _mm_load_ss(silu_bf16_table + gate[0]);
+    v = _mm_insert_ps(v, _mm_load_ss(silu_bf16_table + gate[1]), 0x10);
+    v = _mm_insert_ps(v, _mm_load_ss(silu_bf16_table + gate[2]), 0x20);
+    return _mm_insert_ps(v, _mm_load_ss(silu_bf16_table + gate[3]), 0x30);
+}
+
+/* silu_bf16_table[gate] on 16 (masked: fewer) lanes: by loads (whole vectors) or a gather */
+static inline __m512 silu_bf16_lookup16(const bf16_t *gate, __mmask16 m) {
+    if (silu_table_by_loads && m == 0xffff) {
+        const __m256 lo = _mm256_insertf128_ps(_mm256_castps128_ps256(silu_bf16_lookup4(gate)), silu_bf16_lookup4(gate + 4), 1);
+        const __m256 hi = _mm256_insertf128_ps(_mm256_castps128_ps256(silu_bf16_lookup4(gate + 8)), silu_bf16_lookup4(gate + 12), 1);
+        return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    }
+    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
 }
 
 /* f32_to_bf16(silu_bf16_table[gate] * up) on 16 (masked: fewer) lanes */
 static inline __m256i silu_mul16(const bf16_t *gate, const bf16_t *up, __mmask16 m) {
-    const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
-    const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, silu_bf16_table, 4);
-    return bf16x16_round(_mm512_mul_ps(s, bf16x16_load(up, m)));
+    return bf16x16_round(_mm512_mul_ps(silu_bf16_lookup16(gate, m), bf16x16_load(up, m)));
 }
 
 static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out, int64_t hidden) {
     int64_t i = 0;
-    for (; i + 16 <= hidden; i += 16) _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
+    for (; i + 16 <= hidden; i += 16) {
+        stream_prefetch(gate + i), stream_prefetch(up + i);
+        _mm256_storeu_si256((__m256i *)(out + i), silu_mul16(gate + i, up + i, 0xffff));
+    }
     if (i < hidden) {
         const __mmask16 m = row_mask(hidden - i);
         _mm256_mask_storeu_epi16(out + i, m, silu_mul16(gate + i, up + i, m));
@@ -321,6 +352,22 @@ static void silu_mul_row_bf16(const bf16_t *gate, const bf16_t *up, bf16_t *out,
 }
 #endif
 
+#ifdef HAVE_AVX512_ROWS
+/* silu16's 512-bit steps (GCC vectorizes the loop below at 256 bits here), the same bits */
+static void silu_mul_row_f32(const float *gate, const float *up, float *out, int64_t hidden) {
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = row_mask(hidden - i);
+        stream_prefetch(gate + i), stream_prefetch(up + i);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu16(_mm512_maskz_loadu_ps(m, gate + i)), _mm512_maskz_loadu_ps(m, up + i)));
+    }
+}
+#else
+static void silu_mul_row_f32(const float *gate, const float *up, float *out, int64_t hidden) {
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) out[i] = silu(gate[i]) * up[i];
+}
+#endif
+
 void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hidden, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * hidden >= ROWWISE_PARALLEL_MIN_ELEMS && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
@@ -330,9 +377,7 @@ void silu_mul(int bf16, const void *gate_up, void *out, int64_t rows, int64_t hi
             continue;
         }
         const float *g = (const float *)gate_up + r * 2 * hidden, *u = g + hidden; /* no staging copies */
-        float *o = (float *)out + r * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = silu(g[i]) * u[i];
+        silu_mul_row_f32(g, u, (float *)out + r * hidden, hidden);
     }
 }
 
