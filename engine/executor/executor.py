@@ -102,8 +102,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
         seq_lens=narrow[num_table + num_seqs + 1 :],
         logits_indices=wide[3 * num_tokens :],
         lora_ids=torch.tensor(lora_ids, dtype=torch.int64) if any(lora_ids) else None,
-        logits_every_row=len(logits_rows) == num_tokens,  # logits_rows ascend: all of them, in order
     )
+    if len(logits_rows) == num_tokens:  # they ascend: every row, in order
+        inputs.every_row_indices = inputs.logits_indices
     return inputs, sampling
 
 
@@ -230,7 +231,6 @@ class ModelExecutor:
         if spans or spec:
             extra = [torch.arange(first, first + num, dtype=torch.int64) for _, first, num in (*spans, *spec)]
             inputs.logits_indices = torch.cat([inputs.logits_indices, *extra])
-            inputs.logits_every_row = False
         logits = self._workers.execute(inputs)  # partial chunks still run: they fill the cache
         seqs = [batch.seqs[i] for i in sampling]
         result = self._sampler.sample(logits[: len(sampling)] if spans or spec else logits, seqs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -222,7 +224,7 @@ def every_row(inputs: StepInputs) -> bool:
 
 
 @pytest.mark.parametrize("case", ["decodes", "mixed", "partial chunk", "one-token partial chunk", "last chunk", "drafts"])
-def test_logits_every_row_says_whether_the_logits_rows_are_every_row_in_order(case):
+def test_takes_every_row_says_whether_the_logits_rows_are_every_row_in_order(case):
     """The forward skips its gather exactly when the flag is set: it must be set only when the gather
     would be the identity (and is set for pure-decode steps, the ones it is for)."""
     batches = {
@@ -238,11 +240,13 @@ def test_logits_every_row_says_whether_the_logits_rows_are_every_row_in_order(ca
     if case == "drafts":
         batch.seqs[0].spec_token_ids = [7, 8]
     inputs, _ = build_step_inputs(batch, BLOCK_SIZE)
-    assert inputs.logits_every_row == every_row(inputs)
-    assert inputs.logits_every_row == (case == "decodes")
+    assert inputs.takes_every_row == every_row(inputs)
+    assert inputs.takes_every_row == (case == "decodes")
+    if inputs.takes_every_row:  # replaced indices (another order, more rows) are gathered again
+        assert not dataclasses.replace(inputs, logits_indices=inputs.logits_indices.flip(0)).takes_every_row
 
 
-def test_logits_every_row_is_cleared_when_the_executor_adds_prompt_logprob_rows():
+def test_prompt_logprob_rows_make_the_step_gather_its_logits_rows():
     """A pure-decode-shaped step whose one-token chunk scores a prompt token: its logits rows
     (sampling rows, then the scored rows) are every row, but out of order."""
     executor = FakeExecutor()
@@ -251,4 +255,13 @@ def test_logits_every_row_is_cleared_when_the_executor_adds_prompt_logprob_rows(
     ModelExecutor(executor).execute(ScheduledBatch([chunk, decode], [1, 1]))
     inputs = executor.calls[0]
     assert inputs.logits_indices.tolist() == [1, 0]
-    assert not inputs.logits_every_row
+    assert not inputs.takes_every_row
+
+
+def test_a_step_moved_to_another_device_still_takes_every_row():
+    decodes = ScheduledBatch([make_seq(0, [1, 2, 3], 2, 2, [4]), make_seq(1, [5] * 6, 3, 5, [6, 7])], [1, 1])
+    inputs, _ = build_step_inputs(decodes, BLOCK_SIZE)
+    moved = inputs.to(torch.device("meta"))
+    assert moved is not inputs and moved.logits_indices.device.type == "meta" and moved.takes_every_row
+    mixed, _ = build_step_inputs(mixed_batch(), BLOCK_SIZE)
+    assert not mixed.to(torch.device("meta")).takes_every_row
