@@ -103,6 +103,8 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
         logits_indices=wide[3 * num_tokens :],
         lora_ids=torch.tensor(lora_ids, dtype=torch.int64) if any(lora_ids) else None,
     )
+    if len(logits_rows) == num_tokens:  # they ascend: every row, in order
+        inputs.every_row_indices = inputs.logits_indices
     return inputs, sampling
 
 

@@ -37,13 +37,26 @@ class StepInputs:
     # None on a step without image tokens; built on rank 0 by engine/executor/images.py.
     image_rows: torch.Tensor | None = None  # [num_image_rows] int64
     image_embeds: torch.Tensor | None = None  # [num_image_rows, dim] in the model dtype
+    # logits_indices itself (the same object) when it is every row in order, 0..num_tokens - 1 (a step
+    # whose every row samples, such as a pure-decode step): the forward then feeds the head its rows
+    # as they are instead of an index_select copy (a torch op run cold after the blocks: ~60 us of a
+    # one-stream step, bench/NOTES.md 'The engine thread's Python per decode step'). Held by identity,
+    # so a step whose logits_indices is replaced (more rows, another order) gathers again by itself.
+    every_row_indices: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device`; self when every tensor is there already (a CPU model's every step)."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "every_row_indices"}
         if all(t is None or t.device == device for t in tensors.values()):
             return self
-        return StepInputs(**{name: None if t is None else t.to(device, non_blocking=True) for name, t in tensors.items()})
+        moved = {name: None if t is None else t.to(device, non_blocking=True) for name, t in tensors.items()}
+        every_row = moved["logits_indices"] if self.takes_every_row else None
+        return StepInputs(**moved, every_row_indices=every_row)
+
+    @property
+    def takes_every_row(self) -> bool:
+        """Whether logits_indices is every row in order (see every_row_indices)."""
+        return self.every_row_indices is self.logits_indices
 
     @property
     def num_tokens(self) -> int:

@@ -316,7 +316,7 @@ class Transformer(nn.Module):
             for layer, cache in zip(self.layers, kv_caches):
                 h, delta = layer(h, delta, cache, step)
             _, normed = self.norm(h, delta)
-        return self.output(normed.index_select(0, inputs.logits_indices))
+        return self.output(normed if inputs.takes_every_row else normed.index_select(0, inputs.logits_indices))
 
     def step_data(self, inputs: StepInputs, cache: KVCache, plan: StepPlan) -> AttentionMetadata:
         """What every block reads about this step (its forward's last argument): here the plan's

@@ -148,6 +148,16 @@ def test_one_stream_smoke(tmp_path):
     assert "nan" not in stdout, stdout  # pure-decode steps of 3 sequences were found and timed
 
 
+def test_step_python_smoke(tmp_path):
+    from tests.e2e.conftest import BASE_DESCRIPTOR, Checkpoints
+
+    checkpoints = Checkpoints(root=tmp_path / "checkpoints", outside=tmp_path / "elsewhere")
+    checkpoints.root.mkdir()
+    stdout = run_script("bench/step_python.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)),
+                        "--dtype", "float32", "--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "4", "--streams", "2")
+    assert "outside the kernels, median: cold" in stdout and "nan" not in stdout, stdout
+
+
 def test_responses_overhead_smoke():
     stdout = run_script("bench/responses_overhead.py", "--tokens", "200", "--rounds", "1")
     assert [line.split()[0] for line in stdout.splitlines()] == ["chat", "responses", "messages"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -215,3 +217,51 @@ def test_step_protocol_round_trips_image_rows_and_lora_ids(images, lora):
         want, got = getattr(inputs, name), getattr(back, name)
         assert (want is None and got is None) or torch.equal(want.to(torch.int64), got.to(torch.int64)), name
     assert header.tolist()[5:7] == ([2, 6] if images else [0, 0])
+
+
+def every_row(inputs: StepInputs) -> bool:
+    return inputs.logits_indices.tolist() == list(range(inputs.num_tokens))
+
+
+@pytest.mark.parametrize("case", ["decodes", "mixed", "partial chunk", "one-token partial chunk", "last chunk", "drafts"])
+def test_takes_every_row_says_whether_the_logits_rows_are_every_row_in_order(case):
+    """The forward skips its gather exactly when the flag is set: it must be set only when the gather
+    would be the identity (and is set for pure-decode steps, the ones it is for)."""
+    batches = {
+        "decodes": ScheduledBatch([make_seq(0, [1, 2, 3], 2, 2, [4]), make_seq(1, [5] * 6, 3, 5, [6, 7])], [1, 1]),
+        "mixed": mixed_batch(),
+        "partial chunk": ScheduledBatch([make_seq(0, list(range(10)), 10, 0, [1, 2, 3])], [8]),
+        # a one-token chunk short of its prompt's end (no logits row) beside a decode: every row a decode's shape
+        "one-token partial chunk": ScheduledBatch([make_seq(0, list(range(6)), 6, 3, [1, 2]), make_seq(1, [1, 2, 3], 2, 2, [4])], [1, 1]),
+        "last chunk": ScheduledBatch([make_seq(0, list(range(6)), 6, 2, [1, 2])], [4]),
+        "drafts": ScheduledBatch([make_seq(0, [1, 2, 3], 2, 2, [4, 5])], [1]),
+    }
+    batch = batches[case]
+    if case == "drafts":
+        batch.seqs[0].spec_token_ids = [7, 8]
+    inputs, _ = build_step_inputs(batch, BLOCK_SIZE)
+    assert inputs.takes_every_row == every_row(inputs)
+    assert inputs.takes_every_row == (case == "decodes")
+    if inputs.takes_every_row:  # replaced indices (another order, more rows) are gathered again
+        assert not dataclasses.replace(inputs, logits_indices=inputs.logits_indices.flip(0)).takes_every_row
+
+
+def test_prompt_logprob_rows_make_the_step_gather_its_logits_rows():
+    """A pure-decode-shaped step whose one-token chunk scores a prompt token: its logits rows
+    (sampling rows, then the scored rows) are every row, but out of order."""
+    executor = FakeExecutor()
+    chunk = make_seq(0, list(range(6)), 6, 3, [1, 2], prompt_logprobs=1)  # scores prompt token 4 from row 0
+    decode = make_seq(1, [1, 2, 3], 2, 2, [4])
+    ModelExecutor(executor).execute(ScheduledBatch([chunk, decode], [1, 1]))
+    inputs = executor.calls[0]
+    assert inputs.logits_indices.tolist() == [1, 0]
+    assert not inputs.takes_every_row
+
+
+def test_a_step_moved_to_another_device_still_takes_every_row():
+    decodes = ScheduledBatch([make_seq(0, [1, 2, 3], 2, 2, [4]), make_seq(1, [5] * 6, 3, 5, [6, 7])], [1, 1])
+    inputs, _ = build_step_inputs(decodes, BLOCK_SIZE)
+    moved = inputs.to(torch.device("meta"))
+    assert moved is not inputs and moved.logits_indices.device.type == "meta" and moved.takes_every_row
+    mixed, _ = build_step_inputs(mixed_batch(), BLOCK_SIZE)
+    assert not mixed.to(torch.device("meta")).takes_every_row
