@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels.cpu import load_cpu_kernels  # noqa: E402
 
 BLOCK_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # the demo's wqkv, wo, w13, w2 [out, in]
 
