@@ -7,6 +7,7 @@ the figures themselves are not checked (a real run is in bench/README.md, not in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,22 @@ def test_step_python_smoke(tmp_path):
     stdout = run_script("bench/step_python.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)),
                         "--dtype", "float32", "--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "4", "--streams", "2")
     assert "outside the kernels, median: cold" in stdout and "nan" not in stdout, stdout
+
+
+def test_heap_allocations_smoke_with_the_shim(tmp_path):
+    from tests.e2e.conftest import BASE_DESCRIPTOR, Checkpoints
+
+    checkpoints = Checkpoints(root=tmp_path / "checkpoints", outside=tmp_path / "elsewhere")
+    checkpoints.root.mkdir()
+    shim = tmp_path / "alloc_shim.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(shim), "bench/alloc_shim.c", "-ldl"], cwd=REPO, check=True)
+    argv = ["bench/heap_allocations.py", "--checkpoint", str(checkpoints.get(BASE_DESCRIPTOR, seed=0)), "--dtype", "float32",
+            "--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "4", "--streams", "2"]
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "LD_PRELOAD": str(shim)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    round_line = next(line for line in done.stdout.splitlines() if line.startswith("round 0:"))
+    assert "step CPU" in round_line and "large allocations" in round_line and "not counted" not in round_line, done.stdout
 
 
 def test_responses_overhead_smoke():
