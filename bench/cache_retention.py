@@ -12,7 +12,8 @@ kernels' pattern), then the working set is read again and timed. Three ways of s
 - flush: clflushopt on each streamed line one 1 KiB behind the loads (the line leaves every cache).
 Prints the re-read's median in us over the rounds in which the thread was not preempted
 (getrusage's involuntary switches unchanged: another job on the core evicts everything whatever the
-stream does), and how many rounds those were. Compare with the first row (no stream: hot).
+stream does), and how many rounds those were. Compare with the first row (no stream: hot). Needs
+AVX-512 and CLFLUSHOPT (the loops are written with their intrinsics).
 """
 
 from __future__ import annotations
