@@ -77,7 +77,8 @@ class DecodeBounds:
     backend's bounds checks read these instead of reducing the tensors (~20 torch calls, run cold
     right after the forward streamed the weights: bench/NOTES.md 'A pure-decode step's layout without
     torch'). Holds the tensors it describes and answers for them alone (`describes`, by identity), so a
-    StepInputs whose fields were replaced falls back to the checks on the tensors by itself."""
+    StepInputs whose fields were replaced falls back to the checks on the tensors by itself (nothing
+    writes a step's index tensors in place after build_step_inputs: a writer must drop the bounds)."""
 
     positions: tuple[int, int]
     slots: tuple[int, int]
