@@ -35,7 +35,7 @@ from engine.backends.cpu_step import DecodeStep, build_decode_step
 from engine.backends.torch_ops import TorchBackend, prefill_attention, split_heads
 from engine.kernels.cpu import CpuKernels
 from engine.kernels.memory import onednn_rows
-from engine.executor.step_inputs import StepInputs
+from engine.executor.step_inputs import DecodeBounds, StepInputs
 from engine.quant.linear import tiled_mm
 
 # The batch size oneDNN tunes the packed layout for; 16 beats 1 at every decode batch size
@@ -478,12 +478,22 @@ class CpuKernelBackend(OneDnnBackend):
         positions, slots = inputs.positions, inputs.slot_mapping
         # the batch-invariant mode: paged_decode_attention (split per sequence) for the decodes, SDPA per prefill chunk
         varying = not self.batch_invariant
+        bounds = inputs.decode_bounds
+        if chunk_size is None and bounds is not None and bounds.describes(inputs):
+            check_decode_bounds(bounds, num_positions=rope.shape[0], num_blocks=num_blocks, block_size=block_size,
+                                table_width=inputs.block_tables.shape[1])  # fmt: skip
+            if varying and self._paged_takes_decodes(inputs.num_seqs, cache[0].dtype, head_dim):
+                # every sequence one row: its rows are the step's group starts as they are
+                rows = PagedSequences(inputs.query_start_loc[:-1], torch.ones(inputs.num_seqs, dtype=torch.int32), inputs.seq_lens, inputs.block_tables)
+                return AttentionMetadata(AttentionPath.PAGED, positions, slots, [], rows, rope)
+            # every row samples in order: logits_indices is 0..num_tokens - 1, each decode's int64 row
+            paged = PagedDecodes(inputs.logits_indices, inputs.block_tables, inputs.seq_lens)
+            return AttentionMetadata(AttentionPath.PAGED_DECODES, positions, slots, [], paged, rope)
         if varying and chunk_size is None and inputs.num_tokens > inputs.num_seqs and self.kernels.paged_attention_takes_chunks(cache[0].dtype, head_dim, block_size):
             meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, [], _all_sequences(inputs), rope)
         else:
             starts, _, prefills, decodes = AttentionMetadata.split(inputs, block_size, chunk_size)
-            if (varying and chunk_size is None and head_dim % 16 == 0 and len(decodes) >= 2 * torch.get_num_threads()
-                    and self.kernels.paged_attention_takes_decodes(cache[0].dtype)):
+            if varying and chunk_size is None and self._paged_takes_decodes(len(decodes), cache[0].dtype, head_dim):
                 meta = AttentionMetadata(AttentionPath.PAGED, positions, slots, prefills, _paged_decode_sequences(inputs, decodes, starts), rope)
             else:
                 paged = _paged_decodes(inputs, decodes, starts) if decodes else None
@@ -492,6 +502,11 @@ class CpuKernelBackend(OneDnnBackend):
                 meta = AttentionMetadata(AttentionPath.PAGED_DECODES, positions, slots, prefills, paged, rope)
         check_indices(inputs, meta, num_positions=rope.shape[0], num_blocks=num_blocks, block_size=block_size)
         return meta
+
+    def _paged_takes_decodes(self, num_decodes: int, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a step's decodes go to paged_attention in one call (two per thread or more, where
+        it is the faster: paged_attention_takes_decodes) rather than paged_decode_attention."""
+        return head_dim % 16 == 0 and num_decodes >= 2 * torch.get_num_threads() and self.kernels.paged_attention_takes_decodes(dtype)
 
     def compiled_decode_step(self, model: nn.Module) -> DecodeStep | None:
         return build_decode_step(model, self.kernels, self.amx, invariant=self.batch_invariant)
@@ -615,5 +630,23 @@ def check_indices(inputs: StepInputs, meta: AttentionMetadata, *, num_positions:
         if values.dtype != dtype or not values.is_contiguous():
             raise ValueError(f"{what}s must be a contiguous {dtype} tensor, got {values.dtype}")
         low, high = (bound.item() for bound in torch.aminmax(values))  # Python ints: tensor comparisons cost ~10x more
-        if low < 0 or high >= limit:
-            raise ValueError(f"a {what} is outside [0, {limit}): {low}..{high}")
+        _check_range(low, high, limit, what)
+
+
+def check_decode_bounds(bounds: DecodeBounds, *, num_positions: int, num_blocks: int, block_size: int, table_width: int) -> None:
+    """check_indices for a pure-decode step from the ranges build_step_inputs took of its lists (the
+    same limits; its rows are 0..num_tokens - 1 and each sequence's new tokens 1 by construction:
+    DecodeBounds.describes)."""
+    (low_len, high_len) = bounds.seq_lens
+    for (low, high), limit, what in (
+        (bounds.positions, num_positions, "position"),
+        (bounds.slots, num_blocks * block_size, "KV slot"),
+        (bounds.block_ids, num_blocks, "KV block id"),
+        ((low_len - 1, high_len - 1), table_width * block_size, "decode length - 1"),
+    ):  # fmt: skip
+        _check_range(low, high, limit, what)
+
+
+def _check_range(low: int, high: int, limit: int, what: str) -> None:
+    if low < 0 or high >= limit:
+        raise ValueError(f"a {what} is outside [0, {limit}): {low}..{high}")

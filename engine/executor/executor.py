@@ -19,7 +19,7 @@ from engine.core.sampler import Sampler, is_greedy
 from engine.core.sequence import ScheduledBatch, StepOutput
 from engine.executor.cross_attention import CrossAttentionTracker
 from engine.executor.images import ImageRows
-from engine.executor.step_inputs import StepInputs
+from engine.executor.step_inputs import DecodeBounds, StepInputs
 from engine.executor.worker_group import Workers
 from engine.spec.verify import Verifier, greedy_verdict
 from engine.types import TokenLogprob
@@ -105,6 +105,12 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInput
     )
     if len(logits_rows) == num_tokens:  # they ascend: every row, in order
         inputs.every_row_indices = inputs.logits_indices
+        if num_tokens == num_seqs and inputs.lora_ids is None:  # a pure-decode step: its ranges from the lists
+            inputs.decode_bounds = DecodeBounds(
+                (min(positions), max(positions)), (min(slots), max(slots)), (min(block_rows), max(block_rows)),
+                (min(seq_lens), max(seq_lens)),
+                (inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices),
+            )  # fmt: skip
     return inputs, sampling
 
 

@@ -43,10 +43,13 @@ class StepInputs:
     # one-stream step, bench/NOTES.md 'The engine thread's Python per decode step'). Held by identity,
     # so a step whose logits_indices is replaced (more rows, another order) gathers again by itself.
     every_row_indices: torch.Tensor | None = None
+    # The index ranges of a pure-decode step as build_step_inputs made it (None otherwise, and on
+    # followers): the CPU backend checks them and lays the step out without a torch call (DecodeBounds).
+    decode_bounds: "DecodeBounds | None" = None
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device`; self when every tensor is there already (a CPU model's every step)."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "every_row_indices"}
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("every_row_indices", "decode_bounds")}
         if all(t is None or t.device == device for t in tensors.values()):
             return self
         moved = {name: None if t is None else t.to(device, non_blocking=True) for name, t in tensors.items()}
@@ -65,6 +68,30 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBounds:
+    """The inclusive (low, high) ranges of a pure-decode step's index tensors (every group one row,
+    every row sampling, no LoRA), taken from the Python lists build_step_inputs made them from: the CPU
+    backend's bounds checks read these instead of reducing the tensors (~20 torch calls, run cold
+    right after the forward streamed the weights: bench/NOTES.md 'A pure-decode step's layout without
+    torch'). Holds the tensors it describes and answers for them alone (`describes`, by identity), so a
+    StepInputs whose fields were replaced falls back to the checks on the tensors by itself (nothing
+    writes a step's index tensors in place after build_step_inputs: a writer must drop the bounds)."""
+
+    positions: tuple[int, int]
+    slots: tuple[int, int]
+    block_ids: tuple[int, int]
+    seq_lens: tuple[int, int]
+    tensors: tuple[torch.Tensor, ...]  # (positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices)
+
+    def describes(self, inputs: StepInputs) -> bool:
+        """Whether these bounds are of `inputs`' own tensors, and it is still a pure-decode step
+        whose every row samples in order with nothing else in it."""
+        own = (inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices)
+        return (all(a is b for a, b in zip(own, self.tensors, strict=True)) and inputs.takes_every_row and inputs.lora_ids is None
+                and inputs.image_rows is None)  # fmt: skip
 
 
 def query_groups(batch: "ScheduledBatch") -> list[int]:

@@ -818,6 +818,68 @@ def test_index_dtype_mismatch_raises(model32):
         model32(bad, new_caches(model32))
 
 
+def layout_fields(meta) -> list:
+    """An attention layout as comparable values: its path and every index tensor the kernels read."""
+    batched = meta.batched
+    tensors = [getattr(batched, f.name) for f in dataclasses.fields(batched)] if batched is not None else []
+    return [meta.path, meta.positions, meta.slot_mapping, len(meta.prefills), *tensors]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["paged_decode_attention", "paged_attention"])
+def test_pure_decode_layout_from_list_bounds_equals_the_checked_one(fused_model, paged, monkeypatch):
+    """A pure-decode step that build_step_inputs marked (StepInputs.decode_bounds) is laid out and
+    checked without reducing its tensors: step by step through changing batches (sequences joining
+    and leaving, a new block, a prefill chunk in between, a replaced field), its layout and logits
+    equal those of the same step with the marks dropped (the checks on the tensors)."""
+    model = fused_model[0]
+    if paged:  # the decodes in one paged_attention call, as on AMX tiles at 2+ decodes per thread
+        monkeypatch.setattr(model.backend.kernels, "paged_attention_takes_decodes", lambda dtype: True)
+    marked_caches, plain_caches = new_caches(model), new_caches(model)
+    alloc = Allocator(seed=11)
+    a, b, c, d = make_seqs(model.vocab_size, [3, 7, 8, 15], seed=12)
+    steps = [([a, b], [3, 7]), ([a, b], [1, 1]), ([a, b], [1, 1]), ([a, b, c], [1, 1, 8]), ([a, b, c], [1, 1, 1]),
+             ([b, c], [1, 1]), ([c, b, a], [1, 1, 1]), ([d], [15]), ([d, a], [1, 1]), ([d, a], [1, 1])]  # fmt: skip
+    marked_steps = 0
+    for seqs, counts in steps:
+        for seq, count in zip(seqs, counts):
+            alloc.grow(seq, seq.num_computed_tokens + count)  # b's 8th token and d's 16th+ need new blocks
+        inputs, _ = build_step_inputs(ScheduledBatch(seqs, counts), BLOCK_SIZE)
+        pure = all(count == 1 for count in counts)
+        assert (inputs.decode_bounds is not None and inputs.decode_bounds.describes(inputs)) == pure
+        marked_steps += pure
+        plain = dataclasses.replace(inputs, decode_bounds=None)
+        metas = [model.backend.attention_metadata(x, model.freqs_cis, marked_caches[0]) for x in (inputs, plain)]
+        for got, want in zip(*(layout_fields(meta) for meta in metas), strict=True):
+            assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+        logits = model(inputs, marked_caches)
+        assert torch.equal(logits, model(plain, plain_caches))
+        for seq, count, row_logits in zip(seqs, counts, logits, strict=True):  # every sequence samples here
+            seq.num_computed_tokens += count
+            seq.token_ids.append(int(row_logits.argmax()))
+    assert marked_steps == 7
+    # a field replaced after build_step_inputs: its marks no longer describe the step
+    inputs, _ = build_step_inputs(ScheduledBatch([d, a], [1, 1]), BLOCK_SIZE)
+    for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
+        assert not inputs.decode_bounds.describes(dataclasses.replace(inputs, **{name: getattr(inputs, name).clone()}))
+
+
+def test_out_of_range_in_a_marked_pure_decode_step_raises(model32):
+    """The checks made from build_step_inputs' lists refuse what the tensor checks refuse: a block id
+    past the pool in a table, and a position past the rope table."""
+    seqs, _ = decode_batch(model32.vocab_size)
+    seqs[1].block_table[0] = NUM_BLOCKS  # not the block this step writes: only the table check sees it
+    inputs, _ = build_step_inputs(ScheduledBatch(seqs, [1, 1]), BLOCK_SIZE)
+    assert inputs.decode_bounds is not None and inputs.decode_bounds.describes(inputs)
+    assert_rejected(model32, inputs, "KV block id")
+
+    long = make_seqs(model32.vocab_size, [MAX_SEQ_LEN + 1], seed=13)[0]
+    Allocator(seed=14).grow(long, MAX_SEQ_LEN + 1)
+    long.num_computed_tokens = MAX_SEQ_LEN
+    inputs, _ = build_step_inputs(ScheduledBatch([long], [1]), BLOCK_SIZE)
+    assert inputs.decode_bounds is not None
+    assert_rejected(model32, inputs, "position")
+
+
 # =========================================================================== building and falling back
 def fake_compiler(tmp_path: Path, *, version_ok: bool = True) -> str:
     """A `cc` that answers --version but fails every compile (or fails both)."""

@@ -246,6 +246,37 @@ def test_takes_every_row_says_whether_the_logits_rows_are_every_row_in_order(cas
         assert not dataclasses.replace(inputs, logits_indices=inputs.logits_indices.flip(0)).takes_every_row
 
 
+@pytest.mark.parametrize("case", ["decodes", "mixed", "one-token partial chunk", "drafts", "lora", "prompt logprobs"])
+def test_decode_bounds_mark_only_pure_decode_steps_with_their_tensors_ranges(case):
+    """StepInputs.decode_bounds (the CPU backend's checks without torch) is set for a pure-decode
+    step alone, its ranges those of the tensors it describes; a step whose logits rows the executor
+    replaces (prompt logprobs) or that has LoRA rows is not described by any."""
+    executor = FakeExecutor()
+    seqs = {
+        "decodes": [make_seq(0, [1, 2, 3], 2, 2, [4]), make_seq(1, [5] * 6, 3, 5, [6, 7])],
+        "mixed": mixed_batch().seqs,
+        "one-token partial chunk": [make_seq(0, list(range(6)), 6, 3, [1, 2]), make_seq(1, [1, 2, 3], 2, 2, [4])],
+        "drafts": [make_seq(0, [1, 2, 3], 2, 2, [4, 5])],
+        "lora": [make_seq(0, [1, 2, 3], 2, 2, [4]), make_seq(1, [5] * 6, 3, 5, [6, 7])],
+        "prompt logprobs": [make_seq(0, list(range(6)), 6, 3, [1, 2], prompt_logprobs=1), make_seq(1, [1, 2, 3], 2, 2, [4])],
+    }[case]
+    counts = mixed_batch().num_new_tokens if case == "mixed" else [1] * len(seqs)
+    if case == "drafts":
+        seqs[0].spec_token_ids = [7, 8]
+    if case == "lora":
+        seqs[1].lora_id = 3
+    ModelExecutor(executor).execute(ScheduledBatch(seqs, counts))
+    inputs = executor.calls[0]
+    bounds = inputs.decode_bounds
+    assert (bounds is not None and bounds.describes(inputs)) == (case == "decodes")
+    if case == "decodes":
+        def span(t: torch.Tensor) -> tuple[int, int]:
+            return int(t.min()), int(t.max())
+
+        assert (bounds.positions, bounds.slots, bounds.block_ids, bounds.seq_lens) == tuple(
+            span(t) for t in (inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens))
+
+
 def test_prompt_logprob_rows_make_the_step_gather_its_logits_rows():
     """A pure-decode-shaped step whose one-token chunk scores a prompt token: its logits rows
     (sampling rows, then the scored rows) are every row, but out of order."""
