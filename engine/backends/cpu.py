@@ -45,8 +45,9 @@ PACK_BATCH_HINT = 16
 # Linears of at most this many weight bytes also keep a copy in engine.kernels.cpu's interleaved
 # layout for one-row inputs: oneDNN's fixed cost per call is a large part of streaming such a weight;
 # for larger weights a second copy would cost memory for little (bench/NOTES.md). Larger bfloat16
-# weights on AMX CPUs get the pairs copy instead of oneDNN's, and float32 weights of any size where
-# csrc/gemm.c serves them (AVX2) the interleaved copy alone (pack_weight).
+# weights on AMX CPUs, and on AVX512_BF16 builds with the pairs gemm, get the pairs copy instead of
+# oneDNN's, and float32 weights of any size where csrc/gemm.c serves them (AVX2) the interleaved copy
+# alone (pack_weight).
 INTERLEAVED_MAX_WEIGHT_BYTES = 8 << 20
 
 # bfloat16 inputs of 2 to this many rows run through AMX tiles (engine/kernels/csrc/amx_linear.c) on the
@@ -124,6 +125,10 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
     `amx`, a larger bfloat16 weight the tiles take gets the pairs copy in place of oneDNN's (one
     copy either way): its decode batches then stream it 1.1-1.4x faster and one row runs the
     one-row kernel, for prefill chunks on tiles at ~0.9x oneDNN (bench/NOTES.md 'AMX linears').
+    Without tiles, where the build has the pairs gemm (AVX512_BF16: Zen 4), likewise: on the 1.1B
+    model's shapes one row ran 1.16-1.51x oneDNN's speed, 32 rows 1.01-1.13x, 512-row prefill chunks
+    0.87-1.01x (bench/NOTES.md 'Large bfloat16 weights without AMX'); oneDNN alone had left such a
+    model's one-row steps at ~22 GB/s and off the compiled decode step.
     onednn False (oneDNN has no kernel for the dtype here: bfloat16 on AVX2): the interleaved copy
     only, whatever its size (PackedCpuLinear's rows without oneDNN); `kernels` and out_features a
     multiple of 16 needed (OneDnnBackend.prepare_linear keeps other weights dense).
@@ -147,8 +152,10 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
             return PackedWeight(None, weight.shape[0], weight.shape[1], kernels.interleave(weight))
         if small:
             interleaved = kernels.interleave(weight)
-        elif amx is not None and weight.dtype == torch.bfloat16 and AmxLinear.supports(pairs := kernels.interleave(weight)):
-            return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
+        elif weight.dtype == torch.bfloat16 and (amx is not None or kernels.has_pairs_gemm):
+            pairs = kernels.interleave(weight)
+            if AmxLinear.supports(pairs) if amx is not None else kernels.bind_pairs_gemm(pairs) is not None:
+                return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
 

@@ -124,6 +124,11 @@ class CpuKernels:
         return self._bf16_pairs is not None
 
     @property
+    def has_pairs_gemm(self) -> bool:
+        """Whether this build has linear.c's pairs gemm (AVX512_BF16): bfloat16 rows of any count from the pairs copy."""
+        return self._pairs_gemm is not None
+
+    @property
     def simd_bits(self) -> int:
         """The vector width the interleaved linears of this build are written for: 512 (AVX-512), 256
         (AVX2 with FMA) or 128 (the portable loops); the few-rows cutoff depends on it

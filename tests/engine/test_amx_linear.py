@@ -209,8 +209,9 @@ def test_the_bfloat16_kernel_backend_packs_for_amx(kernels, amx):
 def test_a_large_weight_keeps_the_pairs_copy_only(kernels, amx, monkeypatch):
     """Past INTERLEAVED_MAX_WEIGHT_BYTES a bfloat16 weight the tiles take gets the pairs copy in
     place of oneDNN's: one row through the one-row kernel, every other row count (prefill chunks
-    included) through the tiles; without AMX (or for k the tiles refuse) it stays on oneDNN. Such a
-    weight handed no tiles runs its 2+ rows on the pairs gemm (AVX512_BF16 builds), every row count."""
+    included) through the tiles; for k the tiles refuse it stays on oneDNN, and without AMX it gets
+    the pairs copy alone where the build has the pairs gemm. Such a weight handed no tiles runs its
+    2+ rows on the pairs gemm (AVX512_BF16 builds), every row count."""
     monkeypatch.setattr(cpu, "INTERLEAVED_MAX_WEIGHT_BYTES", 64 * 96 * 2 - 1)  # a small weight counts as large
     torch.manual_seed(5)
     weight = torch.randn(64, 96).bfloat16()
@@ -221,7 +222,8 @@ def test_a_large_weight_keeps_the_pairs_copy_only(kernels, amx, monkeypatch):
     for rows in (1, 2, cpu.AMX_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 96).bfloat16()
         assert_close_to_reference(layer(x), x, weight)
-    assert pack_weight(weight, kernels).packed is not None and pack_weight(weight, kernels).interleaved is None
+    alone = pack_weight(weight, kernels)  # no tiles: the pairs gemm's build (AVX512_BF16) takes it alone too
+    assert (alone.packed is None, alone.interleaved is not None) == (kernels.has_pairs_gemm, kernels.has_pairs_gemm)
     assert pack_weight(torch.randn(64, 48).bfloat16(), kernels, amx).packed is not None  # k % 32: oneDNN
     without_tiles = PackedCpuLinear(packed, kernels)
     assert without_tiles.pairs_rows() == cpu.AMX_MAX_ROWS and not without_tiles.pairs_on_tiles()

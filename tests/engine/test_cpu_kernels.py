@@ -279,6 +279,27 @@ def test_packed_linear_routes_bfloat16_rows_through_the_pairs_gemm(pairs_gemm, m
         assert torch.equal(pairs_only(x), gemm(x, THREADS)), rows
 
 
+def test_a_large_bfloat16_weight_keeps_the_pairs_copy_alone_where_the_pairs_gemm_is(pairs_gemm, monkeypatch):
+    """Past INTERLEAVED_MAX_WEIGHT_BYTES a bfloat16 weight gets the pairs copy in place of oneDNN's
+    where the build has the pairs gemm (no AMX needed): one row on the one-row kernel, every other
+    row count (prefill chunks too) on the gemm, no memory for a second copy; small weights keep both."""
+    monkeypatch.setattr(cpu_backends, "INTERLEAVED_MAX_WEIGHT_BYTES", 64 * 96 * 2 - 1)  # this weight counts as large
+    g = gen(12)
+    weight = torch.randn(64, 96, generator=g).bfloat16()
+    packed = pack_weight(weight, pairs_gemm)
+    assert packed.packed is None and packed.interleaved is not None and packed.interleaved.dim() == 4
+    layer = PackedCpuLinear(packed, pairs_gemm)
+    assert layer.resident_bytes() == weight.numel() * 2 and layer.pairs_rows() == cpu_backends.AMX_MAX_ROWS  # a step's rows
+    gemm, one_row = pairs_gemm.bind_pairs_gemm(layer.interleaved), pairs_gemm.bind_interleaved(layer.interleaved)
+    for rows in (1, 2, cpu_backends.PAIRS_GEMM_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        out = layer(x)
+        assert torch.equal(out, one_row(x, THREADS) if rows == 1 else gemm(x, THREADS)), rows
+        assert_within_bf16_of_float32(out, x, weight)
+    small = pack_weight(torch.randn(64, 48, generator=g).bfloat16(), pairs_gemm)  # 6 KiB: both copies
+    assert small.packed is not None and small.interleaved is not None
+
+
 @pytest.mark.parametrize("gemm", [True, False])
 @pytest.mark.parametrize("cutoff", [1, 8])
 def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutoff, gemm, monkeypatch):
@@ -314,7 +335,8 @@ def test_large_float32_head_runs_few_rows_on_its_interleaved_copy(kernels, cutof
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_one_row_path(kernels, dtype):
     """With kernels, a small packed linear keeps an interleaved copy and answers one-row inputs
-    from it, more rows from oneDNN; both agree with F.linear. Large weights get no copy."""
+    from it, more rows from oneDNN; both agree with F.linear. Large weights get one copy: the
+    interleaved one where a gemm of this build serves it, else oneDNN's."""
     if not cpu_packing_available(dtype):
         pytest.skip(f"oneDNN cannot run {dtype} here")
     g = gen(5)
@@ -327,7 +349,8 @@ def test_packed_linear_one_row_path(kernels, dtype):
     assert PackedCpuLinear(pack_weight(weight)).interleaved is None  # no kernels: oneDNN only
     big = torch.empty(16, (8 << 20) // (16 * weight.element_size()) + 16, dtype=dtype)
     big_layer = PackedCpuLinear(pack_weight(big, kernels), kernels)
-    if dtype == torch.float32 and kernels.gemm_max_rows() > 0:  # csrc/gemm.c serves it: its copy in place of oneDNN's
+    one_copy = kernels.gemm_max_rows() > 0 if dtype == torch.float32 else kernels.has_pairs_gemm
+    if one_copy:  # csrc/gemm.c (float32) or the pairs gemm (bfloat16) serves it: its copy in place of oneDNN's
         assert big_layer.packed_weight is None and big_layer.interleaved is not None
     else:
         assert big_layer.interleaved is None
