@@ -154,7 +154,9 @@ def pack_weight(weight: torch.Tensor, kernels: CpuKernels | None = None, amx: Am
             interleaved = kernels.interleave(weight)
         elif weight.dtype == torch.bfloat16 and (amx is not None or kernels.has_pairs_gemm):
             pairs = kernels.interleave(weight)
-            if AmxLinear.supports(pairs) if amx is not None else kernels.bind_pairs_gemm(pairs) is not None:
+            # the many-rows kernel PackedCpuLinear binds to it (_bind_pairs_rows) then takes every row count
+            takes_every_row = AmxLinear.supports(pairs) if amx is not None else kernels.bind_pairs_gemm(pairs) is not None
+            if takes_every_row:
                 return PackedWeight(None, weight.shape[0], weight.shape[1], pairs)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
     return PackedWeight(packed, weight.shape[0], weight.shape[1], interleaved)
