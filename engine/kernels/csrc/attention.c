@@ -105,6 +105,8 @@ typedef struct {
     int64_t heads, n_rep, block_size, slot_elems; /* slot_elems = kv_heads * head_dim */
     size_t slot_bytes;
     int bf16;
+    const bf16_t *q_bf16; /* the task's query row as stored (bfloat16 calls; score_heads_dp's operand) */
+    float scale;          /* the softmax scale score_heads_dp applies to its sums */
 } AttendArgs;
 
 /* A call's tasks, handed out one at a time (dynamic scheduling by hand, as paged_attention_amx's
@@ -199,6 +201,52 @@ static inline __attribute__((always_inline)) void score_heads_bf16(const void *r
     }
 }
 
+#if defined(__AVX512BF16__) && NV_LANES == 16
+#define DECODE_DPBF16 1
+/* score_heads_bf16 by vdpbf16ps where the build has AVX512_BF16 (D a multiple of 32): the stored
+ * bfloat16 query (q_bf16, unscaled) against each key's pairs as they sit in the cache, no widening,
+ * half the multiply instructions; the sums times `scale` after. Each product of two bfloat16 values
+ * is exact in float32 either way, so the scores differ from the widening path's only in summation
+ * order (and the instruction's flush of denormal inputs and sums to zero, far below any score that
+ * weighs in the softmax). */
+static inline __attribute__((always_inline)) void score_heads_dp(const bf16_t *rows, int64_t stride, int64_t n,
+                                                                 const bf16_t *q, const int64_t D, const int RC, float scale,
+                                                                 float *s, int64_t s_stride, BlockPrefetch *pf,
+                                                                 int64_t *credit, int64_t head_lines, int64_t n_rep) {
+    const int64_t QV = D / 32; /* zmm of 32 bfloat16 per head */
+    __m512bh qv[3][4];
+    for (int r = 0; r < RC; r++)
+        for (int64_t c = 0; c < QV && c < 4; c++) qv[r][c] = (__m512bh)_mm512_loadu_si512(q + r * D + c * 32);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        nvf acc[3][4];
+        for (int r = 0; r < RC; r++)
+            for (int k = 0; k < 4; k++) acc[r][k] = (nvf){0};
+        for (int64_t c = 0; c < QV; c++) {
+            for (int k = 0; k < 4; k++) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows + (j + k) * stride + c * 32);
+                for (int r = 0; r < RC; r++)
+                    acc[r][k] = (nvf)_mm512_dpbf16_ps((__m512)acc[r][k], kv,
+                                                      c < 4 ? qv[r][c] : (__m512bh)_mm512_loadu_si512(q + r * D + c * 32));
+            }
+        }
+        for (int r = 0; r < RC; r++) {
+            const nvf sums = pa_sum4(acc[r]) * scale;
+            memcpy(s + r * s_stride + j, &sums, 4 * sizeof(float));
+        }
+        for (*credit += 4 * RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+    }
+    for (; j < n; j++) {
+        for (int r = 0; r < RC; r++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < D; i++) dot += bf16_to_f32(q[r * D + i]) * bf16_to_f32(rows[j * stride + i]);
+            s[r * s_stride + j] = dot * scale;
+        }
+        for (*credit += RC * head_lines; *credit >= n_rep; *credit -= n_rep) prefetch_line(pf);
+    }
+}
+#endif
+
 /* Query heads [h, h + RC) of one KV head (RC <= 3, sum and p those heads' first): sum[r * D + i] +=
  * sum over the block's n keys of p[r * p_stride + j] * rows[j * stride + i] (float32, or BF16:
  * bfloat16 widened here, once for the RC heads, with no float32 copy stored and read back), 4
@@ -233,6 +281,55 @@ static inline __attribute__((always_inline)) void weigh_values(const void *rows,
                 if (c < m) nv_storef(sum + r * D + d0 + c * NV_LANES, sv[r][c]);
     }
 }
+
+#ifdef DECODE_DPBF16
+/* weigh_values for bfloat16 values by vdpbf16ps (AVX512_BF16; D a multiple of 64): keys in pairs,
+ * each pair's two value rows interleaved by vpermt2w into (key j, key j + 1) pairs per dim, times
+ * the pair of their weights rounded to bfloat16, as torch's CPU flash attention rounds its
+ * probabilities before their product with V (the weights' sum, sum_out, stays in float32). Half the
+ * multiply instructions and no widening. */
+static inline __attribute__((always_inline)) void weigh_values_dp(const bf16_t *rows, int64_t stride, int64_t n, const float *p,
+                                                                  int64_t p_stride, float *sum, const int64_t D, const int RC,
+                                                                  BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
+                                                                  int64_t n_rep) {
+    const int64_t pairs = (n + 1) / 2;
+    uint32_t pp[3][pairs + 8]; /* head r's weights as bfloat16 pairs (key 2i low, 2i + 1 high; 0 past n) */
+    for (int r = 0; r < RC; r++) {
+        bf16_t *w = (bf16_t *)pp[r];
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) _mm256_storeu_si256((__m256i *)(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * p_stride + j)));
+        for (; j < n; j++) w[j] = f32_to_bf16(p[r * p_stride + j]);
+        if (n & 1) w[n] = 0;
+    }
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 sv[3][4];
+        for (int r = 0; r < RC; r++)
+            for (int c = 0; c < 4; c++) sv[r][c] = _mm512_loadu_ps(sum + r * D + d0 + c * 16);
+        for (int64_t i = 0; i < pairs; i++) {
+            const int64_t j = 2 * i;
+            for (*credit += 2 * RC * head_lines * 64; *credit >= n_rep * D; *credit -= n_rep * D) prefetch_line(pf);
+            const bf16_t *v0 = rows + j * stride + d0;
+            __m512bh w[3];
+            for (int r = 0; r < RC; r++) w[r] = (__m512bh)_mm512_set1_epi32((int)pp[r][i]);
+            for (int c = 0; c < 2; c++) {
+                const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+                const __m512i b = j + 1 < n ? _mm512_loadu_si512(v0 + stride + c * 32) : _mm512_setzero_si512();
+                const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+                const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+                for (int r = 0; r < RC; r++) {
+                    sv[r][2 * c] = _mm512_dpbf16_ps(sv[r][2 * c], lo, w[r]);
+                    sv[r][2 * c + 1] = _mm512_dpbf16_ps(sv[r][2 * c + 1], hi, w[r]);
+                }
+            }
+        }
+        for (int r = 0; r < RC; r++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(sum + r * D + d0 + c * 16, sv[r][c]);
+    }
+}
+#endif
 
 /* Blocks [blk_begin, blk_end) of one sequence of len keys: per head, the largest score max[h],
  * sum[h] = sum of exp(score - max[h]) and acc[h] = the values weighted by those exps (unnormalised).
@@ -306,6 +403,19 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     if (pass == 0 && a->bf16 && own_widening) {
                         const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
                         float *s = scores + h * n_keys + t0;
+#ifdef DECODE_DPBF16
+                        if (D % 32 == 0) {
+                            const bf16_t *kb = (const bf16_t *)block, *qb = a->q_bf16 + h * D;
+                            if (rc == 3)
+                                score_heads_dp(kb, a->slot_elems, n, qb, D, 3, a->scale, s, n_keys, &pf, &credit, head_lines, n_rep);
+                            else if (rc == 2)
+                                score_heads_dp(kb, a->slot_elems, n, qb, D, 2, a->scale, s, n_keys, &pf, &credit, head_lines, n_rep);
+                            else
+                                score_heads_dp(kb, a->slot_elems, n, qb, D, 1, a->scale, s, n_keys, &pf, &credit, head_lines, n_rep);
+                            h += rc - 1;
+                            continue;
+                        }
+#endif
                         if (rc == 3)
                             score_heads_bf16(block, a->slot_elems, n, qf + h * D, D, 3, s, n_keys, &pf, &credit, head_lines, n_rep);
                         else if (rc == 2)
@@ -347,11 +457,20 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         if (D % NV_LANES == 0) {
                             const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
 #define WEIGH(RC, BF16) weigh_values(block, a->slot_elems, n, p, n_keys, sum, D, RC, BF16, &pf, &credit, head_lines, n_rep)
+#ifdef DECODE_DPBF16
+#define WEIGH_DP(RC) weigh_values_dp((const bf16_t *)block, a->slot_elems, n, p, n_keys, sum, D, RC, &pf, &credit, head_lines, n_rep)
+                            if (a->bf16 && D % 64 == 0)
+                                rc == 3 ? WEIGH_DP(3) : rc == 2 ? WEIGH_DP(2) : WEIGH_DP(1);
+                            else /* the widening path below */
+#endif
                             if (a->bf16)
                                 rc == 3 ? WEIGH(3, 1) : rc == 2 ? WEIGH(2, 1) : WEIGH(1, 1);
                             else
                                 rc == 3 ? WEIGH(3, 0) : rc == 2 ? WEIGH(2, 0) : WEIGH(1, 0);
 #undef WEIGH
+#ifdef DECODE_DPBF16
+#undef WEIGH_DP
+#endif
                             h += rc - 1;
                         } else {
                             for (int64_t j = 0; j < n; j++) {
@@ -420,6 +539,8 @@ static int decode_attention_impl(int bf16, const void *q, int64_t q_stride, void
             float qf[heads * D];
             const char *q_row = (const char *)q + (size_t)rows[b] * q_stride * es;
             load_row(qf, q_row, heads * D, bf16);
+            a.q_bf16 = bf16 ? (const bf16_t *)q_row : NULL;
+            a.scale = scale;
 #pragma omp simd
             for (int64_t i = 0; i < heads * D; i++) qf[i] *= scale;
             float *scores = kernel_malloc((size_t)(heads * (blk_end - blk_begin) * block_size) * sizeof(float));
