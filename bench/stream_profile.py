@@ -14,6 +14,9 @@ FMAs on widened weights). Step shapes:
     m32           28 decodes + 3 whole prompts + the first 100 tokens of a 4th (a 512 budget)
     pfx           28 decodes + 4 prompts' last 28 tokens behind a 100-token cached prefix
     p512 / p2048  4 / 16 whole 128-token prompts (one step of a 512 / 2048 budget)
+    l2048         one whole 2048-token prompt (any lN: N tokens; a long prompt's prefill at a budget of N)
+    c2048         a 2048-token prompt's last 512 tokens behind its first 1536 (any cN: the last chunk
+                  of an N-token prompt at the default 512-token budget)
 
 Pure-decode steps run the backend's compiled decode step (engine/backends/cpu_step.py: every block
 in one C call) where it serves them; its calls are timed as one row, "decode step (fused)", and the
@@ -65,6 +68,8 @@ BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
 DECODE_CONTEXT = 160
+CHUNK_TOKENS = 512  # the engine's default step budget
+LONG_PROMPT_MAX = 8192  # lN / cN: the cache below holds 70 x 12 blocks of 16 tokens
 MAX_TOKENS = PROMPT_TOKENS + OUTPUT_TOKENS
 
 
@@ -149,8 +154,8 @@ def timed_decode_step(step, timers: Timers):
     return timed
 
 
-def sequence(seq_id: int, slot: int, num_tokens: int, computed: int) -> Sequence:
-    blocks = math.ceil(MAX_TOKENS / BLOCK_SIZE)
+def sequence(seq_id: int, slot: int, num_tokens: int, computed: int, max_tokens: int = MAX_TOKENS) -> Sequence:
+    blocks = math.ceil(max_tokens / BLOCK_SIZE)
     seq = Sequence(seq_id, str(seq_id), [(seq_id * 7919 + i) % 40000 + 100 for i in range(num_tokens)], PROMPT_TOKENS, SamplingParams(temperature=0.0))
     seq.block_table = list(range(slot * blocks, (slot + 1) * blocks))
     seq.num_computed_tokens = computed
@@ -180,6 +185,11 @@ def step_shape(name: str) -> tuple[list[Sequence], list[int]]:
         decodes(28), prompts(4, PROMPT_TOKENS - 100, prefix=100)
     elif name in ("p512", "p2048"):
         prompts(int(name[1:]) // PROMPT_TOKENS, PROMPT_TOKENS)
+    elif name[:1] in ("l", "c") and name[1:].isdigit() and CHUNK_TOKENS <= int(name[1:]) <= LONG_PROMPT_MAX:
+        n = int(name[1:])
+        new = n if name[0] == "l" else CHUNK_TOKENS
+        seqs.append(sequence(0, 0, n, n - new, max_tokens=n))
+        counts.append(new)
     else:
         raise SystemExit(f"unknown step {name!r}")
     return seqs, counts
@@ -226,7 +236,7 @@ def main() -> None:
     args = model_args(opts.config)
     dtype = getattr(torch, opts.dtype)
     backend = select_backend(EngineConfig(dtype=opts.dtype), torch.device("cpu"))
-    model = Transformer.from_state_dict(args, random_state_dict(args, seed=0, dtype=dtype), backend, max_seq_len=2048)
+    model = Transformer.from_state_dict(args, random_state_dict(args, seed=0, dtype=dtype), backend, max_seq_len=LONG_PROMPT_MAX)
     if opts.prefill_attention == "sdpa" and getattr(backend, "kernels", None) is not None:
         backend.kernels.paged_attention_takes_chunks = lambda *args: False
     caches = allocate_kv_caches(args, 1, 70 * math.ceil(MAX_TOKENS / BLOCK_SIZE), BLOCK_SIZE, dtype=dtype, device=torch.device("cpu"))

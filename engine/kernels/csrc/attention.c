@@ -202,7 +202,7 @@ static inline __attribute__((always_inline)) void score_heads_bf16(const void *r
 }
 
 #if defined(__AVX512BF16__) && NV_LANES == 16
-#define DECODE_DPBF16 1
+#define ATTN_DPBF16 1
 /* score_heads_bf16 by vdpbf16ps where the build has AVX512_BF16 (D a multiple of 32): the stored
  * bfloat16 query (q_bf16, unscaled) against each key's pairs as they sit in the cache, no widening,
  * half the multiply instructions; the sums times `scale` after. Each product of two bfloat16 values
@@ -282,7 +282,7 @@ static inline __attribute__((always_inline)) void weigh_values(const void *rows,
     }
 }
 
-#ifdef DECODE_DPBF16
+#ifdef ATTN_DPBF16
 /* weigh_values for bfloat16 values by vdpbf16ps (AVX512_BF16; D a multiple of 64): keys in pairs,
  * each pair's two value rows interleaved by vpermt2w into (key j, key j + 1) pairs per dim, times
  * the pair of their weights rounded to bfloat16, as torch's CPU flash attention rounds its
@@ -403,7 +403,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     if (pass == 0 && a->bf16 && own_widening) {
                         const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
                         float *s = scores + h * n_keys + t0;
-#ifdef DECODE_DPBF16
+#ifdef ATTN_DPBF16
                         if (D % 32 == 0) {
                             const bf16_t *kb = (const bf16_t *)block, *qb = a->q_bf16 + h * D;
                             if (rc == 3)
@@ -457,7 +457,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                         if (D % NV_LANES == 0) {
                             const int64_t rc = (g + 1) * n_rep - h < 3 ? (g + 1) * n_rep - h : 3;
 #define WEIGH(RC, BF16) weigh_values(block, a->slot_elems, n, p, n_keys, sum, D, RC, BF16, &pf, &credit, head_lines, n_rep)
-#ifdef DECODE_DPBF16
+#ifdef ATTN_DPBF16
 #define WEIGH_DP(RC) weigh_values_dp((const bf16_t *)block, a->slot_elems, n, p, n_keys, sum, D, RC, &pf, &credit, head_lines, n_rep)
                             if (a->bf16 && D % 64 == 0)
                                 rc == 3 ? WEIGH_DP(3) : rc == 2 ? WEIGH_DP(2) : WEIGH_DP(1);
@@ -468,7 +468,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                             else
                                 rc == 3 ? WEIGH(3, 0) : rc == 2 ? WEIGH(2, 0) : WEIGH(1, 0);
 #undef WEIGH
-#ifdef DECODE_DPBF16
+#ifdef ATTN_DPBF16
 #undef WEIGH_DP
 #endif
                             h += rc - 1;
@@ -1060,6 +1060,185 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
 }
 #endif
 
+#ifdef ATTN_DPBF16
+/* ------------------------------------------------------------------------------------------ prefill chunks by vdpbf16ps
+ * pa_tile_gemm for bfloat16 caches where the build has AVX512_BF16 (D a multiple of 64): the same
+ * flash-attention steps over runs of 16 keys, the two products by vdpbf16ps on the bfloat16 values
+ * as they are stored, 16 rows a zmm, with no float32 copy of K or V:
+ * - S^T = K Q^T: Q^T packed once per item as dim pairs [D / 2][RB] (32-bit: dims 2i, 2i + 1 of a row),
+ *   each key's pair a broadcast read from the cache (4 keys x 3 row vectors: 12 accumulators); the
+ *   sums times the scale after (q unscaled: each product of two bfloat16 values is exact in float32).
+ * - the online softmax: pa_tile_gemm's, unchanged (8 rows a ymm over S^T).
+ * - O += P V: P^T as bfloat16 key pairs per row (rounded as torch's CPU flash attention rounds its
+ *   probabilities before their product with V; the rows' sums stay float32), V's rows of a key pair
+ *   interleaved by vpermt2w once per run, 6 rows x 64 dims a tile (24 accumulators).
+ * Twice the multiplies an instruction of pa_tile_gemm's 256-bit FMAs, no widening of K or V. */
+#define PA_DP_ROWS 16 /* rows a vector */
+
+/* S^T rows [key j][nv vectors of 16 rows] (st + j * RB) of 4 keys (kp[j]: key j's D / 2 pairs) against Q^T pairs (qt: pair i's rows at qt + i * RB), times scale. */
+static inline __attribute__((always_inline)) void pa_scores_tile_dp(const uint32_t *const *kp, const uint32_t *qt, int64_t RB,
+                                                                    int64_t D2, float *st, const int nv, float scale) {
+    __m512 s[PA_GEMM_KEYS][3];
+    for (int j = 0; j < PA_GEMM_KEYS; j++)
+        for (int v = 0; v < nv; v++) s[j][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i++) {
+        __m512bh qv[3];
+        for (int v = 0; v < nv; v++) qv[v] = (__m512bh)_mm512_loadu_si512(qt + i * RB + v * PA_DP_ROWS);
+        for (int j = 0; j < PA_GEMM_KEYS; j++) {
+            const __m512bh k = (__m512bh)_mm512_set1_epi32((int)kp[j][i]);
+            for (int v = 0; v < nv; v++) s[j][v] = _mm512_dpbf16_ps(s[j][v], qv[v], k);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < PA_GEMM_KEYS; j++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(st + j * RB + v * PA_DP_ROWS, _mm512_mul_ps(s[j][v], sc));
+}
+
+/* O rows [nr][64 dims from vector c4] (o + i * D) = O * rescale[i] + sum over key pairs i < pairs of
+ * P pair (pp + i * RB + row) . V pair (vp + i * DV + vector), in key order. */
+static inline __attribute__((always_inline)) void pa_values_tile_dp(const __m512i *vp, int64_t DV, const uint32_t *pp,
+                                                                    int64_t RB, int64_t pairs, float *o, int64_t D,
+                                                                    int64_t c4, const float *rescale, const int nr) {
+    __m512 acc[PA_GEMM_MR][4];
+    for (int r = 0; r < nr; r++) {
+        const __m512 sc = _mm512_set1_ps(rescale[r]);
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + (c4 + v) * 16), sc);
+    }
+    for (int64_t i = 0; i < pairs; i++) {
+        __m512bh w[4];
+        for (int v = 0; v < 4; v++) w[v] = (__m512bh)vp[i * DV + c4 + v];
+        for (int r = 0; r < nr; r++) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[i * RB + r]);
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], p);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + r * D + (c4 + v) * 16, acc[r][v]);
+}
+
+/* pa_tile_gemm's item (query rows [tok0, tok1) x the n_rep heads of KV head g) by vdpbf16ps; bfloat16,
+ * rows at least PA_GEMM_MIN_ROWS, D a multiple of 64. */
+static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArgs *a, const int64_t D, const char *q,
+                                                                  char *out, const int32_t *table, int64_t prefix,
+                                                                  int64_t tok0, int64_t tok1, int64_t g) {
+    const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, RB = (rows + PA_DP_ROWS - 1) / PA_DP_ROWS * PA_DP_ROWS;
+    const int64_t RV = RB / 8, D2 = D / 2, DV = D / 16, bs = a->block_size;
+    const size_t slot_bytes = (size_t)a->slot_elems * 2, head_off = (size_t)(g * D) * 2;
+    const int64_t n_keys = prefix + tok1, head_lines = (D * 2 + 63) / 64;
+    /* Q^T pairs [D / 2][RB] (rows past `rows` zero), O [RB][D], S^T then P^T [PA_KEYS][RB] float32,
+     * P^T pairs [PA_KEYS / 2][RB], V pairs [PA_KEYS / 2][DV] */
+    uint32_t qt[D2 * RB], pp[PA_KEYS / 2 * RB], zeros[D2];
+    float o[RB * D], st[PA_KEYS * RB], row[D], row_max[RB], row_sum[RB], rescale[RB];
+    __m512i vp[PA_KEYS / 2 * DV];
+    int32_t pos[RB]; /* row r sees keys 0 .. pos[r]; rows past `rows` repeat the last one's */
+    const uint32_t *kp[PA_KEYS];
+    memset(zeros, 0, sizeof(zeros));
+    memset(o, 0, sizeof(o));
+    memset(qt, 0, sizeof(qt));
+    for (int64_t r = 0, tok = prefix + tok0, rep = 0; r < RB; r++) {
+        pos[r] = (int32_t)tok;
+        if (++rep == n_rep && r + 1 < rows) rep = 0, tok++;
+        row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *qr = (const uint32_t *)(q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2);
+        for (int64_t i = 0; i < D2; i++) qt[i * RB + r] = qr[i];
+    }
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t key0 = 0; key0 < n_keys;) {
+        const int64_t n = pa_run_length(key0, n_keys, bs), pairs_n = (n + 1) / 2;
+        const size_t first = pa_slot_offset(table, key0, bs, slot_bytes, head_off);
+        PaRunPrefetch pf = pa_next_run_prefetch(a, table, key0, n, n_keys, slot_bytes, head_off, head_lines);
+        for (int64_t j = 0; j < PA_KEYS; j++) kp[j] = j < n ? (const uint32_t *)(a->k_cache + first + j * slot_bytes) : zeros;
+        /* rows sorted by position: the first 8-row vector with a row that sees key0 (the last row sees all) */
+        int64_t v0 = 0;
+        while (pos[v0 * 8 + 7] < key0) v0++;
+        const int64_t r0 = v0 * 8, w0 = r0 / PA_DP_ROWS, WV = RB / PA_DP_ROWS, key_groups = (n + PA_GEMM_KEYS - 1) / PA_GEMM_KEYS;
+        const int64_t ticks = key_groups * ((WV - w0 + 2) / 3) + (RB - r0 + PA_GEMM_MR - 1) / PA_GEMM_MR * (D / 64) + pairs_n;
+        const int64_t prefetch_pairs = pf.slots_left * head_lines;
+        int64_t credit = 0;
+#define PA_DP_TICK() for (credit += prefetch_pairs; credit >= ticks; credit -= ticks) pa_prefetch_pair(&pf)
+        for (int64_t j0 = 0; j0 < n; j0 += PA_GEMM_KEYS)
+            for (int64_t w = w0; w < WV; w += 3) {
+                const uint32_t *qv = qt + w * PA_DP_ROWS;
+                float *sv = st + j0 * RB + w * PA_DP_ROWS;
+                PA_DP_TICK();
+                switch (WV - w < 3 ? WV - w : 3) {
+                case 1: pa_scores_tile_dp(kp + j0, qv, RB, D2, sv, 1, a->scale); break;
+                case 2: pa_scores_tile_dp(kp + j0, qv, RB, D2, sv, 2, a->scale); break;
+                default: pa_scores_tile_dp(kp + j0, qv, RB, D2, sv, 3, a->scale); break;
+                }
+            }
+        /* V's key pairs interleaved, while the scores' softmax waits (keys past the run: zero) */
+        for (int64_t i = 0; i < pairs_n; i++) {
+            PA_DP_TICK();
+            const char *v0r = a->v_cache + first + (size_t)(2 * i) * slot_bytes;
+            for (int64_t c = 0; c < D; c += 32) {
+                const __m512i x = _mm512_loadu_si512(v0r + c * 2);
+                const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(v0r + slot_bytes + c * 2) : _mm512_setzero_si512();
+                vp[i * DV + c / 16] = _mm512_permutex2var_epi16(x, lo_idx, y);
+                vp[i * DV + c / 16 + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+            }
+        }
+        for (int64_t v = v0; v < RV; v++) { /* online softmax, 8 rows at a time (pa_tile_gemm's) */
+            const __m256i last = _mm256_loadu_si256((const __m256i *)(pos + v * 8));
+            const __m256 old_max = _mm256_loadu_ps(row_max + v * 8);
+            __m256 new_max = old_max;
+            for (int64_t j = 0; j < n; j++) {
+                const __m256i seen = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(key0 + j)), last);
+                const __m256 s = _mm256_blendv_ps(_mm256_loadu_ps(st + j * RB + v * 8), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(seen));
+                _mm256_storeu_ps(st + j * RB + v * 8, s);
+                new_max = _mm256_max_ps(new_max, s);
+            }
+            const __m256 sc = pa_weights8(_mm256_sub_ps(old_max, new_max));
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const __m256 w = pa_weights8(_mm256_sub_ps(_mm256_loadu_ps(st + j * RB + v * 8), new_max));
+                _mm256_storeu_ps(st + j * RB + v * 8, w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            _mm256_storeu_ps(row_sum + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum + v * 8), sc, sum));
+            _mm256_storeu_ps(row_max + v * 8, new_max);
+            _mm256_storeu_ps(rescale + v * 8, sc);
+        }
+        /* P^T as bfloat16 key pairs, 16 rows at a time (a key past the run: weight 0) */
+        for (int64_t i = 0; i < pairs_n; i++)
+            for (int64_t r = w0 * PA_DP_ROWS; r < RB; r += PA_DP_ROWS) {
+                const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + 2 * i * RB + r)));
+                const __m512i hi = 2 * i + 1 < n ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (2 * i + 1) * RB + r)))
+                                                 : _mm512_setzero_si512();
+                _mm512_storeu_si512(pp + i * RB + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        for (int64_t r = r0; r < RB; r += PA_GEMM_MR) {
+            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, seen = pos[r + nr - 1] - key0 + 1;
+            const int64_t m = seen < n ? seen : n; /* keys of the run any of the tile's rows sees */
+            for (int64_t c4 = 0; c4 < DV; c4 += 4) {
+                PA_DP_TICK();
+                if (m <= 0) continue; /* its rows' maxima did not move: rescale 1, nothing to add */
+                float *ot = o + r * D;
+                const uint32_t *pt = pp + r;
+                switch (nr) {
+                case 2: pa_values_tile_dp(vp, DV, pt, RB, (m + 1) / 2, ot, D, c4, rescale + r, 2); break;
+                case 4: pa_values_tile_dp(vp, DV, pt, RB, (m + 1) / 2, ot, D, c4, rescale + r, 4); break;
+                default: pa_values_tile_dp(vp, DV, pt, RB, (m + 1) / 2, ot, D, c4, rescale + r, 6); break;
+                }
+            }
+        }
+#undef PA_DP_TICK
+        while (pf.slots_left > 0) pa_prefetch_pair(&pf);
+        key0 += n;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2;
+        const float inv_sum = 1.0f / row_sum[r];
+        for (int64_t d = 0; d < D; d++) row[d] = o[r * D + d] * inv_sum;
+        store_row(dst, row, D, 1);
+    }
+}
+#endif
+
 #ifdef AMX_COMPILED
 #define PA_AMX 1 /* paged_attention_amx below: built at every level, run where amx_tiles_permitted() */
 #define PA_AMX_KEYS 16 /* keys per run: a tile's rows */
@@ -1115,6 +1294,15 @@ int paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, cons
         const int64_t prefix = seq_lens[b] - n_new;
 #ifdef PA_GEMM
         if ((tok1 - tok0) * n_rep >= PA_GEMM_MIN_ROWS && head_dim % 16 == 0) {
+#ifdef ATTN_DPBF16
+            if (bf16 && head_dim % 64 == 0) {
+                if (head_dim == 64)
+                    pa_tile_gemm_dp(&args, 64, q, o, table, prefix, tok0, tok1, g);
+                else
+                    pa_tile_gemm_dp(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+                continue;
+            }
+#endif
             if (head_dim == 64)
                 pa_tile_gemm(&args, 64, q, o, table, prefix, tok0, tok1, g);
             else
