@@ -1075,6 +1075,14 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
  * Twice the multiplies an instruction of pa_tile_gemm's 256-bit FMAs, no widening of K or V. */
 #define PA_DP_ROWS 16 /* rows a vector */
 
+/* exp(x) on 16 lanes (vec.h's polynomial), 0 where x < -46 (and for -inf), as pa_weights8's weights */
+static inline __m512 pa_weights16(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, EXP2_POLY16(f), k);
+}
+
 /* S^T rows [key j][nv vectors of 16 rows] (st + j * RB) of 4 keys (kp[j]: key j's D / 2 pairs) against Q^T pairs (qt: pair i's rows at qt + i * RB), times scale. */
 static inline __attribute__((always_inline)) void pa_scores_tile_dp(const uint32_t *const *kp, const uint32_t *qt, int64_t RB,
                                                                     int64_t D2, float *st, const int nv, float scale) {
@@ -1122,7 +1130,7 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
                                                                   char *out, const int32_t *table, int64_t prefix,
                                                                   int64_t tok0, int64_t tok1, int64_t g) {
     const int64_t n_rep = a->n_rep, rows = (tok1 - tok0) * n_rep, RB = (rows + PA_DP_ROWS - 1) / PA_DP_ROWS * PA_DP_ROWS;
-    const int64_t RV = RB / 8, D2 = D / 2, DV = D / 16, bs = a->block_size;
+    const int64_t D2 = D / 2, DV = D / 16, bs = a->block_size;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, head_off = (size_t)(g * D) * 2;
     const int64_t n_keys = prefix + tok1, head_lines = (D * 2 + 63) / 64;
     /* Q^T pairs [D / 2][RB] (rows past `rows` zero), O [RB][D], S^T then P^T [PA_KEYS][RB] float32,
@@ -1182,26 +1190,26 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
                 vp[i * DV + c / 16 + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
             }
         }
-        for (int64_t v = v0; v < RV; v++) { /* online softmax, 8 rows at a time (pa_tile_gemm's) */
-            const __m256i last = _mm256_loadu_si256((const __m256i *)(pos + v * 8));
-            const __m256 old_max = _mm256_loadu_ps(row_max + v * 8);
-            __m256 new_max = old_max;
-            for (int64_t j = 0; j < n; j++) {
-                const __m256i seen = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(key0 + j)), last);
-                const __m256 s = _mm256_blendv_ps(_mm256_loadu_ps(st + j * RB + v * 8), _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(seen));
-                _mm256_storeu_ps(st + j * RB + v * 8, s);
-                new_max = _mm256_max_ps(new_max, s);
+        for (int64_t w = w0; w < WV; w++) { /* online softmax, 16 rows at a time */
+            const __m512i last = _mm512_loadu_si512(pos + w * PA_DP_ROWS);
+            const __m512 old_max = _mm512_loadu_ps(row_max + w * PA_DP_ROWS);
+            __m512 new_max = old_max;
+            for (int64_t j = 0; j < n; j++) { /* keys past a row's position: -inf */
+                const __mmask16 unseen = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(key0 + j)), last);
+                const __m512 s = _mm512_mask_mov_ps(_mm512_loadu_ps(st + j * RB + w * PA_DP_ROWS), unseen, _mm512_set1_ps(-INFINITY));
+                _mm512_storeu_ps(st + j * RB + w * PA_DP_ROWS, s);
+                new_max = _mm512_max_ps(new_max, s);
             }
-            const __m256 sc = pa_weights8(_mm256_sub_ps(old_max, new_max));
-            __m256 sum = _mm256_setzero_ps();
+            const __m512 sc = pa_weights16(_mm512_sub_ps(old_max, new_max));
+            __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < n; j++) {
-                const __m256 w = pa_weights8(_mm256_sub_ps(_mm256_loadu_ps(st + j * RB + v * 8), new_max));
-                _mm256_storeu_ps(st + j * RB + v * 8, w);
-                sum = _mm256_add_ps(sum, w);
+                const __m512 x = pa_weights16(_mm512_sub_ps(_mm512_loadu_ps(st + j * RB + w * PA_DP_ROWS), new_max));
+                _mm512_storeu_ps(st + j * RB + w * PA_DP_ROWS, x);
+                sum = _mm512_add_ps(sum, x);
             }
-            _mm256_storeu_ps(row_sum + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum + v * 8), sc, sum));
-            _mm256_storeu_ps(row_max + v * 8, new_max);
-            _mm256_storeu_ps(rescale + v * 8, sc);
+            _mm512_storeu_ps(row_sum + w * PA_DP_ROWS, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + w * PA_DP_ROWS), sc, sum));
+            _mm512_storeu_ps(row_max + w * PA_DP_ROWS, new_max);
+            _mm512_storeu_ps(rescale + w * PA_DP_ROWS, sc);
         }
         /* P^T as bfloat16 key pairs, 16 rows at a time (a key past the run: weight 0) */
         for (int64_t i = 0; i < pairs_n; i++)
