@@ -862,6 +862,12 @@ static inline __attribute__((always_inline)) void pa_tile(const PagedArgs *a, co
 #define PA_GEMM_MIN_ROWS (2 * PA_GEMM_MR)
 #define PA_GEMM_KEYS 4 /* keys of a scores tile */
 
+/* Keys of the run [key0, key0 + n) that any of rows [r, r + nr) sees (their positions ascend): 0 or less for none. */
+static inline int64_t pa_keys_seen(const int32_t *pos, int64_t r, int64_t nr, int64_t key0, int64_t n) {
+    const int64_t seen = pos[r + nr - 1] - key0 + 1;
+    return seen < n ? seen : n;
+}
+
 /* exp_approx on 8 lanes (the same polynomial), 0 where x < -46 as pa_tile's weights (and for -inf). */
 static inline __m256 pa_weights8(__m256 x) {
     const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(-46.0f), _CMP_LT_OQ);
@@ -1033,8 +1039,7 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
             _mm256_storeu_ps(rescale + v * 8, sc);
         }
         for (int64_t r = r0; r < RB; r += PA_GEMM_MR) {
-            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, seen = pos[r + nr - 1] - key0 + 1;
-            const int64_t m = seen < n ? seen : n; /* keys of the run any of the tile's rows sees */
+            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, m = pa_keys_seen(pos, r, nr, key0, n);
             for (int64_t c = 0; c < D; c += 16) {
                 PA_GEMM_TICK();
                 if (m <= 0) continue; /* its rows' maxima did not move: rescale 1, nothing to add */
@@ -1220,8 +1225,7 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
                 _mm512_storeu_si512(pp + i * RB + r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
         for (int64_t r = r0; r < RB; r += PA_GEMM_MR) {
-            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, seen = pos[r + nr - 1] - key0 + 1;
-            const int64_t m = seen < n ? seen : n; /* keys of the run any of the tile's rows sees */
+            const int64_t nr = RB - r < PA_GEMM_MR ? RB - r : PA_GEMM_MR, m = pa_keys_seen(pos, r, nr, key0, n);
             for (int64_t c4 = 0; c4 < DV; c4 += 4) {
                 PA_DP_TICK();
                 if (m <= 0) continue; /* its rows' maxima did not move: rescale 1, nothing to add */
@@ -1300,24 +1304,23 @@ int paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, cons
         char *o = (char *)out + (size_t)row_start[b] * heads * head_dim * es;
         const int32_t *table = block_tables + b * max_blocks;
         const int64_t prefix = seq_lens[b] - n_new;
+/* the item through `kernel`, inlined with head_dim 64 a literal (the common size) or as it is */
+#define PA_ITEM(kernel)                                                                   \
+    (head_dim == 64 ? kernel(&args, 64, q, o, table, prefix, tok0, tok1, g)               \
+                    : kernel(&args, head_dim, q, o, table, prefix, tok0, tok1, g))
 #ifdef PA_GEMM
         if ((tok1 - tok0) * n_rep >= PA_GEMM_MIN_ROWS && head_dim % 16 == 0) {
 #ifdef ATTN_DPBF16
             if (bf16 && head_dim % 64 == 0) {
-                if (head_dim == 64)
-                    pa_tile_gemm_dp(&args, 64, q, o, table, prefix, tok0, tok1, g);
-                else
-                    pa_tile_gemm_dp(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+                PA_ITEM(pa_tile_gemm_dp);
                 continue;
             }
 #endif
-            if (head_dim == 64)
-                pa_tile_gemm(&args, 64, q, o, table, prefix, tok0, tok1, g);
-            else
-                pa_tile_gemm(&args, head_dim, q, o, table, prefix, tok0, tok1, g);
+            PA_ITEM(pa_tile_gemm);
             continue;
         }
 #endif
+#undef PA_ITEM
         if (head_dim == 64)
             pa_tile(&args, 64, q, o, table, prefix, tok0, tok1, g);
         else if (head_dim == 128)
