@@ -139,6 +139,14 @@ def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else float("nan")
 
 
+def gap_ms(gaps: list[float]) -> str:
+    """Median and mean of the gaps, or why there are none: on a busy machine a consumer can take a short
+    request's tokens in one or two wake-ups, leaving no gap between arrivals to measure."""
+    if not gaps:
+        return "n/a (tokens arrived together)"
+    return f"{median_ms(gaps):6.2f} (mean {statistics.mean(gaps) * 1e3:6.2f})"
+
+
 def report(mode: str, rows: list[dict[str, float]], arrivals: list[float] | None, sends: list[float]) -> None:
     decode = [r for r in rows if r.get("decode")]  # the prompt steps left out
     step_wall = [r["step_wall"] for r in decode]
@@ -153,9 +161,9 @@ def report(mode: str, rows: list[dict[str, float]], arrivals: list[float] | None
     if arrivals is not None:
         handoff = [a - s for s, a in zip(sends[1:], arrivals[1:])]
         consumer = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
-        line += f"  hand-off {median_ms(handoff):5.3f}  consumer gap {median_ms(consumer):6.2f} (mean {statistics.mean(consumer) * 1e3:6.2f})"
+        line += f"  hand-off {median_ms(handoff):5.3f}  consumer gap {gap_ms(consumer)}"
     else:
-        line += f"  step-start gap {median_ms(gaps):6.2f} (mean {statistics.mean(gaps) * 1e3:6.2f})"
+        line += f"  step-start gap {gap_ms(gaps)}"
     print(line, flush=True)
     print("      step parts, cpu ms: " + "  ".join(f"{part} {median_ms([r.get(part + '_cpu', 0.0) for r in decode]):.3f}"
                                              for part in PARTS)
