@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import ctypes
 import os
-import random
 import resource
 import statistics
 import sys
@@ -38,10 +37,11 @@ if "OMP_WAIT_POLICY" not in os.environ:  # as the server sets it (server/__main_
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.loader import load_engine  # noqa: E402
-from engine.types import EngineRequest, SamplingParams  # noqa: E402
+from one_stream import request  # noqa: E402
 from server.model_spec import ModelSpec  # noqa: E402
 
 MALLOPT_PARAMS = {"trim": -1, "top_pad": -2, "mmap": -3, "arena_max": -8}  # <malloc.h> M_*
@@ -105,12 +105,6 @@ def probes_us() -> str:
     return " / ".join(f"{empty_us(shape):.1f}" for shape in PROBE_SHAPES)
 
 
-def request(i: int, vocab: int, prompt_tokens: int, output_tokens: int) -> EngineRequest:
-    rng = random.Random(i)
-    ids = [rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(prompt_tokens)]
-    return EngineRequest(f"heap-{i}", ids, SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True))
-
-
 def one_round(core, reqs, shim) -> dict[str, float]:
     for req in reqs:
         core.add_request(req)
@@ -155,9 +149,9 @@ def main() -> None:
 
     def rounds() -> None:
         vocab = engine.core.vocab_size
-        one_round(engine.core, [request(-1, vocab, args.prompt_tokens, args.output_tokens)], shim)  # warm-up
+        one_round(engine.core, [request(-1, args.prompt_tokens, args.output_tokens, vocab)], shim)  # warm-up
         for r in range(args.rounds):
-            reqs = [request(1000 * r + k, vocab, args.prompt_tokens, args.output_tokens) for k in range(args.streams)]
+            reqs = [request(1000 * r + k, args.prompt_tokens, args.output_tokens, vocab) for k in range(args.streams)]
             row = one_round(engine.core, reqs, shim)
             allocs = (f"large allocations {row['allocs'] / row['steps']:.1f}/step {row['alloc_ms']:.1f} ms total"
                       f"{row['many']}" if shim else "large allocations not counted (no LD_PRELOAD shim)")

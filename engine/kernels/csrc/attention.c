@@ -283,6 +283,15 @@ static inline __attribute__((always_inline)) void weigh_values(const void *rows,
 }
 
 #ifdef ATTN_DPBF16
+/* Two keys' rows of 32 bfloat16 dims (a, and b the next key's, zero past a run) as vdpbf16ps pairs
+ * (key a's value low, b's high) per dim: *lo dims 0-15, *hi dims 16-31, in order. */
+static inline __attribute__((always_inline)) void key_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *hi) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    *lo = _mm512_permutex2var_epi16(a, lo_idx, b);
+    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16)), b);
+}
+
 /* weigh_values for bfloat16 values by vdpbf16ps (AVX512_BF16; D a multiple of 64): keys in pairs,
  * each pair's two value rows interleaved by vpermt2w into (key j, key j + 1) pairs per dim, times
  * the pair of their weights rounded to bfloat16, as torch's CPU flash attention rounds its
@@ -293,7 +302,7 @@ static inline __attribute__((always_inline)) void weigh_values_dp(const bf16_t *
                                                                   BlockPrefetch *pf, int64_t *credit, int64_t head_lines,
                                                                   int64_t n_rep) {
     const int64_t pairs = (n + 1) / 2;
-    uint32_t pp[3][pairs + 8]; /* head r's weights as bfloat16 pairs (key 2i low, 2i + 1 high; 0 past n) */
+    uint32_t pp[3][pairs]; /* head r's weights as bfloat16 pairs (key 2i low, 2i + 1 high; 0 past n) */
     for (int r = 0; r < RC; r++) {
         bf16_t *w = (bf16_t *)pp[r];
         int64_t j = 0;
@@ -301,9 +310,6 @@ static inline __attribute__((always_inline)) void weigh_values_dp(const bf16_t *
         for (; j < n; j++) w[j] = f32_to_bf16(p[r * p_stride + j]);
         if (n & 1) w[n] = 0;
     }
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 sv[3][4];
         for (int r = 0; r < RC; r++)
@@ -317,11 +323,11 @@ static inline __attribute__((always_inline)) void weigh_values_dp(const bf16_t *
             for (int c = 0; c < 2; c++) {
                 const __m512i a = _mm512_loadu_si512(v0 + c * 32);
                 const __m512i b = j + 1 < n ? _mm512_loadu_si512(v0 + stride + c * 32) : _mm512_setzero_si512();
-                const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
-                const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+                __m512i lo, hi;
+                key_pairs(a, b, &lo, &hi);
                 for (int r = 0; r < RC; r++) {
-                    sv[r][2 * c] = _mm512_dpbf16_ps(sv[r][2 * c], lo, w[r]);
-                    sv[r][2 * c + 1] = _mm512_dpbf16_ps(sv[r][2 * c + 1], hi, w[r]);
+                    sv[r][2 * c] = _mm512_dpbf16_ps(sv[r][2 * c], (__m512bh)lo, w[r]);
+                    sv[r][2 * c + 1] = _mm512_dpbf16_ps(sv[r][2 * c + 1], (__m512bh)hi, w[r]);
                 }
             }
         }
@@ -1065,6 +1071,22 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
 }
 #endif
 
+/* Attention weights on 16 lanes: exp_approx for x <= 0 (a score less its row's maximum) in
+ * intrinsics (the auto-vectorized loop split into 256-bit halves, whose stores a 512-bit reload could
+ * not forward), 0 below -46 and for -inf as in pa_tile (such a weight changes no float sum). The lanes
+ * kept lie in [-46, 0], so exp_approx's clamps change none of them, and scaling by 2^k with vscalefps
+ * gives the bits its exponent arithmetic does, in one instruction instead of three. A macro, as
+ * EXP2_POLY16: its users carry different target attributes (the AVX512_BF16 build's prefill tiles,
+ * the AMX attention at every level). */
+#define PA_WEIGHTS16(x)                                                                             \
+    ({                                                                                              \
+        const __m512 x_ = (x);                                                                      \
+        const __mmask16 tiny_ = _mm512_cmp_ps_mask(x_, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);       \
+        const __m512 t_ = _mm512_mul_ps(x_, _mm512_set1_ps(1.44269504088896341f));                 \
+        const __m512 k_ = _mm512_roundscale_ps(t_, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+        _mm512_maskz_scalef_ps((__mmask16)~tiny_, EXP2_POLY16(_mm512_sub_ps(t_, k_)), k_);        \
+    })
+
 #ifdef ATTN_DPBF16
 /* ------------------------------------------------------------------------------------------ prefill chunks by vdpbf16ps
  * pa_tile_gemm for bfloat16 caches where the build has AVX512_BF16 (D a multiple of 64): the same
@@ -1073,20 +1095,12 @@ static inline __attribute__((always_inline)) void pa_tile_gemm(const PagedArgs *
  * - S^T = K Q^T: Q^T packed once per item as dim pairs [D / 2][RB] (32-bit: dims 2i, 2i + 1 of a row),
  *   each key's pair a broadcast read from the cache (4 keys x 3 row vectors: 12 accumulators); the
  *   sums times the scale after (q unscaled: each product of two bfloat16 values is exact in float32).
- * - the online softmax: pa_tile_gemm's, unchanged (8 rows a ymm over S^T).
+ * - the online softmax as pa_tile_gemm's, 16 rows a zmm over S^T (PA_WEIGHTS16).
  * - O += P V: P^T as bfloat16 key pairs per row (rounded as torch's CPU flash attention rounds its
  *   probabilities before their product with V; the rows' sums stay float32), V's rows of a key pair
  *   interleaved by vpermt2w once per run, 6 rows x 64 dims a tile (24 accumulators).
  * Twice the multiplies an instruction of pa_tile_gemm's 256-bit FMAs, no widening of K or V. */
 #define PA_DP_ROWS 16 /* rows a vector */
-
-/* exp(x) on 16 lanes (vec.h's polynomial), 0 where x < -46 (and for -inf), as pa_weights8's weights */
-static inline __m512 pa_weights16(__m512 x) {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
-    return _mm512_maskz_scalef_ps((__mmask16)~tiny, EXP2_POLY16(f), k);
-}
 
 /* S^T rows [key j][nv vectors of 16 rows] (st + j * RB) of 4 keys (kp[j]: key j's D / 2 pairs) against Q^T pairs (qt: pair i's rows at qt + i * RB), times scale. */
 static inline __attribute__((always_inline)) void pa_scores_tile_dp(const uint32_t *const *kp, const uint32_t *qt, int64_t RB,
@@ -1157,9 +1171,6 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
         const uint32_t *qr = (const uint32_t *)(q + ((size_t)((tok0 + r / n_rep) * a->q_stride) + (size_t)((g * n_rep + r % n_rep) * D)) * 2);
         for (int64_t i = 0; i < D2; i++) qt[i * RB + r] = qr[i];
     }
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
     for (int64_t key0 = 0; key0 < n_keys;) {
         const int64_t n = pa_run_length(key0, n_keys, bs), pairs_n = (n + 1) / 2;
         const size_t first = pa_slot_offset(table, key0, bs, slot_bytes, head_off);
@@ -1191,8 +1202,7 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
             for (int64_t c = 0; c < D; c += 32) {
                 const __m512i x = _mm512_loadu_si512(v0r + c * 2);
                 const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(v0r + slot_bytes + c * 2) : _mm512_setzero_si512();
-                vp[i * DV + c / 16] = _mm512_permutex2var_epi16(x, lo_idx, y);
-                vp[i * DV + c / 16 + 1] = _mm512_permutex2var_epi16(x, hi_idx, y);
+                key_pairs(x, y, &vp[i * DV + c / 16], &vp[i * DV + c / 16 + 1]);
             }
         }
         for (int64_t w = w0; w < WV; w++) { /* online softmax, 16 rows at a time */
@@ -1205,10 +1215,10 @@ static inline __attribute__((always_inline)) void pa_tile_gemm_dp(const PagedArg
                 _mm512_storeu_ps(st + j * RB + w * PA_DP_ROWS, s);
                 new_max = _mm512_max_ps(new_max, s);
             }
-            const __m512 sc = pa_weights16(_mm512_sub_ps(old_max, new_max));
+            const __m512 sc = PA_WEIGHTS16(_mm512_sub_ps(old_max, new_max));
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < n; j++) {
-                const __m512 x = pa_weights16(_mm512_sub_ps(_mm512_loadu_ps(st + j * RB + w * PA_DP_ROWS), new_max));
+                const __m512 x = PA_WEIGHTS16(_mm512_sub_ps(_mm512_loadu_ps(st + j * RB + w * PA_DP_ROWS), new_max));
                 _mm512_storeu_ps(st + j * RB + w * PA_DP_ROWS, x);
                 sum = _mm512_add_ps(sum, x);
             }
@@ -1366,17 +1376,6 @@ static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n)
     for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
 }
 
-/* exp_approx on 16 lanes for x <= 0 (a score less its row's maximum; in intrinsics: the
- * auto-vectorized loop split into 256-bit halves, whose stores a 512-bit reload could not forward),
- * 0 below -46 as in pa_tile (such a weight changes no float sum). The lanes kept lie in [-46, 0], so
- * exp_approx's clamps change none of them, and scaling by 2^k with vscalefps gives the bits its
- * exponent arithmetic does, in one instruction instead of three. */
-static inline __m512 pa_amx_exp(__m512 x) {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-46.0f), _CMP_LT_OQ);
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
-    return _mm512_maskz_scalef_ps((__mmask16)~tiny, EXP2_POLY16(f), k);
-}
 
 /* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
  * prefetched a few at a time between the scores pass's tile work: issued as one burst per head they
@@ -1523,7 +1522,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
         const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
         for (int64_t j = 0; j < padded; j += 16) {
-            const __m256bh w = _mm512_cvtneps_pbh(pa_amx_exp(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
+            const __m256bh w = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
             const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
             _mm512_store_si512(s + j, low_half);
             vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
