@@ -363,19 +363,26 @@ class InterleavedHeadLinear(nn.Module):
     """The bfloat16 output head through interleaved_linear_f32_out: bfloat16 inputs and weights,
     float32 sums kept as the logits (oneDNN's bfloat16 linear rounds them to bfloat16). Every row
     is summed in one fixed order whatever the rows (the logits do not depend on the batch), but
-    with `widen`: many rows then run a float32 GEMM over widened tiles (CPUs without oneDNN's bfloat16)."""
+    with `widen`: many rows then run a float32 GEMM over widened tiles (CPUs without oneDNN's bfloat16).
+    With `amx`, every row runs on the tiles instead (amx_linear_bf16_f32_out, the same copy: the
+    pairs layout is the tiles' layout), each row's sums in the tiles' one order whatever the rows:
+    still independent of the batch. The demo's head [49152, 576], 2 threads: 32 rows 8.5 ms on the
+    one-row kernel's register-blocked rows (vdpbf16ps), 1.4 ms on the tiles; one row level (bench/NOTES.md
+    'The float32 head on AMX tiles')."""
 
-    def __init__(self, head: InterleavedHead, kernels: CpuKernels, *, widen: bool = False) -> None:
+    def __init__(self, head: InterleavedHead, kernels: CpuKernels, *, widen: bool = False, amx: AmxLinear | None = None) -> None:
         super().__init__()
         self.register_buffer("interleaved", head.interleaved, persistent=False)
         self.out_features, self.in_features = head.out_features, head.in_features
-        self._kernels, self._widens = kernels, widen
+        self._kernels, self._widens, self._amx_kernels = kernels, widen, amx
         self._few_rows = few_rows_cutoff(kernels)
         self._bind(head.interleaved)
 
     def _bind(self, weight: torch.Tensor) -> None:
         kernels = self._kernels
         self._rows = kernels.bind_interleaved(weight, f32_out=True)
+        amx = self._amx_kernels is not None and AmxLinear.supports(weight)
+        self._amx = self._amx_kernels.bind(weight, f32_out=True) if amx else None
         # widen: WIDEN_MIN_ROWS rows and more through widened float32 tiles and a float32 GEMM, as
         # PackedCpuLinear without oneDNN (float32 sums too, in the GEMM's order: the logits then
         # depend on the rows; never in the batch-invariant mode)
@@ -396,6 +403,8 @@ class InterleavedHeadLinear(nn.Module):
         self._bind(copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._amx is not None:
+            return self._amx(x.contiguous(), torch.get_num_threads())
         if self._gemm is not None and x.shape[0] > self._few_rows:
             return self._gemm(x.contiguous(), torch.get_num_threads())
         if self._widen is not None and x.shape[0] >= WIDEN_MIN_ROWS:
@@ -436,7 +445,7 @@ class OneDnnBackend(TorchBackend):
 
     def head_linear(self, weight, collective=None) -> Linear:
         if isinstance(weight, InterleavedHead):
-            local = InterleavedHeadLinear(weight, self.kernels, widen=not self.onednn and not self.batch_invariant)
+            local = InterleavedHeadLinear(weight, self.kernels, widen=not self.onednn and not self.batch_invariant, amx=self.amx)
             return local if collective is None else ParallelLinear(local, collective)
         return super().head_linear(weight, collective)
 

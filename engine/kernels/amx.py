@@ -31,11 +31,12 @@ _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class AmxLinear:
-    """amx_linear_bf16 over pairs-layout weights; x [rows, k] bfloat16 contiguous."""
+    """amx_linear_bf16 (and its float32-out twin) over pairs-layout weights; x [rows, k] bfloat16 contiguous."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.amx_linear_bf16
-        self._fn.argtypes, self._fn.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), _i32
+        self._fn, self._fn_f32_out = lib.amx_linear_bf16, lib.amx_linear_bf16_f32_out
+        for fn in (self._fn, self._fn_f32_out):
+            fn.argtypes, fn.restype = (_p, _p, _p, _i64, _i64, _i64, _i32), _i32
         self._fail_allocs_after = lib.llamaserve_fail_allocs_after
         self._fail_allocs_after.argtypes, self._fail_allocs_after.restype = (_i64,), None
 
@@ -56,18 +57,20 @@ class AmxLinear:
     def linear(self, x: torch.Tensor, pairs: torch.Tensor, threads: int) -> torch.Tensor:
         return self.bind(pairs)(x, threads)
 
-    def bind(self, pairs: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def bind(self, pairs: torch.Tensor, *, f32_out: bool = False) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """y = x @ W^T for one weight (pairs: [n / 16, k / 2, 16, 2], AmxLinear.supports), its sizes
-        and pointer looked up once."""
+        and pointer looked up once; f32_out: y the tiles' float32 sums (the output head's logits),
+        else rounded to bfloat16. Either way a row's sums do not depend on the other rows."""
         if not self.supports(pairs):
             raise ValueError(f"AMX linear needs a contiguous bfloat16 pairs weight with k a multiple of {K_STEP}")
-        n, k, weight_ptr, fn = pairs.shape[0] * 16, pairs.shape[1] * 2, pairs.data_ptr(), self._fn
+        n, k, weight_ptr = pairs.shape[0] * 16, pairs.shape[1] * 2, pairs.data_ptr()
+        fn, out_dtype = (self._fn_f32_out, torch.float32) if f32_out else (self._fn, torch.bfloat16)
 
         def many_rows(x: torch.Tensor, threads: int) -> torch.Tensor:
             rows = x.shape[0]
             if x.dtype != torch.bfloat16 or x.shape[1] != k or not x.is_contiguous():
                 raise ValueError(f"AMX linear input must be contiguous bfloat16 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
-            out = torch.empty(rows, n, dtype=torch.bfloat16)
+            out = torch.empty(rows, n, dtype=out_dtype)
             if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
                 check_kernel(failed, "amx_linear_bf16")  # MemoryError, or RuntimeError: arguments refused
             return out

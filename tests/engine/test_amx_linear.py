@@ -243,3 +243,40 @@ def test_moving_the_copy_moves_the_tiles_too(kernels, amx):
     assert layer._many_rows.weight is moved and layer._one_row.weight is moved
     x = torch.randn(5, 64).bfloat16()
     assert_close_to_reference(layer(x), x, weight)
+
+
+@pytest.mark.parametrize("n,k,rows", [(96, 576, 1), (3072, 576, 17), (80, 2048, 64), (3072, 576, 1000), (48, 2048, 257)])
+def test_float32_out_is_the_tiles_sums_unrounded(kernels, amx, n, k, rows):
+    """amx_linear_bf16_f32_out: the same float32 sums the bfloat16 kernel rounds (decode loop and
+    blocked loop alike), within float32 summation-order error of float64, and each row's bits the
+    same whatever rows share its call (the output head's logits then do not depend on the batch)."""
+    torch.manual_seed(n + k + rows)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    pairs = kernels.interleave(weight)
+    out = amx.bind(pairs, f32_out=True)(x, 2)
+    exact = x.double() @ weight.double().T
+    assert out.dtype == torch.float32 and ((out.double() - exact).abs() <= (x.double().abs() @ weight.double().abs().T) * 2**-20).all()
+    assert torch.equal(out.bfloat16(), amx.linear(x, pairs, 2))
+    for start in {0, rows // 2, rows - 1}:
+        assert torch.equal(out[start], amx.bind(pairs, f32_out=True)(x[start : start + 1].contiguous(), 1)[0])
+
+
+def test_the_float32_head_runs_on_the_tiles(kernels, amx):
+    """A bfloat16 model's output head on AMX CPUs: float32 logits from the tiles at every row count
+    (no longer the one-row kernel's rows, 6x slower at 32), the same bits for a row alone as batched;
+    the batch-invariant backend keeps no tiles."""
+    from engine.backends.cpu import CpuKernelBackend, InterleavedHeadLinear
+
+    torch.manual_seed(8)
+    weight, x = torch.randn(160, 64).bfloat16(), torch.randn(33, 64).bfloat16()
+    backend = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels)
+    head = backend.head_linear(backend.prepare_head(weight))
+    assert isinstance(head, InterleavedHeadLinear) and head._amx is not None
+    logits = head(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, amx.bind(head.interleaved, f32_out=True)(x, 2))
+    assert torch.equal(head(x[5:6].contiguous())[0], logits[5])
+    moved = head.interleaved.clone()
+    head.move_one_row_copy(moved)
+    assert head._amx.weight is moved and torch.equal(head(x), logits)
+    invariant = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels, batch_invariant=True)
+    assert invariant.head_linear(invariant.prepare_head(weight))._amx is None

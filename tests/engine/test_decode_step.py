@@ -120,7 +120,7 @@ def test_the_bfloat16_head_follows_the_blocks_in_their_arena(tiny_checkpoint):
         head, last = model.output, model.layers[-1].feed_forward.w2
         assert head.interleaved.untyped_storage().data_ptr() == last.interleaved.untyped_storage().data_ptr()
         assert head.interleaved.data_ptr() >= last.interleaved.data_ptr() + last.interleaved.numel() * last.interleaved.element_size()
-        unmoved = type(head)(InterleavedHead(head.interleaved.clone(), head.out_features, head.in_features), head._kernels, widen=head._widens)
+        unmoved = type(head)(InterleavedHead(head.interleaved.clone(), head.out_features, head.in_features), head._kernels, widen=head._widens, amx=head._amx_kernels)
         for rows in (1, WIDEN_MIN_ROWS + 1):
             x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
             assert torch.equal(head(x), unmoved(x)), rows

@@ -6,8 +6,13 @@
  * The weight is the bfloat16 pairs layout linear.c's one-row kernel reads,
  * [n / 16, k / 2, 16, 2] (CpuKernels.interleave): each 16-column block's k / 2 rows of (column,
  * pair) are exactly AMX B tiles (16 pair-rows x 64 bytes) stacked along k, so one buffer serves the
- * one-row kernel and this one. x [rows, k] and out [rows, n] are row-major bfloat16; k a multiple
- * of 32 and n of 16 (amx_linear_bf16 returns -1 otherwise, before touching anything).
+ * one-row kernel and this one. x [rows, k] and out [rows, n] are row-major bfloat16 (out float32,
+ * the tiles' sums unrounded, through amx_linear_bf16_f32_out: the output head's exact logits); k a
+ * multiple of 32 and n of 16 (both return -1 otherwise, before touching anything).
+ *
+ * A row's sums do not depend on the other rows: each output element is one tile element's chain
+ * over k in K_STEP order, whatever the row count, the row's place in its tile or the loop (the
+ * blocked loop's float32 partial sums are stored and reloaded exactly).
  *
  * Compiled at every x86-64 level: the kernel carries its own target attributes and runs only after
  * amx_init() saw the CPU's AMX-BF16, AMX-TILE and AVX512_BF16 bits and Linux granted the tile data
@@ -51,12 +56,23 @@ static inline void prefetch_tile(const char *p) {
     for (int off = 0; off < W_TILE_BYTES; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-/* 16 float32 accumulator rows (row stride 16) -> rows of out, bfloat16 rounded to nearest even. */
-static inline void store_block(const float *acc, uint16_t *out, int64_t n, int64_t rows) {
-    for (int64_t r = 0; r < rows; r++) {
-        const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * 16));
-        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)v);
-    }
+/* out as the kernels write it: bfloat16 (rounded to nearest even) or, f32, the float32 sums;
+ * `index` counts elements of out's type. */
+typedef struct {
+    void *base;
+    int f32;
+} Out;
+
+/* 16 float32 sums at acc -> out's elements index .. index + 15. */
+static inline void store16(Out out, int64_t index, const float *acc) {
+    const __m512 v = _mm512_loadu_ps(acc);
+    if (out.f32) _mm512_storeu_ps((float *)out.base + index, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)out.base + index), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* 16 float32 accumulator rows (row stride 16) -> rows of out from element `index` (row stride n). */
+static inline void store_block(const float *acc, Out out, int64_t index, int64_t n, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) store16(out, index + r * n, acc + r * 16);
 }
 
 /* One k step (K_STEP values of x) of the 2x2 tile block: x tiles 4, 5 (row blocks at a0, a1; a1
@@ -79,7 +95,7 @@ static inline void tile_step(const char *a0, const char *a1, int64_t x_stride, c
 
 /* Column blocks [cb, cb + cols) (cols 1 or 2) x row blocks [rb, rb + row_blocks) (1 or 2), all k. */
 static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64_t pairs_bytes, int64_t cb, int cols,
-                              int64_t rb, int row_blocks, uint16_t *out, int64_t n, int64_t rows) {
+                              int64_t rb, int row_blocks, Out out, int64_t n, int64_t rows) {
     const char *w0 = w + cb * pairs_bytes, *w1 = w0 + pairs_bytes;
     const char *x0 = (const char *)(x + rb * ROW_BLOCK * k), *x1 = x0 + ROW_BLOCK * k * 2;
     const int64_t x_stride = k * 2;
@@ -104,7 +120,7 @@ static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64
             else if (2 * r + c == 1) _tile_stored(1, acc, 64);
             else if (2 * r + c == 2) _tile_stored(2, acc, 64);
             else _tile_stored(3, acc, 64);
-            store_block(acc, out + row0 * n + (cb + c) * COL_BLOCK, n, valid);
+            store_block(acc, out, row0 * n + (cb + c) * COL_BLOCK, n, valid);
         }
     }
 }
@@ -112,7 +128,7 @@ static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64
 /* Work items are pairs of column blocks (32 output columns), split evenly over the threads: each
  * thread streams its share of the weight once, and for more than 32 rows re-reads each 32-column
  * slice (k * 64 bytes) from its own cache for every further 32 rows. */
-static void amx_kernel(const uint16_t *x, const char *w, uint16_t *out, int64_t rows, int64_t padded_rows, int64_t n,
+static void amx_kernel(const uint16_t *x, const char *w, Out out, int64_t rows, int64_t padded_rows, int64_t n,
                        int64_t k, int num_threads) {
     const int64_t col_blocks = n / COL_BLOCK, items = (col_blocks + 1) / 2, pairs_bytes = k / 2 * 64;
     const int64_t row_blocks = padded_rows / ROW_BLOCK;
@@ -181,17 +197,12 @@ static inline void chunk_block(const char *a0, const char *a1, int64_t x_stride,
 }
 
 /* Rows [row0, row1) of the float32 buffer (its first row: row0) -> out's columns cb * 16 .. + cols * 16. */
-static void store_rows(const float *acc, uint16_t *out, int64_t n, int64_t cb, int cols, int64_t row0, int64_t row1) {
+static void store_rows(const float *acc, Out out, int64_t n, int64_t cb, int cols, int64_t row0, int64_t row1) {
     for (int64_t r = row0; r < row1; r++) {
         const float *a = acc + (r - row0) * 2 * COL_BLOCK;
-        uint16_t *o = out + r * n + cb * COL_BLOCK;
-        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(a));
-        if (cols > 1) {
-            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(a + COL_BLOCK));
-            _mm512_storeu_si512(o, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-        } else {
-            _mm256_storeu_si256((__m256i *)o, lo);
-        }
+        const int64_t index = r * n + cb * COL_BLOCK;
+        store16(out, index, a);
+        if (cols > 1) store16(out, index + COL_BLOCK, a + COL_BLOCK);
     }
 }
 
@@ -212,7 +223,7 @@ static int64_t block_row_blocks_for(int64_t k) {
 typedef struct {
     const uint16_t *x, *tail;
     const char *w;
-    uint16_t *out;
+    Out out;
     int64_t rows, n, k, full_row_blocks, pairs_bytes, chunk_steps;
 } ManyRows;
 
@@ -258,7 +269,7 @@ static void amx_kernel_many_rows(const ManyRows *m, int num_threads) {
     }
 }
 
-static int amx_linear_many_rows(const uint16_t *x, const char *w, uint16_t *out, int64_t rows, int64_t n, int64_t k,
+static int amx_linear_many_rows(const uint16_t *x, const char *w, Out out, int64_t rows, int64_t n, int64_t k,
                                 int num_threads) {
     ManyRows m = {x, NULL, w, out, rows, n, k, rows / ROW_BLOCK, k / 2 * 64, chunk_steps_for(k)};
     uint16_t *tail = NULL;
@@ -282,15 +293,12 @@ static int many_rows(int64_t rows, int64_t k) {
     return rows > 64 && rows * k * 2 > X_BLOCK_BYTES && k * 2 * 256 <= X_BLOCK_BYTES;
 }
 
-/* y [rows, n] = x [rows, k] @ W^T, W in the pairs layout; 0 done, -1 refused (shape or no AMX:
- * the caller runs another path), KERNEL_NO_MEMORY when its padded input copy cannot be allocated.
- * amx_init() must have returned 1 in this process. */
-int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+static int amx_linear(const void *x, const void *weight, Out out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (rows < 1 || n % COL_BLOCK || k % K_STEP || k < K_STEP || num_threads < 1) return -1;
     const int64_t padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     if (many_rows(rows, k)) return amx_linear_many_rows(x, weight, out, rows, n, k, num_threads);
     if (padded_rows == rows) {
-        amx_kernel((const uint16_t *)x, (const char *)weight, (uint16_t *)out, rows, rows, n, k, num_threads);
+        amx_kernel((const uint16_t *)x, (const char *)weight, out, rows, rows, n, k, num_threads);
         return 0;
     }
     /* the last tile's missing rows read as zeros (their outputs are not stored) */
@@ -299,9 +307,20 @@ int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, 
     if (!padded) return KERNEL_NO_MEMORY;
     memcpy(padded, x, x_bytes);
     memset((char *)padded + x_bytes, 0, padded_bytes - x_bytes);
-    amx_kernel(padded, (const char *)weight, (uint16_t *)out, rows, padded_rows, n, k, num_threads);
+    amx_kernel(padded, (const char *)weight, out, rows, padded_rows, n, k, num_threads);
     free(padded);
     return 0;
+}
+
+/* y [rows, n] = x [rows, k] @ W^T, W in the pairs layout, out bfloat16 (_f32_out: float32); 0 done,
+ * -1 refused (shape or no AMX: the caller runs another path), KERNEL_NO_MEMORY when its padded input
+ * copy cannot be allocated. amx_init() must have returned 1 in this process. */
+int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return amx_linear(x, weight, (Out){out, 0}, rows, n, k, num_threads);
+}
+
+int amx_linear_bf16_f32_out(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return amx_linear(x, weight, (Out){out, 1}, rows, n, k, num_threads);
 }
 
 AMX_TARGET_END
@@ -309,5 +328,9 @@ AMX_TARGET_END
 int amx_linear_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
     (void)x, (void)weight, (void)out, (void)rows, (void)n, (void)k, (void)num_threads;
     return -1;
+}
+
+int amx_linear_bf16_f32_out(const void *x, const void *weight, void *out, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    return amx_linear_bf16(x, weight, out, rows, n, k, num_threads);
 }
 #endif
