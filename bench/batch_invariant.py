@@ -6,8 +6,9 @@
 Each configuration builds the model once (random weights, the CPU backend WorkerGroup picks), starts
 `rows` sequences of 64 prompt tokens, then times `steps` pure-decode steps through EngineCore
 (wall time per step, median). The modes run interleaved; on a shared machine compare ratios, not
-absolute figures. What changes in the mode (docs/backends.md): every linear on the one-row kernel
-(no oneDNN, no AMX tiles), decode attention split per sequence, no compiled step above one row.
+absolute figures. What changes in the mode (docs/backends.md): every linear on one kernel for all
+rows (AMX tiles where the CPU has them, else the one-row kernel; no oneDNN), decode attention split
+per sequence, no compiled step above one row but on the tiles.
 """
 
 from __future__ import annotations

@@ -184,8 +184,9 @@ class PackedCpuLinear(nn.Module):
 
     def __init__(self, weight: PackedWeight, kernels: CpuKernels | None = None, amx: AmxLinear | None = None, *, invariant: bool = False) -> None:
         super().__init__()
-        # batch-invariant mode: every row count through the one-row kernel (one fixed order per row),
-        # or without its copy, oneDNN one row per call (its kernel choice depends on the rows)
+        # batch-invariant mode: every row count through the AMX tiles where they take the weight, else
+        # the one-row kernel (one fixed order per row either way), or without its copy, oneDNN one row
+        # per call (its kernel choice depends on the rows)
         self._invariant = invariant
         self.batch_invariant = invariant  # Backend.linear wraps no RowByRow around it
         self.register_buffer("packed_weight", weight.packed, persistent=False)
@@ -248,6 +249,8 @@ class PackedCpuLinear(nn.Module):
         if rows == 0 and x.dim() == 2:  # a step that samples no row: no kernel takes an empty input (nor oneDNN's absent copy)
             return x.new_empty(0, self.out_features)
         if self._invariant:
+            if self._many_rows is not None and x.dim() == 2 and x.dtype == torch.bfloat16:  # AMX tiles (the mode has no pairs gemm)
+                return self._many_rows(x.contiguous(), torch.get_num_threads())
             if self._one_row is not None and x.dim() == 2:
                 return self._one_row(x.contiguous(), torch.get_num_threads())
             return torch.cat([self._onednn(x[i : i + 1]) for i in range(rows)]) if rows > 1 else self._onednn(x)
@@ -468,8 +471,9 @@ class CpuKernelBackend(OneDnnBackend):
         # bfloat16 where oneDNN has no bfloat16 kernel (AVX2): every linear on the interleaved copy
         # only (PackedCpuLinear._without_onednn), the head on the kernels (prepare_head)
         self.onednn = packing_available(dtype)
-        # no AMX tiles in the batch-invariant mode: their row blocking would make a row's sums depend on the batch
-        self.amx = load_amx_linear() if dtype == torch.bfloat16 and not batch_invariant else None
+        # the batch-invariant mode too: a row's sums on the tiles do not depend on the other rows
+        # (amx_linear.c), so there every row count of a bfloat16 linear takes them
+        self.amx = load_amx_linear() if dtype == torch.bfloat16 else None
 
     def plan_step(self, inputs: StepInputs, freqs_cis: torch.Tensor, cache: KVCache, compiled: CompiledDecodeStep | None) -> StepPlan:
         """The compiled step where it serves the step: every sequence decodes one token (each

@@ -126,7 +126,8 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     on its pairs copy (`amx`'s tiles, else the pairs gemm: one kernel for all), it also serves steps of
     2..their pairs_rows decodes; else, where every block linear
     is an interleaved copy, steps of up to their few_rows decodes. The KV caches (and their block
-    size) are bound at the first step. invariant: the batch-invariant mode's decode attention."""
+    size) are bound at the first step. invariant: the batch-invariant mode's decode attention, and on
+    AMX tiles one row through them too (as PackedCpuLinear runs every row count there)."""
     dtype = model.backend.dtype
     if dtype not in DTYPE_CODES:
         return None
@@ -149,6 +150,12 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     heads = first.attention.heads
     dim, qkv_width, hidden = first.attention.wo.out_features, first.attention.wqkv.out_features, first.feed_forward.w2.in_features
     max_rows, pairs_rows, on_tiles, few_rows = _max_rows(model, layers)
+    block_tiles = [linear.pairs_on_tiles() for linear in keep if hasattr(linear, "pairs_on_tiles")]
+    if invariant and any(block_tiles) and not on_tiles:
+        # the mode runs those linears' every row count on the tiles, and a step without them for all
+        # would run its one row elsewhere: its bits would depend on the batch
+        log.info("decode step: the batch-invariant mode with block linears partly on AMX tiles; decode runs op by op")
+        return None
     tile_rows = TILE_ROWS if on_tiles else 1  # the rows the step pads a pairs linear's input to (whole AMX tiles)
     scratch_rows = -(-max_rows // tile_rows) * tile_rows
     scratch_widths = {"normed": dim, "qkv": qkv_width, "attn": heads.heads * heads.head_dim, "attn_out": dim, "gate_up": 2 * hidden, "act": hidden, "ffn_out": dim}
@@ -169,7 +176,7 @@ def build_decode_step(model: nn.Module, kernels: CpuKernels, amx: AmxLinear | No
     program = StepProgram(
         ctypes.pointer(kernel_table), layer_array, ctypes.pointer(scratch_table), model.norm.weight.data_ptr(),
         len(layers), dim, heads.heads, heads.kv_heads, heads.head_dim, hidden, 0, DTYPE_CODES[dtype], max_rows, tile_rows,
-        few_rows, model.norm.eps, heads.head_dim**-0.5,
+        few_rows, 1 if invariant and on_tiles else 2, model.norm.eps, heads.head_dim**-0.5,
     )  # fmt: skip
     keep = [*scratch.values(), kernel_table, layer_array, scratch_table, model.norm.weight, *(b.attention_norm.weight for b in model.layers), *(b.ffn_norm.weight for b in model.layers), *keep]
     return DecodeStep(lib.decode_step, program, keep)

@@ -55,7 +55,7 @@ class StepProgram(ctypes.Structure):
     _fields_ = [
         ("kernels", ctypes.POINTER(StepKernels)), ("layers", ctypes.POINTER(StepLayer)), ("scratch", ctypes.POINTER(StepScratch)),
         ("final_norm", _p),
-        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows", "few_rows")),
+        *((name, _i64) for name in ("n_layers", "dim", "heads", "kv_heads", "head_dim", "hidden", "block_size", "bf16", "max_rows", "tile_rows", "few_rows", "pairs_min_rows")),
         ("eps", _f32), ("scale", _f32),
     ]  # fmt: skip
 

@@ -264,7 +264,7 @@ def test_float32_out_is_the_tiles_sums_unrounded(kernels, amx, n, k, rows):
 def test_the_float32_head_runs_on_the_tiles(kernels, amx):
     """A bfloat16 model's output head on AMX CPUs: float32 logits from the tiles at every row count
     (no longer the one-row kernel's rows, 6x slower at 32), the same bits for a row alone as batched;
-    the batch-invariant backend keeps no tiles."""
+    the batch-invariant backend's head is the same."""
     from engine.backends.cpu import CpuKernelBackend, InterleavedHeadLinear
 
     torch.manual_seed(8)
@@ -279,4 +279,5 @@ def test_the_float32_head_runs_on_the_tiles(kernels, amx):
     head.move_one_row_copy(moved)
     assert head._amx.weight is moved and torch.equal(head(x), logits)
     invariant = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels, batch_invariant=True)
-    assert invariant.head_linear(invariant.prepare_head(weight))._amx is None
+    invariant_head = invariant.head_linear(invariant.prepare_head(weight))
+    assert invariant_head._amx is not None and torch.equal(invariant_head(x), logits)

@@ -62,8 +62,10 @@ def test_alone_and_batched_give_bit_identical_logprobs(spec, dtype, cpu_kernels,
     import engine.backends.cpu as cpu_backends
 
     if cpu_kernels and dtype == "bfloat16":
-        # the bfloat16 kernel backend as an AVX2 CPU selects it (oneDNN without bfloat16), on every CPU
+        # the bfloat16 kernel backend as an AVX2 CPU selects it (oneDNN without bfloat16), on every CPU:
+        # no AMX tiles either (test_amx_tiles_alone_and_batched has them)
         monkeypatch.setattr(cpu_backends, "packing_available", lambda dtype: str(dtype) != "torch.bfloat16")
+        monkeypatch.setattr(cpu_backends, "load_amx_linear", lambda: None)
     target = request("t", TARGET, 10)
     alone = run(engine(spec, dtype, cpu_kernels), [], [target])["t"]
     early, late = others()
@@ -76,6 +78,32 @@ def test_alone_and_batched_give_bit_identical_logprobs(spec, dtype, cpu_kernels,
     assert (model.backend.name == "cpu_kernels") == (cpu_kernels and load_cpu_kernels() is not None)
     assert len(alone) == 10
     assert batched == alone  # tokens, logprobs and top-4 alternatives, bit for bit
+
+
+def test_amx_tiles_alone_and_batched(spec):  # noqa: F811
+    """On AMX CPUs the mode runs every bfloat16 row count on the tiles (a row's sums there do not
+    depend on the others): block linears and head on them at one row as at many, the compiled step's
+    one row too (pairs_min_rows 1), and the logprobs still bit for bit alone and batched."""
+    from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear
+
+    target = request("t", TARGET, 10)
+    alone_core = engine(spec, "bfloat16", True)
+    model = alone_core.runner._workers._shard.model
+    if model.backend.name != "cpu_kernels" or model.backend.amx is None:
+        pytest.skip("no AMX bfloat16 tiles (or no fused CPU kernels) here")
+    linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
+    tiled = [m for m in linears if m._many_rows is not None]
+    assert tiled and all(m.pairs_on_tiles() for m in tiled)
+    assert isinstance(model.output, InterleavedHeadLinear) and model.output._amx is not None
+    step = model.decode_step
+    if len(tiled) == len(linears):
+        assert step is not None and step._program.pairs_min_rows == 1 and step._program.max_rows > 1
+    else:  # some weights the tiles refuse: no compiled step (it would run their one row elsewhere)
+        assert step is None
+    alone = run(alone_core, [], [target])["t"]
+    early, late = others()
+    batched = run(engine(spec, "bfloat16", True), early, [target, *late])["t"]
+    assert len(alone) == 10 and batched == alone
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4_mixed"])
@@ -93,8 +121,8 @@ def test_quantized_linears_run_row_by_row(spec, quantization):  # noqa: F811
 
 
 def test_the_mode_builds_batch_invariant_paths(spec):  # noqa: F811
-    """What the mode changes, so the test above cannot pass by luck: no AMX tiles, every block
-    linear and the head on the one-row kernel (no oneDNN copy), the invariant decode attention."""
+    """What the mode changes, so the test above cannot pass by luck: in float32 every block linear
+    and the head on the one-row kernel (no oneDNN copy, no tiles), the invariant decode attention."""
     from engine.backends.cpu import InterleavedHeadLinear, PackedCpuLinear
 
     model = engine(spec, "float32", True).runner._workers._shard.model
@@ -102,7 +130,7 @@ def test_the_mode_builds_batch_invariant_paths(spec):  # noqa: F811
         pytest.skip("no fused CPU kernels here")
     linears = [m for m in model.modules() if isinstance(m, PackedCpuLinear)]
     assert linears and all(m.packed_weight is None and m._invariant for m in linears)
-    assert isinstance(model.output, InterleavedHeadLinear) and model.backend.amx is None
+    assert isinstance(model.output, InterleavedHeadLinear) and model.backend.amx is None and model.output._amx is None
 
 
 def test_flag_env_and_run_yaml_reach_the_engine_config(tmp_path):  # noqa: F811

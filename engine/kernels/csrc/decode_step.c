@@ -89,6 +89,7 @@ typedef struct {
     int64_t n_layers, dim, heads, kv_heads, head_dim, hidden, block_size, bf16;
     int64_t max_rows, tile_rows; /* rows served (1: one-row linears only); the rows a pairs linear's input is padded to a multiple of (AMX tile height 16, else 1) */
     int64_t few_rows; /* interleaved linears: rows past this go to gemm.c (max_rows: never) */
+    int64_t pairs_min_rows; /* the fewest rows the pairs many-rows kernel takes (2; 1 on AMX tiles in the batch-invariant mode) */
     float eps, scale;
 } step_program;
 
@@ -111,7 +112,7 @@ typedef struct {
 static int run_linear(const step_program *p, const step_linear *l, const void *x, void *out, int64_t rows, int threads) {
     const step_kernels *kn = p->kernels;
     const int bf16 = (int)p->bf16;
-    if (rows > 1 && kn->pairs_many_rows) {
+    if (rows >= p->pairs_min_rows && kn->pairs_many_rows) {
         /* AMX: whole tiles: the rows past `rows` are scratch (their outputs unused), which the kernel
          * would otherwise copy x into a zero-padded buffer for; each row's sums are the same */
         const int64_t padded = (rows + p->tile_rows - 1) / p->tile_rows * p->tile_rows;
