@@ -281,3 +281,17 @@ def test_the_float32_head_runs_on_the_tiles(kernels, amx):
     invariant = CpuKernelBackend(torch.device("cpu"), torch.bfloat16, kernels, batch_invariant=True)
     invariant_head = invariant.head_linear(invariant.prepare_head(weight))
     assert invariant_head._amx is not None and torch.equal(invariant_head(x), logits)
+
+
+@pytest.mark.parametrize("cap,tiles", [("AVX512_CORE_BF16", False), ("avx2", False), ("AVX512_CORE_AMX", True), ("ALL", True)])
+def test_onednn_max_cpu_isa_caps_the_tiles_too(kernels, amx, cap, tiles):
+    """ONEDNN_MAX_CPU_ISA below AMX keeps every kernel of ours off the tiles, as it keeps oneDNN's
+    (a process then runs as on a CPU without them: the linears and the paged attention alike)."""
+    import os
+    import sys
+
+    code = ("import torch; from engine.kernels.amx import load_amx_linear; from engine.kernels.cpu import load_cpu_kernels; "
+            "print(load_amx_linear() is not None, load_cpu_kernels().paged_attention_on_tiles(torch.bfloat16, 64, 16))")  # fmt: skip
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == [str(tiles), str(tiles)]

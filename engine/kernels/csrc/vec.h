@@ -309,7 +309,8 @@ static inline void *kernel_aligned_alloc(size_t alignment, size_t bytes) {
  * Whether this process may run AMX bfloat16 tiles, for the kernels that use them (amx_linear.c, and
  * attention.c's paged attention): the CPU has AMX-BF16, AMX-TILE, AVX-512F and AVX512_BF16, and
  * Linux granted the tile data state, which it hands out on request only (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; oneDNN asks the same). The answer is cached:
+ * ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; oneDNN asks the same), and ONEDNN_MAX_CPU_ISA
+ * does not cap the process below AMX (amx_capped_off). The answer is cached:
  * it cannot change. AMX_COMPILED: the compiler can build tile code (each kernel then carries its own
  * target attributes, so every x86-64 build level, the prebuilt ones included, has it). */
 #if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
@@ -328,11 +329,24 @@ static int amx_cpu_has_tiles(void) {
     return amx_bf16 && amx_tile && avx512f && avx512_bf16;
 }
 
+/* Whether ONEDNN_MAX_CPU_ISA, oneDNN's cap on the instructions it uses, leaves the tiles out: any
+ * value but ALL/DEFAULT that names no AMX level (AVX2, AVX512_CORE_BF16, ...). The kernels follow
+ * the cap as oneDNN does, so one variable holds a whole process to a CPU without tiles. */
+static int amx_capped_off(void) {
+    const char *cap = getenv("ONEDNN_MAX_CPU_ISA");
+    if (!cap || !*cap) return 0;
+    char upper[64];
+    size_t i = 0;
+    for (; cap[i] && i + 1 < sizeof upper; i++) upper[i] = (char)(cap[i] >= 'a' && cap[i] <= 'z' ? cap[i] - 32 : cap[i]);
+    upper[i] = 0;
+    return strcmp(upper, "ALL") != 0 && strcmp(upper, "DEFAULT") != 0 && !strstr(upper, "AMX");
+}
+
 static __attribute__((unused)) int amx_tiles_permitted(void) {
     static int state; /* 0: not asked yet, 1: granted, -1: refused */
     int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
     if (s == 0) {
-        s = amx_cpu_has_tiles() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        s = amx_cpu_has_tiles() && !amx_capped_off() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
         __atomic_store_n(&state, s, __ATOMIC_RELAXED);
     }
     return s > 0;
