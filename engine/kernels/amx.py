@@ -71,6 +71,8 @@ class AmxLinear:
             if x.dtype != torch.bfloat16 or x.shape[1] != k or not x.is_contiguous():
                 raise ValueError(f"AMX linear input must be contiguous bfloat16 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
             out = torch.empty(rows, n, dtype=out_dtype)
+            if rows == 0:  # a step that samples no row (a long prompt's earlier chunks): the kernel takes 1+
+                return out
             if failed := fn(x.data_ptr(), weight_ptr, out.data_ptr(), rows, n, k, threads):
                 check_kernel(failed, "amx_linear_bf16")  # MemoryError, or RuntimeError: arguments refused
             return out

@@ -275,6 +275,8 @@ def test_the_float32_head_runs_on_the_tiles(kernels, amx):
     logits = head(x)
     assert logits.dtype == torch.float32 and torch.equal(logits, amx.bind(head.interleaved, f32_out=True)(x, 2))
     assert torch.equal(head(x[5:6].contiguous())[0], logits[5])
+    # a step whose rows sample nothing (a long prompt's chunks before its last) hands the head no row
+    assert head(x[:0]).shape == (0, 160) and amx.linear(x[:0], head.interleaved, 2).shape == (0, 160)
     moved = head.interleaved.clone()
     head.move_one_row_copy(moved)
     assert head._amx.weight is moved and torch.equal(head(x), logits)

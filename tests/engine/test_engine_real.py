@@ -186,3 +186,18 @@ def test_online_requests_preempt_batch_ones_and_every_output_stays_the_same(spec
         assert core.pool.num_free == core.pool.num_blocks
     finally:
         core.runner.shutdown()
+
+
+def test_a_bfloat16_prompt_longer_than_the_step_budget_completes(spec):
+    """A prompt in chunks: the chunks before its last sample no row, so the output head gets an
+    empty input (on AMX CPUs the tiles' kernel refuses zero rows: the binding must not call it)."""
+    cfg = config(spec, dtype="bfloat16", cpu_kernels=True, max_num_batched_tokens=16)
+    core = EngineCore(make_runner(spec, cfg), TOK, cfg, MAX_SEQ_LEN)
+    core.add_request(EngineRequest("long", [(7 * i) % 256 for i in range(45)], SamplingParams(max_tokens=5, temperature=0.0)))
+    tokens, finished = [], []
+    while core.has_unfinished:
+        for out in core.step():
+            assert out.error is None, out.error
+            tokens += out.new_token_ids
+            finished.append(out.finished)
+    assert len(tokens) == 5 and finished[-1]
