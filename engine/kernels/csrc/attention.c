@@ -1433,15 +1433,42 @@ static inline int64_t pa_claim(PaItems *it, const PagedArgs *a, PaPrefetch *ahea
  * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
  * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
  * `items` into *claimed (pa_claim) when its scores pass is done. */
+/* src [16][16] row-major -> rows[c] = column c (the stored S^T tile's query rows: no gather per row,
+ * which took ~8% of the kernel). */
+static inline __attribute__((always_inline)) void transpose16(const float *src, __m512 rows[16]) {
+    __m512 t[16], *r = rows;
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
 static inline __attribute__((always_inline)) void pa_amx_item(
     const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
     int64_t prefix, int64_t tok0, int64_t tok1, PaItems *items, int64_t *claimed) {
     const int64_t n_rep = a->n_rep, N = (tok1 - tok0) * n_rep, bs = a->block_size, chunks = D / 32;
     const int64_t n_keys = prefix + tok1, padded = (n_keys + PA_AMX_KEYS - 1) / PA_AMX_KEYS * PA_AMX_KEYS;
     const size_t slot_bytes = (size_t)a->slot_elems * 2, run_bytes = PA_AMX_KEYS * slot_bytes;
-    /* one allocation: Q^T [g][chunk][dim pair][N], 64 zero bytes, scores [g][N][padded] (then the weights) */
+    /* one allocation: Q^T [g][chunk][dim pair][N], 64 zero bytes, scores [g][N][padded] (then the weights),
+     * each row's running maximum (16 lanes) */
     const size_t qt_bytes = (size_t)(groups * chunks * 16 * N) * 4, scores_bytes = (size_t)(groups * N * padded) * 4;
-    char *scratch = kernel_aligned_alloc(64, qt_bytes + 64 + scores_bytes);
+    char *scratch = kernel_aligned_alloc(64, qt_bytes + 64 + scores_bytes + (size_t)(groups * N) * 64);
     if (!scratch) { /* *claimed stays as the caller set it (no item): this thread stops */
         __atomic_store_n(&items->out_of_memory, 1, __ATOMIC_RELAXED);
         return;
@@ -1449,6 +1476,8 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     uint32_t *qt = (uint32_t *)scratch;
     memset(scratch + qt_bytes, 0, 64);
     float *scores = (float *)(scratch + qt_bytes + 64);
+    __m512 *row_max = (__m512 *)(scratch + qt_bytes + 64 + scores_bytes); /* the softmax's maximum, kept as scores are stored */
+    for (int64_t row = 0; row < groups * N; row++) row_max[row] = _mm512_set1_ps(-INFINITY);
     float inv_sum[groups * N];
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32((int)N)); /* lane i: row i of a [16][N] matrix */
@@ -1460,7 +1489,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         }
     AmxTileConfig cfg_scores, cfg_values;
     amx_configs(&cfg_scores, &cfg_values, N);
-    float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][N] of three heads */
+    float s_t[3 * PA_AMX_KEYS * 16] __attribute__((aligned(64))); /* S^T [16 keys][16, N used] of three heads */
     _tile_loadconfig(&cfg_scores);
     PaPrefetch pf = {a->k_cache, a->v_cache, 0, 0};
     for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
@@ -1497,20 +1526,25 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             }
             float *s_g = s_t + (g % 3) * PA_AMX_KEYS * 16;
             switch (g % 3) {
-            case 0: _tile_stored(0, s_g, 4 * N); break;
-            case 1: _tile_stored(1, s_g, 4 * N); break;
-            default: _tile_stored(2, s_g, 4 * N); break;
+            case 0: _tile_stored(0, s_g, 64); break;
+            case 1: _tile_stored(1, s_g, 64); break;
+            default: _tile_stored(2, s_g, 64); break;
             }
             if (g + 1 < groups && g % 3 != 2) continue; /* the scores once all of the turn's heads are issued */
-            for (int64_t h = g - g % 3; h <= g; h++)
+            for (int64_t h = g - g % 3; h <= g; h++) {
+                __m512 rows[16]; /* row r: query row r's scores against the run's 16 keys */
+                transpose16(s_t + (h % 3) * PA_AMX_KEYS * 16, rows);
                 for (int64_t r = 0; r < N; r++) {
                     pa_prefetch_some(&pf, PA_PREFETCH_LINES);
                     const int64_t visible = prefix + tok0 + r / n_rep - key0 + 1, m = visible < n ? visible : n;
                     const __mmask16 keep = m >= 16 ? 0xffff : (m <= 0 ? 0 : (__mmask16)((1u << m) - 1));
-                    const __m512 raw = _mm512_i32gather_ps(column, s_t + (h % 3) * PA_AMX_KEYS * 16 + r, 4);
+                    const __m512 raw = rows[r];
                     const __m512 s = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
-                    _mm512_store_ps(scores + (h * N + r) * padded + key0, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
+                    const __m512 kept = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s);
+                    _mm512_store_ps(scores + (h * N + r) * padded + key0, kept);
+                    row_max[h * N + r] = _mm512_max_ps(row_max[h * N + r], kept);
                 }
+            }
         }
     }
     PaPrefetch ahead;
@@ -1518,9 +1552,8 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     for (int64_t row = 0; row < groups * N; row++) { /* softmax, in place: the weights rounded to bfloat16 */
         pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
         float *s = scores + row * padded;
-        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j));
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[row]));
         for (int64_t j = 0; j < padded; j += 16) {
             const __m256bh w = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
             const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
