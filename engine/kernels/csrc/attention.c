@@ -1376,7 +1376,6 @@ static void amx_configs(AmxTileConfig *scores, AmxTileConfig *values, int64_t n)
     for (int t = 4; t <= 7; t++) values->rows[t] = (uint8_t)n, values->colsb[t] = 64;
 }
 
-
 /* The next run's K and V lines (one contiguous span each: the block's slots for all KV heads),
  * prefetched a few at a time between the scores pass's tile work: issued as one burst per head they
  * filled the line fill buffers and stalled the tile work behind them (32 decodes x 160 keys over 30
@@ -1429,10 +1428,6 @@ static inline int64_t pa_claim(PaItems *it, const PagedArgs *a, PaPrefetch *ahea
     return item;
 }
 
-/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
- * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
- * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
- * `items` into *claimed (pa_claim) when its scores pass is done. */
 /* src [16][16] row-major -> rows[c] = column c (the stored S^T tile's query rows: no gather per row,
  * which took ~8% of the kernel). */
 static inline __attribute__((always_inline)) void transpose16(const float *src, __m512 rows[16]) {
@@ -1459,6 +1454,10 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
     }
 }
 
+/* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
+ * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
+ * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
+ * `items` into *claimed (pa_claim) when its scores pass is done. */
 static inline __attribute__((always_inline)) void pa_amx_item(
     const PagedArgs *a, const int64_t D, int64_t groups, int64_t split, const char *q, char *out, const int32_t *table,
     int64_t prefix, int64_t tok0, int64_t tok1, PaItems *items, int64_t *claimed) {
