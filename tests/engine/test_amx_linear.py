@@ -68,11 +68,20 @@ def test_large_row_counts_and_odd_column_blocks(kernels, amx):
 
 
 # [out, in] shapes and row counts that take the blocked loop for prefill chunks (amx_linear.c
-# many_rows: x over 1 MB, k at most 2048): k 2048 from 257 rows, k 576 from 911; with odd row counts
-# (a partial last row block: the padded tail copy), an odd number of row blocks (a lone last one),
-# more rows than one L2 block of x (1 MB: 256 rows of k 2048) and n an odd number of 16-column
-# blocks (a last lone column block).
-BLOCKED_CASES = [(96, 2048, 257), (48, 2048, 513), (80, 2048, 1024), (64, 2048, 200), (3072, 576, 1000), (576, 1536, 700)]
+# many_rows: x over 1 MB, k at most 8192): k 2048 from 257 rows, k 576 from 911, k 8192 from 65;
+# with odd row counts (a partial last row block: the padded tail copy), an odd number of row blocks
+# (a lone last one), more rows than one L2 block of x (1 MB: 256 rows of k 2048, 64 of k 8192) and
+# n an odd number of 16-column blocks (a last lone column block).
+BLOCKED_CASES = [
+    (96, 2048, 257),
+    (48, 2048, 513),
+    (80, 2048, 1024),
+    (64, 2048, 200),
+    (3072, 576, 1000),
+    (576, 1536, 700),
+    (48, 8192, 130),
+    (80, 5632, 203),
+]
 
 
 @pytest.mark.parametrize("n,k,rows", BLOCKED_CASES)

@@ -70,9 +70,47 @@ static inline void store16(Out out, int64_t index, const float *acc) {
     else _mm256_storeu_si256((__m256i *)((uint16_t *)out.base + index), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* 16 float32 accumulator rows (row stride 16) -> rows of out from element `index` (row stride n). */
-static inline void store_block(const float *acc, Out out, int64_t index, int64_t n, int64_t rows) {
-    for (int64_t r = 0; r < rows; r++) store16(out, index + r * n, acc + r * 16);
+#define ACC_STRIDE_BYTES (2 * COL_BLOCK * 4) /* a row of the float32 buffer: 32 columns */
+#define ACC_BLOCK_FLOATS (ROW_BLOCK * 2 * COL_BLOCK)
+
+/* The accumulators (row block r, column block c in tile 2r + c) -> acc, row block r at
+ * acc + r * ACC_BLOCK_FLOATS, column block c at + c * 16 (row stride 32 floats). */
+static inline void store_tiles(float *acc, int rbs, int cols) {
+    _tile_stored(0, acc, ACC_STRIDE_BYTES);
+    if (cols > 1) _tile_stored(1, acc + COL_BLOCK, ACC_STRIDE_BYTES);
+    if (rbs > 1) _tile_stored(2, acc + ACC_BLOCK_FLOATS, ACC_STRIDE_BYTES);
+    if (rbs > 1 && cols > 1) _tile_stored(3, acc + ACC_BLOCK_FLOATS + COL_BLOCK, ACC_STRIDE_BYTES);
+}
+
+/* A finished block's float32 sums, waiting to be stored to out's rows [row, row_end), columns col0 ..
+ * col0 + cols * 16; row r's sums at acc + (r - row0) * 32. Stored a few rows at each k step of the
+ * next block rather than all at once: each out line is a cold miss (written once a call), and storing
+ * a block's rows in one go left the tiles idle behind those misses, 20-40% of a prefill-sized linear
+ * (bench/NOTES.md 'The AMX linears' stores behind the next block'). */
+typedef struct {
+    const float *acc;
+    Out out;
+    int64_t n, col0, row0, row, row_end, per_step;
+    int cols;
+} Pending;
+
+/* Rows per k step that store a block of `rows` rows within `steps` k steps. */
+static inline int64_t rows_per_step(int64_t rows, int64_t steps) { return (rows + steps - 1) / steps; }
+
+/* The next `count` waiting rows (all of them: INT64_MAX) -> out. */
+static inline void pending_store(Pending *p, int64_t count) {
+    const int64_t end = p->row_end - p->row < count ? p->row_end : p->row + count;
+    for (; p->row < end; p->row++) {
+        const float *a = p->acc + (p->row - p->row0) * 2 * COL_BLOCK;
+        const int64_t index = p->row * p->n + p->col0;
+        store16(p->out, index, a);
+        if (p->cols > 1) store16(p->out, index + COL_BLOCK, a + COL_BLOCK);
+    }
+}
+
+/* A k step's share of the waiting rows. */
+static inline void pending_step(Pending *p) {
+    if (p->row < p->row_end) pending_store(p, p->per_step);
 }
 
 /* One k step (K_STEP values of x) of the 2x2 tile block: x tiles 4, 5 (row blocks at a0, a1; a1
@@ -93,9 +131,11 @@ static inline void tile_step(const char *a0, const char *a1, int64_t x_stride, c
     }
 }
 
-/* Column blocks [cb, cb + cols) (cols 1 or 2) x row blocks [rb, rb + row_blocks) (1 or 2), all k. */
+/* Column blocks [cb, cb + cols) (cols 1 or 2) x row blocks [rb, rb + row_blocks) (1 or 2), all k, into
+ * acc ([32 rows][32 columns] float32), which becomes the waiting block; the one waiting before is
+ * stored during the k loop. */
 static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64_t pairs_bytes, int64_t cb, int cols,
-                              int64_t rb, int row_blocks, Out out, int64_t n, int64_t rows) {
+                              int64_t rb, int row_blocks, Out out, int64_t n, int64_t rows, float *acc, Pending *pending) {
     const char *w0 = w + cb * pairs_bytes, *w1 = w0 + pairs_bytes;
     const char *x0 = (const char *)(x + rb * ROW_BLOCK * k), *x1 = x0 + ROW_BLOCK * k * 2;
     const int64_t x_stride = k * 2;
@@ -110,19 +150,13 @@ static inline void tile_block(const uint16_t *x, int64_t k, const char *w, int64
             if (cols > 1) prefetch_tile(w1 + w_off + PREFETCH_AHEAD_BYTES);
         }
         tile_step(x0 + kk * 2, x1 + kk * 2, x_stride, w0 + w_off, w1 + w_off, row_blocks, cols);
+        pending_step(pending);
     }
-    float acc[ROW_BLOCK * COL_BLOCK];
-    for (int r = 0; r < row_blocks; r++) {
-        const int64_t row0 = (rb + r) * ROW_BLOCK, valid = rows - row0 < ROW_BLOCK ? rows - row0 : ROW_BLOCK;
-        for (int c = 0; c < cols; c++) {
-            /* _tile_stored takes a constant tile number */
-            if (2 * r + c == 0) _tile_stored(0, acc, 64);
-            else if (2 * r + c == 1) _tile_stored(1, acc, 64);
-            else if (2 * r + c == 2) _tile_stored(2, acc, 64);
-            else _tile_stored(3, acc, 64);
-            store_block(acc, out, row0 * n + (cb + c) * COL_BLOCK, n, valid);
-        }
-    }
+    pending_store(pending, INT64_MAX);
+    store_tiles(acc, row_blocks, cols);
+    const int64_t row0 = rb * ROW_BLOCK, end = (rb + row_blocks) * ROW_BLOCK;
+    *pending = (Pending){acc, out, n, cb * COL_BLOCK, row0, row0, end < rows ? end : rows,
+                         rows_per_step(end - row0, k / K_STEP), cols};
 }
 
 /* Work items are pairs of column blocks (32 output columns), split evenly over the threads: each
@@ -134,16 +168,20 @@ static void amx_kernel(const uint16_t *x, const char *w, Out out, int64_t rows, 
     const int64_t row_blocks = padded_rows / ROW_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
+        float acc[2][2 * ROW_BLOCK * 2 * COL_BLOCK] __attribute__((aligned(64)));
+        Pending pending = {0};
+        int buffer = 0;
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t cb = item * 2;
             const int cols = cb + 1 < col_blocks ? 2 : 1;
-            for (int64_t rb = 0; rb < row_blocks; rb += 2) {
+            for (int64_t rb = 0; rb < row_blocks; rb += 2, buffer ^= 1) {
                 const int rbs = rb + 1 < row_blocks ? 2 : 1;
-                tile_block(x, k, w, pairs_bytes, cb, cols, rb, rbs, out, n, rows);
+                tile_block(x, k, w, pairs_bytes, cb, cols, rb, rbs, out, n, rows, acc[buffer], &pending);
             }
         }
+        pending_store(&pending, INT64_MAX);
         _tile_release();
     }
 }
@@ -164,16 +202,14 @@ static void amx_kernel(const uint16_t *x, const char *w, Out out, int64_t rows, 
 #define K_CHUNK_MAX 384
 #endif
 #ifndef GROUP_ROW_BLOCKS
-#define GROUP_ROW_BLOCKS 8
+#define GROUP_ROW_BLOCKS 4
 #endif
-#define ACC_STRIDE_BYTES (2 * COL_BLOCK * 4) /* a row of the float32 buffer: 32 columns */
-#define ACC_BLOCK_FLOATS (ROW_BLOCK * 2 * COL_BLOCK)
 
 /* One k chunk (`steps` k steps) of up to 2 row blocks x 2 column blocks: x tiles a0, a1 (row stride
  * x_stride) and weight tiles w0, w1 at the chunk's first step; the accumulators start at zero (first)
  * or from acc and end in acc (row block r, column block c at acc + r * ACC_BLOCK_FLOATS + c * 16). */
 static inline void chunk_block(const char *a0, const char *a1, int64_t x_stride, const char *w0, const char *w1,
-                               int64_t steps, int rbs, int cols, float *acc, int first) {
+                               int64_t steps, int rbs, int cols, float *acc, int first, Pending *pending) {
     float *acc1 = acc + ACC_BLOCK_FLOATS;
     if (first) {
         _tile_zero(0);
@@ -189,21 +225,9 @@ static inline void chunk_block(const char *a0, const char *a1, int64_t x_stride,
     for (int64_t s = 0; s < steps; s++) {
         const int64_t w_off = s * W_TILE_BYTES, x_off = s * K_STEP * 2;
         tile_step(a0 + x_off, a1 + x_off, x_stride, w0 + w_off, w1 + w_off, rbs, cols);
+        pending_step(pending);
     }
-    _tile_stored(0, acc, ACC_STRIDE_BYTES);
-    if (cols > 1) _tile_stored(1, acc + COL_BLOCK, ACC_STRIDE_BYTES);
-    if (rbs > 1) _tile_stored(2, acc1, ACC_STRIDE_BYTES);
-    if (rbs > 1 && cols > 1) _tile_stored(3, acc1 + COL_BLOCK, ACC_STRIDE_BYTES);
-}
-
-/* Rows [row0, row1) of the float32 buffer (its first row: row0) -> out's columns cb * 16 .. + cols * 16. */
-static void store_rows(const float *acc, Out out, int64_t n, int64_t cb, int cols, int64_t row0, int64_t row1) {
-    for (int64_t r = row0; r < row1; r++) {
-        const float *a = acc + (r - row0) * 2 * COL_BLOCK;
-        const int64_t index = r * n + cb * COL_BLOCK;
-        store16(out, index, a);
-        if (cols > 1) store16(out, index + COL_BLOCK, a + COL_BLOCK);
-    }
+    store_tiles(acc, rbs, cols);
 }
 
 /* k steps per chunk: chunks of at most K_CHUNK_MAX, as even as whole k steps allow. */
@@ -231,8 +255,9 @@ static inline const char *row_block(const ManyRows *m, int64_t rb) {
     return (const char *)(rb < m->full_row_blocks ? m->x + rb * ROW_BLOCK * m->k : m->tail);
 }
 
-/* Column blocks cb, cb + cols over row blocks [rb0, rb1) (at most GROUP_ROW_BLOCKS), all k, into out. */
-static void slice_group(const ManyRows *m, int64_t cb, int cols, int64_t rb0, int64_t rb1, float *acc) {
+/* Column blocks cb, cb + cols over row blocks [rb0, rb1) (at most GROUP_ROW_BLOCKS), all k, into acc,
+ * which becomes the waiting block; the one waiting before is stored during the k steps. */
+static void slice_group(const ManyRows *m, int64_t cb, int cols, int64_t rb0, int64_t rb1, float *acc, Pending *pending) {
     const char *w0 = m->w + cb * m->pairs_bytes, *w1 = w0 + m->pairs_bytes;
     const int64_t steps_total = m->k / K_STEP;
     for (int64_t s0 = 0; s0 < steps_total; s0 += m->chunk_steps) {
@@ -241,11 +266,13 @@ static void slice_group(const ManyRows *m, int64_t cb, int cols, int64_t rb0, in
             const int rbs = rb + 1 < rb1 ? 2 : 1;
             const char *a0 = row_block(m, rb) + s0 * K_STEP * 2, *a1 = rbs > 1 ? row_block(m, rb + 1) + s0 * K_STEP * 2 : a0;
             chunk_block(a0, a1, m->k * 2, w0 + s0 * W_TILE_BYTES, w1 + s0 * W_TILE_BYTES, steps, rbs, cols,
-                        acc + (rb - rb0) * ACC_BLOCK_FLOATS, s0 == 0);
+                        acc + (rb - rb0) * ACC_BLOCK_FLOATS, s0 == 0, pending);
         }
     }
-    const int64_t row1 = rb1 * ROW_BLOCK < m->rows ? rb1 * ROW_BLOCK : m->rows;
-    store_rows(acc, m->out, m->n, cb, cols, rb0 * ROW_BLOCK, row1);
+    pending_store(pending, INT64_MAX);
+    const int64_t row0 = rb0 * ROW_BLOCK, row1 = rb1 * ROW_BLOCK < m->rows ? rb1 * ROW_BLOCK : m->rows;
+    *pending = (Pending){acc, m->out, m->n, cb * COL_BLOCK, row0, row0, row1,
+                         rows_per_step(row1 - row0, steps_total * ((rb1 - rb0 + 1) / 2)), cols};
 }
 
 static void amx_kernel_many_rows(const ManyRows *m, int num_threads) {
@@ -253,7 +280,9 @@ static void amx_kernel_many_rows(const ManyRows *m, int num_threads) {
     const int64_t row_blocks = (m->rows + ROW_BLOCK - 1) / ROW_BLOCK, block_rbs = block_row_blocks_for(m->k);
 #pragma omp parallel num_threads(num_threads)
     {
-        float acc[GROUP_ROW_BLOCKS * ACC_BLOCK_FLOATS] __attribute__((aligned(64)));
+        float acc[2][GROUP_ROW_BLOCKS * ACC_BLOCK_FLOATS] __attribute__((aligned(64)));
+        Pending pending = {0};
+        int buffer = 0;
         configure_tiles();
         for (int64_t b0 = 0; b0 < row_blocks; b0 += block_rbs) {
             const int64_t b1 = b0 + block_rbs < row_blocks ? b0 + block_rbs : row_blocks;
@@ -261,10 +290,11 @@ static void amx_kernel_many_rows(const ManyRows *m, int num_threads) {
             for (int64_t item = 0; item < items; item++) {
                 const int64_t cb = item * 2;
                 const int cols = cb + 1 < col_blocks ? 2 : 1;
-                for (int64_t g0 = b0; g0 < b1; g0 += GROUP_ROW_BLOCKS)
-                    slice_group(m, cb, cols, g0, g0 + GROUP_ROW_BLOCKS < b1 ? g0 + GROUP_ROW_BLOCKS : b1, acc);
+                for (int64_t g0 = b0; g0 < b1; g0 += GROUP_ROW_BLOCKS, buffer ^= 1)
+                    slice_group(m, cb, cols, g0, g0 + GROUP_ROW_BLOCKS < b1 ? g0 + GROUP_ROW_BLOCKS : b1, acc[buffer], &pending);
             }
         }
+        pending_store(&pending, INT64_MAX);
         _tile_release();
     }
 }
@@ -286,11 +316,14 @@ static int amx_linear_many_rows(const uint16_t *x, const char *w, Out out, int64
 
 /* Whether the blocked loop above runs: once x outgrows the L2 budget (~500 rows of k 1024, more at
  * smaller k; never for decode batches), where the decode loop would re-read it from L3 for every
- * 32 columns; below that the two ran level. Not for k past 2048: a block of x that fits L2 is then
- * under 256 rows, and streaming the weight once per block cost more than the decode loop's
- * re-reads of x (bench/NOTES.md 'AMX linears at prefill sizes'). */
+ * 32 columns; below that the two ran level. Up to k 8192 (one group of 4 row blocks in the 1 MB
+ * budget): with groups of 8 a block of x that fits L2 was under 256 rows past k 2048, and streaming
+ * the weight once per block cost more than the decode loop's re-reads of x (0.7x); with groups of 4
+ * a 1.1B model's w2 (k 8192) runs 1.17-1.2x the decode loop's rate at one thread and level at two,
+ * k 14336 0.93x (bench/NOTES.md 'AMX linears at prefill sizes', 'The AMX linears' stores behind
+ * the next block'). */
 static int many_rows(int64_t rows, int64_t k) {
-    return rows > 64 && rows * k * 2 > X_BLOCK_BYTES && k * 2 * 256 <= X_BLOCK_BYTES;
+    return rows > 64 && rows * k * 2 > X_BLOCK_BYTES && k * 2 * ROW_BLOCK * GROUP_ROW_BLOCKS <= X_BLOCK_BYTES;
 }
 
 static int amx_linear(const void *x, const void *weight, Out out, int64_t rows, int64_t n, int64_t k, int num_threads) {
