@@ -1354,7 +1354,9 @@ int paged_attention(int bf16, const void *qkv, int64_t q_stride, void *out, cons
  *   SDPA rounds them before P V) and summed as rounded, so each output is their weighted mean;
  * - values: O [N, 64] += P [N, 16 keys] V [16 keys, 64] per run, V's rows loaded from the cache as
  *   they are too (the weights as (w, 0) and (0, w) pairs pick its even and odd dims), O accumulating
- *   in four tiles over all runs.
+ *   in four tiles over all runs. With head_dim 64 (pa_amx_values_fused) each run's weights are made
+ *   just before its multiplies instead of in a pass of their own: the same bits, one read of the
+ *   scores instead of three passes over them.
  * Products of bfloat16 values are exact in float32 and the sums float32, as in pa_tile; the only
  * rounding pa_tile lacks is P's. A decode reads each key once from memory, and memory bounds it: the
  * scores pass prefetches the next run between its tile steps (and the thread's next item's first run
@@ -1454,6 +1456,101 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
     }
 }
 
+/* A run's V rows as the tiles load them: in place, or for a last run of n < 16 keys copied into v_tail
+ * with zeros past them (0 x NaN is NaN); *stride set to match. */
+static inline const char *pa_v_rows(const char *v, int64_t n, size_t slot_bytes, uint16_t v_tail[PA_AMX_KEYS][64], long *stride) {
+    *stride = (long)slot_bytes;
+    if (n >= PA_AMX_KEYS) return v;
+    for (int64_t j = 0; j < PA_AMX_KEYS; j++)
+        if (j < n) memcpy(v_tail[j], v + j * slot_bytes, sizeof(v_tail[j]));
+        else memset(v_tail[j], 0, sizeof(v_tail[j]));
+    *stride = sizeof(v_tail[0]);
+    return (const char *)v_tail;
+}
+
+/* O (tiles 4-7) += P V for one run: the weights w as (w, 0) pairs (row stride w_stride bytes, the two
+ * bytes before each row zero), V's 16 rows of 64 dims at v. */
+static inline __attribute__((always_inline)) void pa_amx_pv_run(const void *w, long w_stride, const char *v, long v_stride) {
+    _tile_loadd(0, w, w_stride);
+    _tile_loadd(1, (const char *)w - 2, w_stride);
+    _tile_loadd(2, v, v_stride);
+    _tile_loadd(3, v + 64, v_stride);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+}
+
+/* O in tiles 4-7 (per 32 dims: even, odd) -> group g's N output rows, dims d0 .. d0 + 63, each row
+ * times inv[r], as bfloat16: dims 32 h + 2 t and 32 h + 2 t + 1 from o[2 h][r][t] and o[2 h + 1][r][t]. */
+static inline __attribute__((always_inline)) void pa_amx_store_o(const PagedArgs *a, char *out, int64_t g, int64_t N,
+                                                                int64_t D, int64_t d0, int64_t tok0, const float *inv) {
+    float o[4][16][16] __attribute__((aligned(64)));
+    _tile_stored(4, o[0], 64);
+    _tile_stored(5, o[1], 64);
+    _tile_stored(6, o[2], 64);
+    _tile_stored(7, o[3], 64);
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t r = 0; r < N; r++) {
+        char *dst = out + ((size_t)((tok0 + r / a->n_rep) * a->out_stride) + (size_t)((g * a->n_rep + r % a->n_rep) * D + d0)) * 2;
+        const __m512 f = _mm512_set1_ps(inv[r]);
+        for (int h = 0; h < 2; h++) {
+            const __m512 x = _mm512_load_ps(o[2 * h][r]), y = _mm512_load_ps(o[2 * h + 1][r]);
+            const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(x, low, y), f);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(x, high, y), f);
+            _mm512_storeu_si512(dst + h * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* pa_amx_item's softmax and values passes in one, for head_dim 64: each 16-key run's weights
+ * exp(s - max) rounded to bfloat16 are made for the item's N rows just before the run's P V
+ * multiplies, into a small buffer the tiles then load from L1, and the rows' sums kept beside them;
+ * two passes over the item's scores (~370 KB for a 2048-token prompt: L2), one in place, fall to
+ * one read. The same weights and sums as the two passes, in the same order. */
+static inline __attribute__((always_inline)) void pa_amx_values_fused(
+    const PagedArgs *a, int64_t groups, int64_t split, int64_t N, char *out, const int32_t *table, int64_t tok0,
+    int64_t n_keys, int64_t padded, const float *scores, const __m512 *row_max, PaPrefetch *ahead,
+    const AmxTileConfig *cfg_values) {
+    enum { D = 64 };
+    const int64_t bs = a->block_size;
+    const size_t slot_bytes = (size_t)a->slot_elems * 2;
+    /* a run's weights as (w, 0) pairs, [N rows][16 keys], after one zero lane (the (0, w) load starts 2
+     * bytes early); two, so a run's weights are written while the last run's are still being loaded */
+    uint32_t run_buf[2][16 + 16 * PA_AMX_KEYS] __attribute__((aligned(64)));
+    __m512 sums[16];
+    uint16_t v_tail[PA_AMX_KEYS][64] __attribute__((aligned(64)));
+    memset(run_buf, 0, sizeof(run_buf));
+    _tile_loadconfig(cfg_values);
+    for (int64_t g = 0; g < groups; g++) {
+        float max[16];
+        for (int64_t r = 0; r < N; r++) max[r] = _mm512_reduce_max_ps(row_max[g * N + r]), sums[r] = _mm512_setzero_ps();
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t key0 = 0, turn = 0; key0 < n_keys; key0 += PA_AMX_KEYS, turn ^= 1) {
+            pa_prefetch_some(ahead, PA_PREFETCH_LINES);
+            uint32_t *w = run_buf[turn] + 16;
+            const float *s = scores + g * N * padded + key0;
+            for (int64_t r = 0; r < N; r++) {
+                const __m256bh bw = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s + r * padded), _mm512_set1_ps(max[r]))));
+                const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)bw); /* a 32-bit lane: (weight, 0) */
+                _mm512_store_si512(w + r * PA_AMX_KEYS, low_half);
+                sums[r] = _mm512_add_ps(sums[r], _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
+            }
+            long stride;
+            const char *v = pa_v_rows(a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D) * 2,
+                                      n_keys - key0, slot_bytes, v_tail, &stride);
+            pa_amx_pv_run(w, PA_AMX_KEYS * 4, v, stride);
+        }
+        float inv[16];
+        for (int64_t r = 0; r < N; r++) inv[r] = 1.0f / _mm512_reduce_add_ps(sums[r]);
+        pa_amx_store_o(a, out, g, N, D, 0, tok0, inv);
+    }
+}
+
 /* One item: tokens [tok0, tok1) of one sequence (its prefix cached keys before them), all KV heads.
  * Each KV head's query heads are `split` groups of a->n_rep (<= 16), g numbering the groups (KV head
  * g / split); N = (tok1 - tok0) * a->n_rep query rows per group. Claims the thread's next item from
@@ -1548,6 +1645,12 @@ static inline __attribute__((always_inline)) void pa_amx_item(
     }
     PaPrefetch ahead;
     *claimed = pa_claim(items, a, &ahead);
+    if (D == 64) { /* the weights made run by run in the values pass below, from L1 */
+        pa_amx_values_fused(a, groups, split, N, out, table, tok0, n_keys, padded, scores, row_max, &ahead, &cfg_values);
+        pa_prefetch_some(&ahead, SIZE_MAX);
+        free(scratch);
+        return;
+    }
     for (int64_t row = 0; row < groups * N; row++) { /* softmax, in place: the weights rounded to bfloat16 */
         pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
         float *s = scores + row * padded;
@@ -1565,7 +1668,6 @@ static inline __attribute__((always_inline)) void pa_amx_item(
      * A[m][2k] B[k][n][0] + A[m][2k + 1] B[k][n][1] with B's row k one key's 32 dims as 16 pairs, so
      * A = the weights as (w, 0) pairs gives the even dims, and (0, w) pairs, the same buffer loaded
      * 2 bytes early (the 64 bytes before it are zero), the odd ones. */
-    float o[4][16][16] __attribute__((aligned(64))); /* per 32 dims: even, odd */
     uint16_t v_tail[PA_AMX_KEYS][64] __attribute__((aligned(64))); /* a last run's keys, zeros past them (0 x NaN is NaN) */
     _tile_loadconfig(&cfg_values);
     for (int64_t g = 0; g < groups; g++)
@@ -1576,42 +1678,12 @@ static inline __attribute__((always_inline)) void pa_amx_item(
             _tile_zero(7);
             for (int64_t key0 = 0; key0 < n_keys; key0 += PA_AMX_KEYS) {
                 pa_prefetch_some(&ahead, PA_PREFETCH_LINES);
-                const int64_t n = n_keys - key0 < PA_AMX_KEYS ? n_keys - key0 : PA_AMX_KEYS;
-                const char *v = a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2;
-                long stride = (long)slot_bytes;
-                if (n < PA_AMX_KEYS) {
-                    for (int64_t j = 0; j < PA_AMX_KEYS; j++)
-                        if (j < n) memcpy(v_tail[j], v + j * slot_bytes, sizeof(v_tail[j]));
-                        else memset(v_tail[j], 0, sizeof(v_tail[j]));
-                    v = (const char *)v_tail, stride = sizeof(v_tail[0]);
-                }
-                const float *w = scores + g * N * padded + key0;
-                _tile_loadd(0, w, padded * 4);
-                _tile_loadd(1, (const char *)w - 2, padded * 4);
-                _tile_loadd(2, v, stride);
-                _tile_loadd(3, v + 64, stride);
-                _tile_dpbf16ps(4, 0, 2);
-                _tile_dpbf16ps(5, 1, 2);
-                _tile_dpbf16ps(6, 0, 3);
-                _tile_dpbf16ps(7, 1, 3);
+                long stride;
+                const char *v = pa_v_rows(a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D + d0) * 2,
+                                          n_keys - key0, slot_bytes, v_tail, &stride);
+                pa_amx_pv_run(scores + g * N * padded + key0, padded * 4, v, stride);
             }
-            _tile_stored(4, o[0], 64);
-            _tile_stored(5, o[1], 64);
-            _tile_stored(6, o[2], 64);
-            _tile_stored(7, o[3], 64);
-            /* dims 32 h + 2 t and 32 h + 2 t + 1 from o[2 h][r][t] and o[2 h + 1][r][t] */
-            const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-            for (int64_t r = 0; r < N; r++) {
-                char *dst = out + ((size_t)((tok0 + r / n_rep) * a->out_stride) + (size_t)((g * n_rep + r % n_rep) * D + d0)) * 2;
-                const __m512 inv = _mm512_set1_ps(inv_sum[g * N + r]);
-                for (int h = 0; h < 2; h++) {
-                    const __m512 x = _mm512_load_ps(o[2 * h][r]), y = _mm512_load_ps(o[2 * h + 1][r]);
-                    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(x, low, y), inv);
-                    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(x, high, y), inv);
-                    _mm512_storeu_si512(dst + h * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                }
-            }
+            pa_amx_store_o(a, out, g, N, D, d0, tok0, inv_sum + g * N);
         }
     pa_prefetch_some(&ahead, SIZE_MAX); /* what the values pass left */
     free(scratch);
