@@ -239,6 +239,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_batch_size", int, "engine", "sequences per engine step", meta_env="MAX_BATCH_SIZE"),
     Option("max_seq_len", int, "engine", "cap on the context length", meta_env="MAX_SEQ_LEN"),
     Option("max_num_batched_tokens", int, "engine", "token budget of one engine step"),
+    Option("max_prefill_chunk_tokens", int, "engine", "tokens a prompt chunk may take past max_num_batched_tokens "
+           "when nothing else runs in its step (a lone long prompt in fewer steps; 0: never past the budget)"),
     Option("block_size_tokens", int, "engine", "KV cache block size"),
     Option("kv_cache_bytes", parse_bytes, "engine", "KV cache size (default: derived)"),
     Option("kv_cache_memory_fraction", float, "engine", "CUDA: fraction of free memory for the KV cache"),

@@ -164,15 +164,23 @@ class Scheduler:
                     continue
                 if (seq.num_uncomputed_tokens == 1) != decodes:
                     continue
-                num_new = min(seq.num_uncomputed_tokens, budget)
+                num_new = min(seq.num_uncomputed_tokens, budget if decodes else self._chunk_room(batch, budget))
                 num_spec = self._room_for_drafts(seq, budget - num_new) if decodes else 0
                 if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled):
                     continue
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 scheduled.add(seq.seq_id)
-                budget -= num_new + num_spec
+                budget = max(0, budget - num_new - num_spec)
         return budget
+
+    def _chunk_room(self, batch: ScheduledBatch, budget: int) -> int:
+        """Tokens a prompt chunk may take now: the budget left, or, as the first thing in a step that has
+        nothing else to run, up to max_prefill_chunk_tokens (a lone long prompt in fewer, larger steps;
+        with decodes running the budget holds, so their inter-token latency does not grow)."""
+        if batch.seqs or any(seq.num_uncomputed_tokens == 1 for seq in self.running):
+            return budget
+        return max(budget, self.config.max_prefill_chunk_tokens)
 
     def _room_for_drafts(self, seq: Sequence, budget: int) -> int:
         """Cut seq's draft tokens (speculative decoding) to the token budget and to the KV room there is
@@ -229,7 +237,7 @@ class Scheduler:
             if cached is None:
                 return budget, False
             num_cached = len(cached) * self.pool.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, self._chunk_room(batch, budget))
             if not self.pool.allocate(seq, num_cached + num_new, cached):
                 return budget, False
             self._dequeue(index)
@@ -244,7 +252,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_order)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            budget = max(0, budget - num_new)
         return budget, True
 
     def _room_for(self, seq: Sequence) -> list[int] | None:

@@ -18,7 +18,7 @@ TOL = 1e-5  # logits travel as float32
 
 @pytest.fixture(scope="module")
 def server(base_checkpoint, checkpoints):
-    with ready_server(MODEL, base_checkpoint, checkpoints.root, max_num_batched_tokens=4) as live:  # prompts are scored over several chunks
+    with ready_server(MODEL, base_checkpoint, checkpoints.root, max_num_batched_tokens=4, max_prefill_chunk_tokens=0) as live:  # prompts are scored over several chunks
         yield live
 
 

@@ -50,7 +50,7 @@ class GatedRunner(FakeRunner):
 
 
 def make_engine(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **config) -> AsyncEngine:
-    cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, **config})
+    cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, "max_prefill_chunk_tokens": 0, **config})
     return AsyncEngine("fake", runner or GatedRunner(64, 4), TOK, None, cfg, max_seq_len=max_seq_len)
 
 

@@ -21,7 +21,7 @@ TOK = FakeTokenizer()
 
 
 def make_core(runner: FakeRunner | None = None, *, max_seq_len: int = 128, **config) -> EngineCore:
-    cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, **config})
+    cfg = EngineConfig(**{"max_num_batched_tokens": 32, "max_batch_size": 8, "max_prefill_chunk_tokens": 0, **config})
     return EngineCore(runner or FakeRunner(64, 4), TOK, cfg, max_seq_len)
 
 

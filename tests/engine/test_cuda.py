@@ -173,7 +173,7 @@ def _core(tiny_checkpoint, device: str, **overrides) -> EngineCore:
 
     spec = resolve_checkpoint(tiny_checkpoint, model_id="tiny", llama_model=TINY_DESCRIPTOR)
     config = EngineConfig(**{"device": device, "dtype": "float64", "block_size_tokens": 4, "max_batch_size": 16,
-                             "max_num_batched_tokens": 48, "kv_cache_bytes": KV_CACHE_BYTES, **overrides})
+                             "max_num_batched_tokens": 48, "max_prefill_chunk_tokens": 0, "kv_cache_bytes": KV_CACHE_BYTES, **overrides})
     return EngineCore(ModelExecutor(WorkerGroup(spec, config, max_seq_len=64)), ByteTokenizer(), config, 64)
 
 

@@ -122,7 +122,7 @@ def reference_greedy(state, args, prompt: list[int], num_new: int) -> tuple[list
 
 
 def engine_config(**overrides) -> EngineConfig:
-    base = dict(dtype="float32", block_size_tokens=4, max_batch_size=16, max_num_batched_tokens=64,
+    base = dict(dtype="float32", block_size_tokens=4, max_batch_size=16, max_num_batched_tokens=64, max_prefill_chunk_tokens=0,
                 kv_cache_bytes=4 << 20, max_loras=4, max_lora_rank=16)
     return EngineConfig(**{**base, **overrides})
 

@@ -63,7 +63,7 @@ def checkpoint(tmp_path_factory):
 def make_core(checkpoint, *, dtype: str = "float32", mp_size: int = 1, num_blocks: int = 256, cpu_kernels: bool = False,
               **overrides) -> EngineCore:  # fmt: skip
     spec = resolve_checkpoint(checkpoint, model_id="tiny-vision", llama_model=TINY_VISION_DESCRIPTOR)
-    cfg = EngineConfig(dtype=dtype, block_size_tokens=BLOCK, max_batch_size=8, max_num_batched_tokens=16,
+    cfg = EngineConfig(dtype=dtype, block_size_tokens=BLOCK, max_batch_size=8, max_num_batched_tokens=16, max_prefill_chunk_tokens=0,
                        model_parallel_size=mp_size, cpu_kernels=cpu_kernels, **overrides)  # fmt: skip
     workers = WorkerGroup(spec, cfg, max_seq_len=MAX_SEQ_LEN)
     if num_blocks < workers.num_blocks:  # a small pool, to force preemption

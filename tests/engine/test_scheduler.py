@@ -18,7 +18,7 @@ class Harness:
     def __init__(self, num_blocks: int = 64, *, max_seq_len: int = 256, runner: FakeRunner | None = None, **config):
         self.runner = runner or FakeRunner(num_blocks, BS)
         self.pool = BlockPool(self.runner.num_blocks, BS, enable_prefix_caching=config.pop("prefix", True))
-        cfg = EngineConfig(**{"max_num_batched_tokens": 64, "max_batch_size": 8, **config})
+        cfg = EngineConfig(**{"max_num_batched_tokens": 64, "max_batch_size": 8, "max_prefill_chunk_tokens": 0, **config})
         self.sched = Scheduler(cfg, self.pool, max_seq_len=max_seq_len, stop_token_ids=FakeTokenizer.stop_token_ids)
         self.next_id = 0
         self.outputs: dict[str, list[int]] = {}
@@ -100,6 +100,41 @@ def test_chunked_prefill_never_stalls_decodes():
     assert out["r0"] == reference(prompt(3), 10)
     assert out["r1"] == reference(prompt(30, 10), 2)
     h.assert_clean()
+
+
+def test_a_lone_prompt_chunk_may_run_past_the_budget():
+    """A prompt chunk that a step runs alone (nothing decoding, no prompt before it) takes up to
+    max_prefill_chunk_tokens; with decodes running, or behind another prompt, the budget holds."""
+    h = Harness(max_num_batched_tokens=8, max_prefill_chunk_tokens=32)
+    a = h.add(prompt(40), max_tokens=3)
+    batch = h.sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("r0", 32)]
+    h.execute(batch)
+    batch = h.sched.schedule()  # still alone: the rest of it, whatever the budget
+    assert batch.seqs == [a] and batch.num_new_tokens == [8]
+    h.execute(batch)
+    h.add(prompt(30, 7), max_tokens=2)
+    batch = h.sched.schedule()  # a decodes: the new prompt keeps to the budget
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("r0", 1), ("r1", 7)]
+    h.execute(batch)
+    out = h.run()
+    assert out == {"r0": reference(prompt(40), 3), "r1": reference(prompt(30, 7), 2)}
+    h.assert_clean()
+
+
+def test_prompts_behind_a_lone_chunk_share_the_budget_left():
+    """Short prompts arriving together: the first is whole, the others take what the budget leaves."""
+    h = Harness(max_num_batched_tokens=8, max_prefill_chunk_tokens=32)
+    for i in range(3):
+        h.add(prompt(6, i), max_tokens=2)
+    batch = h.sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("r0", 6), ("r1", 2)]
+
+
+def test_no_chunk_past_the_budget_when_turned_off():
+    h = Harness(max_num_batched_tokens=8, max_prefill_chunk_tokens=0)
+    h.add(prompt(30), max_tokens=2)
+    assert h.sched.schedule().num_new_tokens == [8]
 
 
 def test_budget_and_batch_size_caps():

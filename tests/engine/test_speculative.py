@@ -36,7 +36,7 @@ def config(spec, *, num_blocks: int = 128, **overrides) -> EngineConfig:
     from engine.models.llama import kv_cache_bytes_per_block
 
     per_block = kv_cache_bytes_per_block(spec.model_args, 1, BLOCK_SIZE, torch.float64)
-    base = dict(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=8, max_num_batched_tokens=48,
+    base = dict(dtype="float64", block_size_tokens=BLOCK_SIZE, max_batch_size=8, max_num_batched_tokens=48, max_prefill_chunk_tokens=0,
                 kv_cache_bytes=num_blocks * per_block)
     return EngineConfig(**{**base, **overrides})
 

@@ -134,7 +134,7 @@ WORDS = GrammarSpec("regex", r"(abc|ab|b)( (abc|ab|b)){5,7}")
 
 
 def engine(num_blocks: int) -> EngineCore:
-    config = EngineConfig(max_num_batched_tokens=32, max_batch_size=8)
+    config = EngineConfig(max_num_batched_tokens=32, max_batch_size=8, max_prefill_chunk_tokens=0)
     return EngineCore(RandomLogitsRunner(num_blocks), TOK, config, 64)
 
 
@@ -272,7 +272,7 @@ async def test_the_async_engine_compiles_off_its_thread_even_with_no_cache(monke
     """Issue 29 (9): with the spec evicted before admission, the engine thread compiled it itself."""
     from engine.core.async_engine import AsyncEngine
 
-    config = EngineConfig(max_num_batched_tokens=32, max_batch_size=8)
+    config = EngineConfig(max_num_batched_tokens=32, max_batch_size=8, max_prefill_chunk_tokens=0)
     eng = AsyncEngine("fake", RandomLogitsRunner(64), TOK, None, config, max_seq_len=64)
     eng.core.grammars.cache_size = 0  # every compiled grammar is evicted at once
     gate = GatedCompiles(monkeypatch)

@@ -41,7 +41,7 @@ def engine(checkpoint):
 
     spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
     engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4,
-                                            cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16))
+                                            cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16, max_prefill_chunk_tokens=0))
     yield engine
     engine.core.runner.shutdown()
 
@@ -156,7 +156,7 @@ def small_engine(checkpoint):
 
     spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
     engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4,
-                                            cpu_kv_cache_bytes=8 * 8192, max_num_batched_tokens=16))  # 8 blocks of 8192 bytes
+                                            cpu_kv_cache_bytes=8 * 8192, max_num_batched_tokens=16, max_prefill_chunk_tokens=0))  # 8 blocks of 8192 bytes
     yield engine
     engine.core.runner.shutdown()
 
@@ -204,7 +204,7 @@ async def serve_cases(aiohttp_client, tmp_path, checkpoint, mp_size: int, names)
 
     spec = SimpleNamespace(model_id="llama", checkpoint_dir=checkpoint, llama_model=TINY_LLAMA4_DESCRIPTOR)
     engine = load_engine(spec, EngineConfig(dtype="float32", block_size_tokens=8, max_batch_size=4, model_parallel_size=mp_size,
-                                            cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16))
+                                            cpu_kv_cache_bytes=8 << 20, max_num_batched_tokens=16, max_prefill_chunk_tokens=0))
     vision_bytes = engine.core.runner._workers._shard.image_encoder.nbytes
     client = await start(aiohttp_client, tmp_path, engine)
     try:
