@@ -21,10 +21,10 @@ class EngineConfig:
     max_batch_size: int = 32  # sequences per step (MAX_BATCH_SIZE)
     max_seq_len: int | None = None  # None: the family's default, capped by the checkpoint (MAX_SEQ_LEN)
     max_num_batched_tokens: int = 512  # token budget of one step; prefills are chunked to fit
-    # A prompt chunk that a step runs alone (no decodes, no other prompt before it) may take up to this many
-    # tokens, past that budget (0: never): a lone long prompt prefills in a quarter of the steps (vLLM's CPU
-    # budget is 2048 for every step), while decodes keep their 512-token steps and many short prompts
-    # still share them (bench/NOTES.md 'A lone prompt's chunk').
+    # A prompt chunk that a step runs alone (no decodes, no other prompt before it, no prompt logprobs asked)
+    # may take up to this many tokens, past that budget (0: never): a lone long prompt prefills in a quarter
+    # of the steps (vLLM's CPU budget is 2048 for every step), while decodes keep their 512-token steps and
+    # many short prompts still share them (bench/NOTES.md 'A lone prompt's chunk').
     max_prefill_chunk_tokens: int = 2048
     block_size_tokens: int = 16  # KV cache block size
     kv_cache_bytes: int | None = None  # None: derived from the memory budget below

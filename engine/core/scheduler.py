@@ -164,7 +164,7 @@ class Scheduler:
                     continue
                 if (seq.num_uncomputed_tokens == 1) != decodes:
                     continue
-                num_new = min(seq.num_uncomputed_tokens, budget if decodes else self._chunk_room(batch, budget))
+                num_new = min(seq.num_uncomputed_tokens, budget if decodes else self._chunk_room(batch, budget, seq))
                 num_spec = self._room_for_drafts(seq, budget - num_new) if decodes else 0
                 if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled):
                     continue
@@ -174,11 +174,13 @@ class Scheduler:
                 budget = max(0, budget - num_new - num_spec)
         return budget
 
-    def _chunk_room(self, batch: ScheduledBatch, budget: int) -> int:
-        """Tokens a prompt chunk may take now: the budget left, or, as the first thing in a step that has
-        nothing else to run, up to max_prefill_chunk_tokens (a lone long prompt in fewer, larger steps;
-        with decodes running the budget holds, so their inter-token latency does not grow)."""
-        if batch.seqs or any(seq.num_uncomputed_tokens == 1 for seq in self.running):
+    def _chunk_room(self, batch: ScheduledBatch, budget: int, seq: Sequence) -> int:
+        """Tokens seq's prompt chunk may take now: the budget left, or, as the first thing in a step that
+        has nothing else to run, up to max_prefill_chunk_tokens (a lone long prompt in fewer, larger steps;
+        with decodes running the budget holds, so their inter-token latency does not grow). Not for a
+        prompt whose logprobs are asked: each of its chunk's rows gets full-vocabulary logits (a 2048-row
+        chunk of a 128K vocabulary: 1 GiB of float32), so it keeps the budget's bound on that memory."""
+        if batch.seqs or seq.wants_prompt_logprobs or any(s.num_uncomputed_tokens == 1 for s in self.running):
             return budget
         return max(budget, self.config.max_prefill_chunk_tokens)
 
@@ -237,7 +239,7 @@ class Scheduler:
             if cached is None:
                 return budget, False
             num_cached = len(cached) * self.pool.block_size
-            num_new = min(seq.num_tokens - num_cached, self._chunk_room(batch, budget))
+            num_new = min(seq.num_tokens - num_cached, self._chunk_room(batch, budget, seq))
             if not self.pool.allocate(seq, num_cached + num_new, cached):
                 return budget, False
             self._dequeue(index)

@@ -131,6 +131,13 @@ def test_prompts_behind_a_lone_chunk_share_the_budget_left():
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("r0", 6), ("r1", 2)]
 
 
+def test_a_prompt_with_prompt_logprobs_keeps_to_the_budget():
+    """Every row of its chunks gets full-vocabulary logits: the budget bounds that memory, alone or not."""
+    h = Harness(max_num_batched_tokens=8, max_prefill_chunk_tokens=32)
+    h.add(prompt(30), max_tokens=2, prompt_logprobs=0)
+    assert h.sched.schedule().num_new_tokens == [8]
+
+
 def test_no_chunk_past_the_budget_when_turned_off():
     h = Harness(max_num_batched_tokens=8, max_prefill_chunk_tokens=0)
     h.add(prompt(30), max_tokens=2)
