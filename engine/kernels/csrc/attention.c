@@ -1468,6 +1468,16 @@ static inline const char *pa_v_rows(const char *v, int64_t n, size_t slot_bytes,
     return (const char *)v_tail;
 }
 
+/* 16 scores at s -> their weights exp(s - max) rounded to bfloat16, stored at dst as (w, 0) 32-bit pairs
+ * (the form the P V tiles load); the weights as rounded, added to *sum (a row's sum is the sum of the
+ * weights it is multiplied by). Both of pa_amx_item's values paths make their weights here. */
+static inline __attribute__((always_inline)) void pa_amx_weights16(const float *s, __m512 max, void *dst, __m512 *sum) {
+    const __m256bh w = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s), max)));
+    const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
+    _mm512_store_si512(dst, low_half);
+    *sum = _mm512_add_ps(*sum, _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
+}
+
 /* O (tiles 4-7) += P V for one run: the weights w as (w, 0) pairs (row stride w_stride bytes, the two
  * bytes before each row zero), V's 16 rows of 64 dims at v. */
 static inline __attribute__((always_inline)) void pa_amx_pv_run(const void *w, long w_stride, const char *v, long v_stride) {
@@ -1534,12 +1544,7 @@ static inline __attribute__((always_inline)) void pa_amx_values_fused(
             pa_prefetch_some(ahead, PA_PREFETCH_LINES);
             uint32_t *w = run_buf[turn] + 16;
             const float *s = scores + g * N * padded + key0;
-            for (int64_t r = 0; r < N; r++) {
-                const __m256bh bw = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s + r * padded), _mm512_set1_ps(max[r]))));
-                const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)bw); /* a 32-bit lane: (weight, 0) */
-                _mm512_store_si512(w + r * PA_AMX_KEYS, low_half);
-                sums[r] = _mm512_add_ps(sums[r], _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
-            }
+            for (int64_t r = 0; r < N; r++) pa_amx_weights16(s + r * padded, _mm512_set1_ps(max[r]), w + r * PA_AMX_KEYS, &sums[r]);
             long stride;
             const char *v = pa_v_rows(a->v_cache + ((size_t)table[key0 / bs] * bs + key0 % bs) * slot_bytes + (size_t)(g / split * D) * 2,
                                       n_keys - key0, slot_bytes, v_tail, &stride);
@@ -1656,12 +1661,7 @@ static inline __attribute__((always_inline)) void pa_amx_item(
         float *s = scores + row * padded;
         __m512 vsum = _mm512_setzero_ps();
         const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[row]));
-        for (int64_t j = 0; j < padded; j += 16) {
-            const __m256bh w = _mm512_cvtneps_pbh(PA_WEIGHTS16(_mm512_sub_ps(_mm512_load_ps(s + j), max)));
-            const __m512i low_half = _mm512_cvtepu16_epi32((__m256i)w); /* a 32-bit lane: (weight, 0) */
-            _mm512_store_si512(s + j, low_half);
-            vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(low_half, 16)));
-        }
+        for (int64_t j = 0; j < padded; j += 16) pa_amx_weights16(s + j, max, s + j, &vsum); /* in place */
         inv_sum[row] = 1.0f / _mm512_reduce_add_ps(vsum);
     }
     /* P V with V's rows as they lie in the cache (no interleaving of key pairs): a tile multiply sums
